@@ -1,0 +1,281 @@
+"""The framework-neutral engine: one save runs snapshot -> persist -> commit.
+
+Call order, on every rank, for one checkpoint::
+
+    handle = ckpt.begin(ckpt_dir, tag=..., pointer=Pointer(...))   # collective (agrees a save id)
+    ckpt.save(state, path)                                          # per file this rank writes
+    ckpt.end()                                                      # seals; returns at once (async)
+    ...forward/backward...
+    ckpt.fence()                      # before the optimizer step: waits for outstanding copies
+    ckpt.wait()                       # optional: every sealed save committed (raises bg errors)
+
+In ``"sync"`` mode the very same stages run inline inside ``save``/``end``; a test asserts both
+modes write byte-identical files. Background failures are re-raised at the next ``begin`` or
+``wait``; a failed save never moves the pointer, so the previous checkpoint stays loadable.
+"""
+
+from __future__ import annotations
+
+import atexit
+import collections
+import os
+import queue
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Iterable
+
+import torch
+
+from .commit import Pointer, commit, uncommit, verify_file, write_rank_record
+from .config import AsyncCheckpointConfig
+from .errors import AsyncCheckpointError, CommitError, PersistError
+from .persist import FileRecord, write_file
+from .snapshot import HostBufferPool, Stager, TensorItem, plan_file, tensor_ids
+from .storage import LocalStorage, Storage
+
+
+class CheckpointHandle:
+    """One checkpoint of one rank, with named wait points: staged, persisted, committed.
+
+    "Committed" means: on rank 0, the manifest and pointer are durable; on other ranks, this
+    rank's own record is durable (its part of the commit).
+    """
+
+    def __init__(self, ckpt_dir: str, tag: str, save_id: str, pointer: Pointer | None) -> None:
+        self.ckpt_dir, self.tag, self.save_id, self.pointer = ckpt_dir, tag, save_id, pointer
+        self.items: list[TensorItem] = []
+        self.files: list[Future] = []
+        self.nbytes = 0
+        self.error: BaseException | None = None
+        self.times: dict[str, float] = {"begin": time.perf_counter()}
+        self._persisted = threading.Event()
+        self._committed = threading.Event()
+
+    def wait_staged(self) -> None:
+        for item in self.items:
+            item._issued.wait()
+            if item._cuda_event is not None:
+                item._cuda_event.synchronize()
+        self.times.setdefault("staged", time.perf_counter())
+
+    def wait_persisted(self, timeout: float | None = None) -> bool:
+        return self._persisted.wait(timeout)
+
+    def wait_committed(self, timeout: float | None = None) -> bool:
+        return self._committed.wait(timeout)
+
+    @property
+    def committed(self) -> bool:
+        return self._committed.is_set() and self.error is None
+
+
+class AsyncCheckpointer:
+    """Snapshot, persist and commit checkpoints for one rank.
+
+    ``agree`` makes all ranks agree on a string (rank 0's value); it is called on the training
+    thread inside ``begin``, which every rank calls. Framework adapters pass a broadcast.
+    """
+
+    def __init__(self, config: AsyncCheckpointConfig, *, rank: int = 0, world_size: int = 1,
+                 storage: Storage | None = None,
+                 agree: Callable[[str], str] | None = None) -> None:
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.storage = storage or LocalStorage(fsync=config.fsync)
+        self._agree = agree or (lambda value: value)
+        use_cuda = torch.cuda.is_available()
+        self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda)
+        self._stager = Stager(self.pool, use_cuda)
+        self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="async-ckpt-writer")
+        self._commits: queue.SimpleQueue[CheckpointHandle | None] = queue.SimpleQueue()
+        self._committer = threading.Thread(target=self._commit_loop, name="async-ckpt-committer", daemon=True)
+        self._committer.start()
+        self._current: CheckpointHandle | None = None
+        self._inflight: collections.deque[CheckpointHandle] = collections.deque()
+        self._errors: list[BaseException] = []
+        self._lock = threading.Lock()
+        self._closed = False
+        self.history: list[CheckpointHandle] = []
+        """Every sealed checkpoint of this process, oldest first (timings, bytes, errors)."""
+        atexit.register(self._at_exit)
+
+    # ------------------------------------------------------------------ save path
+    def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None) -> CheckpointHandle:
+        """Start a checkpoint (all ranks). Raises an error a previous save left behind."""
+        self._check_open()
+        self.raise_background_error()
+        if self._current is not None:
+            raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
+                                       "still open: call end() first")
+        ckpt_dir = os.path.abspath(ckpt_dir)
+        if self.rank == 0:
+            self._wait_for_dir(ckpt_dir)
+            uncommit(ckpt_dir)
+        save_id = self._agree(uuid.uuid4().hex[:16])
+        self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer)
+        return self._current
+
+    def save(self, state: Any, path: str, *, lazy_keys: Iterable[str] | None = None) -> None:
+        """Add one file to the open checkpoint.
+
+        Tensors reachable under ``state[k]`` for ``k`` in ``lazy_keys`` are copied lazily (before
+        the next :meth:`fence`); all other state is frozen before this returns. ``None`` makes
+        every tensor lazy.
+        """
+        handle = self._current
+        if handle is None:
+            raise AsyncCheckpointError(f"save({path!r}) outside begin()/end()")
+        path = os.path.abspath(path)
+        if lazy_keys is None:
+            lazy = tensor_ids(state)
+        else:
+            lazy = set().union(*(tensor_ids(state[k]) for k in lazy_keys if k in state))
+        plan = plan_file(state, lazy, what=path)
+        handle.items.extend(plan.items)
+        handle.nbytes += plan.nbytes
+        self.storage.makedirs(os.path.dirname(path))
+        checksum = self.config.checksum
+        if not self.config.is_async:
+            record = write_file(self.storage, path, plan, checksum, stage=self._stager.stage)
+            done: Future = Future()
+            done.set_result(record)
+            handle.files.append(done)
+            return
+        self._stager.stage_eager(i for i in plan.items if i.eager)
+        self._stager.submit(i for i in plan.items if not i.eager)
+        handle.files.append(self._writers.submit(write_file, self.storage, path, plan, checksum))
+
+    def end(self) -> CheckpointHandle:
+        """Seal the open checkpoint; in sync mode, return only once it is committed."""
+        handle = self._current
+        if handle is None:
+            raise AsyncCheckpointError("end() without begin()")
+        self._current = None
+        handle.times["end"] = time.perf_counter()
+        self.history.append(handle)
+        with self._lock:
+            self._inflight.append(handle)
+        if self.config.is_async:
+            self._commits.put(handle)
+        else:
+            self._commit_one(handle)
+            self.raise_background_error()
+        return handle
+
+    def fence(self) -> None:
+        """Call before parameters or optimizer state are modified (the optimizer step)."""
+        self._stager.fence()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every sealed checkpoint is committed; raise a background error if any."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            with self._lock:
+                handle = self._inflight[0] if self._inflight else None
+            if handle is None:
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            if not handle.wait_committed(left):
+                raise CommitError(f"checkpoint {handle.tag!r} not committed within {timeout} s")
+        self.raise_background_error()
+
+    def raise_background_error(self) -> None:
+        with self._lock:
+            if not self._errors:
+                return
+            exc = self._errors.pop(0)
+        cls = exc.__class__ if isinstance(exc, AsyncCheckpointError) else PersistError
+        raise cls(f"a previous checkpoint failed and was not committed "
+                  f"(the last committed one is intact): {exc}") from exc
+
+    # ------------------------------------------------------------------ load path
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """``torch.load`` after checking the file against its checkpoint's committed manifest."""
+        if self._inflight:
+            self.wait()
+        if self.config.verify_on_load:
+            verify_file(path)
+        return torch.load(path, map_location=map_location, weights_only=False)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Flush: wait for every checkpoint to commit, then stop the background threads."""
+        if self._closed:
+            return
+        try:
+            if self._current is not None:
+                self.end()
+            self.wait()
+        finally:
+            self._closed = True
+            self._commits.put(None)
+            self._committer.join(timeout=60)
+            self._writers.shutdown(wait=True)
+            self._stager.close()
+            atexit.unregister(self._at_exit)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes this rank copied to host so far (what non-writer ranks must keep at 0)."""
+        return self._stager.staged_bytes
+
+    def _at_exit(self) -> None:
+        try:
+            self.close()
+        except BaseException as exc:  # nothing left to raise to at interpreter exit
+            print(f"deepspeed_async_ckpt: rank {self.rank}: final checkpoint not committed: {exc}",
+                  file=sys.stderr)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise AsyncCheckpointError("the checkpointer is closed")
+
+    def _wait_for_dir(self, ckpt_dir: str) -> None:
+        # Re-saving into a directory that is still being committed would race with it.
+        with self._lock:
+            busy = [h for h in self._inflight if h.ckpt_dir == ckpt_dir]
+        for h in busy:
+            h.wait_committed()
+
+    # ------------------------------------------------------------------ background commit
+    def _commit_loop(self) -> None:
+        while True:
+            handle = self._commits.get()
+            if handle is None:
+                return
+            self._commit_one(handle)
+
+    def _commit_one(self, handle: CheckpointHandle) -> None:
+        try:
+            records: list[FileRecord] = []
+            first_error: BaseException | None = None
+            for fut in handle.files:  # wait for all, so no writer still runs after a failure
+                try:
+                    records.append(fut.result())
+                except BaseException as exc:
+                    first_error = first_error or exc
+            if first_error is not None:
+                raise first_error
+            handle.times["persisted"] = time.perf_counter()
+            handle._persisted.set()
+            cfg = self.config
+            write_rank_record(self.storage, handle.ckpt_dir, rank=self.rank, save_id=handle.save_id,
+                              checksum=cfg.checksum, files=records)
+            if self.rank == 0:
+                commit(self.storage, handle.ckpt_dir, tag=handle.tag, save_id=handle.save_id,
+                       world_size=self.world_size, checksum=cfg.checksum,
+                       timeout_s=cfg.commit_timeout_s, pointer=handle.pointer)
+            handle.times["committed"] = time.perf_counter()
+        except BaseException as exc:
+            handle.error = exc
+            with self._lock:
+                self._errors.append(exc)
+        finally:
+            with self._lock:
+                if handle in self._inflight:
+                    self._inflight.remove(handle)
+            handle._persisted.set()
+            handle._committed.set()

@@ -1,0 +1,154 @@
+"""Stage 3 of 3: commit (per-rank records -> manifest -> pointer), and load-time verification.
+
+Layout inside a checkpoint directory (``<save_dir>/<tag>`` for DeepSpeed, ``iter_NNNNNNN`` for
+Megatron)::
+
+    .async_ckpt/rank_00003.<save_id>.json   each rank, once all its files are durable
+    .async_ckpt/manifest.json               rank 0, once every rank's record exists: the commit
+
+Only after ``manifest.json`` is durable does rank 0 replace the pointer (DeepSpeed's ``latest``,
+Megatron's ``latest_checkpointed_iteration.txt``), by write-to-temp, fsync, rename. A crash at
+any moment therefore leaves the pointer on the previous, complete checkpoint. Records are
+exchanged through the checkpoint directory itself (which rank 0 must see, as DeepSpeed's own
+``latest`` already assumes), so no collective ever runs on a background thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from typing import Iterable
+
+from .errors import CommitError, IntegrityError
+from .persist import FileRecord, hash_file
+from .storage import Storage
+
+META_DIR = ".async_ckpt"
+MANIFEST = "manifest.json"
+FORMAT = "deepspeed_async_ckpt/1"
+
+
+@dataclass(frozen=True)
+class Pointer:
+    """A small file that names the newest committed checkpoint, e.g. ``latest`` -> tag."""
+
+    path: str
+    text: str
+
+
+def write_text_atomic(storage: Storage, path: str, text: str) -> None:
+    """Replace ``path`` with ``text``: temp file, fsync, rename, fsync of the directory."""
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with storage.open_write(tmp) as f:
+        data = text.encode()
+        while data:
+            data = data[f.write(data):]
+        storage.sync_file(f)
+    storage.replace(tmp, path)
+
+
+def _rank_record_path(ckpt_dir: str, rank: int, save_id: str) -> str:
+    return os.path.join(ckpt_dir, META_DIR, f"rank_{rank:05d}.{save_id}.json")
+
+
+def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: str,
+                      checksum: str, files: Iterable[FileRecord]) -> None:
+    """Called by every rank (writer or not) once all of its files for this save are durable."""
+    storage.makedirs(os.path.join(ckpt_dir, META_DIR))
+    entries = {os.path.relpath(r.path, ckpt_dir): {"bytes": r.nbytes, checksum: r.checksum}
+               for r in files}
+    record = {"rank": rank, "save_id": save_id, "checksum": checksum, "files": entries}
+    write_text_atomic(storage, _rank_record_path(ckpt_dir, rank, save_id), json.dumps(record, indent=1))
+
+
+def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
+           checksum: str, timeout_s: float, pointer: Pointer | None) -> dict:
+    """Rank 0: wait for every rank's record, write the manifest, then move the pointer."""
+    deadline = time.monotonic() + timeout_s
+    paths = {r: _rank_record_path(ckpt_dir, r, save_id) for r in range(world_size)}
+    delay = 0.01
+    while True:
+        missing = [r for r, p in paths.items() if not storage.exists(p)]
+        if not missing:
+            break
+        if time.monotonic() > deadline:
+            raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank(s) "
+                              f"{_ranges(missing)} did not finish persisting within "
+                              f"{timeout_s:.0f} s (async_checkpoint.commit_timeout_s)")
+        time.sleep(delay)
+        delay = min(delay * 2, 0.5)
+    files: dict[str, dict] = {}
+    ranks: dict[str, list[str]] = {}
+    for r, p in paths.items():
+        with open(p, encoding="utf-8") as f:
+            record = json.load(f)
+        files.update(record["files"])
+        ranks[str(r)] = sorted(record["files"])
+    manifest = {"format": FORMAT, "tag": tag, "save_id": save_id, "world_size": world_size,
+                "checksum": checksum, "committed_at": time.time(), "files": files, "ranks": ranks}
+    write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
+                      json.dumps(manifest, indent=1, sort_keys=True))
+    if pointer is not None:
+        write_text_atomic(storage, pointer.path, pointer.text)
+    return manifest
+
+
+def uncommit(ckpt_dir: str) -> None:
+    """Rank 0, before a directory is saved again: it must not look committed meanwhile."""
+    try:
+        os.unlink(os.path.join(ckpt_dir, META_DIR, MANIFEST))
+    except FileNotFoundError:
+        pass
+
+
+def find_checkpoint_dir(path: str) -> str | None:
+    """The checkpoint directory holding ``path`` (itself or up to two parents), if ours."""
+    d = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
+    for _ in range(3):
+        if os.path.isdir(os.path.join(d, META_DIR)):
+            return d
+        d = os.path.dirname(d)
+    return None
+
+
+def read_manifest(ckpt_dir: str) -> dict:
+    path = os.path.join(ckpt_dir, META_DIR, MANIFEST)
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except FileNotFoundError:
+        raise IntegrityError(f"checkpoint {ckpt_dir!r} was never committed (no {META_DIR}/{MANIFEST}): "
+                             "it is partial; load the checkpoint its pointer names") from None
+
+
+def verify_file(path: str, manifest: dict | None = None) -> None:
+    """Check one file against the committed manifest of its checkpoint; raises IntegrityError
+    naming the file. Files outside any checkpoint of ours are not checked."""
+    ckpt_dir = find_checkpoint_dir(path)
+    if ckpt_dir is None:
+        return
+    manifest = manifest or read_manifest(ckpt_dir)
+    rel = os.path.relpath(os.path.abspath(path), ckpt_dir)
+    entry = manifest["files"].get(rel)
+    if entry is None:
+        raise IntegrityError(f"{path} is not listed in the manifest of checkpoint {ckpt_dir!r}")
+    algorithm = manifest["checksum"]
+    size, digest = hash_file(path, algorithm)
+    if size != entry["bytes"]:
+        raise IntegrityError(f"{path}: size {size} bytes, manifest says {entry['bytes']}: file truncated or replaced")
+    if algorithm != "none" and digest != entry[algorithm]:
+        raise IntegrityError(f"{path}: {algorithm} {digest} does not match manifest {entry[algorithm]}: file corrupted")
+
+
+def verify_checkpoint(ckpt_dir: str) -> dict:
+    """Verify every file of a committed checkpoint; returns its manifest."""
+    manifest = read_manifest(ckpt_dir)
+    for rel in sorted(manifest["files"]):
+        verify_file(os.path.join(ckpt_dir, rel), manifest)
+    return manifest
+
+
+def _ranges(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")

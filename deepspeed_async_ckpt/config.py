@@ -1,0 +1,120 @@
+"""The one typed configuration object, parsed once from the DeepSpeed JSON key
+``"async_checkpoint"`` or Megatron's ``--async-ckpt-config`` file.
+
+Unknown keys and bad values raise :class:`ConfigError` naming the key and what is allowed,
+before training starts.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+from .errors import ConfigError
+
+#: The DeepSpeed config key this package reads.
+CONFIG_KEY = "async_checkpoint"
+
+MODES = ("async", "sync")
+CHECKSUMS = ("crc32", "sha256", "none")
+
+_GiB = 1024**3
+
+
+@dataclass(frozen=True, kw_only=True)
+class AsyncCheckpointConfig:
+    """Settings of the checkpoint engine. Every field has a safe default."""
+
+    enabled: bool = False
+    """Turn the engine on. When false, the framework's own checkpointing runs unchanged."""
+
+    mode: str = "async"
+    """``"async"``: save returns after enqueueing; copies, writes and commit run in the
+    background. ``"sync"``: the same pipeline run inline (save returns once committed)."""
+
+    host_buffer_gb: float = 8.0
+    """Upper bound of the reused host staging pool, in GiB (pinned memory when CUDA is
+    present). A rank whose state exceeds it streams: staging waits for writes to free space."""
+
+    writer_threads: int = 4
+    """Background writer threads per rank; each writes one file at a time."""
+
+    checksum: str = "crc32"
+    """Per-file checksum recorded in the manifest and verified on load."""
+
+    fsync: bool = True
+    """fsync every file and directory before the checkpoint counts as persisted."""
+
+    verify_on_load: bool = True
+    """Check each file's size and checksum against the committed manifest before loading."""
+
+    commit_timeout_s: float = 600.0
+    """How long rank 0 waits for every rank's persist record before the commit fails."""
+
+    def __post_init__(self) -> None:
+        _check_type("enabled", self.enabled, bool)
+        _check_choice("mode", self.mode, MODES)
+        _check_choice("checksum", self.checksum, CHECKSUMS)
+        _check_type("fsync", self.fsync, bool)
+        _check_type("verify_on_load", self.verify_on_load, bool)
+        _check_positive_number("host_buffer_gb", self.host_buffer_gb)
+        _check_positive_number("commit_timeout_s", self.commit_timeout_s)
+        if isinstance(self.writer_threads, bool) or not isinstance(self.writer_threads, int) \
+                or not 1 <= self.writer_threads <= 64:
+            raise ConfigError(f"{CONFIG_KEY}.writer_threads must be an integer in [1, 64], "
+                              f"got {self.writer_threads!r}")
+
+    @property
+    def host_buffer_bytes(self) -> int:
+        return int(self.host_buffer_gb * _GiB)
+
+    @property
+    def is_async(self) -> bool:
+        return self.mode == "async"
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any] | None) -> "AsyncCheckpointConfig":
+        """Build from the JSON block; rejects unknown keys, naming them and the allowed ones."""
+        if raw is None:
+            return cls()
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{CONFIG_KEY} must be a JSON object, got {type(raw).__name__}")
+        allowed = [f.name for f in dataclasses.fields(cls)]
+        unknown = sorted(set(raw) - set(allowed))
+        if unknown:
+            raise ConfigError(f"unknown key(s) {', '.join(f'{CONFIG_KEY}.{k}' for k in unknown)}; "
+                              f"allowed keys: {', '.join(allowed)}")
+        return cls(**dict(raw))
+
+    @classmethod
+    def from_file(cls, path: str | os.PathLike) -> "AsyncCheckpointConfig":
+        """Read a JSON file holding either the block itself or ``{"async_checkpoint": {...}}``."""
+        try:
+            with open(path, encoding="utf-8") as f:
+                raw = json.load(f)
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ConfigError(f"cannot read async checkpoint config {os.fspath(path)!r}: {exc}") from exc
+        if isinstance(raw, Mapping) and CONFIG_KEY in raw:
+            raw = raw[CONFIG_KEY]
+        return cls.from_dict(raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+def _check_type(key: str, value: Any, typ: type) -> None:
+    if not isinstance(value, typ):
+        raise ConfigError(f"{CONFIG_KEY}.{key} must be {typ.__name__} (true or false), got {value!r}")
+
+
+def _check_choice(key: str, value: Any, allowed: tuple[str, ...]) -> None:
+    if value not in allowed:
+        raise ConfigError(f"{CONFIG_KEY}.{key} must be one of {', '.join(map(repr, allowed))}, got {value!r}")
+
+
+def _check_positive_number(key: str, value: Any) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise ConfigError(f"{CONFIG_KEY}.{key} must be a number > 0, got {value!r}")

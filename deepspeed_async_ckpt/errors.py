@@ -1,0 +1,32 @@
+"""Exceptions raised by the engine.
+
+Every failure the engine can report derives from :class:`AsyncCheckpointError`, so callers
+can catch one type. Background failures are stored and re-raised (``from`` the original
+cause) at the next save, wait or optimizer-step fence: they never pass silently.
+"""
+
+from __future__ import annotations
+
+
+class AsyncCheckpointError(RuntimeError):
+    """Base class of every error this package raises."""
+
+
+class ConfigError(AsyncCheckpointError, ValueError):
+    """An ``async_checkpoint`` config key is unknown or has a bad value."""
+
+
+class SnapshotError(AsyncCheckpointError):
+    """A tensor could not be staged to host memory (e.g. larger than the pool)."""
+
+
+class PersistError(AsyncCheckpointError):
+    """A background writer failed (disk full, permission denied, ...)."""
+
+
+class CommitError(AsyncCheckpointError):
+    """A checkpoint could not be committed (a rank never finished, pointer write failed)."""
+
+
+class IntegrityError(AsyncCheckpointError):
+    """A checkpoint file does not match its manifest (size or checksum), or is uncommitted."""

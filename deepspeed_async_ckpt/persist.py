@@ -1,0 +1,147 @@
+"""Stage 2 of 3: persist (host copies -> storage), run by background writer threads.
+
+Each file is written in ``torch.save``'s zip format with torch's own writer
+(``torch._C.PyTorchFileWriter``), record by record as the snapshot stage delivers them, so a file
+larger than the host pool streams through it. Files stay ``torch.load``-compatible: DeepSpeed's
+``zero_to_fp32.py`` and ``ds_to_universal.py`` read them unchanged.
+
+A file is written under a temporary name, checksummed while the bytes go out, fsynced, then
+renamed: a crash never leaves a half-written file under the final name.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import sys
+import zlib
+from dataclasses import dataclass
+from typing import BinaryIO, Callable
+
+import torch
+from torch.serialization import _get_storage_alignment, get_crc32_options
+
+from .errors import PersistError
+from .snapshot import FilePlan, TensorItem
+from .storage import Storage
+
+_READ_CHUNK = 8 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class FileRecord:
+    """What the manifest says about one persisted file."""
+
+    path: str
+    nbytes: int
+    checksum: str
+
+
+class _Hasher:
+    """crc32, sha256 or none behind one ``update``/``hexdigest`` interface."""
+
+    def __init__(self, algorithm: str) -> None:
+        self.algorithm = algorithm
+        self._crc = 0
+        self._sha = hashlib.sha256() if algorithm == "sha256" else None
+
+    def update(self, data) -> None:
+        if self.algorithm == "crc32":
+            self._crc = zlib.crc32(data, self._crc)
+        elif self._sha is not None:
+            self._sha.update(data)
+
+    def hexdigest(self) -> str:
+        if self.algorithm == "crc32":
+            return f"{self._crc:08x}"
+        return self._sha.hexdigest() if self._sha is not None else ""
+
+
+class _ChecksumSink:
+    """The file object handed to torch's zip writer: hashes and counts every byte written."""
+
+    def __init__(self, f: BinaryIO, algorithm: str) -> None:
+        self._f = f
+        self.hasher = _Hasher(algorithm)
+        self.nbytes = 0
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        self.hasher.update(view)
+        done = 0
+        while done < len(view):
+            n = self._f.write(view[done:])
+            if not n:
+                raise OSError(f"short write to {getattr(self._f, 'name', '?')}")
+            done += n
+        self.nbytes += done
+        return done
+
+    def flush(self) -> None:
+        pass
+
+
+def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str,
+               stage: Callable[[TensorItem], None] | None = None) -> FileRecord:
+    """Write ``plan`` to ``path``, waiting for each record's host copy as it goes.
+
+    ``stage``, when given, stages each item inline right before it is written (the synchronous
+    mode). On any failure every remaining item is still released, so the pool never leaks.
+    """
+    tmp = f"{path}.tmp.{os.getpid()}"
+    pending = list(plan.items)
+    try:
+        f = storage.open_write(tmp)
+        try:
+            sink = _ChecksumSink(f, checksum)
+            writer = torch._C.PyTorchFileWriter(sink, get_crc32_options(), _get_storage_alignment())
+            for name, value in _header_records(plan.pickle_bytes):
+                writer.write_record(name, value, len(value))
+            while pending:
+                item = pending[0]
+                if stage is not None:
+                    stage(item)
+                host = item.wait_staged()
+                writer.write_record(f"data/{item.key}", host.untyped_storage(), item.nbytes)
+                pending.pop(0).release()
+            writer.write_end_of_file()
+            storage.sync_file(f)
+        finally:
+            f.close()
+        storage.replace(tmp, path)
+        return FileRecord(path=path, nbytes=sink.nbytes, checksum=sink.hasher.hexdigest())
+    except BaseException as exc:
+        for item in pending:
+            if stage is not None and not item._issued.is_set():
+                item.src = None
+                item._issued.set()
+            item.release()
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if isinstance(exc, PersistError):
+            raise
+        raise PersistError(f"writing {path} failed: {exc}") from exc
+
+
+def _header_records(pickle_bytes: bytes) -> list[tuple[str, bytes | str]]:
+    # The same records, in the same order, as torch.serialization._save writes.
+    return [("data.pkl", pickle_bytes), (".format_version", "1"),
+            (".storage_alignment", str(_get_storage_alignment())), ("byteorder", sys.byteorder)]
+
+
+def hash_file(path: str, algorithm: str) -> tuple[int, str]:
+    """(size in bytes, checksum) of a file on storage, read in 8 MiB chunks."""
+    hasher = _Hasher(algorithm)
+    size = 0
+    with open(path, "rb", buffering=0) as f:
+        buf = bytearray(_READ_CHUNK)
+        view = memoryview(buf)
+        while True:
+            n = f.readinto(buf)
+            if not n:
+                break
+            hasher.update(view[:n])
+            size += n
+    return size, hasher.hexdigest()

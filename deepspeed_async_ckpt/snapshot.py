@@ -1,0 +1,337 @@
+"""Stage 1 of 3: snapshot (device or host tensors -> a bounded, reused host buffer pool).
+
+A save is first *planned* on the training thread: the state object is pickled once, exactly as
+``torch.save`` would pickle it, except that every tensor is replaced by a reference to a new,
+compact storage record. That single pass freezes all Python state (counters, configs, scheduler
+state) at save time and lists the tensors to copy, in file order.
+
+Tensors are then staged:
+
+- *eager* items are copied before ``save`` returns (state the training loop may mutate at any
+  time: client state, scalar step counters, scheduler tensors);
+- *lazy* items (model and optimizer tensors, which only the optimizer step mutates) are copied
+  by a background copier into buffers from :class:`HostBufferPool` while the next
+  forward/backward runs. With CUDA the copies run on a dedicated copy stream into pinned
+  buffers and complete through CUDA events. The training loop calls :meth:`Stager.fence`
+  before the optimizer step; it blocks only while copies are outstanding.
+"""
+
+from __future__ import annotations
+
+import collections
+import io
+import pickle
+import queue
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Iterable
+
+import torch
+
+from .errors import SnapshotError
+
+
+class HostBufferPool:
+    """A bounded pool of host byte buffers, reused across saves.
+
+    Buffers are cached by exact size, so the second save of the same model allocates nothing.
+    ``acquire`` blocks while the pool is full (backpressure); cached buffers of other sizes are
+    freed first to make room. Pinned when ``pin`` is true (CUDA present).
+    """
+
+    def __init__(self, capacity_bytes: int, pin: bool) -> None:
+        self.capacity_bytes = int(capacity_bytes)
+        self.pin = pin
+        self._cond = threading.Condition()
+        self._free: dict[int, list[torch.Tensor]] = collections.defaultdict(list)
+        self._free_bytes = 0
+        self._in_use_bytes = 0
+        self.allocations = 0
+        """Number of buffers ever allocated (stays flat once saves repeat)."""
+        self.peak_bytes = 0
+        """Largest number of bytes held (in use + cached) at any time."""
+
+    def acquire(self, nbytes: int, what: str) -> torch.Tensor:
+        """A uint8 tensor of exactly ``nbytes``; blocks until the pool has room."""
+        if nbytes > self.capacity_bytes:
+            raise SnapshotError(
+                f"{what} needs {nbytes} bytes of host staging but host_buffer_gb allows only "
+                f"{self.capacity_bytes} bytes; raise async_checkpoint.host_buffer_gb")
+        with self._cond:
+            while True:
+                cached = self._free.get(nbytes)
+                if cached:
+                    buf = cached.pop()
+                    self._free_bytes -= nbytes
+                    break
+                while self._free_bytes and self._held() + nbytes > self.capacity_bytes:
+                    self._evict_one()
+                if self._held() + nbytes <= self.capacity_bytes:
+                    buf = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin)
+                    self.allocations += 1
+                    break
+                self._cond.wait()
+            self._in_use_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self._held())
+            return buf
+
+    def release(self, buf: torch.Tensor) -> None:
+        with self._cond:
+            n = buf.numel()
+            self._in_use_bytes -= n
+            self._free[n].append(buf)
+            self._free_bytes += n
+            self._cond.notify_all()
+
+    def _held(self) -> int:
+        return self._in_use_bytes + self._free_bytes
+
+    def _evict_one(self) -> None:
+        size = max(s for s, bufs in self._free.items() if bufs)
+        self._free[size].pop()
+        self._free_bytes -= size
+
+
+@dataclass(eq=False)
+class TensorItem:
+    """One storage record of a file: a source tensor and, once staged, its host copy."""
+
+    key: str
+    src: torch.Tensor | None
+    nbytes: int
+    eager: bool
+    what: str
+    host: torch.Tensor | None = None
+    error: BaseException | None = None
+    _pool: HostBufferPool | None = None
+    _cuda_event: Any = None
+    _issued: threading.Event = field(default_factory=threading.Event)
+
+    def wait_staged(self) -> torch.Tensor:
+        """Block until the host copy is complete; returns it (flat uint8)."""
+        self._issued.wait()
+        if self.error is not None:
+            raise SnapshotError(f"staging {self.what} failed: {self.error}") from self.error
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+        return self.host
+
+    def release(self) -> None:
+        """Return the host buffer to the pool (after it was written, or on failure)."""
+        self._issued.wait()
+        if self._cuda_event is not None:
+            self._cuda_event.synchronize()
+        if self._pool is not None and self.host is not None:
+            self._pool.release(self.host)
+        self.host = None
+        self.src = None
+
+
+@dataclass(eq=False)
+class FilePlan:
+    """What one file will contain: the pickled skeleton and its storage records, in order."""
+
+    pickle_bytes: bytes
+    items: list[TensorItem]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(i.nbytes for i in self.items)
+
+
+class _StorageRef:
+    __slots__ = ("key", "storage_type", "numel")
+
+    def __init__(self, key: str, storage_type: Any, numel: int) -> None:
+        self.key, self.storage_type, self.numel = key, storage_type, numel
+
+
+def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
+    """Pickle ``obj`` as ``torch.save`` would, with each tensor turned into a compact record.
+
+    ``lazy_tensor_ids`` holds ``id()`` of tensors that may be copied lazily; every other tensor
+    is marked eager. Tensors that alias the same memory with the same view share one record.
+    """
+    items: list[TensorItem] = []
+    by_view: dict[tuple, tuple[_StorageRef, TensorItem]] = {}
+
+    def storage_ref(t: torch.Tensor) -> _StorageRef:
+        ptr = t.untyped_storage().data_ptr()
+        view_key = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device) \
+            if ptr else (id(t),)
+        eager = id(t) not in lazy_tensor_ids
+        if view_key in by_view:
+            ref, item = by_view[view_key]
+            item.eager = item.eager or eager
+            return ref
+        nbytes = t.numel() * t.element_size()
+        key = str(len(items))
+        if t.dtype in torch.storage._new_dtypes():
+            ref = _StorageRef(key, torch.UntypedStorage, nbytes)
+        else:
+            name = torch.storage._dtype_to_storage_type_map()[t.dtype]
+            ref = _StorageRef(key, getattr(torch, name), t.numel())
+        item = TensorItem(key=key, src=t.detach(), nbytes=nbytes, eager=eager,
+                          what=f"{what}: tensor record {key} {tuple(t.shape)} {t.dtype}")
+        items.append(item)
+        by_view[view_key] = (ref, item)
+        return ref
+
+    def tensor_reduce(t: torch.Tensor) -> tuple:
+        if t.layout != torch.strided or t.is_quantized or t.is_nested:
+            raise SnapshotError(f"{what}: cannot snapshot a {t.layout} tensor of type "
+                                f"{type(t).__name__}; only dense strided tensors are supported")
+        contiguous = _contiguous_stride(tuple(t.shape))
+        ref = storage_ref(t)
+        hooks: collections.OrderedDict = collections.OrderedDict()
+        if ref.storage_type is torch.UntypedStorage:
+            return (torch._utils._rebuild_tensor_v3,
+                    (ref, 0, tuple(t.shape), contiguous, t.requires_grad, hooks, t.dtype))
+        return (torch._utils._rebuild_tensor_v2,
+                (ref, 0, tuple(t.shape), contiguous, t.requires_grad, hooks))
+
+    class _Pickler(pickle.Pickler):
+        def reducer_override(self, o: Any) -> Any:
+            if isinstance(o, torch.nn.Parameter):
+                state = torch._utils._get_obj_state(o)
+                hooks: collections.OrderedDict = collections.OrderedDict()
+                if state:
+                    return (torch._utils._rebuild_parameter_with_state,
+                            (o.data, o.requires_grad, hooks, state))
+                return (torch._utils._rebuild_parameter, (o.data, o.requires_grad, hooks))
+            if type(o) is torch.Tensor:
+                return tensor_reduce(o)
+            if isinstance(o, torch.Tensor):
+                raise SnapshotError(f"{what}: cannot snapshot tensor subclass {type(o).__name__}")
+            return NotImplemented
+
+        def persistent_id(self, o: Any) -> Any:
+            if isinstance(o, _StorageRef):
+                return ("storage", o.storage_type, o.key, "cpu", o.numel)
+            return None
+
+    buf = io.BytesIO()
+    _Pickler(buf, protocol=2).dump(obj)
+    return FilePlan(pickle_bytes=buf.getvalue(), items=items)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def tensor_ids(obj: Any) -> set[int]:
+    """``id()`` of every tensor reachable through dicts, lists and tuples of ``obj``."""
+    found: set[int] = set()
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            found.add(id(o))
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return found
+
+
+class Stager:
+    """Copies tensor items to host. One background copier thread serves lazy items in FIFO
+    order; eager items and the synchronous mode call :meth:`stage` inline."""
+
+    def __init__(self, pool: HostBufferPool, use_cuda: bool) -> None:
+        self.pool = pool
+        self.use_cuda = use_cuda
+        self._copy_stream = torch.cuda.Stream() if use_cuda else None
+        self._queue: queue.SimpleQueue[tuple[TensorItem, Any] | None] = queue.SimpleQueue()
+        self._pending: collections.deque[TensorItem] = collections.deque()
+        self._lock = threading.Lock()
+        self.staged_bytes = 0
+        """Bytes copied to host by this rank since start (pool and eager)."""
+        self._thread = threading.Thread(target=self._run, name="async-ckpt-copier", daemon=True)
+        self._thread.start()
+
+    def submit(self, items: Iterable[TensorItem]) -> None:
+        """Queue lazy items for the background copier (called on the training thread)."""
+        ready = None
+        if self.use_cuda:
+            # The copy stream must see the values as of now, not as of when it gets to them.
+            ready = torch.cuda.Event()
+            ready.record()
+        with self._lock:
+            for item in items:
+                self._pending.append(item)
+                self._queue.put((item, ready))
+
+    def stage_eager(self, items: Iterable[TensorItem]) -> None:
+        """Copy items now, outside the pool (small state the loop may mutate at any time)."""
+        for item in items:
+            src = item.src
+            item.host = src.detach().to("cpu", copy=True).contiguous().view(-1).view(torch.uint8) \
+                if item.nbytes else torch.empty(0, dtype=torch.uint8)
+            item.src = None
+            self._count(item.nbytes)
+            item._issued.set()
+
+    def stage(self, item: TensorItem, ready: Any = None) -> None:
+        """Copy one item into a pool buffer; with CUDA the copy is only issued here."""
+        try:
+            buf = self.pool.acquire(item.nbytes, item.what) if item.nbytes else \
+                torch.empty(0, dtype=torch.uint8)
+            item._pool = self.pool if item.nbytes else None
+            item.host = buf
+            src = item.src
+            if item.nbytes:
+                dst = buf.view(src.dtype).view(src.shape)
+                if src.is_cuda and self._copy_stream is not None:
+                    with torch.cuda.stream(self._copy_stream):
+                        if ready is not None:
+                            self._copy_stream.wait_event(ready)
+                        dst.copy_(src, non_blocking=True)
+                        src.record_stream(self._copy_stream)
+                        event = torch.cuda.Event()
+                        event.record(self._copy_stream)
+                    item._cuda_event = event
+                else:
+                    dst.copy_(src)
+            self._count(item.nbytes)
+        except BaseException as exc:  # surfaced by wait_staged / fence
+            item.error = exc
+        finally:
+            item.src = None
+            item._issued.set()
+
+    def fence(self) -> None:
+        """Block until every queued copy is issued; with CUDA, make the current stream wait for
+        the copies instead of blocking the host. Called before the optimizer step."""
+        while True:
+            with self._lock:
+                if not self._pending:
+                    return
+                item = self._pending[0]
+            item._issued.wait()
+            if item.error is not None:
+                raise SnapshotError(f"staging {item.what} failed: {item.error}") from item.error
+            if item._cuda_event is not None:
+                torch.cuda.current_stream().wait_event(item._cuda_event)
+            with self._lock:
+                if self._pending and self._pending[0] is item:
+                    self._pending.popleft()
+
+    def close(self) -> None:
+        self._queue.put(None)
+        self._thread.join(timeout=60)
+
+    def _count(self, n: int) -> None:
+        with self._lock:
+            self.staged_bytes += n
+
+    def _run(self) -> None:
+        while True:
+            job = self._queue.get()
+            if job is None:
+                return
+            self.stage(*job)
