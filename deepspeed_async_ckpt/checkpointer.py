@@ -50,6 +50,7 @@ class CheckpointHandle:
         self.files: list[Future] = []
         self.nbytes = 0
         self.error: BaseException | None = None
+        self.abandoned = False
         self.times: dict[str, float] = {"begin": time.perf_counter()}
         self._persisted = threading.Event()
         self._committed = threading.Event()
@@ -118,21 +119,23 @@ class AsyncCheckpointer:
         self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer)
         return self._current
 
-    def save(self, state: Any, path: str, *, lazy_keys: Iterable[str] | None = None) -> None:
+    def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = ()) -> None:
         """Add one file to the open checkpoint.
 
-        Tensors reachable under ``state[k]`` for ``k`` in ``lazy_keys`` are copied lazily (before
-        the next :meth:`fence`); all other state is frozen before this returns. ``None`` makes
-        every tensor lazy.
+        Python values are frozen before this returns. Tensors are copied lazily, before the
+        next :meth:`fence`, except those reachable under ``state[k]`` for ``k`` in
+        ``eager_keys`` (state the loop may mutate outside the optimizer step), which are copied
+        now.
         """
         handle = self._current
         if handle is None:
             raise AsyncCheckpointError(f"save({path!r}) outside begin()/end()")
         path = os.path.abspath(path)
-        if lazy_keys is None:
-            lazy = tensor_ids(state)
-        else:
-            lazy = set().union(*(tensor_ids(state[k]) for k in lazy_keys if k in state))
+        lazy = tensor_ids(state)
+        if isinstance(state, dict):
+            for k in eager_keys:
+                if k in state:
+                    lazy -= tensor_ids(state[k])
         plan = plan_file(state, lazy, what=path)
         handle.items.extend(plan.items)
         handle.nbytes += plan.nbytes
@@ -148,12 +151,17 @@ class AsyncCheckpointer:
         self._stager.submit(i for i in plan.items if not i.eager)
         handle.files.append(self._writers.submit(write_file, self.storage, path, plan, checksum))
 
-    def end(self) -> CheckpointHandle:
-        """Seal the open checkpoint; in sync mode, return only once it is committed."""
+    def end(self, *, commit: bool = True) -> CheckpointHandle:
+        """Seal the open checkpoint; in sync mode, return only once it is committed.
+
+        ``commit=False`` abandons it (the framework's save raised midway): its files still
+        drain from the pool, but it is never recorded or committed.
+        """
         handle = self._current
         if handle is None:
             raise AsyncCheckpointError("end() without begin()")
         self._current = None
+        handle.abandoned = not commit
         handle.times["end"] = time.perf_counter()
         self.history.append(handle)
         with self._lock:
@@ -218,6 +226,11 @@ class AsyncCheckpointer:
             atexit.unregister(self._at_exit)
 
     @property
+    def is_open(self) -> bool:
+        """True between begin() and end()."""
+        return self._current is not None
+
+    @property
     def staged_bytes(self) -> int:
         """Bytes this rank copied to host so far (what non-writer ranks must keep at 0)."""
         return self._stager.staged_bytes
@@ -259,6 +272,8 @@ class AsyncCheckpointer:
                     first_error = first_error or exc
             if first_error is not None:
                 raise first_error
+            if handle.abandoned:
+                return
             handle.times["persisted"] = time.perf_counter()
             handle._persisted.set()
             cfg = self.config

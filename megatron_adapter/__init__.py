@@ -1,0 +1,1 @@
+"""Megatron-core adapter (see README)."""

@@ -1,0 +1,123 @@
+"""A short, real DeepSpeed training run that checkpoints every K steps and can resume.
+
+Run one process per rank (``scripts/launch.py`` or ``deepspeed``/``torchrun``); on CPU set
+``DS_ACCELERATOR=cpu``. The checkpoint engine is chosen by the DeepSpeed config alone: with the
+``"async_checkpoint"`` key this package's engine runs, without it DeepSpeed's
+``TorchCheckpointEngine`` does. No code here refers to this package.
+
+Writes one JSON line per event to ``--log`` (step losses, per-checkpoint blocking time), so
+tests and the demo can compare runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import sys
+import time
+
+import torch
+import torch.nn as nn
+
+
+def build_model(hidden: int, layers: int, pipeline_stages: int = 0):
+    blocks = []
+    for _ in range(layers):
+        blocks += [nn.Linear(hidden, hidden), nn.GELU(), nn.LayerNorm(hidden)]
+    blocks.append(nn.Linear(hidden, 1))
+    if pipeline_stages:
+        from deepspeed.pipe import PipelineModule
+
+        return PipelineModule(layers=blocks, num_stages=pipeline_stages, loss_fn=nn.MSELoss())
+    return nn.Sequential(*blocks)
+
+
+def batch(step: int, rank: int, micro: int, hidden: int, dtype: torch.dtype):
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(micro, hidden, generator=g)
+    y = x.sum(dim=1, keepdim=True).tanh()
+    return x.to(dtype), y.to(dtype)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--config", required=True, help="DeepSpeed JSON config")
+    p.add_argument("--save-dir", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--hidden", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--resume", action="store_true", help="load `latest` from --save-dir first")
+    p.add_argument("--kill-at-step", type=int, default=0,
+                   help="SIGKILL every rank right after this step's checkpoint is issued")
+    p.add_argument("--zero-stage", type=int, default=None, help="override the config's ZeRO stage")
+    p.add_argument("--no-async", action="store_true", help="drop the async_checkpoint key")
+    p.add_argument("--pipeline-stages", type=int, default=0)
+    p.add_argument("--log", default=None, help="JSON-lines event log")
+    args = p.parse_args(argv)
+
+    import deepspeed
+
+    with open(args.config, encoding="utf-8") as f:
+        config = json.load(f)
+    if args.zero_stage is not None:
+        config.setdefault("zero_optimization", {})["stage"] = args.zero_stage
+    if args.no_async:
+        config.pop("async_checkpoint", None)
+
+    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(1234)
+    model = build_model(args.hidden, args.layers, args.pipeline_stages)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    log = open(args.log, "a", encoding="utf-8") if args.log else None
+
+    def emit(**event):
+        if log is not None:
+            log.write(json.dumps(dict(rank=rank, **event)) + "\n")
+            log.flush()
+
+    start_step = 0
+    if args.resume:
+        path, _ = engine.load_checkpoint(args.save_dir)
+        if path is None:
+            raise SystemExit(f"rank {rank}: --resume but no checkpoint under {args.save_dir}")
+        start_step = engine.global_steps
+        emit(event="resumed", step=start_step, path=path)
+
+    micro = engine.train_micro_batch_size_per_gpu()
+    pending_save_s = None
+    for step in range(start_step, args.steps):
+        t0 = time.perf_counter()
+        if args.pipeline_stages:
+            it = iter([batch(step, engine.grid.data_parallel_id, micro, args.hidden, dtype)] *
+                      engine.gradient_accumulation_steps())
+            loss = engine.train_batch(data_iter=it)
+        else:
+            x, y = batch(step, rank, micro, args.hidden, dtype)
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+        step_s = time.perf_counter() - t0
+        emit(event="step", step=step + 1, loss=float(loss), step_s=step_s)
+        if pending_save_s is not None:  # the save's cost includes any wait at this step's fence
+            emit(event="checkpoint", step=step, save_s=pending_save_s, next_step_s=step_s)
+            pending_save_s = None
+        if (step + 1) % args.save_every == 0:
+            t0 = time.perf_counter()
+            engine.save_checkpoint(args.save_dir)
+            pending_save_s = time.perf_counter() - t0
+            if args.kill_at_step and step + 1 == args.kill_at_step:
+                emit(event="killed", step=step + 1)
+                os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.perf_counter()
+    engine.destroy()  # flushes and commits the last checkpoint
+    emit(event="done", step=args.steps, destroy_s=time.perf_counter() - t0)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""Start N local ranks of a Python script (torchrun-style environment, no extra launcher).
+
+    python scripts/launch.py --nproc 2 scripts/ds_train.py --config ... 
+
+Exits with the first non-zero rank exit code; a rank killed by a signal counts as -signal.
+A deadline (``--timeout``) kills every rank, so a hung collective never hangs CI.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import socket
+import subprocess
+import sys
+import time
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(script: str, script_args: list[str], nproc: int, timeout: float = 600,
+           env: dict | None = None) -> list[int]:
+    """Run ``nproc`` ranks; returns their exit codes (negative: killed by that signal)."""
+    port = free_port()
+    procs = []
+    for rank in range(nproc):
+        e = dict(os.environ if env is None else env)
+        e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        e.setdefault("DS_ACCELERATOR", "cpu")
+        e.setdefault("OMP_NUM_THREADS", "1")
+        procs.append(subprocess.Popen([sys.executable, script, *script_args], env=e))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{script}: ranks still running after {timeout:.0f} s")
+            # One rank dying (a crash, or a deliberate SIGKILL) must not leave the others
+            # blocked forever in a collective.
+            if any(p.returncode not in (None, 0) for p in procs):
+                time.sleep(2)
+                break
+            time.sleep(0.1)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+        for p in procs:
+            p.wait()
+    return [p.returncode for p in procs]
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--nproc", type=int, default=2)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("script")
+    p.add_argument("args", nargs=argparse.REMAINDER)
+    a = p.parse_args()
+    codes = launch(a.script, a.args, a.nproc, a.timeout)
+    bad = [c for c in codes if c != 0]
+    return (bad[0] if bad[0] > 0 else 128 - bad[0]) if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
