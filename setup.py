@@ -26,6 +26,7 @@ setup(
     if os.path.exists(os.path.join(HERE, "README.md")) else "",
     long_description_content_type="text/markdown",
     python_requires=">=3.10",
+    py_modules=["deepspeed_async_ckpt_autoload"],
     packages=find_packages(include=["deepspeed_async_ckpt", "deepspeed_async_ckpt.*",
                                     "megatron_adapter", "megatron_adapter.*"]),
     install_requires=["torch>=2.4", "deepspeed>=0.17", "wrapt>=1.14", "nvidia-ml-py"],

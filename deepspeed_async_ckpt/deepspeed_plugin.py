@@ -20,6 +20,7 @@ from __future__ import annotations
 import functools
 import inspect
 import os
+import sys
 from typing import Any
 
 import torch.distributed as dist
@@ -183,3 +184,13 @@ def uninstall() -> None:
 def is_installed() -> bool:
     return bool(_ORIGINALS)
 
+
+def _install_if_deferred() -> None:
+    # DeepSpeed's engine module finished importing while this module was importing it.
+    autoload = sys.modules.get("deepspeed_async_ckpt_autoload")
+    if autoload is not None and autoload.install_when_ready:
+        autoload.install_when_ready = False
+        install()
+
+
+_install_if_deferred()

@@ -64,9 +64,14 @@ class _ChecksumSink:
         self._f = f
         self.hasher = _Hasher(algorithm)
         self.nbytes = 0
+        self.discard = False
+        """Set after a failure: torch's writer finishes the zip in its destructor, and an
+        exception thrown there would abort the process."""
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
+        if self.discard:
+            return len(view)
         self.hasher.update(view)
         done = 0
         while done < len(view):
@@ -92,8 +97,9 @@ def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str,
     pending = list(plan.items)
     try:
         f = storage.open_write(tmp)
+        sink = _ChecksumSink(f, checksum)
+        writer = None
         try:
-            sink = _ChecksumSink(f, checksum)
             writer = torch._C.PyTorchFileWriter(sink, get_crc32_options(), _get_storage_alignment())
             for name, value in _header_records(plan.pickle_bytes):
                 writer.write_record(name, value, len(value))
@@ -106,7 +112,11 @@ def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str,
                 pending.pop(0).release()
             writer.write_end_of_file()
             storage.sync_file(f)
+        except BaseException:
+            sink.discard = True
+            raise
         finally:
+            del writer
             f.close()
         storage.replace(tmp, path)
         return FileRecord(path=path, nbytes=sink.nbytes, checksum=sink.hasher.hexdigest())

@@ -1,0 +1,66 @@
+import json
+
+import pytest
+
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.errors import ConfigError
+from deepspeed_async_ckpt.deepspeed_plugin import parse_config
+
+
+def test_defaults_and_round_trip():
+    cfg = AsyncCheckpointConfig.from_dict({"enabled": True, "host_buffer_gb": 0.5, "writer_threads": 2})
+    assert cfg.host_buffer_bytes == 512 * 1024**2
+    assert cfg.is_async and cfg.checksum == "crc32"
+    assert AsyncCheckpointConfig.from_dict(cfg.to_dict()) == cfg
+
+
+def test_unknown_key_is_named_with_allowed_keys():
+    with pytest.raises(ConfigError) as e:
+        AsyncCheckpointConfig.from_dict({"enabled": True, "host_bufer_gb": 8})
+    assert "async_checkpoint.host_bufer_gb" in str(e.value)
+    assert "host_buffer_gb" in str(e.value)
+
+
+@pytest.mark.parametrize("key,value,fragment", [
+    ("mode", "lazy", "'async', 'sync'"),
+    ("checksum", "md5", "'crc32', 'sha256', 'none'"),
+    ("host_buffer_gb", 0, "> 0"),
+    ("host_buffer_gb", "8", "> 0"),
+    ("writer_threads", 0, "[1, 64]"),
+    ("writer_threads", 2.5, "[1, 64]"),
+    ("enabled", "yes", "true or false"),
+    ("commit_timeout_s", -1, "> 0"),
+])
+def test_bad_values_name_key_and_allowed(key, value, fragment):
+    with pytest.raises(ConfigError) as e:
+        AsyncCheckpointConfig.from_dict({key: value})
+    assert f"async_checkpoint.{key}" in str(e.value)
+    assert fragment in str(e.value)
+
+
+def test_absent_or_disabled_key_means_deepspeed_unchanged():
+    assert parse_config({"train_batch_size": 8}) is None
+    assert parse_config({"async_checkpoint": {"enabled": False}}) is None
+    assert parse_config({"async_checkpoint": {"enabled": True}}).enabled
+
+
+def test_from_file_accepts_block_or_wrapped(tmp_path):
+    (tmp_path / "a.json").write_text(json.dumps({"enabled": True, "mode": "sync"}))
+    (tmp_path / "b.json").write_text(json.dumps({"async_checkpoint": {"enabled": True, "mode": "sync"}}))
+    assert AsyncCheckpointConfig.from_file(tmp_path / "a.json") == AsyncCheckpointConfig.from_file(tmp_path / "b.json")
+    with pytest.raises(ConfigError, match="missing.json"):
+        AsyncCheckpointConfig.from_file(tmp_path / "missing.json")
+
+
+def test_every_example_config_is_valid():
+    import glob
+    import os
+    from conftest import REPO
+
+    files = glob.glob(os.path.join(REPO, "configs", "*.json"))
+    assert files
+    for path in files:
+        with open(path) as f:
+            raw = json.load(f)
+        block = raw.get("async_checkpoint", raw)
+        assert AsyncCheckpointConfig.from_dict(block).enabled, path

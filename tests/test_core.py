@@ -1,0 +1,244 @@
+"""Fast tests of the core pipeline (one process, fakes for faults)."""
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+
+from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.commit import META_DIR, Pointer, verify_checkpoint
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.errors import CommitError, IntegrityError, PersistError, SnapshotError
+from deepspeed_async_ckpt.snapshot import HostBufferPool
+from deepspeed_async_ckpt.storage import LocalStorage
+
+from _compare import assert_same
+
+
+def make(mode="async", gb=0.01, **kw):
+    return AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, host_buffer_gb=gb, **kw))
+
+
+def sample_state():
+    torch.manual_seed(0)
+    flat = torch.randn(4096)
+    return {
+        "module": {"w": flat[:1024].view(32, 32), "b": torch.randn(32).to(torch.bfloat16),
+                   "tied": flat[:1024].view(32, 32), "nc": torch.randn(16, 8).t()},
+        "optimizer": {"state": {0: {"step": torch.tensor(5.0), "exp_avg": torch.randn(32, 32)}},
+                      "param_groups": [{"lr": 0.1, "params": [0]}]},
+        "global_steps": 5, "client": torch.arange(4), "empty": torch.empty(0),
+    }
+
+
+def save_one(ck, root, state, tag="t1", eager=("client",)):
+    d = os.path.join(root, tag)
+    ck.begin(d, tag=tag, pointer=Pointer(os.path.join(root, "latest"), tag))
+    ck.save(state, os.path.join(d, "model.pt"), eager_keys=eager)
+    return ck.end()
+
+
+def test_round_trip_matches_torch_save_and_loads_weights_only(tmp_path):
+    state = sample_state()
+    ck = make()
+    save_one(ck, str(tmp_path), state)
+    ck.fence()
+    ck.wait()
+    ours = torch.load(tmp_path / "t1" / "model.pt", weights_only=True)
+    torch.save(state, tmp_path / "ref.pt")
+    assert_same(ours, torch.load(tmp_path / "ref.pt", weights_only=True))
+    # aliasing survives: one record, two tensors over it
+    assert ours["module"]["w"].untyped_storage().data_ptr() == ours["module"]["tied"].untyped_storage().data_ptr()
+    assert (tmp_path / "latest").read_text() == "t1"
+    verify_checkpoint(str(tmp_path / "t1"))
+    ck.close()
+
+
+def test_sync_and_async_modes_write_identical_files(tmp_path):
+    state = sample_state()
+    for mode in ("async", "sync"):
+        ck = make(mode)
+        save_one(ck, str(tmp_path / mode), state)
+        ck.close()
+    a = (tmp_path / "async" / "t1" / "model.pt").read_bytes()
+    assert a == (tmp_path / "sync" / "t1" / "model.pt").read_bytes()
+
+
+def test_lazy_tensors_are_frozen_at_the_fence_and_eager_ones_at_save(tmp_path):
+    state = sample_state()
+    expected = torch.load(_ref(tmp_path, state), weights_only=True)
+    ck = make()
+    save_one(ck, str(tmp_path), state)
+    # mutated right after save returns: host-resident client state must not be torn in
+    state["client"].add_(100)
+    state["global_steps"] = 99
+    ck.fence()  # the optimizer step may run only after this
+    state["module"]["w"].add_(1.0)
+    state["optimizer"]["state"][0]["step"].add_(1)
+    ck.wait()
+    assert_same(torch.load(tmp_path / "t1" / "model.pt", weights_only=True), expected)
+    ck.close()
+
+
+def _ref(tmp_path, state):
+    path = tmp_path / "ref.pt"
+    torch.save(state, path)
+    return path
+
+
+def test_pool_smaller_than_state_streams_and_buffers_are_reused(tmp_path):
+    big = {"module": {f"p{i}": torch.randn(64, 1024) for i in range(8)}}  # 8 x 256 KiB = 2 MiB
+    cap_gb = 600 * 1024 / 1024**3  # 600 KiB: at most 2 records in flight
+    ck = make(gb=cap_gb)
+    for step in range(3):
+        save_one(ck, str(tmp_path), big, tag=f"s{step}")
+        ck.fence()
+        ck.wait()
+        if step == 0:
+            first_allocs = ck.pool.allocations
+    assert ck.pool.peak_bytes <= ck.pool.capacity_bytes
+    assert ck.pool.allocations == first_allocs  # allocated once, reused by later saves
+    assert_same(torch.load(tmp_path / "s2" / "model.pt"), big)
+    ck.close()
+
+
+def test_tensor_larger_than_pool_is_a_clear_error(tmp_path):
+    ck = make(gb=1e-6)  # ~1 KiB
+    save_one(ck, str(tmp_path), {"module": {"w": torch.zeros(1024)}}, eager=())
+    with pytest.raises(SnapshotError, match="host_buffer_gb"):
+        ck.fence()
+    with pytest.raises(PersistError):
+        ck.wait()
+    ck.close()
+
+
+def test_pool_blocks_until_release():
+    pool = HostBufferPool(100, pin=False)
+    a = pool.acquire(60, "a")
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire(60, "b")))
+    t.start()
+    t.join(0.2)
+    assert not got  # backpressure: waits for room
+    pool.release(a)
+    t.join(5)
+    assert got and got[0].numel() == 60
+    assert pool.allocations == 1  # the released buffer was reused
+
+
+class FailingStorage(LocalStorage):
+    """Raises ENOSPC once `budget` bytes of checkpoint data were written."""
+
+    def __init__(self, budget):
+        super().__init__(fsync=True)
+        self.budget = budget
+
+    def open_write(self, path):
+        f = super().open_write(path)
+        storage = self
+
+        class W:
+            def write(self, data):
+                storage.budget -= len(memoryview(data).cast("B"))
+                if storage.budget < 0 and ".async_ckpt" not in path and not path.endswith(("latest.tmp." + str(os.getpid()),)):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return f.write(data)
+
+            def __getattr__(self, name):
+                return getattr(f, name)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                f.close()
+
+        return W()
+
+
+def test_disk_full_surfaces_at_next_save_and_previous_checkpoint_survives(tmp_path):
+    state = sample_state()
+    storage = FailingStorage(budget=10**9)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    save_one(ck, str(tmp_path), state, tag="good")
+    ck.fence()
+    ck.wait()
+    storage.budget = 1000  # the next save runs out of space mid-file
+    bad = save_one(ck, str(tmp_path), state, tag="bad")
+    ck.fence()
+    bad.wait_committed()  # the background write has failed by now
+    assert bad.error is not None and not bad.committed
+    with pytest.raises(PersistError, match="No space left") as e:
+        save_one(ck, str(tmp_path), state, tag="next")
+    assert "bad/model.pt" in str(e.value)
+    assert (tmp_path / "latest").read_text() == "good"
+    assert not (tmp_path / "bad" / "model.pt").exists()
+    assert not list((tmp_path / "bad").glob("*.tmp.*"))  # the partial file was removed
+    assert not (tmp_path / "bad" / META_DIR / "manifest.json").exists()
+    verify_checkpoint(str(tmp_path / "good"))
+    # the error was reported once; with space back, saving works again
+    storage.budget = 10**9
+    save_one(ck, str(tmp_path), state, tag="again")
+    ck.wait()
+    assert (tmp_path / "latest").read_text() == "again"
+    ck.close()
+
+
+def test_corrupted_byte_is_detected_naming_the_file(tmp_path):
+    ck = make()
+    save_one(ck, str(tmp_path), sample_state())
+    ck.wait()
+    path = tmp_path / "t1" / "model.pt"
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="model.pt.*corrupted"):
+        ck.load(str(path))
+    ck.close()
+
+
+def test_uncommitted_checkpoint_is_refused(tmp_path):
+    ck = make()
+    save_one(ck, str(tmp_path), sample_state())
+    ck.wait()
+    os.unlink(tmp_path / "t1" / META_DIR / "manifest.json")
+    with pytest.raises(IntegrityError, match="never committed"):
+        ck.load(str(tmp_path / "t1" / "model.pt"))
+    ck.close()
+
+
+def test_commit_waits_for_every_rank_and_times_out_naming_missing_ranks(tmp_path):
+    cfg = AsyncCheckpointConfig(enabled=True, commit_timeout_s=0.5)
+    ck = AsyncCheckpointer(cfg, rank=0, world_size=3)
+    save_one(ck, str(tmp_path), sample_state())
+    with pytest.raises(CommitError, match=r"rank\(s\) 1, 2 did not finish"):
+        ck.wait()
+    assert not (tmp_path / "latest").exists()
+    ck.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned pool and copy stream")
+def test_cuda_pinned_pool_and_copy_stream_overlap(tmp_path):
+    dev = torch.device("cuda")
+    state = {"module": {f"p{i}": torch.randn(1024, 1024, device=dev) for i in range(16)}}  # 64 MiB
+    expected = {k: v.cpu() for k, v in state["module"].items()}
+    ck = make(gb=1)
+    save_one(ck, str(tmp_path), state, eager=())
+    assert ck.pool.pin
+    # the trainer keeps computing on the default stream while copies run on the copy stream
+    x = torch.randn(4096, 4096, device=dev)
+    for _ in range(10):
+        x = x @ x
+        x = x / x.norm()
+    ck.fence()  # the default stream now waits on the copy events; the host is not blocked
+    for v in state["module"].values():
+        v.add_(1.0)  # the optimizer step, ordered after the copies
+    ck.wait()
+    loaded = torch.load(tmp_path / "t1" / "model.pt", map_location="cpu")
+    for k, v in expected.items():
+        assert torch.equal(loaded["module"][k], v)
+    assert loaded["module"]["p0"].device.type == "cpu"
+    ck.close()
