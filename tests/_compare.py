@@ -22,5 +22,9 @@ def assert_same(a, b, path="state"):
         assert len(a) == len(b), f"{path}: length {len(a)} vs {len(b)}"
         for i, (x, y) in enumerate(zip(a, b)):
             assert_same(x, y, f"{path}[{i}]")
+    elif a == b:
+        pass
+    elif hasattr(a, "__dict__") and type(a) is type(b):  # e.g. a LossScaler without __eq__
+        assert_same(vars(a), vars(b), f"{path}.__dict__")
     else:
-        assert a == b, f"{path}: {a!r} vs {b!r}"
+        raise AssertionError(f"{path}: {a!r} vs {b!r}")

@@ -1,0 +1,167 @@
+"""Real multi-process DeepSpeed runs (CPU, gloo): equality with TorchCheckpointEngine, sync ==
+async, kill mid-persist, corruption, engine selection and auto-activation."""
+
+import glob
+import json
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+import torch
+
+from _compare import assert_same
+from conftest import REPO
+from launch import launch
+
+WORKER = os.path.join(REPO, "tests", "workers", "ds_worker.py")
+
+pytestmark = pytest.mark.slow
+
+
+def run_ranks(env, nproc, *args, expect_ok=True, timeout=300):
+    codes = launch(WORKER, [str(a) for a in args], nproc, timeout=timeout, env=env)
+    if expect_ok:
+        assert codes == [0] * nproc, f"rank exit codes {codes} for {args}"
+    return codes
+
+
+def storage_bytes(obj) -> int:
+    seen, total, stack = set(), 0, [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            s = o.untyped_storage()
+            if s.data_ptr() not in seen:
+                seen.add(s.data_ptr())
+                total += s.nbytes()
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return total
+
+
+CASES = [
+    pytest.param(2, 0, 0, 0, id="2ranks-zero0-fp32"),
+    pytest.param(2, 1, 1, 0, id="2ranks-zero1-bf16"),
+    pytest.param(2, 2, 0, 0, id="2ranks-zero2-fp32"),
+    pytest.param(2, 3, 1, 0, id="2ranks-zero3-bf16"),
+    pytest.param(4, 2, 1, 0, id="4ranks-zero2-bf16"),
+    pytest.param(2, 0, 0, 2, id="2ranks-pipeline2-fp32"),
+]
+
+
+@pytest.mark.parametrize("nproc,zero,bf16,pp", CASES)
+def test_async_checkpoint_equals_torch_engine_and_sync_mode(tmp_path, repo_env, nproc, zero, bf16, pp):
+    out = str(tmp_path)
+    flags = ["--out", out, "--zero-stage", zero, "--bf16", bf16, "--pipeline-stages", pp]
+    run_ranks(repo_env, nproc, "save", *flags)
+
+    torch_files = sorted(glob.glob(os.path.join(out, "torch", "global_step3", "*.pt")))
+    assert torch_files
+    for ref in torch_files:
+        name = os.path.basename(ref)
+        ours = os.path.join(out, "async", "global_step3", name)
+        # every tensor and value equals what TorchCheckpointEngine wrote at the same step,
+        # although training went on mutating them right after save_checkpoint returned
+        assert_same(torch.load(ours, weights_only=False), torch.load(ref, weights_only=False), name)
+        # the synchronous mode is the same pipeline run inline: byte-identical files
+        with open(ours, "rb") as a, open(os.path.join(out, "sync", "global_step3", name), "rb") as b:
+            assert a.read() == b.read(), f"{name}: sync and async files differ"
+    for variant in ("async", "sync"):
+        with open(os.path.join(out, variant, "latest")) as f:
+            assert f.read() == "global_step3"
+        from deepspeed_async_ckpt.commit import verify_checkpoint
+        manifest = verify_checkpoint(os.path.join(out, variant, "global_step3"))
+        assert sorted(manifest["files"]) == sorted(os.path.basename(p) for p in torch_files)
+
+    # Only what a rank writes is staged; each rank's bytes equal the tensors of its own files.
+    manifest = json.load(open(os.path.join(out, "async", "global_step3", ".async_ckpt", "manifest.json")))
+    for rank in range(nproc):
+        stats = json.load(open(os.path.join(out, f"stats_rank{rank}.json")))
+        own = manifest["ranks"][str(rank)]
+        expected = sum(storage_bytes(torch.load(os.path.join(out, "async", "global_step3", f),
+                                                weights_only=False)) for f in own)
+        assert stats["staged_bytes"] == stats["planned_bytes"] == expected, (rank, stats, own)
+        assert stats["pool_peak"] <= stats["pool_capacity"]
+        if rank != 0 and not pp:
+            assert not any("model_states" in f for f in own), f"rank {rank} wrote model states: {own}"
+
+    # A fresh run restores exactly the same engine state from each variant.
+    run_ranks(repo_env, nproc, "load", *flags)
+    for rank in range(nproc):
+        ref = torch.load(os.path.join(out, f"dump_torch_rank{rank}.pt"), weights_only=False)
+        assert ref["global_steps"] == 3
+        for variant in ("async", "sync"):
+            got = torch.load(os.path.join(out, f"dump_{variant}_rank{rank}.pt"), weights_only=False)
+            assert_same(got, ref, f"rank{rank}:{variant}")
+
+    if zero:  # DeepSpeed's own offline tool reads our files unchanged
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        ours = get_fp32_state_dict_from_zero_checkpoint(os.path.join(out, "async"))
+        theirs = get_fp32_state_dict_from_zero_checkpoint(os.path.join(out, "torch"))
+        assert_same(dict(ours), dict(theirs), "zero_to_fp32")
+
+
+def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
+    out = str(tmp_path)
+    codes = run_ranks(repo_env, 2, "kill", "--out", out, "--kill-rank", "1", expect_ok=False)
+    assert codes[1] == -9, f"rank 1 should have died by SIGKILL, exit codes {codes}"
+    ckpt = os.path.join(out, "ckpt")
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read() == "global_step2"
+    assert not os.path.exists(os.path.join(ckpt, "global_step4", ".async_ckpt", "manifest.json"))
+    # the previous checkpoint loads in a fresh run (load phase restores `latest`)
+    os.rename(ckpt, os.path.join(out, "killed"))
+    run_ranks(repo_env, 2, "load", "--out", out, "--variants", "killed")
+    state = torch.load(os.path.join(out, "dump_killed_rank0.pt"), weights_only=False)
+    assert state["global_steps"] == 2
+
+
+def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env):
+    out = str(tmp_path)
+    flags = ["--out", out, "--zero-stage", "1"]
+    run_ranks(repo_env, 2, "save", *flags)
+    victim = os.path.join(out, "async", "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
+    with open(victim, "r+b") as f:
+        f.seek(os.path.getsize(victim) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+    log = tmp_path / "load.log"
+    with open(log, "w") as f:
+        proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "launch.py"), "--nproc", "2",
+                               "--timeout", "300", WORKER, "load", *flags, "--variants", "async"],
+                              env=repo_env, stdout=f, stderr=subprocess.STDOUT)
+    assert proc.returncode != 0
+    text = log.read_text()
+    assert "IntegrityError" in text and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in text and "corrupted" in text
+
+
+def test_engine_selection_and_config_errors(tmp_path, repo_env):
+    run_ranks(repo_env, 1, "engines", "--out", str(tmp_path))
+    result = json.load(open(tmp_path / "engines.json"))
+    assert result["absent"] == "TorchCheckpointEngine"
+    assert result["disabled"] == "TorchCheckpointEngine"
+    assert result["enabled"] == "AsyncCheckpointEngine"
+    assert result["bad"].startswith("ConfigError") and "async_checkpoint.writer_thread" in result["bad"]
+    assert "writer_threads" in result["bad"]  # names the allowed keys
+
+
+def test_auto_activation_comes_from_the_installed_pth_and_can_be_switched_off(tmp_path, repo_env):
+    pth = os.path.join(sysconfig.get_paths()["purelib"], "deepspeed_async_ckpt.pth")
+    assert os.path.exists(pth), "run `pip install .` (a regular install carries the .pth hook)"
+    probe = ("import deepspeed.runtime.engine as e;"
+             "print(hasattr(e.create_checkpoint_engine, '__wrapped__'));"
+             "import deepspeed_async_ckpt as d; d.install(); print(hasattr(e.create_checkpoint_engine, '__wrapped__'))")
+    on = subprocess.run([sys.executable, "-c", probe], env=repo_env, capture_output=True, text=True)
+    assert on.returncode == 0, on.stderr
+    assert on.stdout.split()[-2:] == ["True", "True"]
+    off = subprocess.run([sys.executable, "-c", probe], env=dict(repo_env, DS_ASYNC_CKPT_AUTOLOAD="0"),
+                         capture_output=True, text=True)
+    assert off.returncode == 0, off.stderr
+    # switched off: DeepSpeed untouched until install() is called explicitly
+    assert off.stdout.split()[-2:] == ["False", "True"]

@@ -1,0 +1,168 @@
+"""One rank of the DeepSpeed multi-process tests (started by scripts/launch.py).
+
+Phases:
+  save    train, then at one step save three ways (this engine async, this engine sync,
+          DeepSpeed's TorchCheckpointEngine), keep training (mutating every tensor), destroy.
+  load    in a fresh process, load each saved variant and dump the restored engine state.
+  kill    save and commit once, then SIGKILL one rank in the middle of the next persist.
+  engines check which checkpoint engine DeepSpeed builds for several configs.
+The test module reads what they write under --out and asserts on it.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+
+import torch
+import torch.nn as nn
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+from ds_train import batch, build_model  # noqa: E402
+
+HIDDEN, LAYERS = 64, 3
+
+
+def ds_config(args, async_block=None):
+    cfg = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 0.01,
+                                                      "warmup_num_steps": 5}},
+        "zero_optimization": {"stage": args.zero_stage},
+    }
+    if args.bf16:
+        cfg["bf16"] = {"enabled": True}
+    if async_block is not None:
+        cfg["async_checkpoint"] = async_block
+    return cfg
+
+
+def init(args, config):
+    import deepspeed
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    torch.manual_seed(1234)
+    model = build_model(HIDDEN, LAYERS, args.pipeline_stages)
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    return engine
+
+
+def train(engine, args, steps, start=0):
+    dtype = torch.bfloat16 if engine.bfloat16_enabled() else torch.float32
+    rank = torch.distributed.get_rank()
+    losses = []
+    for step in range(start, start + steps):
+        if args.pipeline_stages:
+            dp = engine.grid.data_parallel_id
+            loss = engine.train_batch(data_iter=iter([batch(step, dp, 2, HIDDEN, dtype)]))
+        else:
+            x, y = batch(step, rank, 2, HIDDEN, dtype)
+            loss = nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
+        losses.append(float(loss.detach()))
+    return losses
+
+
+def phase_save(args):
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from deepspeed_async_ckpt.deepspeed_plugin import AsyncCheckpointEngine
+
+    config = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05, "writer_threads": 2})
+    engine = init(args, config)
+    ours = engine.checkpoint_engine
+    assert isinstance(ours, AsyncCheckpointEngine), type(ours)
+    train(engine, args, 3)
+    engine.save_checkpoint(os.path.join(args.out, "async"))
+    # The same pipeline run inline, and DeepSpeed's own engine, at the very same state.
+    engine.checkpoint_engine = AsyncCheckpointEngine(engine._config, AsyncCheckpointConfig(enabled=True, mode="sync"))
+    engine.save_checkpoint(os.path.join(args.out, "sync"))
+    engine.checkpoint_engine.cleanup()
+    engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
+    engine.save_checkpoint(os.path.join(args.out, "torch"))
+    engine.checkpoint_engine = ours
+    train(engine, args, 2, start=3)  # mutates every parameter and optimizer tensor
+    handle = ours.checkpointer.history[0]
+    stats = {"rank": torch.distributed.get_rank(), "staged_bytes": ours.checkpointer.staged_bytes,
+             "planned_bytes": handle.nbytes, "pool_peak": ours.checkpointer.pool.peak_bytes,
+             "pool_capacity": ours.checkpointer.pool.capacity_bytes}
+    engine.destroy()
+    with open(os.path.join(args.out, f"stats_rank{stats['rank']}.json"), "w") as f:
+        json.dump(stats, f)
+
+
+def phase_load(args):
+    engine = init(args, ds_config(args, {"enabled": True}))
+    rank = torch.distributed.get_rank()
+    for variant in args.variants.split(","):
+        path, _ = engine.load_checkpoint(os.path.join(args.out, variant))
+        assert path is not None, variant
+        state = {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+                 "lr_scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps}
+        torch.save(state, os.path.join(args.out, f"dump_{variant}_rank{rank}.pt"))
+    engine.destroy()
+
+
+def phase_kill(args):
+    import deepspeed_async_ckpt.persist as persist
+
+    engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
+    save_dir = os.path.join(args.out, "ckpt")
+    train(engine, args, 2)
+    engine.save_checkpoint(save_dir)
+    engine.checkpoint_engine.checkpointer.wait()  # global_step2 is committed
+    torch.distributed.barrier()
+    if torch.distributed.get_rank() == args.kill_rank:
+        original = persist._ChecksumSink.write
+
+        def write_then_die(self, data):
+            if self.nbytes > 4096:  # in the middle of a file's tensor records
+                os.kill(os.getpid(), signal.SIGKILL)
+            return original(self, data)
+
+        persist._ChecksumSink.write = write_then_die
+    train(engine, args, 2, start=2)
+    engine.save_checkpoint(save_dir)  # global_step4: one rank dies while persisting it
+    engine.checkpoint_engine.checkpointer.wait()
+    raise SystemExit("unreachable: a rank should have been killed mid-persist")
+
+
+def phase_engines(args):
+    import deepspeed
+    from deepspeed_async_ckpt.errors import ConfigError
+
+    deepspeed.init_distributed(dist_backend="gloo")
+    result = {}
+    for name, block in [("absent", None), ("disabled", {"enabled": False}), ("enabled", {"enabled": True}),
+                        ("bad", {"enabled": True, "writer_thread": 3})]:
+        model = build_model(8, 1)
+        try:
+            engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                              config=ds_config(args, block))
+            result[name] = type(engine.checkpoint_engine).__name__
+            engine.destroy()
+        except ConfigError as exc:
+            result[name] = f"ConfigError: {exc}"
+    with open(os.path.join(args.out, "engines.json"), "w") as f:
+        json.dump(result, f)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("phase", choices=["save", "load", "kill", "engines"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--zero-stage", type=int, default=1)
+    p.add_argument("--bf16", type=int, default=0)
+    p.add_argument("--pipeline-stages", type=int, default=0)
+    p.add_argument("--variants", default="async,sync,torch")
+    p.add_argument("--kill-rank", type=int, default=1)
+    args = p.parse_args()
+    {"save": phase_save, "load": phase_load, "kill": phase_kill, "engines": phase_engines}[args.phase](args)
+
+
+if __name__ == "__main__":
+    main()
