@@ -86,7 +86,7 @@ def test_async_checkpoint_equals_torch_engine_and_sync_mode(tmp_path, repo_env, 
                                                 weights_only=False)) for f in own)
         assert stats["staged_bytes"] == stats["planned_bytes"] == expected, (rank, stats, own)
         assert stats["pool_peak"] <= stats["pool_capacity"]
-        if rank != 0 and not pp:
+        if rank != 0 and not pp and zero < 3:  # under ZeRO-3 each rank owns a model partition
             assert not any("model_states" in f for f in own), f"rank {rank} wrote model states: {own}"
 
     # A fresh run restores exactly the same engine state from each variant.
