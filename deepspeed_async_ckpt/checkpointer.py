@@ -51,6 +51,8 @@ class CheckpointHandle:
         self.nbytes = 0
         self.error: BaseException | None = None
         self.abandoned = False
+        self.fence_wait_s = 0.0
+        """Time the training loop spent blocked at fences waiting for this save's copies."""
         self.times: dict[str, float] = {"begin": time.perf_counter()}
         self._persisted = threading.Event()
         self._committed = threading.Event()
@@ -175,7 +177,10 @@ class AsyncCheckpointer:
 
     def fence(self) -> None:
         """Call before parameters or optimizer state are modified (the optimizer step)."""
+        t0 = time.perf_counter()
         self._stager.fence()
+        if self.history:
+            self.history[-1].fence_wait_s += time.perf_counter() - t0
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every sealed checkpoint is committed; raise a background error if any."""

@@ -47,7 +47,42 @@ def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog=PROG, description="Async checkpointing tools for DeepSpeed/Megatron.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_plan_parser(sub)
+    _add_verify_parser(sub)
     return parser
+
+
+def _add_verify_parser(sub) -> None:
+    p = sub.add_parser("verify", help="check a committed checkpoint's files against its manifest",
+                       description="Verify every file of a checkpoint directory (size and checksum "
+                                   "from .async_ckpt/manifest.json). Exit 0 if intact, 1 if not.")
+    p.add_argument("path", help="a checkpoint directory (e.g. ckpt/global_step100), or a save dir "
+                                "with a `latest` or `latest_checkpointed_iteration.txt` pointer")
+    p.set_defaults(func=_cmd_verify)
+
+
+def _cmd_verify(args: argparse.Namespace) -> int:
+    import os
+
+    from .commit import verify_checkpoint
+    from .errors import IntegrityError
+
+    path = args.path
+    for pointer, fmt in (("latest", "{}"), ("latest_checkpointed_iteration.txt", "iter_{:0>7}")):
+        if os.path.isfile(os.path.join(path, pointer)):
+            with open(os.path.join(path, pointer), encoding="utf-8") as f:
+                path = os.path.join(path, fmt.format(f.read().strip()))
+            break
+    if not os.path.isdir(path):
+        raise CliError(f"no checkpoint directory at {path!r}")
+    try:
+        manifest = verify_checkpoint(path)
+    except IntegrityError as e:
+        print(f"CORRUPT: {e}", file=sys.stderr)
+        return 1
+    total = sum(entry["bytes"] for entry in manifest["files"].values())
+    print(f"OK: {path}: tag {manifest['tag']}, {len(manifest['files'])} files, {total} bytes, "
+          f"{manifest['world_size']} ranks, {manifest['checksum']} verified")
+    return 0
 
 
 def _params_arg(text: str) -> int:

@@ -41,6 +41,12 @@ def batch(step: int, rank: int, micro: int, hidden: int, dtype: torch.dtype):
     return x.to(dtype), y.to(dtype)
 
 
+def _fence_wait_s(engine) -> float:
+    """Time the last save made the optimizer step wait (0 for engines without a fence)."""
+    history = getattr(getattr(engine.checkpoint_engine, "checkpointer", None), "history", None)
+    return history[-1].fence_wait_s if history else 0.0
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", required=True, help="DeepSpeed JSON config")
@@ -67,7 +73,9 @@ def main(argv=None) -> int:
     if args.no_async:
         config.pop("async_checkpoint", None)
 
-    deepspeed.init_distributed(dist_backend="gloo" if not torch.cuda.is_available() else "nccl")
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     rank = torch.distributed.get_rank()
     torch.manual_seed(1234)
     model = build_model(args.hidden, args.layers, args.pipeline_stages)
@@ -93,18 +101,20 @@ def main(argv=None) -> int:
     for step in range(start_step, args.steps):
         t0 = time.perf_counter()
         if args.pipeline_stages:
-            it = iter([batch(step, engine.grid.data_parallel_id, micro, args.hidden, dtype)] *
-                      engine.gradient_accumulation_steps())
+            data = tuple(t.to(engine.device) for t in
+                         batch(step, engine.grid.data_parallel_id, micro, args.hidden, dtype))
+            it = iter([data] * engine.gradient_accumulation_steps())
             loss = engine.train_batch(data_iter=it)
         else:
-            x, y = batch(step, rank, micro, args.hidden, dtype)
+            x, y = (t.to(engine.device) for t in batch(step, rank, micro, args.hidden, dtype))
             loss = nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
         step_s = time.perf_counter() - t0
         emit(event="step", step=step + 1, loss=float(loss), step_s=step_s)
         if pending_save_s is not None:  # the save's cost includes any wait at this step's fence
-            emit(event="checkpoint", step=step, save_s=pending_save_s, next_step_s=step_s)
+            emit(event="checkpoint", step=step, save_s=pending_save_s, next_step_s=step_s,
+                 stall_s=pending_save_s + _fence_wait_s(engine))
             pending_save_s = None
         if (step + 1) % args.save_every == 0:
             t0 = time.perf_counter()

@@ -242,3 +242,20 @@ def test_cuda_pinned_pool_and_copy_stream_overlap(tmp_path):
         assert torch.equal(loaded["module"][k], v)
     assert loaded["module"]["p0"].device.type == "cpu"
     ck.close()
+
+
+def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
+    from deepspeed_async_ckpt.cli import main
+
+    ck = make()
+    save_one(ck, str(tmp_path), sample_state())
+    ck.close()
+    assert main(["verify", str(tmp_path)]) == 0
+    assert "OK:" in capsys.readouterr().out
+    path = tmp_path / "t1" / "model.pt"
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 0xFF
+    path.write_bytes(bytes(data))
+    assert main(["verify", str(tmp_path / "t1")]) == 1
+    assert "model.pt" in capsys.readouterr().err
+    assert main(["verify", str(tmp_path / "nope")]) == 2

@@ -20,7 +20,14 @@ WORKER = os.path.join(REPO, "tests", "workers", "ds_worker.py")
 pytestmark = pytest.mark.slow
 
 
+BACKEND = os.environ.get("ASYNC_CKPT_TEST_BACKEND", "gloo")
+
+
 def run_ranks(env, nproc, *args, expect_ok=True, timeout=300):
+    if BACKEND == "nccl":
+        if nproc > torch.cuda.device_count():
+            pytest.skip(f"needs {nproc} GPUs for NCCL, {torch.cuda.device_count()} visible")
+        env = dict(env, DS_ACCELERATOR="cuda")
     codes = launch(WORKER, [str(a) for a in args], nproc, timeout=timeout, env=env)
     if expect_ok:
         assert codes == [0] * nproc, f"rank exit codes {codes} for {args}"

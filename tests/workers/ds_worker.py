@@ -22,6 +22,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from ds_train import batch, build_model  # noqa: E402
 
 HIDDEN, LAYERS = 64, 3
+#: `make test-gpu` sets nccl: the same tests on every visible GPU.
+BACKEND = os.environ.get("ASYNC_CKPT_TEST_BACKEND", "gloo")
 
 
 def ds_config(args, async_block=None):
@@ -43,7 +45,9 @@ def ds_config(args, async_block=None):
 def init(args, config):
     import deepspeed
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=BACKEND)
+    if BACKEND == "nccl":
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     torch.manual_seed(1234)
     model = build_model(HIDDEN, LAYERS, args.pipeline_stages)
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -57,9 +61,10 @@ def train(engine, args, steps, start=0):
     for step in range(start, start + steps):
         if args.pipeline_stages:
             dp = engine.grid.data_parallel_id
-            loss = engine.train_batch(data_iter=iter([batch(step, dp, 2, HIDDEN, dtype)]))
+            data = [tuple(t.to(engine.device) for t in batch(step, dp, 2, HIDDEN, dtype))]
+            loss = engine.train_batch(data_iter=iter(data))
         else:
-            x, y = batch(step, rank, 2, HIDDEN, dtype)
+            x, y = (t.to(engine.device) for t in batch(step, rank, 2, HIDDEN, dtype))
             loss = nn.functional.mse_loss(engine(x), y)
             engine.backward(loss)
             engine.step()
@@ -135,7 +140,7 @@ def phase_engines(args):
     import deepspeed
     from deepspeed_async_ckpt.errors import ConfigError
 
-    deepspeed.init_distributed(dist_backend="gloo")
+    deepspeed.init_distributed(dist_backend=BACKEND)
     result = {}
     for name, block in [("absent", None), ("disabled", {"enabled": False}), ("enabled", {"enabled": True}),
                         ("bad", {"enabled": True, "writer_thread": 3})]:

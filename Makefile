@@ -1,0 +1,37 @@
+# Everything installs into .venv from scratch (CPU torch 2.13.0, then this package).
+PY      ?= python3
+VENV    ?= .venv
+BIN     := $(VENV)/bin
+PYTEST  := $(BIN)/python -m pytest
+
+.PHONY: install demo test test-fast test-gpu bench clean
+
+$(BIN)/python:
+	$(PY) -m venv $(VENV)
+
+# A regular (non-editable) install: it carries the .pth hook that auto-activates the plugin.
+install: $(BIN)/python
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q ".[test]"
+
+demo: install
+	DS_ACCELERATOR=cpu $(BIN)/python scripts/demo.py
+
+test: install
+	DS_ACCELERATOR=cpu $(PYTEST) -v --durations=15
+
+test-fast: install
+	$(PYTEST) -q -m "not slow"
+
+# On a multi-GPU runner, with a CUDA build of torch already in $(PY)'s environment: the same
+# multi-rank tests with NCCL on the visible GPUs, plus the CUDA-only tests.
+test-gpu:
+	$(PY) -m pip install -q ".[test]"
+	ASYNC_CKPT_TEST_BACKEND=nccl $(PY) -m pytest -v -rs -m "slow or gpu" tests/test_deepspeed_multiproc.py tests/test_core.py
+
+bench: install
+	DS_ACCELERATOR=cpu $(BIN)/python scripts/bench_checkpoint.py --out docs/bench_results/latest.json
+
+clean:
+	rm -rf $(VENV) build *.egg-info demo_out bench_out

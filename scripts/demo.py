@@ -1,0 +1,88 @@
+"""The main job: a short DeepSpeed training on 2 CPU ranks with `"async_checkpoint"` set,
+killed mid-run, resumed from `latest`; then the same model with DeepSpeed's own
+TorchCheckpointEngine, to print each checkpoint's blocking time side by side.
+
+    python scripts/demo.py [--workdir demo_out] [--steps 30] [--kill-at 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import statistics
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+sys.path.insert(0, HERE)
+from launch import launch  # noqa: E402
+
+
+def run(tag, workdir, extra, nproc=2, expect_kill=False):
+    log = os.path.join(workdir, f"{tag}.jsonl")
+    args = ["--config", os.path.join(REPO, "configs", "deepspeed_async.json"),
+            "--hidden", "1024", "--layers", "6", "--log", log, *extra]
+    print(f"\n$ launch --nproc {nproc} scripts/ds_train.py {' '.join(args)}", flush=True)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
+    codes = launch(os.path.join(HERE, "ds_train.py"), args, nproc, timeout=900, env=env)
+    if expect_kill:
+        if not all(c == -9 for c in codes):
+            raise SystemExit(f"{tag}: expected every rank to be SIGKILLed, exit codes {codes}")
+    elif codes != [0] * nproc:
+        raise SystemExit(f"{tag}: ranks failed with exit codes {codes}")
+    with open(log) as f:
+        return [json.loads(line) for line in f]
+
+
+def stalls(events):
+    return {e["step"]: e["stall_s"] for e in events if e["event"] == "checkpoint" and e["rank"] == 0}
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--workdir", default=os.path.join(REPO, "demo_out"))
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--save-every", type=int, default=5)
+    p.add_argument("--kill-at", type=int, default=20)
+    a = p.parse_args()
+    shutil.rmtree(a.workdir, ignore_errors=True)
+    os.makedirs(a.workdir)
+    ours_dir, torch_dir = os.path.join(a.workdir, "ckpt_async"), os.path.join(a.workdir, "ckpt_torch")
+    common = ["--steps", str(a.steps), "--save-every", str(a.save_every)]
+
+    print(f"1) async engine: train, checkpoint every {a.save_every} steps, SIGKILL every rank "
+          f"right after issuing the step-{a.kill_at} checkpoint")
+    first = run("async_killed", a.workdir, [*common, "--save-dir", ours_dir, "--kill-at-step", str(a.kill_at)],
+                expect_kill=True)
+    with open(os.path.join(ours_dir, "latest")) as f:
+        latest = f.read()
+    print(f"   killed at step {a.kill_at}; `latest` -> {latest} (a checkpoint still being written "
+          f"when the process died is never pointed to)")
+
+    print("2) resume from `latest` and finish")
+    second = run("async_resumed", a.workdir, [*common, "--save-dir", ours_dir, "--resume"])
+    resumed = next(e for e in second if e["event"] == "resumed" and e["rank"] == 0)
+    print(f"   resumed at step {resumed['step']}, trained to {a.steps}; `latest` -> "
+          f"{open(os.path.join(ours_dir, 'latest')).read()}")
+
+    print("3) the same model with DeepSpeed's TorchCheckpointEngine (key removed)")
+    third = run("torch", a.workdir, [*common, "--save-dir", torch_dir, "--no-async"])
+
+    ours, theirs = {**stalls(first), **stalls(second)}, stalls(third)
+    step_s = statistics.median(e["step_s"] for e in third if e["event"] == "step" and e["rank"] == 0)
+    size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(ours_dir, latest))
+               for f in fs if f.endswith(".pt"))
+    print(f"\nCheckpoint of {size / 1e6:.0f} MB (2 ranks, ZeRO-1, Adam); median training step {step_s * 1e3:.0f} ms")
+    print(f"{'step':>6} | {'async stall (ms)':>17} | {'TorchCheckpointEngine (ms)':>27} | {'ratio':>6}")
+    for step in sorted(set(ours) & set(theirs)):
+        print(f"{step:>6} | {ours[step] * 1e3:>17.1f} | {theirs[step] * 1e3:>27.1f} | {theirs[step] / ours[step]:>5.0f}x")
+    mo, mt = statistics.median(ours.values()), statistics.median(theirs.values())
+    print(f"{'median':>6} | {mo * 1e3:>17.1f} | {mt * 1e3:>27.1f} | {mt / mo:>5.0f}x")
+    print("\nstall = save_checkpoint() time + any wait for copies at the next optimizer step")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
