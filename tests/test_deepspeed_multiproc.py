@@ -97,7 +97,15 @@ def test_async_checkpoint_equals_torch_engine_and_sync_mode(tmp_path, repo_env, 
             assert not any("model_states" in f for f in own), f"rank {rank} wrote model states: {own}"
 
     # A fresh run restores exactly the same engine state from each variant.
-    run_ranks(repo_env, nproc, "load", *flags)
+    partial = int(zero == 1)
+    run_ranks(repo_env, nproc, "load", *flags, "--partial", partial)
+    if partial:  # load_optimizer_states=False / load_lr_scheduler_states=False are honoured
+        for rank in range(nproc):
+            got = torch.load(os.path.join(out, f"dump_partial_rank{rank}.pt"), weights_only=False)
+            ref = torch.load(os.path.join(out, f"dump_torch_rank{rank}.pt"), weights_only=False)
+            assert_same(got["module"], ref["module"], "partial-load module")
+            assert_same(got["lr_scheduler"], got["fresh"]["lr_scheduler"], "scheduler not loaded")
+            assert got["lr_scheduler"] != ref["lr_scheduler"]
     for rank in range(nproc):
         ref = torch.load(os.path.join(out, f"dump_torch_rank{rank}.pt"), weights_only=False)
         assert ref["global_steps"] == 3

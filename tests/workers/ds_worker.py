@@ -103,6 +103,13 @@ def phase_save(args):
 def phase_load(args):
     engine = init(args, ds_config(args, {"enabled": True}))
     rank = torch.distributed.get_rank()
+    if args.partial:  # weights only: optimizer and scheduler must keep their fresh state
+        fresh = {"optimizer": engine.optimizer.state_dict(), "lr_scheduler": engine.lr_scheduler.state_dict()}
+        engine.load_checkpoint(os.path.join(args.out, "async"), load_optimizer_states=False,
+                               load_lr_scheduler_states=False)
+        torch.save({"module": engine.module.state_dict(), "fresh": fresh,
+                    "optimizer": engine.optimizer.state_dict(), "lr_scheduler": engine.lr_scheduler.state_dict()},
+                   os.path.join(args.out, f"dump_partial_rank{rank}.pt"))
     for variant in args.variants.split(","):
         path, _ = engine.load_checkpoint(os.path.join(args.out, variant))
         assert path is not None, variant
@@ -165,6 +172,7 @@ def main():
     p.add_argument("--pipeline-stages", type=int, default=0)
     p.add_argument("--variants", default="async,sync,torch")
     p.add_argument("--kill-rank", type=int, default=1)
+    p.add_argument("--partial", type=int, default=0)
     args = p.parse_args()
     {"save": phase_save, "load": phase_load, "kill": phase_kill, "engines": phase_engines}[args.phase](args)
 
