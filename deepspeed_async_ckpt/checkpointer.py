@@ -75,11 +75,23 @@ class CheckpointHandle:
         return self._committed.is_set() and self.error is None
 
 
+def broadcast_from_rank0(value: str) -> str:
+    """Rank 0's ``value`` on every rank (a no-op without an initialized process group)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return value
+    box = [value]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 class AsyncCheckpointer:
     """Snapshot, persist and commit checkpoints for one rank.
 
     ``agree`` makes all ranks agree on a string (rank 0's value); it is called on the training
-    thread inside ``begin``, which every rank calls. Framework adapters pass a broadcast.
+    thread inside ``begin``, which every rank calls. The default broadcasts over the default
+    process group.
     """
 
     def __init__(self, config: AsyncCheckpointConfig, *, rank: int = 0, world_size: int = 1,
@@ -88,7 +100,7 @@ class AsyncCheckpointer:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.storage = storage or LocalStorage(fsync=config.fsync)
-        self._agree = agree or (lambda value: value)
+        self._agree = agree or broadcast_from_rank0
         use_cuda = torch.cuda.is_available()
         self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda)
         self._stager = Stager(self.pool, use_cuda)

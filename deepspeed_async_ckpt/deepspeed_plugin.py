@@ -37,14 +37,6 @@ ENGINE_NAME = "AsyncCheckpointEngine"
 _DEEPSPEED_EAGER_KEYS = ("lr_scheduler", "data_sampler", "random_ltd", "ds_config")
 
 
-def _broadcast_from_rank0(value: str) -> str:
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 class AsyncCheckpointEngine(CheckpointEngine):
     """DeepSpeed's checkpoint-engine contract, delegating every stage to the core."""
 
@@ -55,8 +47,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self.checkpointer = AsyncCheckpointer(
             async_config,
             rank=dist.get_rank() if initialized else 0,
-            world_size=dist.get_world_size() if initialized else 1,
-            agree=_broadcast_from_rank0)
+            world_size=dist.get_world_size() if initialized else 1)
         self._eager_keys: tuple[str, ...] = _DEEPSPEED_EAGER_KEYS
 
     # DeepSpeed's contract -------------------------------------------------------------
