@@ -29,12 +29,20 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .commit import Pointer, commit, uncommit, verify_file, write_rank_record
+from .commit import Pointer, commit, uncommit, verify_file, write_rank_failure, write_rank_record
 from .config import AsyncCheckpointConfig
 from .errors import AsyncCheckpointError, CommitError, PersistError
 from .persist import FileRecord, write_file
 from .snapshot import HostBufferPool, Stager, TensorItem, plan_file, tensor_ids
 from .storage import LocalStorage, Storage
+
+
+def _reraise(exc: BaseException) -> AsyncCheckpointError:
+    cls = exc.__class__ if isinstance(exc, AsyncCheckpointError) else PersistError
+    err = cls(f"a previous checkpoint failed and was not committed (the last committed one is "
+              f"intact): {exc}")
+    err.__cause__ = exc
+    return err
 
 
 class CheckpointHandle:
@@ -75,32 +83,35 @@ class CheckpointHandle:
         return self._committed.is_set() and self.error is None
 
 
-def broadcast_from_rank0(value: str) -> str:
-    """Rank 0's ``value`` on every rank (a no-op without an initialized process group)."""
+def exchange(value: str, error: str | None) -> tuple[str, dict[int, str]]:
+    """Collective: rank 0's ``value``, and every rank's error message (rank -> message) so that
+    a failure on one rank is raised on all of them instead of leaving the others waiting in the
+    next collective. A no-op without an initialized process group."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return value
-    box = [value]
-    dist.broadcast_object_list(box, src=0)
-    return box[0]
+        return value, ({0: error} if error else {})
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (value, error))
+    return gathered[0][0], {r: e for r, (_, e) in enumerate(gathered) if e}
 
 
 class AsyncCheckpointer:
     """Snapshot, persist and commit checkpoints for one rank.
 
-    ``agree`` makes all ranks agree on a string (rank 0's value); it is called on the training
-    thread inside ``begin``, which every rank calls. The default broadcasts over the default
-    process group.
+    ``exchange`` is the one collective ``begin`` makes (on the training thread, every rank):
+    agree on rank 0's save id and share every rank's pending background error, see
+    :func:`exchange`. Tests and single-process use may pass their own.
     """
 
     def __init__(self, config: AsyncCheckpointConfig, *, rank: int = 0, world_size: int = 1,
                  storage: Storage | None = None,
-                 agree: Callable[[str], str] | None = None) -> None:
+                 exchange: Callable[[str, str | None], tuple[str, dict[int, str]]] | None = None,
+                 ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.storage = storage or LocalStorage(fsync=config.fsync)
-        self._agree = agree or broadcast_from_rank0
+        self._exchange = exchange or globals()["exchange"]
         use_cuda = torch.cuda.is_available()
         self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda)
         self._stager = Stager(self.pool, use_cuda)
@@ -113,33 +124,41 @@ class AsyncCheckpointer:
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._closed = False
-        self.history: list[CheckpointHandle] = []
-        """Every sealed checkpoint of this process, oldest first (timings, bytes, errors)."""
+        self.history: collections.deque[CheckpointHandle] = collections.deque(maxlen=64)
+        """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
         atexit.register(self._at_exit)
 
     # ------------------------------------------------------------------ save path
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None) -> CheckpointHandle:
-        """Start a checkpoint (all ranks). Raises an error a previous save left behind."""
+        """Start a checkpoint (collective: every rank). If a previous save failed on any rank,
+        raises on every rank (the failing one gets its own error) and starts nothing."""
         self._check_open()
-        self.raise_background_error()
         if self._current is not None:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
                                        "still open: call end() first")
         ckpt_dir = os.path.abspath(ckpt_dir)
+        local = self._take_background_error()
+        save_id, failed = self._exchange(uuid.uuid4().hex[:16], None if local is None else
+                                         f"{type(local).__name__}: {local}")
+        if local is not None:
+            raise _reraise(local)
+        if failed:
+            raise CommitError("a previous checkpoint failed and was not committed (the last "
+                              "committed one is intact) on rank(s) " +
+                              "; ".join(f"{r}: {m}" for r, m in sorted(failed.items())))
         if self.rank == 0:
             self._wait_for_dir(ckpt_dir)
-            uncommit(ckpt_dir)
-        save_id = self._agree(uuid.uuid4().hex[:16])
+            uncommit(ckpt_dir)  # only now: a save that fails to start must not lose a commit
         self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer)
         return self._current
 
-    def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = ()) -> None:
+    def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = ()) -> int:
         """Add one file to the open checkpoint.
 
         Python values are frozen before this returns. Tensors are copied lazily, before the
         next :meth:`fence`, except those reachable under ``state[k]`` for ``k`` in
         ``eager_keys`` (state the loop may mutate outside the optimizer step), which are copied
-        now.
+        now. Returns the tensor bytes this file stages (what it costs the host pool).
         """
         handle = self._current
         if handle is None:
@@ -160,10 +179,11 @@ class AsyncCheckpointer:
             done: Future = Future()
             done.set_result(record)
             handle.files.append(done)
-            return
+            return plan.nbytes
         self._stager.stage_eager(i for i in plan.items if i.eager)
         self._stager.submit(i for i in plan.items if not i.eager)
         handle.files.append(self._writers.submit(write_file, self.storage, path, plan, checksum))
+        return plan.nbytes
 
     def end(self, *, commit: bool = True) -> CheckpointHandle:
         """Seal the open checkpoint; in sync mode, return only once it is committed.
@@ -208,13 +228,14 @@ class AsyncCheckpointer:
         self.raise_background_error()
 
     def raise_background_error(self) -> None:
+        """Raise (once) the first error a background stage recorded, if any."""
+        exc = self._take_background_error()
+        if exc is not None:
+            raise _reraise(exc)
+
+    def _take_background_error(self) -> BaseException | None:
         with self._lock:
-            if not self._errors:
-                return
-            exc = self._errors.pop(0)
-        cls = exc.__class__ if isinstance(exc, AsyncCheckpointError) else PersistError
-        raise cls(f"a previous checkpoint failed and was not committed "
-                  f"(the last committed one is intact): {exc}") from exc
+            return self._errors.pop(0) if self._errors else None
 
     # ------------------------------------------------------------------ load path
     def load(self, path: str, map_location: Any = None) -> Any:
@@ -305,6 +326,12 @@ class AsyncCheckpointer:
             handle.error = exc
             with self._lock:
                 self._errors.append(exc)
+            if not handle._persisted.is_set():  # this rank's own part failed: tell rank 0
+                try:
+                    write_rank_failure(self.storage, handle.ckpt_dir, rank=self.rank,
+                                       save_id=handle.save_id, message=f"{type(exc).__name__}: {exc}")
+                except OSError:
+                    pass  # rank 0 then times out after commit_timeout_s
         finally:
             with self._lock:
                 if handle in self._inflight:

@@ -53,6 +53,17 @@ def _rank_record_path(ckpt_dir: str, rank: int, save_id: str) -> str:
     return os.path.join(ckpt_dir, META_DIR, f"rank_{rank:05d}.{save_id}.json")
 
 
+def _failure_record_path(ckpt_dir: str, rank: int, save_id: str) -> str:
+    return os.path.join(ckpt_dir, META_DIR, f"rank_{rank:05d}.{save_id}.failed")
+
+
+def write_rank_failure(storage: Storage, ckpt_dir: str, *, rank: int, save_id: str, message: str) -> None:
+    """Called by a rank whose part of a save failed, so rank 0 abandons the commit at once
+    instead of waiting ``commit_timeout_s`` for a record that will never come."""
+    storage.makedirs(os.path.join(ckpt_dir, META_DIR))
+    write_text_atomic(storage, _failure_record_path(ckpt_dir, rank, save_id), message)
+
+
 def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: str,
                       checksum: str, files: Iterable[FileRecord]) -> None:
     """Called by every rank (writer or not) once all of its files for this save are durable."""
@@ -73,6 +84,12 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
         missing = [r for r, p in paths.items() if not storage.exists(p)]
         if not missing:
             break
+        failed = [r for r in missing if storage.exists(_failure_record_path(ckpt_dir, r, save_id))]
+        if failed:
+            with open(_failure_record_path(ckpt_dir, failed[0], save_id), encoding="utf-8") as f:
+                reason = f.read()
+            raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank(s) "
+                              f"{_ranges(failed)} failed to persist their part ({reason})")
         if time.monotonic() > deadline:
             raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank(s) "
                               f"{_ranges(missing)} did not finish persisting within "

@@ -288,3 +288,42 @@ def test_cuda_fence_does_not_block_the_host(tmp_path):
     ck.wait()
     assert fence_s < 0.5 * blocking_copy_s, (fence_s, blocking_copy_s)
     ck.close()
+
+
+def test_error_on_one_rank_is_raised_on_every_rank_without_a_hang(tmp_path):
+    """begin() shares pending errors through its one collective; a peer's failure raises here."""
+    peer_error = {1: "PersistError: writing x failed: [Errno 28] No space left on device"}
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=0, world_size=2,
+                           exchange=lambda value, err: (value, dict(peer_error)))
+    with pytest.raises(CommitError, match=r"rank\(s\) 1: PersistError.*No space"):
+        ck.begin(str(tmp_path / "t2"), tag="t2")
+    assert not ck.is_open
+    ck.close()
+
+
+def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path):
+    import time
+
+    storage = FailingStorage(budget=1000)
+    # rank 1 of 2, sharing the directory with rank 0 below
+    r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=1, world_size=2, storage=storage,
+                           exchange=lambda v, e: ("same-id", {}))
+    r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, commit_timeout_s=300), rank=0, world_size=2,
+                           exchange=lambda v, e: ("same-id", {}))
+    d = str(tmp_path / "t1")
+    h0 = r0.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
+    r0.save({"module": {"w": torch.ones(10)}}, os.path.join(d, "rank0.pt"))
+    r0.end()
+    r1.begin(d, tag="t1")
+    r1.save(sample_state(), os.path.join(d, "rank1.pt"))
+    r1.end()
+    t0 = time.monotonic()
+    assert h0.wait_committed(60)
+    assert time.monotonic() - t0 < 30  # not the 300 s commit timeout
+    assert isinstance(h0.error, CommitError) and "rank(s) 1 failed to persist" in str(h0.error)
+    assert "No space left" in str(h0.error)
+    assert not (tmp_path / "latest").exists()
+    for ck in (r0, r1):
+        with pytest.raises((CommitError, PersistError)):
+            ck.wait()
+        ck.close()
