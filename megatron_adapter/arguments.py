@@ -1,0 +1,72 @@
+"""The adapter's command-line flags, for ``scripts/pretrain_gpt.py`` and Megatron-LM's
+``pretrain(extra_args_provider=...)``.
+
+``--async-ckpt``              use the engine asynchronously (without it: the same pipeline, inline)
+``--async-ckpt-config PATH``  engine settings: the DeepSpeed ``"async_checkpoint"`` schema
+``--async-ckpt-writers MODE`` writer election, ``replica`` (default) or ``balanced``
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+
+from deepspeed_async_ckpt.config import CONFIG_KEY, AsyncCheckpointConfig
+from deepspeed_async_ckpt.errors import ConfigError
+
+from .election import WRITER_MODES
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """Add the adapter's flags to ``parser`` and return it (usable as an extra_args_provider)."""
+    g = parser.add_argument_group("async checkpointing (megatron_adapter)")
+    g.add_argument("--async-ckpt", action="store_true",
+                   help="save through the async checkpoint engine: lazy device-to-host snapshots, "
+                        "background writes, atomic commit of the tracker. Without this flag the "
+                        "same pipeline runs inline (synchronous save).")
+    g.add_argument("--async-ckpt-config", default=None, metavar="PATH",
+                   help="JSON engine settings, the same schema as DeepSpeed's 'async_checkpoint' key "
+                        "(the block itself or {\"async_checkpoint\": {...}}). "
+                        "\"enabled\": false falls back to megatron-core's own dist_checkpointing.")
+    g.add_argument("--async-ckpt-writers", choices=WRITER_MODES, default="replica",
+                   help="which ranks write: 'replica' = one data-parallel replica writes each "
+                        "(TP, PP) shard; 'balanced' = unique shards spread over all DP ranks.")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> AsyncCheckpointConfig:
+    """The engine config the flags ask for. ``enabled`` defaults to true here (the file can set
+    it false); the mode is ``sync`` unless ``--async-ckpt`` is given."""
+    path = getattr(args, "async_ckpt_config", None)
+    raw = {"enabled": True}
+    if path:
+        raw.update(_read_block(path))
+    cfg = AsyncCheckpointConfig.from_dict(raw)
+    if not getattr(args, "async_ckpt", False):
+        cfg = dataclasses.replace(cfg, mode="sync")
+    return cfg
+
+
+def _read_block(path: str) -> dict:
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read --async-ckpt-config {path!r}: {exc}") from exc
+    if isinstance(raw, dict) and CONFIG_KEY in raw:
+        raw = raw[CONFIG_KEY]
+    if not isinstance(raw, dict):
+        raise ConfigError(f"--async-ckpt-config {path!r} must hold a JSON object, got {type(raw).__name__}")
+    return raw
+
+
+def checkpointer_from_args(args: argparse.Namespace, storage=None):
+    """A :class:`~megatron_adapter.checkpointer.MegatronCheckpointer`, or None when the config
+    file disables the engine (megatron-core's own checkpointing is then used)."""
+    from .checkpointer import MegatronCheckpointer
+
+    cfg = config_from_args(args)
+    if not cfg.enabled:
+        return None
+    return MegatronCheckpointer(cfg, writers=args.async_ckpt_writers, storage=storage)

@@ -1,0 +1,329 @@
+"""Megatron-core adapter: translates one megatron-core checkpoint save/load into the engine's
+``begin`` / ``save`` / ``end`` / ``fence`` calls. It holds no staging or writing logic.
+
+Call order, on every rank::
+
+    ckpt = MegatronCheckpointer(AsyncCheckpointConfig(...), writers="replica")
+    for iteration in ...:
+        ...forward/backward...
+        ckpt.fence()                  # right before optimizer.step(): copies of the last save done
+        optimizer.step()
+        if iteration % save_interval == 0:
+            ckpt.save(state_dict, save_dir, iteration)   # returns once planned (async mode)
+    ckpt.close()                      # flush: the last checkpoint committed, tracker moved
+
+``state_dict`` is what megatron-core's ``dist_checkpointing.save`` takes: ``ShardedTensor``s
+from ``model.sharded_state_dict()`` and ``optimizer.sharded_state_dict(...)``, ``ShardedObject``s,
+and plain values (iteration, args, scheduler state), which go to ``common.pt``.
+
+A save, on the training thread: megatron's preprocessing (factories, the common part,
+sharding validation), writer election (:mod:`.election`), torch DCP planning
+(:mod:`.torch_dist`), then one engine ``save`` per file this rank writes. Tensor shards are
+copied to host lazily before the next ``fence``; ``common.pt`` is copied before ``save``
+returns. Once every rank persisted, rank 0 writes ``.metadata`` and ``metadata.json``, then moves
+``latest_checkpointed_iteration.txt`` atomically; a crash before that leaves the tracker on the
+previous checkpoint.
+"""
+
+from __future__ import annotations
+
+import atexit
+import os
+import queue
+import sys
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch.distributed as dist
+
+from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, CheckpointHandle
+from deepspeed_async_ckpt.commit import META_DIR, read_manifest, verify_file, write_text_atomic
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.errors import CommitError, IntegrityError
+from deepspeed_async_ckpt.storage import Storage
+
+from . import torch_dist
+from .election import check_mode, elect_writers
+from .layout import ParallelLayout, replica_group
+
+TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+def checkpoint_dir(save_dir: str, iteration: int) -> str:
+    """Megatron-LM's directory name for an iteration: ``<save_dir>/iter_0000050``."""
+    return os.path.join(save_dir, f"iter_{iteration:07d}")
+
+
+def tracker_path(save_dir: str) -> str:
+    return os.path.join(save_dir, TRACKER_FILE)
+
+
+def read_tracker(save_dir: str) -> int | None:
+    """The iteration ``latest_checkpointed_iteration.txt`` names, or None if there is none."""
+    try:
+        with open(tracker_path(save_dir), encoding="utf-8") as f:
+            text = f.read().strip()
+    except FileNotFoundError:
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise IntegrityError(f"{tracker_path(save_dir)} holds {text!r}, not an iteration") from None
+
+
+@dataclass
+class SaveRecord:
+    """One save as seen by this rank: the files it wrote and how long training was blocked."""
+
+    iteration: int
+    ckpt_dir: str
+    files: list[dict] = field(default_factory=list)
+    """``{"path", "key", "offset", "bytes"}`` per file; ``bytes`` are the tensor bytes staged."""
+    blocked_s: float = 0.0
+    """Seconds ``save`` held the training thread (planning, eager copies, sync writes)."""
+    handle: CheckpointHandle | None = field(default=None, repr=False)
+
+
+class MegatronCheckpointer:
+    """The engine, driven by megatron-core sharded state dicts. Construct on every rank after
+    ``initialize_model_parallel``.
+
+    ``writers`` is the election mode (``"replica"`` or ``"balanced"``, see :mod:`.election`);
+    ``config`` is the same :class:`AsyncCheckpointConfig` the DeepSpeed adapter takes.
+    """
+
+    def __init__(self, config: AsyncCheckpointConfig, *, writers: str = "replica",
+                 storage: Storage | None = None) -> None:
+        self.config = config
+        self.writers = check_mode(writers)
+        self.layout = ParallelLayout.from_parallel_state()
+        self.rank, self.world_size = self.layout.rank, self.layout.world_size
+        self.engine = AsyncCheckpointer(config, rank=self.rank, world_size=self.world_size,
+                                        storage=storage)
+        self._finalize_queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: list[tuple[str, Future]] = []
+        self._finalizer = threading.Thread(target=self._finalize_loop, name="megatron-ckpt-finalizer",
+                                           daemon=True)
+        self._finalizer.start()
+        self._closed = False
+        atexit.register(self._at_exit)  # after the engine's: runs first, flushes both
+
+    # ------------------------------------------------------------------ save path
+    def save(self, state_dict: dict, save_dir: str, iteration: int, *,
+             content_metadata: dict | None = None, validate_access_integrity: bool = True,
+             ) -> SaveRecord:
+        """Save (collective). Async mode: returns once the files are planned and the eager part
+        is copied. Sync mode: returns once the checkpoint is committed and the tracker moved.
+        A failure of a previous save is raised here, on every rank, before anything starts."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+        from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+
+        t0 = time.perf_counter()
+        self._agree_no_error(self._take_background_error())
+        if content_metadata is not None:
+            # As dist_checkpointing.save stores it (process groups dropped), for load to read.
+            state_dict["content_metadata"] = _clean_metadata_for_serialization(content_metadata)
+        sharded_part, common = save_preprocess(state_dict, validate_access_integrity)
+        tensors = [v for v in nested_values(sharded_part) if isinstance(v, ShardedTensor)]
+        elect_writers(tensors, self.writers, replica_group())
+        plan = torch_dist.plan_save(sharded_part, rank=self.rank, world_size=self.world_size)
+
+        ckpt_dir = os.path.abspath(checkpoint_dir(save_dir, iteration))
+        record = SaveRecord(iteration=iteration, ckpt_dir=ckpt_dir)
+        if self.rank == 0:
+            self._wait_finalized(ckpt_dir)
+            torch_dist.remove_markers(ckpt_dir)
+        handle = self.engine.begin(ckpt_dir, tag=str(iteration))
+        error: BaseException | None = None
+        try:
+            if self.rank == 0:
+                self._save_file(handle, record, common, torch_dist.COMMON_FILE, key="common",
+                                offset=None, eager_keys=tuple(common))
+            for job in plan.jobs:
+                self._save_file(handle, record, job.data, job.relpath, key=job.key, offset=job.offset)
+        except BaseException as exc:
+            error = exc
+        try:
+            record.handle = self.engine.end(commit=error is None)  # sync mode: persists here
+        except BaseException as exc:
+            error = error or exc
+        if self.rank == 0 and error is None:
+            # Only the index travels to the finalizer: the jobs hold the tensors, which must be
+            # freed as soon as they are staged.
+            index, tracker = plan.index, tracker_path(os.path.abspath(save_dir))
+            self._submit_finalize(ckpt_dir, lambda: self._finalize(handle, index, tracker, str(iteration)))
+            if not self.config.is_async:
+                self._wait_finalized(ckpt_dir)
+                error = self._take_finalize_error()
+        del plan
+        # Collective: a save that failed anywhere fails everywhere; in sync mode this is also
+        # the barrier after which every rank knows the tracker names this checkpoint.
+        self._agree_no_error(error)
+        record.blocked_s = time.perf_counter() - t0
+        return record
+
+    def _save_file(self, handle: CheckpointHandle, record: SaveRecord, data: Any, relpath: str, *,
+                   key: str, offset: tuple | None, eager_keys: tuple = ()) -> None:
+        staged = self.engine.save(data, os.path.join(record.ckpt_dir, relpath), eager_keys=eager_keys)
+        record.files.append({"path": relpath, "key": key, "offset": offset, "bytes": staged})
+
+    def fence(self) -> None:
+        """Call right before ``optimizer.step()``: waits only for copies still outstanding."""
+        self.engine.fence()
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Collective: block until every save so far is committed and the tracker moved; raise
+        on every rank if any rank's background work failed."""
+        error = None
+        try:
+            self.engine.wait(timeout)
+        except BaseException as exc:
+            error = exc
+        self._wait_finalized(None)
+        self._agree_no_error(error or self._take_finalize_error())
+
+    # ------------------------------------------------------------------ load path
+    def load(self, sharded_state_dict: dict, ckpt_dir: str, **load_kwargs: Any) -> dict:
+        """``megatron.core.dist_checkpointing.load`` (collective), after pending saves landed
+        and, for a checkpoint this engine wrote, after every file was checked against its
+        manifest (each rank checks a disjoint share). Checkpoints megatron-core wrote itself
+        load as they are."""
+        from megatron.core import dist_checkpointing
+
+        self.wait()
+        if self.config.verify_on_load:
+            verify_checkpoint_dir(ckpt_dir, rank=self.rank, world_size=self.world_size)
+        return dist_checkpointing.load(sharded_state_dict, ckpt_dir, **load_kwargs)
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Flush (every checkpoint committed, tracker moved) and stop the background threads."""
+        if self._closed:
+            return
+        try:
+            self.engine.close()
+            self._wait_finalized(None)
+            error = self._take_finalize_error()
+            if error is not None:
+                raise error
+        finally:
+            self._closed = True
+            self._finalize_queue.put(None)
+            self._finalizer.join(timeout=60)
+            atexit.unregister(self._at_exit)
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes this rank copied to host so far."""
+        return self.engine.staged_bytes
+
+    def _at_exit(self) -> None:
+        try:
+            self.close()
+        except BaseException as exc:
+            print(f"megatron_adapter: rank {self.rank}: final checkpoint not committed: {exc}",
+                  file=sys.stderr)
+
+    # ------------------------------------------------------------------ rank 0 finalize
+    def _finalize(self, handle: CheckpointHandle, index: torch_dist.GlobalIndex, tracker: str,
+                  text: str) -> None:
+        handle.wait_committed()
+        if handle.error is not None or handle.abandoned:
+            return  # the engine reports its own failure; the tracker stays put
+        torch_dist.write_markers(self.engine.storage, handle.ckpt_dir, index)
+        write_text_atomic(self.engine.storage, tracker, text)
+        handle.times["finalized"] = time.perf_counter()
+
+    def _submit_finalize(self, ckpt_dir: str, fn: Callable[[], None]) -> None:
+        fut: Future = Future()
+        self._pending.append((ckpt_dir, fut))
+        self._finalize_queue.put((fut, fn))
+
+    def _finalize_loop(self) -> None:
+        while True:
+            job = self._finalize_queue.get()
+            if job is None:
+                return
+            fut, fn = job
+            try:
+                fn()
+                fut.set_result(None)
+            except BaseException as exc:
+                fut.set_exception(exc)
+
+    def _wait_finalized(self, ckpt_dir: str | None) -> None:
+        for d, fut in list(self._pending):
+            if ckpt_dir is None or d == ckpt_dir:
+                fut.exception()  # waits; the error itself is taken by _take_finalize_error
+
+    def _take_finalize_error(self) -> BaseException | None:
+        for item in list(self._pending):
+            ckpt_dir, fut = item
+            if not fut.done():
+                continue
+            self._pending.remove(item)
+            exc = fut.exception()
+            if exc is not None:
+                err = CommitError(f"checkpoint {ckpt_dir!r} persisted but its torch_dist metadata "
+                                  f"or tracker could not be written (the tracker still names the "
+                                  f"previous checkpoint): {exc}")
+                err.__cause__ = exc
+                return err
+        return None
+
+    def _take_background_error(self) -> BaseException | None:
+        try:
+            self.engine.raise_background_error()
+        except BaseException as exc:
+            return exc
+        return self._take_finalize_error()
+
+    def _agree_no_error(self, error: BaseException | None) -> None:
+        """Collective: raise on every rank if any rank has an error (its own, or a summary)."""
+        if self.world_size > 1:
+            messages: list[Any] = [None] * self.world_size
+            dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
+            failed = {r: m for r, m in enumerate(messages) if m}
+        else:
+            failed = {0: str(error)} if error is not None else {}
+        if error is not None:
+            raise error
+        if failed:
+            raise CommitError("checkpoint failed on rank(s) " + "; ".join(
+                f"{r}: {m}" for r, m in sorted(failed.items())))
+
+
+def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1) -> None:
+    """Collective when ``world_size > 1``. For a checkpoint this engine wrote: it must be
+    committed and finalized, and every file must match the manifest; rank ``r`` hashes files
+    ``r, r + world_size, ...``. A checkpoint megatron-core wrote itself (``metadata.json``, no
+    engine records) is accepted as it is; a directory that is neither raises."""
+    error = None
+    try:
+        if not os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
+            if not os.path.exists(os.path.join(ckpt_dir, torch_dist.CONFIG_FILE)):
+                raise IntegrityError(f"{ckpt_dir!r} is not a complete checkpoint: neither this "
+                                     f"engine's manifest nor megatron's {torch_dist.CONFIG_FILE}")
+        else:
+            manifest = read_manifest(ckpt_dir)
+            missing = [n for n in torch_dist.MARKER_FILES
+                       if not os.path.exists(os.path.join(ckpt_dir, n))]
+            if missing:
+                raise IntegrityError(f"checkpoint {ckpt_dir!r} was persisted but never finalized "
+                                     f"({', '.join(missing)} missing): load the one the tracker names")
+            for rel in sorted(manifest["files"])[rank::world_size]:
+                verify_file(os.path.join(ckpt_dir, rel), manifest)
+    except IntegrityError as exc:
+        error = str(exc)
+    errors = [error]
+    if world_size > 1:
+        errors = [None] * world_size
+        dist.all_gather_object(errors, error)
+    errors = [e for e in errors if e]
+    if errors:
+        raise IntegrityError("; ".join(dict.fromkeys(errors)))

@@ -1,0 +1,222 @@
+"""Megatron-LM integration: its own ``pretrain_gpt.py`` (or any script calling ``pretrain``)
+checkpointing through the engine. Needs a Megatron-LM checkout on ``PYTHONPATH``
+(``megatron.training`` is not pip-installable); written against ``core_v0.16.x``.
+
+Run Megatron-LM's script unchanged, through this module::
+
+    torchrun --nproc_per_node 8 -m megatron_adapter.megatron_lm Megatron-LM/pretrain_gpt.py \\
+        <Megatron-LM flags> --ckpt-format torch_dist --save ckpt --save-interval 500 --load ckpt \\
+        --async-ckpt [--async-ckpt-config cfg.json] [--async-ckpt-writers balanced]
+
+or, from a launcher of your own, call :func:`install` before ``pretrain`` and pass
+``extra_args_provider=megatron_lm.extra_args_provider(your_provider)``.
+
+What :func:`install` hooks (module attributes of ``megatron.training``):
+
+- ``pretrain``: its ``extra_args_provider`` is chained with :func:`~.arguments.add_arguments`,
+  so the three ``--async-ckpt*`` flags parse (Megatron-LM's ``pretrain_gpt.py`` hard-codes its
+  own provider).
+- ``save_checkpoint`` (in ``checkpointing`` and ``training``): with ``--async-ckpt`` or
+  ``--async-ckpt-config``, a persistent ``torch_dist`` save builds the state dict with
+  Megatron-LM's own ``generate_state_dict`` and hands it to :class:`MegatronCheckpointer`; the
+  tracker is then written by the engine, once every rank persisted. The optimizer's ``step`` gets
+  the engine's fence. Other saves (non-persistent, other formats, no flag) run unchanged.
+- ``load_checkpoint``: waits for pending saves and checks the checkpoint against its manifest
+  first; the load itself is Megatron-LM's (the format is megatron's ``torch_dist``).
+- ``maybe_finalize_async_save(blocking=True)``: also flushes the engine.
+
+Do not combine with Megatron-LM's ``--async-save``: saves no longer go through its queue.
+Routed saves skip Megatron-LM's save-time side effects (fault-tolerance and one-logger
+callbacks, W&B artifact logging, ``--save-retain-interval`` deletion).
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import os
+import runpy
+import sys
+from typing import Any, Callable
+
+from deepspeed_async_ckpt.errors import IntegrityError
+
+from .arguments import add_arguments, config_from_args
+from .checkpointer import MegatronCheckpointer, checkpoint_dir, read_tracker, verify_checkpoint_dir
+
+_ORIGINALS: dict[str, Any] = {}
+_STATE: dict[str, Any] = {"engine": None, "saves": 0}
+
+
+def extra_args_provider(inner: Callable | None = None) -> Callable:
+    """An ``extra_args_provider`` adding the adapter's flags after ``inner``'s."""
+
+    def provider(parser):
+        if inner is not None:
+            parser = inner(parser) or parser
+        return add_arguments(parser)
+
+    return provider
+
+
+def engine_enabled(args: Any) -> bool:
+    return bool(getattr(args, "async_ckpt", False) or getattr(args, "async_ckpt_config", None))
+
+
+def _engine(args: Any) -> MegatronCheckpointer | None:
+    if not engine_enabled(args):
+        return None
+    if _STATE["engine"] is None:
+        cfg = config_from_args(args)
+        if not cfg.enabled:
+            return None
+        _STATE["engine"] = MegatronCheckpointer(cfg, writers=args.async_ckpt_writers)
+    return _STATE["engine"]
+
+
+def _call(fn: Callable, *args: Any, **maybe_kwargs: Any) -> Any:
+    """Call ``fn`` with the keyword arguments its signature accepts (versions differ)."""
+    params = inspect.signature(fn).parameters
+    return fn(*args, **{k: v for k, v in maybe_kwargs.items() if k in params})
+
+
+def _fence_optimizer(optimizer: Any, engine: MegatronCheckpointer) -> None:
+    if optimizer is None or getattr(optimizer, "_async_ckpt_fenced", False):
+        return
+    step = optimizer.step
+
+    @functools.wraps(step)
+    def fenced_step(*args, **kwargs):
+        engine.fence()  # the last save's lazy copies finish before weights change
+        return step(*args, **kwargs)
+
+    optimizer.step = fenced_step
+    optimizer._async_ckpt_fenced = True
+
+
+def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
+                    num_floating_point_operations_so_far, checkpointing_context=None,
+                    *args, **kwargs):
+    """Megatron-LM's ``save_checkpoint`` signature; routes persistent torch_dist saves."""
+    from megatron.core import mpu
+    from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
+    from megatron.core.rerun_state_machine import get_rerun_state_machine
+    from megatron.core.utils import unwrap_model
+    from megatron.training import checkpointing as mlm
+    from megatron.training import get_args
+
+    margs = get_args()
+    engine = _engine(margs)
+    if engine is None or kwargs.get("non_persistent_ckpt") or margs.ckpt_format != "torch_dist" \
+            or kwargs.get("release"):
+        return _ORIGINALS["save"](iteration, model, optimizer, opt_param_scheduler,
+                                  num_floating_point_operations_so_far, checkpointing_context,
+                                  *args, **kwargs)
+    model = unwrap_model(model)
+    if "ckpt_format" in inspect.signature(mlm.get_rng_state).parameters:
+        rng_state = _call(mlm.get_rng_state, ckpt_format=margs.ckpt_format,
+                          tp_group=mpu.get_tensor_model_parallel_group(),
+                          pp_group=mpu.get_pipeline_model_parallel_group())
+    else:  # older Megatron-LM: get_rng_state(use_dist_ckpt)
+        rng_state = _call(mlm.get_rng_state, use_dist_ckpt=True)
+    metadata = _call(mlm._build_sharded_state_dict_metadata, margs)
+    rerun_state = _call(get_rerun_state_machine().state_dict,
+                        data_iterator=kwargs.get("train_data_iterator"), ckpt_format=margs.ckpt_format)
+    state_dict = _call(mlm.generate_state_dict, margs, model, optimizer, opt_param_scheduler,
+                       rng_state, iteration=iteration, optim_sd_kwargs=dict(metadata=metadata),
+                       model_sd_kwargs=dict(metadata=metadata), rerun_state=rerun_state)
+    state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+    validate = _STATE["saves"] == 0 or not getattr(margs, "ckpt_assume_constant_structure", False)
+    engine.save(state_dict, margs.save, iteration,
+                content_metadata=_clean_metadata_for_serialization(metadata),
+                validate_access_integrity=validate)
+    _STATE["saves"] += 1
+    _fence_optimizer(optimizer, engine)
+
+
+def load_checkpoint(*args, **kwargs):
+    """Megatron-LM's ``load_checkpoint``, after pending saves landed and the checkpoint the
+    tracker (or ``--ckpt-step``) names was checked against its manifest."""
+    import torch.distributed as dist
+    from megatron.training import get_args
+
+    margs = get_args()
+    engine = _engine(margs)
+    if engine is not None:
+        engine.wait()
+        load_dir = getattr(margs, kwargs.get("load_arg", "load"), None)
+        try:
+            iteration = getattr(margs, "ckpt_step", None) or (read_tracker(load_dir) if load_dir else None)
+        except IntegrityError:  # "release": not a checkpoint this engine writes
+            iteration = None
+        if iteration is not None and engine.config.verify_on_load:
+            verify_checkpoint_dir(checkpoint_dir(load_dir, iteration), rank=dist.get_rank(),
+                                  world_size=dist.get_world_size())
+    return _ORIGINALS["load"](*args, **kwargs)
+
+
+def maybe_finalize_async_save(blocking: bool = False, *args, **kwargs):
+    if blocking and _STATE["engine"] is not None:
+        _STATE["engine"].wait()
+    return _ORIGINALS["finalize"](blocking, *args, **kwargs)
+
+
+def _pretrain(*args, **kwargs):
+    params = inspect.signature(_ORIGINALS["pretrain"]).parameters
+    positional = [n for n, p in params.items()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    name = "extra_args_provider"
+    if name in positional and len(args) > positional.index(name):
+        i = positional.index(name)
+        args = (*args[:i], extra_args_provider(args[i]), *args[i + 1:])
+    else:
+        kwargs[name] = extra_args_provider(kwargs.get(name))
+    return _ORIGINALS["pretrain"](*args, **kwargs)
+
+
+def install() -> bool:
+    """Hook Megatron-LM (idempotent). Returns True if it patched."""
+    import megatron.training as mt
+    from megatron.training import checkpointing, training
+
+    if _ORIGINALS:
+        return False
+    _ORIGINALS.update(save=checkpointing.save_checkpoint, load=checkpointing.load_checkpoint,
+                      pretrain=training.pretrain,
+                      finalize=getattr(training, "maybe_finalize_async_save", lambda *a, **k: None))
+    checkpointing.save_checkpoint = training.save_checkpoint = save_checkpoint
+    checkpointing.load_checkpoint = training.load_checkpoint = load_checkpoint
+    training.maybe_finalize_async_save = maybe_finalize_async_save
+    training.pretrain = mt.pretrain = _pretrain
+    return True
+
+
+def uninstall() -> None:
+    """Undo :func:`install` (tests)."""
+    import megatron.training as mt
+    from megatron.training import checkpointing, training
+
+    if not _ORIGINALS:
+        return
+    checkpointing.save_checkpoint = training.save_checkpoint = _ORIGINALS["save"]
+    checkpointing.load_checkpoint = training.load_checkpoint = _ORIGINALS["load"]
+    training.maybe_finalize_async_save = _ORIGINALS["finalize"]
+    training.pretrain = mt.pretrain = _ORIGINALS["pretrain"]
+    _ORIGINALS.clear()
+
+
+def main(argv: list[str] | None = None) -> None:
+    """``python -m megatron_adapter.megatron_lm SCRIPT [args...]``: run SCRIPT as ``__main__``
+    with the hooks installed."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv:
+        raise SystemExit("usage: python -m megatron_adapter.megatron_lm Megatron-LM/pretrain_gpt.py [args...]")
+    script = os.path.abspath(argv[0])
+    sys.argv = [script, *argv[1:]]
+    sys.path.insert(0, os.path.dirname(script))  # its sibling modules (model_provider, ...)
+    install()
+    runpy.run_path(script, run_name="__main__")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,182 @@
+"""megatron-core's ``torch_dist`` checkpoint format, planned by megatron and torch DCP, with the
+bytes routed through the engine.
+
+What megatron-core's ``TorchDistSaveShardedStrategy`` does, and what we keep or replace:
+
+==========================  ===============================================  ================
+step                        megatron-core 0.16                                here
+==========================  ===============================================  ================
+translate shards            ``mcore_to_pyt_state_dict``                      reused
+plan (local, global)        ``MCoreSavePlanner`` + decentralized global plan reused
+device -> host              ``preload_tensors``: fresh buffers + full sync   engine snapshot
+write                       forked workers, ``.distcp`` per worker            engine persist
+``.metadata`` + commit      finalize fns; tracker written by the trainer     after engine commit
+==========================  ===============================================  ================
+
+Layout of a checkpoint directory (readable by ``megatron.core.dist_checkpointing.load``)::
+
+    common.pt            rank 0: everything that is not a ShardedTensor/ShardedObject
+    __<rank>_<k>.distcp  the k-th item this rank writes: one torch.save-format tensor or object
+    .metadata            rank 0, after every rank persisted: torch DCP global metadata
+    metadata.json        rank 0, then: {"sharded_backend": "torch_dist", ...}
+    .async_ckpt/         the engine's per-rank records and manifest (sizes, checksums)
+
+One file per item (instead of megatron's one file per writer process) is what the engine's
+``save(state, path)`` API writes; ``.metadata`` points each item at offset 0 of its own file.
+Its byte lengths are only known once every rank has persisted, so ``.metadata`` is written from
+the committed manifest on rank 0, before the tracker moves.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import os
+import pickle
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from deepspeed_async_ckpt.commit import read_manifest, write_text_atomic
+from deepspeed_async_ckpt.storage import Storage
+
+BACKEND = "torch_dist"
+BACKEND_VERSION = 1
+COMMON_FILE = "common.pt"
+DCP_METADATA_FILE = ".metadata"
+CONFIG_FILE = "metadata.json"
+#: The files whose presence makes a directory look like a complete megatron checkpoint.
+MARKER_FILES = (DCP_METADATA_FILE, CONFIG_FILE)
+
+
+def distcp_name(rank: int, k: int) -> str:
+    return f"__{rank}_{k}.distcp"
+
+
+@dataclass(frozen=True)
+class WriteJob:
+    """One file this rank writes: a tensor shard or the payload of a sharded object."""
+
+    relpath: str
+    key: str
+    offset: tuple | None
+    """Global offset of a tensor shard; None for a sharded object."""
+    data: Any = field(repr=False)
+
+
+@dataclass(frozen=True)
+class GlobalIndex:
+    """Rank 0: what ``.metadata`` needs once every rank persisted (no tensor data)."""
+
+    metadata: Any
+    """torch DCP ``Metadata`` from the global plan, still without storage locations."""
+    item_indices: list[list[Any]]
+    """``item_indices[r][k]`` is the DCP index of the item in ``distcp_name(r, k)``."""
+
+
+@dataclass
+class SavePlan:
+    """What one save writes, as planned on every rank."""
+
+    jobs: list[WriteJob]
+    index: GlobalIndex | None = None
+    """Rank 0 only."""
+
+
+def plan_save(sharded_part: dict, *, rank: int, world_size: int) -> SavePlan:
+    """Collective (all ranks): plan the ``.distcp`` items with megatron-core's own planner.
+
+    Only main replicas are kept, so a rank plans exactly the shards it was elected to write.
+    Raises on every rank if the global plan is invalid (a shard missing or written twice).
+    """
+    from megatron.core.dist_checkpointing.strategies.torch import (
+        MCoreSavePlanner,
+        _replace_state_dict_keys_with_sharded_keys,
+        mcore_to_pyt_state_dict,
+    )
+    from torch.distributed.checkpoint.planner import WriteItemType
+
+    flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, keep_only_main_replica=True)
+    pyt_state_dict = mcore_to_pyt_state_dict(flat, is_loading=False)
+    planner = MCoreSavePlanner(flatten_state_dict=False)
+    planner.set_up_planner(pyt_state_dict, is_coordinator=rank == 0)
+    local_plan = planner.create_local_plan()
+
+    gathered = [None] * world_size if rank == 0 else None
+    if world_size > 1:
+        dist.gather_object(local_plan, gathered, dst=0)
+    else:
+        gathered = [local_plan]
+    plan = SavePlan(jobs=[])
+    error = None
+    if rank == 0:
+        item_indices = [[item.index for item in p.items] for p in gathered]
+        try:
+            _, metadata = planner.create_global_plan(gathered)
+            # As megatron-core stores it, so its own cached-structure save can reuse it.
+            metadata.all_local_plans = gathered
+            plan.index = GlobalIndex(metadata=metadata, item_indices=item_indices)
+        except Exception as exc:  # raised on every rank below
+            error = f"{type(exc).__name__}: {exc}"
+    if world_size > 1:
+        box = [error]
+        dist.broadcast_object_list(box, src=0)
+        error = box[0]
+    if error is not None:
+        raise RuntimeError(f"torch_dist save plan rejected: {error}")
+
+    final_plan = planner.finish_plan(planner.create_decentralized_global_plan(local_plan))
+    for k, item in enumerate(final_plan.items):
+        data = planner.resolve_data(item)
+        if item.type == WriteItemType.BYTE_IO:
+            # megatron serialized the objects into a BytesIO when translating; a private,
+            # frozen copy of them is what the engine writes (torch.load gives the same list back).
+            data = torch.load(io.BytesIO(data.getvalue()), weights_only=False)
+            offset = None
+        else:
+            offset = tuple(item.index.offset)
+        plan.jobs.append(WriteJob(relpath=distcp_name(rank, k), key=item.index.fqn,
+                                  offset=offset, data=data))
+    return plan
+
+
+def write_markers(storage: Storage, ckpt_dir: str, index: GlobalIndex) -> None:
+    """Rank 0, after the engine committed: write ``.metadata`` from the manifest's file sizes,
+    then ``metadata.json``. Each is written to a temporary name, fsynced and renamed."""
+    from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
+    from megatron.core.dist_checkpointing.core import CheckpointingConfig
+
+    files = read_manifest(ckpt_dir)["files"]
+    storage_data = {}
+    for r, indices in enumerate(index.item_indices):
+        for k, item_index in enumerate(indices):
+            name = distcp_name(r, k)
+            storage_data[item_index] = _StorageInfo(relative_path=name, offset=0, length=files[name]["bytes"])
+    metadata = index.metadata
+    metadata.storage_data = storage_data
+    metadata.version = CURRENT_DCP_VERSION
+    write_bytes_atomic(storage, os.path.join(ckpt_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
+    write_text_atomic(storage, os.path.join(ckpt_dir, CONFIG_FILE),
+                      json.dumps(asdict(CheckpointingConfig(BACKEND, BACKEND_VERSION))))
+
+
+def remove_markers(ckpt_dir: str) -> None:
+    """Rank 0, before a directory is saved again: it must not look complete meanwhile."""
+    for name in MARKER_FILES:
+        try:
+            os.unlink(os.path.join(ckpt_dir, name))
+        except FileNotFoundError:
+            pass
+
+
+def write_bytes_atomic(storage: Storage, path: str, data: bytes) -> None:
+    # The engine's write_text_atomic, for bytes (DCP's .metadata is a raw pickle).
+    tmp = f"{path}.tmp.{os.getpid()}"
+    with storage.open_write(tmp) as f:
+        view = memoryview(data)
+        while view:
+            view = view[f.write(view):]
+        storage.sync_file(f)
+    storage.replace(tmp, path)

@@ -1,0 +1,1 @@
+"""Rank processes for tests/test_megatron*.py (launched by scripts/launch.py, gloo on CPU)."""

@@ -1,0 +1,33 @@
+"""``scripts/pretrain_gpt.py`` whose checkpoint storage SIGKILLs the rank the moment it starts
+writing the first tensor file of iteration ``$KILL_AT_ITERATION``: a crash mid-persist, on every
+rank that writes, before any of them can record its part of that checkpoint."""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(os.path.dirname(HERE))
+sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]
+
+import pretrain_gpt  # noqa: E402
+from deepspeed_async_ckpt.storage import LocalStorage  # noqa: E402
+
+
+class KillMidPersist(LocalStorage):
+    def __init__(self, ckpt_dir_name: str) -> None:
+        super().__init__(fsync=True)
+        self.ckpt_dir_name = ckpt_dir_name
+
+    def open_write(self, path: str):
+        if os.path.basename(os.path.dirname(path)) == self.ckpt_dir_name \
+                and os.path.basename(path).startswith("__"):
+            os.kill(os.getpid(), signal.SIGKILL)
+        return super().open_write(path)
+
+
+if __name__ == "__main__":
+    kill_at = int(os.environ["KILL_AT_ITERATION"])
+    sys.exit(pretrain_gpt.main(sys.argv[1:], storage=KillMidPersist(f"iter_{kill_at:07d}")))

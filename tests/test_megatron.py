@@ -1,0 +1,305 @@
+"""Megatron-core adapter, end to end: real rank processes (4, gloo, CPU) running megatron-core.
+
+Each ``saved_*`` fixture is one 4-rank run of ``megatron_workers/ckpt_worker.py`` in one layout:
+it trains a tiny GPT (4 layers, hidden 32, vocab 64, distributed optimizer), saves the same state
+three ways (sync, async ``replica``, async ``balanced``), takes one more optimizer step at once,
+then reloads. Every rank dumps its shards keyed by (sharded key, global offset), so the tests
+below compare tensors bitwise and count the bytes each rank wrote. The ``pretrain_*`` fixtures
+run ``scripts/pretrain_gpt.py`` itself and compare loss sequences exactly.
+
+The whole file runs in about 4 minutes on 2 CPU cores (nine 4-rank launches).
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+import pytest
+import torch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "megatron_workers", "ckpt_worker.py")
+KILL_WORKER = os.path.join(REPO, "tests", "megatron_workers", "kill_worker.py")
+PRETRAIN = os.path.join(REPO, "scripts", "pretrain_gpt.py")
+CONFIG = os.path.join(REPO, "configs", "megatron_async.json")
+NPROC = 4
+
+pytest.importorskip("megatron.core")
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from launch import launch  # noqa: E402
+
+from deepspeed_async_ckpt.commit import META_DIR, read_manifest  # noqa: E402
+from deepspeed_async_ckpt.errors import IntegrityError  # noqa: E402
+from megatron_adapter.checkpointer import read_tracker, verify_checkpoint_dir  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+# ---------------------------------------------------------------------------------- launches
+@pytest.fixture(scope="module")
+def env():
+    e = dict(os.environ)
+    e["PYTHONPATH"] = os.pathsep.join([REPO, e.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    e["OMP_NUM_THREADS"] = "1"
+    e["PYTHONWARNINGS"] = "ignore"
+    return e
+
+
+def run(script: str, args: list[str], env: dict, expect_ok: bool = True) -> list[int]:
+    codes = launch(script, [str(a) for a in args], NPROC, timeout=240, env=env)
+    if expect_ok:
+        assert codes == [0] * NPROC, f"{os.path.basename(script)} {args}: rank exit codes {codes}"
+    return codes
+
+
+def save_run(tmp_path_factory, env, tp: int, pp: int, *extra: str) -> str:
+    out = str(tmp_path_factory.mktemp(f"save_tp{tp}_pp{pp}"))
+    run(WORKER, ["save", "--tp", tp, "--pp", pp, "--out", out, *extra], env)
+    return out
+
+
+@pytest.fixture(scope="module")
+def saved_tp2_pp2(tmp_path_factory, env):
+    """TP=2, PP=2, DP=1; also megatron-core interop both ways."""
+    return save_run(tmp_path_factory, env, 2, 2, "--interop")
+
+
+@pytest.fixture(scope="module")
+def saved_tp1_pp2(tmp_path_factory, env):
+    """TP=1, PP=2, DP=2."""
+    return save_run(tmp_path_factory, env, 1, 2)
+
+
+@pytest.fixture(scope="module")
+def saved_tp2_pp1(tmp_path_factory, env):
+    """TP=2, PP=1, DP=2."""
+    return save_run(tmp_path_factory, env, 2, 1)
+
+
+LAYOUTS = ("saved_tp2_pp2", "saved_tp1_pp2", "saved_tp2_pp1")
+
+
+# ---------------------------------------------------------------------------------- dumps
+def dumps(out: str, name: str) -> dict[int, dict]:
+    return {r: torch.load(f"{out}/{name}.rank{r}.pt") for r in range(NPROC)}
+
+
+def infos(out: str, name: str) -> dict[int, dict]:
+    with_rank = {}
+    for r in range(NPROC):
+        with open(f"{out}/{name}.rank{r}.json", encoding="utf-8") as f:
+            with_rank[r] = json.load(f)
+    return with_rank
+
+
+def records(out: str) -> dict[int, dict]:
+    return infos(out, "records")
+
+
+def assert_same_per_rank(out: str, name: str) -> None:
+    """``name`` holds, on every rank, exactly the shards of the reference taken at save time:
+    the model and optimizer state after the load, and the model tensors as read from the
+    checkpoint (fp32 weights are overwritten by the optimizer's main weights on load, so only
+    the latter shows a torn model tensor)."""
+    for suffix in ("", ".model"):
+        ref, got = dumps(out, "reference" + suffix), dumps(out, name + suffix)
+        for r in range(NPROC):
+            assert got[r].keys() == ref[r].keys(), f"rank {r}: {name}{suffix} holds other shards"
+            bad = [k for k in ref[r] if not torch.equal(ref[r][k], got[r][k])]
+            assert not bad, (f"rank {r}: {name}{suffix} differs from the state at save time in "
+                             f"{len(bad)} of {len(ref[r])} shards, e.g. {bad[:3]}")
+        assert sum(len(ref[r]) for r in ref) > (100 if not suffix else 40)
+    assert {i["adam_steps"][0] for i in infos(out, name).values()} == \
+        {i["adam_steps"][0] for i in infos(out, "reference").values()}
+
+
+def is_main(replica_id) -> bool:
+    ids = replica_id if isinstance(replica_id, list) else [replica_id]
+    return all(i == 0 for i in ids)
+
+
+def full_tensors(out: str, name: str) -> dict[str, torch.Tensor]:
+    """Assemble global tensors from every rank's shards; replicas must agree."""
+    shapes = {s["key"]: s["global_shape"] for i in infos(out, "reference").values()
+              for s in i["shards"] if s["kind"] == "tensor"}
+    full: dict[str, torch.Tensor] = {}
+    for shards in dumps(out, name).values():
+        for (key, offset), value in shards.items():
+            t = full.setdefault(key, torch.full(shapes[key], float("nan"), dtype=value.dtype))
+            region = t[tuple(slice(o, o + n) for o, n in zip(offset, value.shape))]
+            assert region.isnan().all() or torch.equal(region, value), f"replicas of {key} differ"
+            region.copy_(value)
+    for key, t in full.items():
+        assert not t.isnan().any(), f"{key}: some part held by no rank"
+    return full
+
+
+# ---------------------------------------------------------------------------------- tests
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_save_reload_bitwise_equal(request, layout):
+    """Both async checkpoints hold the state of the save, though an optimizer step followed
+    right away. The ``replica`` one went through a host pool of one shard or two, with slow
+    writes: most of its copies were still outstanding at that step, so only the fence kept
+    them from being torn."""
+    out = request.getfixturevalue(layout)
+    assert_same_per_rank(out, "reloaded_replica")
+    assert_same_per_rank(out, "reloaded_balanced")
+    assert all(rec["replica"]["outstanding_at_step"] for rec in records(out).values()
+               if rec["replica"]["files"])
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_each_unique_shard_written_once_by_its_elected_rank(request, layout):
+    out = request.getfixturevalue(layout)
+    shards = {r: i["shards"] for r, i in infos(out, "reference").items()}
+    layouts = {r: i["layout"] for r, i in infos(out, "reference").items()}
+    unique = {(s["key"], tuple(s["offset"])): s["bytes"]
+              for ss in shards.values() for s in ss if s["kind"] == "tensor"}
+    objects = {s["key"] for ss in shards.values() for s in ss if s["kind"] == "object"}
+    recs = records(out)
+    per_mode_bytes = {}
+    for mode in ("sync", "replica", "balanced"):
+        writer_of: dict = {}
+        for r, rec in recs.items():
+            files = rec[mode]["files"]
+            for f in files:
+                ident = (f["key"], tuple(f["offset"])) if f["offset"] is not None else f["key"]
+                assert ident not in writer_of, f"{mode}: {ident} written by ranks {writer_of[ident]} and {r}"
+                writer_of[ident] = r
+                if f["offset"] is not None:
+                    assert f["bytes"] == unique[ident], f"{mode}: {ident} staged {f['bytes']} bytes"
+            # Non-writers copy nothing: the bytes a rank staged are exactly those it wrote.
+            assert rec[mode]["staged_bytes"] == sum(f["bytes"] for f in files), (mode, r)
+        assert set(writer_of) == set(unique) | objects | {"common"}, mode
+        assert writer_of["common"] == 0
+        per_mode_bytes[mode] = {r: rec[mode]["staged_bytes"] for r, rec in recs.items()}
+        if mode != "balanced":  # writers are the main replicas, as megatron-core numbers them
+            for r, ss in shards.items():
+                for s in ss:
+                    if s["kind"] == "tensor":
+                        assert (writer_of[(s["key"], tuple(s["offset"]))] == r) == is_main(s["replica_id"]), (mode, s)
+    assert per_mode_bytes["sync"] == per_mode_bytes["replica"]
+    assert sum(per_mode_bytes["balanced"].values()) == sum(per_mode_bytes["replica"].values())
+    if layouts[0]["dp"] > 1:
+        assert [r for r, b in per_mode_bytes["replica"].items() if b == 0], "a DP replica should write nothing"
+        assert all(b > 0 for b in per_mode_bytes["balanced"].values()), per_mode_bytes["balanced"]
+        assert max(per_mode_bytes["balanced"].values()) < max(per_mode_bytes["replica"].values())
+
+
+def test_sync_and_async_checkpoints_are_byte_identical(saved_tp2_pp2):
+    sync_dir = os.path.join(saved_tp2_pp2, "ckpt_sync", "iter_0000002")
+    async_dir = os.path.join(saved_tp2_pp2, "ckpt_replica", "iter_0000002")
+    names = sorted(n for n in os.listdir(sync_dir) if n != META_DIR)
+    assert names == sorted(n for n in os.listdir(async_dir) if n != META_DIR)
+    assert {"common.pt", ".metadata", "metadata.json"} <= set(names)
+    for n in names:
+        with open(os.path.join(sync_dir, n), "rb") as a, open(os.path.join(async_dir, n), "rb") as b:
+            assert a.read() == b.read(), n
+    assert read_manifest(sync_dir)["files"] == read_manifest(async_dir)["files"]
+
+
+def test_committed_checkpoint_verifies_and_tracker_names_it(saved_tp2_pp2):
+    save_dir = os.path.join(saved_tp2_pp2, "ckpt_replica")
+    assert read_tracker(save_dir) == 2
+    ckpt_dir = os.path.join(save_dir, "iter_0000002")
+    verify_checkpoint_dir(ckpt_dir)
+    with open(os.path.join(ckpt_dir, "metadata.json"), encoding="utf-8") as f:
+        assert json.load(f)["sharded_backend"] == "torch_dist"
+    victim = sorted(glob.glob(os.path.join(ckpt_dir, "__*.distcp")))[0]
+    data = bytearray(open(victim, "rb").read())
+    data[-100] ^= 0xFF
+    with open(victim, "wb") as f:
+        f.write(data)
+    with pytest.raises(IntegrityError, match=os.path.basename(victim)):
+        verify_checkpoint_dir(ckpt_dir)
+
+
+def test_interop_megatron_loads_ours(saved_tp2_pp2):
+    """megatron-core's own ``dist_checkpointing.load`` read the engine's balanced checkpoint."""
+    assert_same_per_rank(saved_tp2_pp2, "reloaded_balanced")
+    assert not os.path.exists(os.path.join(saved_tp2_pp2, "ckpt_megatron", META_DIR))
+
+
+def test_interop_ours_loads_megatron(saved_tp2_pp2):
+    """Our loader read a checkpoint megatron-core's own ``dist_checkpointing.save`` wrote."""
+    assert_same_per_rank(saved_tp2_pp2, "megatron_reloaded_by_ours")
+
+
+@pytest.mark.parametrize("tp,pp", [(1, 4), (2, 1)], ids=["to_tp1_pp4", "to_tp2_pp1_dp2"])
+def test_resharded_load_gives_identical_full_tensors(saved_tp2_pp2, env, tp, pp):
+    """TP=2,PP=2,DP=1 -> TP=1,PP=4 and -> TP=2,PP=1,DP=2, model and optimizer state."""
+    name = f"resharded_tp{tp}_pp{pp}"
+    ckpt = os.path.join(saved_tp2_pp2, "ckpt_balanced", "iter_0000002")
+    run(WORKER, ["load", "--tp", tp, "--pp", pp, "--out", saved_tp2_pp2, "--ckpt", ckpt,
+                 "--name", name], env)
+    assert {i["layout"]["pp"] for i in infos(saved_tp2_pp2, name).values()} == {pp}
+    for suffix in ("", ".model"):  # after the load; as read from the checkpoint
+        want = full_tensors(saved_tp2_pp2, "reference" + suffix)
+        got = full_tensors(saved_tp2_pp2, name + suffix)
+        assert got.keys() == want.keys()
+        assert any(k.startswith("optimizer.state.exp_avg_sq.") for k in got) == (suffix == "")
+        for key in want:
+            assert torch.equal(got[key], want[key]), f"{name}{suffix}: {key}"
+
+
+# ---------------------------------------------------------------------------------- pretrain
+TINY_GPT = ["--tensor-model-parallel-size", 2, "--pipeline-model-parallel-size", 2,
+            "--use-distributed-optimizer", "--num-layers", 4, "--hidden-size", 32,
+            "--num-attention-heads", 4, "--seq-length", 16, "--vocab-size", 64,
+            "--micro-batch-size", 2, "--global-batch-size", 4, "--lr", 0.01, "--train-iters", 6]
+
+
+def steps(log: str) -> dict[tuple[int, int], tuple[float, float]]:
+    out = {}
+    with open(log, encoding="utf-8") as f:
+        for line in f:
+            e = json.loads(line)
+            if e["event"] == "step":
+                out[(e["rank"], e["iteration"])] = (e["loss"], e["grad_norm"])
+    return out
+
+
+@pytest.fixture(scope="module")
+def straight_run(tmp_path_factory, env):
+    """Six iterations straight, saving synchronously (no --async-ckpt) every 3."""
+    d = tmp_path_factory.mktemp("straight")
+    log = str(d / "log.jsonl")
+    run(PRETRAIN, [*TINY_GPT, "--save", d / "ckpt", "--save-interval", 3, "--log-json", log], env)
+    return d, steps(log)
+
+
+def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
+    d, straight = straight_run
+    assert read_tracker(str(d / "ckpt")) == 6
+    log = str(tmp_path / "log.jsonl")
+    run(PRETRAIN, [*TINY_GPT, "--load", d / "ckpt", "--ckpt-step", 3, "--save", tmp_path / "ckpt",
+                   "--save-interval", 3, "--async-ckpt", "--async-ckpt-config", CONFIG,
+                   "--log-json", log], env)
+    resumed = steps(log)
+    assert sorted({i for _, i in resumed}) == [4, 5, 6]
+    assert resumed == {k: v for k, v in straight.items() if k[1] > 3}
+    assert read_tracker(str(tmp_path / "ckpt")) == 6
+
+
+def test_kill_mid_persist_keeps_the_previous_checkpoint(straight_run, tmp_path, env):
+    _, straight = straight_run
+    save = tmp_path / "ckpt"
+    args = [*TINY_GPT, "--save", save, "--save-interval", 3, "--async-ckpt",
+            "--async-ckpt-config", CONFIG, "--async-ckpt-writers", "balanced"]
+    codes = run(KILL_WORKER, args, dict(env, KILL_AT_ITERATION="6"), expect_ok=False)
+    assert all(c != 0 for c in codes), codes
+    assert read_tracker(str(save)) == 3
+    verify_checkpoint_dir(str(save / "iter_0000003"))
+    with pytest.raises(IntegrityError):
+        verify_checkpoint_dir(str(save / "iter_0000006"))  # never committed
+
+    log = str(tmp_path / "log.jsonl")
+    run(PRETRAIN, [*TINY_GPT, "--load", save, "--save", save, "--save-interval", 3,
+                   "--async-ckpt", "--async-ckpt-config", CONFIG, "--log-json", log], env)
+    resumed = steps(log)
+    assert resumed == {k: v for k, v in straight.items() if k[1] > 3}
+    assert read_tracker(str(save)) == 6
+    verify_checkpoint_dir(str(save / "iter_0000006"))

@@ -1,0 +1,175 @@
+"""Fast, single-process tests of the Megatron-core adapter's pieces (no process groups)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("megatron.core")
+
+from deepspeed_async_ckpt.errors import ConfigError, IntegrityError  # noqa: E402
+from deepspeed_async_ckpt.storage import LocalStorage  # noqa: E402
+from megatron_adapter import torch_dist  # noqa: E402
+from megatron_adapter.arguments import add_arguments, config_from_args  # noqa: E402
+from megatron_adapter.checkpointer import (  # noqa: E402
+    checkpoint_dir,
+    read_tracker,
+    tracker_path,
+    verify_checkpoint_dir,
+)
+from megatron_adapter.election import assign_balanced, check_mode, shard_id  # noqa: E402
+from megatron_adapter.layout import ParallelLayout  # noqa: E402
+from megatron_adapter.megatron_lm import extra_args_provider  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def parse(*argv: str) -> argparse.Namespace:
+    return add_arguments(argparse.ArgumentParser()).parse_args(list(argv))
+
+
+# ---------------------------------------------------------------------------------- flags
+def test_without_the_flag_the_same_pipeline_runs_inline():
+    cfg = config_from_args(parse())
+    assert cfg.enabled and cfg.mode == "sync"
+
+
+def test_async_flag_and_example_config():
+    args = parse("--async-ckpt", "--async-ckpt-config", os.path.join(REPO, "configs", "megatron_async.json"))
+    cfg = config_from_args(args)
+    assert cfg.enabled and cfg.is_async and cfg.checksum == "crc32" and cfg.writer_threads == 2
+    assert args.async_ckpt_writers == "replica"
+    assert config_from_args(parse("--async-ckpt")).is_async
+
+
+def test_config_file_uses_the_deepspeed_schema(tmp_path):
+    path = tmp_path / "c.json"
+    path.write_text(json.dumps({"async_checkpoint": {"mode": "sync", "host_buffer_gb": 2}}))
+    cfg = config_from_args(parse("--async-ckpt", "--async-ckpt-config", str(path)))
+    assert cfg.enabled and cfg.mode == "sync" and cfg.host_buffer_gb == 2  # the file's mode wins
+    path.write_text(json.dumps({"enabled": False}))
+    assert not config_from_args(parse("--async-ckpt-config", str(path))).enabled
+    path.write_text(json.dumps({"writers": "balanced"}))
+    with pytest.raises(ConfigError, match="async_checkpoint.writers"):
+        config_from_args(parse("--async-ckpt-config", str(path)))
+    with pytest.raises(ConfigError, match="cannot read"):
+        config_from_args(parse("--async-ckpt-config", str(tmp_path / "missing.json")))
+
+
+def test_writer_modes():
+    assert parse("--async-ckpt-writers", "balanced").async_ckpt_writers == "balanced"
+    with pytest.raises(SystemExit):
+        parse("--async-ckpt-writers", "everyone")
+    with pytest.raises(ValueError, match="replica"):
+        check_mode("everyone")
+
+
+def test_megatron_lm_extra_args_provider_chains():
+    def inner(parser):
+        parser.add_argument("--their-flag", type=int, default=0)
+        return parser
+
+    parser = extra_args_provider(inner)(argparse.ArgumentParser())
+    args = parser.parse_args(["--their-flag", "3", "--async-ckpt"])
+    assert args.their_flag == 3 and args.async_ckpt and args.async_ckpt_writers == "replica"
+
+
+# ---------------------------------------------------------------------------------- election
+def _tensor(key, offset, shape, replica_id):
+    import torch
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+    return ShardedTensor(key=key, data=None, dtype=torch.float32, local_shape=shape,
+                         global_shape=tuple(o + s for o, s in zip(offset, shape)),
+                         global_offset=offset, axis_fragmentations=None, replica_id=replica_id)
+
+
+def _dp_group(dp: int, tp_rank: int = 0):
+    """What the ranks of one data-parallel group hold: two weights (one big), and a layer norm
+    replicated across TP whose main replica lives on TP rank 0."""
+    return [[_tensor("w_big", (0, 0), (64, 64), (0, 0, r)),
+             _tensor("w_small", (0, 0), (8, 8), (0, 0, r)),
+             _tensor("norm", (0,), (16,), (0, tp_rank, r))] for r in range(dp)]
+
+
+def test_balanced_assigns_every_main_shard_once_to_a_holder():
+    assignment = assign_balanced(_dp_group(2))
+    assert set(assignment) == {shard_id(t) for t in _dp_group(1)[0]}
+    assert len(set(assignment.values())) == 2  # the big weight on one rank, the rest on the other
+    assert assignment[shard_id(_tensor("w_big", (0, 0), (64, 64), 0))] == 0
+
+
+def test_balanced_leaves_other_groups_replicas_alone():
+    # The DP group of TP rank 1 holds the layer norm only as a non-main replica: not its to write.
+    assignment = assign_balanced(_dp_group(2, tp_rank=1))
+    assert shard_id(_tensor("norm", (0,), (16,), 0)) not in assignment
+    assert len(assignment) == 2
+
+
+def test_balanced_is_deterministic():
+    assert assign_balanced(_dp_group(4)) == assign_balanced(_dp_group(4))
+
+
+# ---------------------------------------------------------------------------------- layout
+def test_layout_description():
+    layout = ParallelLayout(world_size=8, rank=3, tp=2, tp_rank=1, pp=2, pp_rank=0, dp=2,
+                            dp_rank=1, cp=1, ep=1)
+    assert layout.describe() == "TP=2,PP=2,DP=2" and layout.dp_cp == 2
+    assert layout.to_dict()["tp_rank"] == 1
+
+
+# ---------------------------------------------------------------------------------- files
+def test_tracker_and_directory_names(tmp_path):
+    assert checkpoint_dir("ckpt", 50) == os.path.join("ckpt", "iter_0000050")
+    assert read_tracker(str(tmp_path)) is None
+    with open(tracker_path(str(tmp_path)), "w", encoding="utf-8") as f:
+        f.write("50\n")
+    assert read_tracker(str(tmp_path)) == 50
+    with open(tracker_path(str(tmp_path)), "w", encoding="utf-8") as f:
+        f.write("release")
+    with pytest.raises(IntegrityError, match="release"):
+        read_tracker(str(tmp_path))
+
+
+def test_markers_are_written_atomically_and_removed(tmp_path):
+    path = str(tmp_path / torch_dist.DCP_METADATA_FILE)
+    torch_dist.write_bytes_atomic(LocalStorage(fsync=True), path, b"\x00\xffbytes")
+    assert open(path, "rb").read() == b"\x00\xffbytes"
+    assert os.listdir(tmp_path) == [torch_dist.DCP_METADATA_FILE]  # no temporary left behind
+    torch_dist.remove_markers(str(tmp_path))
+    torch_dist.remove_markers(str(tmp_path))  # idempotent
+    assert os.listdir(tmp_path) == []
+    assert torch_dist.distcp_name(3, 12) == "__3_12.distcp"
+
+
+def test_verify_accepts_megatron_checkpoints_and_rejects_partial_ones(tmp_path):
+    with pytest.raises(IntegrityError, match="not a complete checkpoint"):
+        verify_checkpoint_dir(str(tmp_path))
+    (tmp_path / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    verify_checkpoint_dir(str(tmp_path))  # megatron-core's own: nothing of ours to check
+    (tmp_path / ".async_ckpt").mkdir()
+    with pytest.raises(IntegrityError, match="never committed"):
+        verify_checkpoint_dir(str(tmp_path))
+
+
+# ---------------------------------------------------------------------------------- CPU shim
+def test_cpu_shim_redirects_cuda_calls_only_without_cuda():
+    code = ("import sys; sys.path.insert(0, 'tests'); import torch, megatron_cpu_shim;"
+            "applied = megatron_cpu_shim.apply();"
+            "assert applied == (not torch.cuda.is_available());"
+            "assert megatron_cpu_shim.apply() is False;"
+            "assert torch.cuda.current_device() == 'cpu' and torch.cuda.device_count() == 0;"
+            "torch.cuda.synchronize(); torch.cuda.manual_seed(1);"
+            "assert torch.equal(torch.cuda.get_rng_state(), torch.get_rng_state());"
+            "t = torch.zeros(2, device='cuda'); assert t.device.type == 'cpu';"
+            "assert t.cuda() is t and t.type() == 'torch.cuda.FloatTensor';"
+            "assert t.type(torch.int32).dtype == torch.int32;"
+            "assert not torch.cuda.is_available()")
+    if __import__("torch").cuda.is_available():
+        pytest.skip("the shim changes nothing where CUDA is present")
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
