@@ -58,29 +58,42 @@ class _Hasher:
 
 
 class _ChecksumSink:
-    """The file object handed to torch's zip writer: hashes and counts every byte written."""
+    """The file object handed to torch's zip writer: hashes and counts every byte written.
+
+    An exception must never cross torch's C++ writer: it would leave the archive's offsets
+    inconsistent and the writer's destructor would abort the process. So a failed write is
+    recorded, later bytes are discarded (reported as written), and :meth:`check` raises it from
+    Python between records.
+    """
 
     def __init__(self, f: BinaryIO, algorithm: str) -> None:
         self._f = f
         self.hasher = _Hasher(algorithm)
         self.nbytes = 0
+        self.error: BaseException | None = None
         self.discard = False
-        """Set after a failure: torch's writer finishes the zip in its destructor, and an
-        exception thrown there would abort the process."""
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         if self.discard:
             return len(view)
-        self.hasher.update(view)
-        done = 0
-        while done < len(view):
-            n = self._f.write(view[done:])
-            if not n:
-                raise OSError(f"short write to {getattr(self._f, 'name', '?')}")
-            done += n
+        try:
+            self.hasher.update(view)
+            done = 0
+            while done < len(view):
+                n = self._f.write(view[done:])
+                if not n:
+                    raise OSError(f"short write to {getattr(self._f, 'name', '?')}")
+                done += n
+        except BaseException as exc:
+            self.error, self.discard = exc, True
+            return len(view)
         self.nbytes += done
         return done
+
+    def check(self) -> None:
+        if self.error is not None:
+            raise self.error
 
     def flush(self) -> None:
         pass
@@ -103,6 +116,7 @@ def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str,
             writer = torch._C.PyTorchFileWriter(sink, get_crc32_options(), _get_storage_alignment())
             for name, value in _header_records(plan.pickle_bytes):
                 writer.write_record(name, value, len(value))
+                sink.check()
             while pending:
                 item = pending[0]
                 if stage is not None:
@@ -110,7 +124,9 @@ def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str,
                 host = item.wait_staged()
                 writer.write_record(f"data/{item.key}", host.untyped_storage(), item.nbytes)
                 pending.pop(0).release()
+                sink.check()
             writer.write_end_of_file()
+            sink.check()
             storage.sync_file(f)
         except BaseException:
             sink.discard = True

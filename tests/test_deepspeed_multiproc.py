@@ -136,6 +136,21 @@ def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
     assert state["global_steps"] == 2
 
 
+def test_disk_full_on_one_rank_raises_on_every_rank_at_next_save(tmp_path, repo_env):
+    out = str(tmp_path)
+    run_ranks(repo_env, 2, "diskfull", "--out", out, "--kill-rank", "1")
+    r0, r1 = (json.load(open(os.path.join(out, f"diskfull_rank{r}.json"))) for r in (0, 1))
+    assert r0["latest_after_failure"] == r1["latest_after_failure"] == "global_step2"
+    assert r1["raised"].startswith("PersistError") and "No space left on device" in r1["raised"]
+    assert "zero_pp_rank_1" in r1["raised"]  # names the file
+    assert r0["raised"] is not None and "rank(s) 1" in r0["raised"], r0["raised"]
+    assert r0["latest_after_recovery"] == "recovered"
+    from deepspeed_async_ckpt.commit import verify_checkpoint
+    for tag in ("global_step2", "recovered"):
+        verify_checkpoint(os.path.join(out, "ckpt", tag))
+    assert not os.path.exists(os.path.join(out, "ckpt", "global_step4", ".async_ckpt", "manifest.json"))
+
+
 def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env):
     out = str(tmp_path)
     flags = ["--out", out, "--zero-stage", "1"]

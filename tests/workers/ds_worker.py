@@ -143,6 +143,58 @@ def phase_kill(args):
     raise SystemExit("unreachable: a rank should have been killed mid-persist")
 
 
+def phase_diskfull(args):
+    import errno
+
+    from deepspeed_async_ckpt.errors import AsyncCheckpointError
+
+    engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
+    rank = torch.distributed.get_rank()
+    save_dir = os.path.join(args.out, "ckpt")
+    ckpt = engine.checkpoint_engine.checkpointer
+    train(engine, args, 2)
+    engine.save_checkpoint(save_dir)
+    ckpt.wait()
+    torch.distributed.barrier()
+    storage = ckpt.storage
+    original = storage.open_write
+    if rank == args.kill_rank:
+        def open_write_disk_full(path):  # the storage seam: the file itself runs out of space
+            f = original(path)
+            if path.endswith(".pt.tmp." + str(os.getpid())):
+                def write(data, budget=[4096]):
+                    budget[0] -= len(memoryview(data).cast("B"))
+                    if budget[0] < 0:
+                        raise OSError(errno.ENOSPC, "No space left on device")
+                    return type(f).write(f, data)
+                f.write = write
+            return f
+
+        storage.open_write = open_write_disk_full
+    train(engine, args, 2, start=2)
+    engine.save_checkpoint(save_dir)  # global_step4 fails in rank 1's writer
+    ckpt.history[-1].wait_committed()
+    storage.open_write = original  # space is back
+    torch.distributed.barrier()
+    result = {"rank": rank}
+    with open(os.path.join(save_dir, "latest")) as f:
+        result["latest_after_failure"] = f.read()
+    train(engine, args, 1, start=4)
+    try:
+        engine.save_checkpoint(save_dir)
+        result["raised"] = None
+    except AsyncCheckpointError as exc:
+        result["raised"] = f"{type(exc).__name__}: {exc}"
+    engine.save_checkpoint(save_dir, tag="recovered")
+    ckpt.wait()
+    torch.distributed.barrier()
+    with open(os.path.join(save_dir, "latest")) as f:
+        result["latest_after_recovery"] = f.read()
+    engine.destroy()
+    with open(os.path.join(args.out, f"diskfull_rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def phase_engines(args):
     import deepspeed
     from deepspeed_async_ckpt.errors import ConfigError
@@ -165,7 +217,7 @@ def phase_engines(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("phase", choices=["save", "load", "kill", "engines"])
+    p.add_argument("phase", choices=["save", "load", "kill", "engines", "diskfull"])
     p.add_argument("--out", required=True)
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
@@ -174,7 +226,8 @@ def main():
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--partial", type=int, default=0)
     args = p.parse_args()
-    {"save": phase_save, "load": phase_load, "kill": phase_kill, "engines": phase_engines}[args.phase](args)
+    {"save": phase_save, "load": phase_load, "kill": phase_kill, "engines": phase_engines,
+     "diskfull": phase_diskfull}[args.phase](args)
 
 
 if __name__ == "__main__":
