@@ -83,7 +83,7 @@ class CheckpointHandle:
         return self._committed.is_set() and self.error is None
 
 
-def exchange(value: str, error: str | None) -> tuple[str, dict[int, str]]:
+def exchange_across_ranks(value: str, error: str | None) -> tuple[str, dict[int, str]]:
     """Collective: rank 0's ``value``, and every rank's error message (rank -> message) so that
     a failure on one rank is raised on all of them instead of leaving the others waiting in the
     next collective. A no-op without an initialized process group."""
@@ -101,7 +101,7 @@ class AsyncCheckpointer:
 
     ``exchange`` is the one collective ``begin`` makes (on the training thread, every rank):
     agree on rank 0's save id and share every rank's pending background error, see
-    :func:`exchange`. Tests and single-process use may pass their own.
+    :func:`exchange_across_ranks`. Tests and single-process use may pass their own.
     """
 
     def __init__(self, config: AsyncCheckpointConfig, *, rank: int = 0, world_size: int = 1,
@@ -111,7 +111,7 @@ class AsyncCheckpointer:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.storage = storage or LocalStorage(fsync=config.fsync)
-        self._exchange = exchange or globals()["exchange"]
+        self._exchange = exchange or exchange_across_ranks
         use_cuda = torch.cuda.is_available()
         self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda)
         self._stager = Stager(self.pool, use_cuda)
@@ -252,8 +252,8 @@ class AsyncCheckpointer:
         if self._closed:
             return
         try:
-            if self._current is not None:
-                self.end()
+            if self._current is not None:  # a save that never finished must not be committed
+                self.end(commit=False)
             self.wait()
         finally:
             self._closed = True
