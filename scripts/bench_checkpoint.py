@@ -1,0 +1,911 @@
+"""Checkpoint benchmark: training stall, persist throughput and end-to-end overhead of this
+package's engine against DeepSpeed's engines and torch DCP, measured in one run.
+
+    PYTHONPATH=. python scripts/bench_checkpoint.py --out docs/bench_results/latest.json
+    PYTHONPATH=. python scripts/bench_checkpoint.py --quick --out bench_out/quick.json   # < 1 min
+    PYTHONPATH=. python scripts/bench_checkpoint.py --gpu-report                        # NVML
+
+For each setting and model size it starts ``scripts/bench_worker.py`` ranks (DeepSpeed on CPU,
+gloo), which time every engine on the same model; see that file for the protocol. This process
+measures, in the same run, what bounds the figures: the storage's sequential write bandwidth
+with the engine's fsync policy (fio where installed, else a plain large-file write) and the
+per-byte costs of the persist path (memcpy, zlib.crc32, torch's zip writer, page-cache write,
+fsync). It prints a table, writes a JSON file and a PNG bar chart next to it.
+
+Settings:
+  1rank  one rank, OMP_NUM_THREADS=1, the other core idle: a GPU node's host, whose CPUs are
+         free while the GPUs compute (the headline).
+  2rank  two ranks on the two cores: every background byte competes with training compute.
+
+Figures, per engine (seconds unless named):
+  stall       save_checkpoint wall time + any wait the engine adds before the next optimizer
+              step (max over ranks), for the timed (second) checkpoint; "first" is the first
+              checkpoint of the process, which also pays one-time allocations.
+  persist     save start -> the checkpoint is complete (committed for this package, future done
+              for DCP, save returned for torch.save); GB/s = bytes on disk / persist.
+  overhead    (save + K steps) vs K steps without checkpointing, same process, same model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import zlib
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "scripts", "bench_worker.py")
+GB = 1e9  # decimal, as storage bandwidth is quoted
+
+ENGINES = ("async", "sync", "ds_torch", "ds_decoupled", "dcp_async")
+ENGINE_LABELS = {
+    "async": "this engine (async)",
+    "sync": "this engine (sync)",
+    "ds_torch": "DS TorchCheckpointEngine",
+    "ds_decoupled": "DS DecoupledCheckpointEngine",
+    "dcp_async": "torch DCP async_save",
+}
+SETTINGS = {
+    "1rank": {"nproc": 1, "label": "1 rank + spare core (headline)"},
+    "2rank": {"nproc": 2, "label": "2 ranks on 2 cores"},
+}
+# Targets from the issue.
+STALL_RATIO_TARGET = 20.0
+PERSIST_FRACTION_TARGET = 0.80
+OVERHEAD_TARGET = 0.05
+
+
+# --------------------------------------------------------------------------- sizing
+def bytes_per_param(zero_stage: int) -> int:
+    """fp32 Adam: weights 4 + two moments 8, plus a 4-byte fp32 master partition under ZeRO."""
+    return 16 if zero_stage >= 1 else 12
+
+
+def layers_for(size_gb: float, hidden: int, zero_stage: int) -> int:
+    per_layer = hidden * hidden + hidden + 2 * hidden  # Linear + LayerNorm (ds_train.build_model)
+    return max(1, round(size_gb * GB / bytes_per_param(zero_stage) / per_layer))
+
+
+# --------------------------------------------------------------------------- micro-benchmarks
+def _median_rate(fn, nbytes: int, reps: int) -> float:
+    rates = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        rates.append(nbytes / (time.perf_counter() - t0) / GB)
+    return statistics.median(rates)
+
+
+def micro_benchmarks(work_dir: str, nbytes: int, reps: int = 3) -> dict:
+    """Single-thread GB/s of each step a checkpoint byte goes through on the persist path."""
+    import torch
+    from torch.serialization import _get_storage_alignment
+
+    torch.set_num_threads(1)
+    src = torch.ones(nbytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    out = {"bytes": nbytes}
+    out["memcpy_gbps"] = _median_rate(lambda: dst.copy_(src), nbytes, reps)
+    out["memcpy_fresh_gbps"] = _median_rate(lambda: torch.empty_like(src).copy_(src), nbytes, reps)
+    view = memoryview(src.numpy())
+    out["crc32_gbps"] = _median_rate(lambda: zlib.crc32(view), nbytes, reps)
+
+    class _Null:
+        def write(self, data):
+            return memoryview(data).nbytes
+
+        def flush(self):
+            pass
+
+    def zip_write(crc: bool):
+        w = torch._C.PyTorchFileWriter(_Null(), crc, _get_storage_alignment())
+        w.write_record("data/0", src.untyped_storage(), nbytes)
+        w.write_end_of_file()
+
+    # torch.save's zip writer computes its own CRC-32 of every record (torch.serialization's
+    # compute_crc32 option, on by default); without it the writer only copies pointers.
+    out["zip_writer_crc_gbps"] = _median_rate(lambda: zip_write(True), nbytes, reps)
+    path = os.path.join(work_dir, "micro.bin")
+    writes, fsyncs = [], []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        with open(path, "wb", buffering=0) as f:
+            _write_all(f, view)
+            t1 = time.perf_counter()
+            os.fsync(f.fileno())
+            t2 = time.perf_counter()
+        writes.append(nbytes / (t1 - t0) / GB)
+        fsyncs.append(nbytes / (t2 - t1) / GB)
+        os.unlink(path)
+    out["pagecache_write_gbps"] = statistics.median(writes)
+    out["fsync_gbps"] = statistics.median(fsyncs)
+    return out
+
+
+def _write_all(f, view, chunk: int = 8 << 20) -> None:
+    for off in range(0, len(view), chunk):
+        part = view[off:off + chunk]
+        while part:
+            part = part[f.write(part):]
+
+
+def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
+    """Sequential write bandwidth of the disk under ``work_dir`` for ``nbytes``: with the
+    engine's policy (write, fsync, rename, fsync dir) and without any fsync (page cache)."""
+    fio = shutil.which("fio")
+    if fio:
+        return _fio_bandwidth(fio, work_dir, nbytes, reps)
+    buf = memoryview(bytearray(8 << 20))
+    path = os.path.join(work_dir, "storage.bin")
+    res = {"tool": "python large-file write, 8 MiB chunks (fio not installed)", "bytes": nbytes}
+    for fsync in (True, False):
+        rates = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            with open(path + ".tmp", "wb", buffering=0) as f:
+                left = nbytes
+                while left > 0:
+                    left -= f.write(buf[:min(left, len(buf))])
+                if fsync:
+                    os.fsync(f.fileno())
+            os.replace(path + ".tmp", path)
+            if fsync:
+                fd = os.open(work_dir, os.O_RDONLY)
+                os.fsync(fd)
+                os.close(fd)
+            rates.append(nbytes / (time.perf_counter() - t0) / GB)
+            os.unlink(path)
+            os.sync()
+        res["fsync_gbps" if fsync else "nofsync_gbps"] = statistics.median(rates)
+        res["fsync_runs_gbps" if fsync else "nofsync_runs_gbps"] = rates
+    return res
+
+
+def _fio_bandwidth(fio: str, work_dir: str, nbytes: int, reps: int) -> dict:
+    res = {"tool": "fio", "bytes": nbytes}
+    for fsync in (True, False):
+        rates = []
+        for _ in range(reps):
+            cmd = [fio, "--name=seqwrite", "--rw=write", "--bs=8M", f"--size={nbytes}",
+                   f"--filename={os.path.join(work_dir, 'fio.bin')}", "--ioengine=psync",
+                   f"--end_fsync={int(fsync)}", "--output-format=json"]
+            out = json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout)
+            rates.append(out["jobs"][0]["write"]["bw_bytes"] / GB)
+            os.unlink(os.path.join(work_dir, "fio.bin"))
+        res["fsync_gbps" if fsync else "nofsync_gbps"] = statistics.median(rates)
+    return res
+
+
+# --------------------------------------------------------------------------- other load
+class ForeignLoad:
+    """Samples, every ``interval`` seconds, the CPU time of every process that is not this one
+    or its descendants (other users of the machine), from /proc. ``cpu_between(t0, t1)`` gives
+    their CPU-seconds in a window of ``time.perf_counter`` (CLOCK_MONOTONIC, shared with the
+    workers). Kernel threads (writeback of our files, the VM's DAMON page-out daemon...) are
+    summed apart: ``cpu_between(t0, t1, kernel=True)``."""
+
+    def __init__(self, interval: float = 0.5) -> None:
+        self.interval = interval
+        self.tick = os.sysconf("SC_CLK_TCK")
+        self.samples: list[tuple[float, float, float]] = []  # (perf_counter, foreign CPU s, kernel CPU s)
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="foreign-load", daemon=True)
+        self.available = os.path.isdir("/proc/self")
+
+    def start(self) -> "ForeignLoad":
+        if self.available:
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join()
+
+    def _table(self) -> dict[int, tuple[int, int]]:
+        procs = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    data = f.read()
+            except OSError:
+                continue
+            fields = data[data.rindex(b")") + 2:].split()
+            procs[int(name)] = (int(fields[1]), int(fields[11]) + int(fields[12]))  # ppid, ticks
+        return procs
+
+    def _run(self) -> None:
+        me, last, total, kernel = os.getpid(), {}, 0.0, 0.0
+        while True:
+            procs = self._table()
+            ours: dict[int, bool] = {me: True, 0: False, 1: False, 2: False}
+
+            def is_ours(pid: int) -> bool:
+                chain = []
+                while pid not in ours:
+                    chain.append(pid)
+                    pid = procs.get(pid, (0, 0))[0]
+                for p in chain:
+                    ours[p] = ours[pid]
+                return ours[pid]
+
+            for pid, (ppid, ticks) in procs.items():
+                delta = max(0, ticks - last.get(pid, 0)) / self.tick if last else 0.0
+                if pid == 2 or ppid == 2:
+                    kernel += delta
+                elif not is_ours(pid):
+                    total += delta
+            last = {pid: t for pid, (_, t) in procs.items()}
+            self.samples.append((time.perf_counter(), total, kernel))
+            if self._stop.wait(self.interval):
+                return
+
+    def cpu_between(self, t0: float, t1: float, kernel: bool = False) -> float | None:
+        """Foreign (or kernel-thread) CPU-seconds between two perf_counter times."""
+        i = 2 if kernel else 1
+        if len(self.samples) < 2 or t0 < self.samples[0][0] or t1 > self.samples[-1][0]:
+            return None
+
+        def at(t: float) -> float:
+            for a, b in zip(self.samples, self.samples[1:]):
+                if a[0] <= t <= b[0]:
+                    return a[i] + (b[i] - a[i]) * (t - a[0]) / (b[0] - a[0]) if b[0] > a[0] else a[i]
+            return self.samples[-1][i]
+
+        return at(t1) - at(t0)
+
+
+# --------------------------------------------------------------------------- running workers
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_workers(nproc: int, worker_args: list[str], log_prefix: str, timeout: float) -> tuple[list[int], float]:
+    """Start ``nproc`` ranks of the worker (torchrun-style env, as scripts/launch.py does), with
+    each rank's output in ``<log_prefix>.rank<N>.log``; returns exit codes and wall seconds."""
+    port = _free_port()
+    procs, logs = [], []
+    t0 = time.perf_counter()
+    for rank in range(nproc):
+        env = dict(os.environ)
+        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
+                   OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+                       [REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
+        env["DS_ACCELERATOR"] = "cpu"
+        log = open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8")
+        logs.append(log)
+        procs.append(subprocess.Popen([sys.executable, WORKER, *worker_args], env=env, cwd=REPO,
+                                      stdout=log, stderr=subprocess.STDOUT))
+    deadline = time.monotonic() + timeout
+    try:
+        while any(p.poll() is None for p in procs):
+            if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
+                time.sleep(2)  # let a failing rank's peers notice
+                break
+            time.sleep(0.2)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+    return [p.returncode for p in procs], time.perf_counter() - t0
+
+
+def _tail(path: str, n: int = 6) -> str:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return "".join(f.readlines()[-n:]).strip()
+    except OSError:
+        return ""
+
+
+# --------------------------------------------------------------------------- aggregation
+def _median(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.median(xs) if xs else None
+
+
+BUSY_CORES = 0.05  # other processes' average CPU use in a window above which it is flagged
+
+
+def _foreign(load: "ForeignLoad | None", t0: float, t1: float) -> dict:
+    cpu = load.cpu_between(t0, t1) if load is not None else None
+    if cpu is None:
+        return {"foreign_cpu_s": None, "kernel_threads_cpu_s": None, "busy": None}
+    return {"foreign_cpu_s": cpu, "kernel_threads_cpu_s": load.cpu_between(t0, t1, kernel=True),
+            "busy": cpu / (t1 - t0) > BUSY_CORES}
+
+
+def _usage(windows: list[dict]) -> dict:
+    """Summed over ranks: user and system CPU seconds and minor page faults of a window."""
+    return {k: sum(w["usage"][k] for w in windows) for k in ("user_s", "sys_s", "minflt")}
+
+
+def summarize(ranks: list[dict], storage: dict, k: int, load: "ForeignLoad | None" = None) -> dict:
+    """Per-engine figures of one (setting, size) from the per-rank worker results."""
+    r0 = ranks[0]
+    base_windows = [max(r["baseline"][i]["window_s"] for r in ranks) for i in range(len(r0["baseline"]))]
+    base_window = statistics.mean(base_windows)
+    base_steps = [s for r in ranks for b in r["baseline"] for s in b["steps"]]
+    step = {
+        "step_s": _median([s["step_s"] for s in base_steps]),
+        "fwd_bwd_s": _median([s["fb_s"] for s in base_steps]),
+        "optimizer_s": _median([s["opt_s"] for s in base_steps]),
+        "baseline_window_s": base_window,
+        "baseline_windows_s": base_windows,
+        "baseline_drift": (max(base_windows) - min(base_windows)) / base_window,
+        "baseline_foreign": [_foreign(load, b["t0"], b["t1"]) for b in r0["baseline"]],
+    }
+    base_use = [_usage([r["baseline"][i] for r in ranks]) for i in range(len(r0["baseline"]))]
+    step["baseline_usage"] = {k: statistics.mean(u[k] for u in base_use) for k in base_use[0]}
+    # Without ZeRO the optimizer state is replicated and only rank 0 writes it.
+    optim = sum(r["optim_bytes"] for r in ranks) if r0["zero_stage"] > 0 else r0["optim_bytes"]
+    expected = r0["module_bytes"] + optim
+    engines = {}
+    for name in r0["engines"]:
+        per = [r["engines"].get(name, {}) for r in ranks]
+        e0 = per[0]
+        row = {"ok": all(p.get("ok") for p in per), "durable": e0.get("durable"), "note": e0.get("note", "")}
+        errors = [p.get("error") for p in per if p.get("error")]
+        if errors:
+            row["error"] = errors[0]
+        if "attempts" in e0:
+            row["attempts"] = e0["attempts"]
+        if not row["ok"]:
+            engines[name] = row
+            continue
+        timed = [p["timed"] for p in per]
+        first = [p["first"] for p in per]
+        nbytes = timed[0]["bytes_on_disk"]
+        # This engine's commit on rank 0 waits for every rank: its time is the checkpoint's.
+        persist = timed[0]["persist_s"] if name in ("async", "sync") else max(t["persist_s"] for t in timed)
+        window = max(t["window_s"] for t in timed)
+        row.update({
+            "stall_s": max(t["stall_s"] for t in timed),
+            "save_s": max(t["save_s"] for t in timed),
+            "wait_s": max(t["wait_s"] for t in timed),
+            "first_stall_s": max(t["stall_s"] for t in first),
+            "first_next_step_extra_s": max(t["next_step_s"] for t in first) - step["step_s"],
+            "next_step_extra_s": max(t["next_step_s"] for t in timed) - step["step_s"],
+            "persist_s": persist,
+            "bytes": nbytes,
+            "expected_bytes": expected,
+            "persist_gbps": nbytes / persist / GB,
+            "window_s": window,
+            "overhead": (window - base_window) / base_window,
+            "extra_s": window - base_window,
+            "keeps_up": persist <= base_window,
+        })
+        row.update(_foreign(load, timed[0]["t0"], timed[0]["t1"]))  # during the timed window
+        use = _usage(timed)  # this process's threads only: not the decoupled engine's writer process
+        row["usage"] = use
+        row["extra_user_s"] = use["user_s"] - step["baseline_usage"]["user_s"]
+        row["extra_sys_s"] = use["sys_s"] - step["baseline_usage"]["sys_s"]
+        row["extra_minflt"] = use["minflt"] - step["baseline_usage"]["minflt"]
+        ref = storage["fsync_gbps"] if row["durable"] else storage["nofsync_gbps"]
+        row["storage_ref_gbps"] = ref
+        row["persist_fraction"] = row["persist_gbps"] / ref
+        if nbytes < 0.95 * expected:
+            row["incomplete"] = f"{nbytes} bytes on disk, {expected} bytes of state"
+        if "engine_times_s" in timed[0]:
+            row["engine_times_s"] = [t["engine_times_s"] for t in timed]
+            staged = max(t["engine_times_s"]["staged"] for t in timed)
+            row["snapshot_s"] = staged
+            row["snapshot_gbps"] = sum(t["staged_bytes"] for t in timed) / staged / GB  # all ranks
+            row["pool_peak_bytes"] = [t["pool_peak_bytes"] for t in timed]
+        engines[name] = row
+    return {"steps": step, "engines": engines, "params": r0["params"], "expected_bytes": expected,
+            "loadavg": [r0.get("loadavg_start"), r0.get("loadavg_end")]}
+
+
+def _add_child_errors(cell: dict, log_prefix: str, found: list[str]) -> None:
+    """DeepSpeed's decoupled engine reports only "process died" in the parent; the cause is
+    printed by its writer subprocess into the rank's log (of the setting's first worker, which
+    probes; ``found`` carries it to the later ones). Attach it to the probe attempts."""
+    import re
+
+    for r in range(cell["nproc"]):
+        try:
+            with open(f"{log_prefix}.rank{r}.log", encoding="utf-8", errors="replace") as f:
+                found += re.findall(r"Checkpoint subprocess crashed with error: (.*)", f.read())
+        except OSError:
+            pass
+    dec = cell.get("engines", {}).get("ds_decoupled")
+    if dec and found:
+        for a in dec.get("attempts", []):
+            if a.get("error") and "died unexpectedly" in a["error"]:
+                a["child_error"] = found[0].strip()
+
+
+def targets(cell: dict, storage: dict) -> dict:
+    """The issue's three targets for this engine (async) in one (setting, size)."""
+    e = cell["engines"]
+    a, t = e.get("async", {}), e.get("ds_torch", {})
+    out = {}
+    if a.get("ok") and t.get("ok"):
+        ratio = t["stall_s"] / a["stall_s"] if a["stall_s"] > 0 else math.inf
+        out["stall_ratio_vs_torch"] = {"value": ratio, "target": STALL_RATIO_TARGET, "met": ratio >= STALL_RATIO_TARGET}
+    if a.get("ok"):
+        frac = a["persist_gbps"] / storage["fsync_gbps"]
+        out["persist_fraction_of_storage"] = {"value": frac, "target": PERSIST_FRACTION_TARGET,
+                                              "met": frac >= PERSIST_FRACTION_TARGET}
+        out["overhead_every_k"] = {"value": a["overhead"], "target": OVERHEAD_TARGET,
+                                   "met": a["overhead"] < OVERHEAD_TARGET,
+                                   "noise": cell["steps"]["baseline_drift"]}
+    return out
+
+
+def breakdown(micro: dict, storage: dict, nbytes: int) -> dict:
+    """Seconds one core spends per checkpoint on each stage of this engine's persist path, from
+    the micro-benchmarks: copy to the host pool, zlib.crc32 (the manifest checksum), torch's zip
+    writer (its own CRC-32), write to the page cache, and fsync."""
+    b = nbytes / GB
+    parts = {
+        "copy_s": b / micro["memcpy_gbps"],
+        "checksum_s": b / micro["crc32_gbps"],
+        "zip_crc_s": b / micro["zip_writer_crc_gbps"],
+        "write_s": b / micro["pagecache_write_gbps"],
+        "fsync_s": b / micro["fsync_gbps"],
+    }
+    parts["cpu_total_s"] = sum(v for k, v in parts.items() if k != "fsync_s")
+    # One file is checksummed, zipped, written, then fsynced, in sequence, by one writer thread:
+    serial = parts["checksum_s"] + parts["zip_crc_s"] + parts["write_s"] + parts["fsync_s"]
+    parts["persist_bound_gbps"] = b / serial
+    parts["persist_bound_fraction"] = parts["persist_bound_gbps"] / storage["fsync_gbps"]
+    # The same without torch's zip CRC, which duplicates the engine's own checksum.
+    parts["persist_bound_no_zip_crc_gbps"] = b / (serial - parts["zip_crc_s"])
+    return parts
+
+
+# --------------------------------------------------------------------------- output
+def fmt_s(x) -> str:
+    if x is None:
+        return "-"
+    return f"{x * 1000:.0f} ms" if abs(x) < 1 else f"{x:.2f} s"
+
+
+def table(result: dict) -> str:
+    lines = []
+    for setting, cells in result["cells"].items():
+        lines.append(f"\n## {SETTINGS[setting]['label']}\n")
+        lines.append("| size | engine | stall | next step + | 1st save: stall, next step + | persist | GB/s "
+                     "| % of disk | overhead, 1 ckpt / K steps | fsync |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for size, cell in cells.items():
+            if "error" in cell:
+                lines.append(f"| {size} GB | (all) | run failed: {cell['error']} ||||||||")
+                continue
+            st = cell["steps"]
+            for name, e in cell["engines"].items():
+                label = ENGINE_LABELS.get(name, name)
+                if not e["ok"]:
+                    lines.append(f"| {cell['size_gb']:.2f} GB | {label} | not run: {e.get('error', '?')} ||||||||")
+                    continue
+                flag = " (incomplete!)" if e.get("incomplete") else ""
+                busy = e.get("busy") or any(b.get("busy") for b in st.get("baseline_foreign", []))
+                mark = " †" if busy else ""
+                lines.append(
+                    f"| {cell['size_gb']:.2f} GB | {label}{flag} | {fmt_s(e['stall_s'])} "
+                    f"| {fmt_s(e['next_step_extra_s'])} | {fmt_s(e['first_stall_s'])}, {fmt_s(e['first_next_step_extra_s'])} "
+                    f"| {fmt_s(e['persist_s'])} | {e['persist_gbps']:.2f} | {100 * e['persist_fraction']:.0f}% "
+                    f"| {100 * e['overhead']:+.1f}%{mark} | {'yes' if e['durable'] else 'no'} |")
+            fcpu = cell.get("foreign", {}).get("foreign_cpu_s")
+            kcpu = cell.get("foreign", {}).get("kernel_threads_cpu_s")
+            other = (f", other processes {fcpu:.0f} CPU-s and kernel threads {kcpu:.0f} CPU-s in "
+                     f"{cell['worker_wall_s']:.0f} s" if fcpu is not None else "")
+            lines.append(f"| | *step {fmt_s(st['step_s'])} (fwd+bwd {fmt_s(st['fwd_bwd_s'])}), "
+                         f"disk {cell['storage']['fsync_gbps']:.2f} GB/s fsync / {cell['storage']['nofsync_gbps']:.2f} "
+                         f"GB/s no fsync, baseline drift {100 * st['baseline_drift']:.1f}%{other}* |||||||||")
+        lines.append("\n† other processes used more than 5% of a core during this window or a baseline window.")
+    return "\n".join(lines)
+
+
+def targets_text(result: dict) -> str:
+    lines = ["\nTargets (this engine, async mode):"]
+    for setting, cells in result["cells"].items():
+        for size, cell in cells.items():
+            for key, t in cell.get("targets", {}).items():
+                v = t["value"]
+                shown = f"{v:.1f}x" if key == "stall_ratio_vs_torch" else f"{100 * v:.1f}%"
+                goal = {"stall_ratio_vs_torch": f">= {STALL_RATIO_TARGET:.0f}x",
+                        "persist_fraction_of_storage": f">= {100 * PERSIST_FRACTION_TARGET:.0f}%",
+                        "overhead_every_k": f"< {100 * OVERHEAD_TARGET:.0f}%"}[key]
+                extra = f" (baseline noise {100 * t['noise']:.1f}%)" if "noise" in t else ""
+                lines.append(f"  {setting} {cell['size_gb']:.2f} GB {key}: {shown} ({goal}) "
+                             f"{'MET' if t['met'] else 'MISSED'}{extra}")
+    return "\n".join(lines)
+
+
+def breakdown_text(result: dict) -> str:
+    lines = ["\nWhere this engine's (async) cost goes. Per checkpoint, one core, from the micro-benchmarks: "
+             "copy, crc32, zip CRC, write, fsync; then measured in the timed window vs a baseline window "
+             "(all ranks' processes): extra wall time, extra user and system CPU, extra minor page faults.",
+             "| setting | size | copy | crc32 | zip CRC | write | fsync | CPU total (model) "
+             "| extra wall | extra user CPU | extra sys CPU | extra faults | persist bound: model (measured) "
+             "| bound w/o zip CRC |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for setting, cells in result["cells"].items():
+        for size, cell in cells.items():
+            b, a = cell.get("breakdown"), cell.get("engines", {}).get("async", {})
+            if not b or not a.get("ok"):
+                continue
+            faults = a["extra_minflt"] * 4096 / GB
+            lines.append(f"| {setting} | {cell['size_gb']:.2f} GB | {fmt_s(b['copy_s'])} | {fmt_s(b['checksum_s'])} "
+                         f"| {fmt_s(b['zip_crc_s'])} | {fmt_s(b['write_s'])} | {fmt_s(b['fsync_s'])} "
+                         f"| {fmt_s(b['cpu_total_s'])} | {fmt_s(a['extra_s'])} | {fmt_s(a['extra_user_s'])} "
+                         f"| {fmt_s(a['extra_sys_s'])} | {faults:+.2f} GB "
+                         f"| {b['persist_bound_gbps']:.2f} GB/s ({a['persist_gbps']:.2f}) "
+                         f"| {b['persist_bound_no_zip_crc_gbps']:.2f} GB/s |")
+    return "\n".join(lines)
+
+
+def plot(result: dict, path: str) -> None:
+    """Bars per engine and size: stall (log scale) and persist throughput, one column per
+    setting; hatched bars are engines that do not fsync; dashed/dotted lines are the disk's
+    sequential write bandwidth with and without fsync, measured in the same run."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    settings = list(result["cells"])
+    fig, axes = plt.subplots(2, len(settings), figsize=(6.5 * len(settings), 8.5), squeeze=False)
+    colors = dict(zip(ENGINES, ("tab:green", "tab:olive", "tab:red", "tab:purple", "tab:blue")))
+    handles = {}
+    for col, setting in enumerate(settings):
+        cells = [c for c in result["cells"][setting].values() if "engines" in c]
+        names = [n for n in ENGINES if any(c["engines"].get(n, {}).get("ok") for c in cells)]
+        width = 0.8 / max(1, len(names))
+        for row, (key, ylabel) in enumerate((("stall_s", "stall per checkpoint (s, log scale)"),
+                                              ("persist_gbps", "persist throughput (GB/s)"))):
+            ax = axes[row][col]
+            for j, name in enumerate(names):
+                for i, c in enumerate(cells):
+                    e = c["engines"].get(name, {})
+                    if not e.get("ok"):
+                        continue
+                    bar = ax.bar(i + (j - (len(names) - 1) / 2) * width, max(e[key], 1e-4), width,
+                                 color=colors[name], hatch=None if e["durable"] else "//",
+                                 edgecolor="white" if e["durable"] else "black", linewidth=0.5)
+                    label = ENGINE_LABELS[name] + ("" if e["durable"] else " (no fsync)")
+                    handles.setdefault(label, bar)
+            if key == "persist_gbps":
+                for i, c in enumerate(cells):
+                    handles.setdefault("disk: write + fsync", ax.hlines(
+                        c["storage"]["fsync_gbps"], i - 0.45, i + 0.45, colors="k", linestyles="--"))
+                    handles.setdefault("disk: write, no fsync", ax.hlines(
+                        c["storage"]["nofsync_gbps"], i - 0.45, i + 0.45, colors="grey", linestyles=":"))
+            else:
+                ax.set_yscale("log")
+            ax.set_xticks(range(len(cells)), [f"{c['size_gb']:.2f} GB" for c in cells])
+            ax.set_ylabel(ylabel)
+            ax.set_title(SETTINGS[setting]["label"])
+            ax.grid(axis="y", alpha=0.3)
+    fig.legend(list(handles.values()), list(handles), loc="lower center", ncol=4, fontsize=8)
+    fig.suptitle(f"DeepSpeed {result['meta']['deepspeed']} on CPU ({result['meta']['cores']} cores), "
+                 f"checkpoint every {result['config']['k']} steps, {result['meta']['date']}")
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# --------------------------------------------------------------------------- GPU report
+def gpu_report(seconds_budget: float = 120.0) -> dict:
+    """With an NVIDIA GPU: pinned D2H bandwidth, this engine's snapshot bandwidth and stall for a
+    save overlapped with compute, and NVML samples of PCIe throughput and memory during it."""
+    try:
+        import pynvml
+
+        pynvml.nvmlInit()
+        count = pynvml.nvmlDeviceGetCount()
+    except Exception as exc:  # NVMLError_LibraryNotFound, DriverNotLoaded, ImportError
+        return {"available": False, "reason": f"no NVIDIA GPU/driver found ({type(exc).__name__}: {exc})"}
+    if count == 0:
+        return {"available": False, "reason": "no NVIDIA GPU/driver found (NVML reports 0 devices)"}
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"available": False, "reason": "NVML sees a GPU but this torch build has no CUDA"}
+    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+
+    handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())
+    name = pynvml.nvmlDeviceGetName(handle)
+    name = name.decode() if isinstance(name, bytes) else name
+    nbytes = 2 << 30
+    chunk = 64 << 20
+    state = {f"t{i}": torch.randn(chunk // 4, device="cuda") for i in range(nbytes // chunk)}
+    host = torch.empty(chunk, dtype=torch.uint8, pin_memory=True)
+    flat = next(iter(state.values())).view(torch.uint8)
+    for _ in range(3):
+        host.copy_(flat, non_blocking=True)
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for t in state.values():
+        host.copy_(t.view(torch.uint8), non_blocking=True)
+    torch.cuda.synchronize()
+    pinned_gbps = nbytes / (time.perf_counter() - t0) / GB
+
+    samples: list[dict] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            samples.append({"t": time.perf_counter(),
+                            "pcie_tx_kbps": pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_TX_BYTES),
+                            "pcie_rx_kbps": pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_RX_BYTES),
+                            "mem_used_bytes": mem.used})
+            stop.wait(0.02)
+
+    a = torch.randn(8192, 8192, device="cuda")
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(10):
+        a @ a
+    torch.cuda.synchronize()
+    matmul_s = (time.perf_counter() - t0) / 10
+    copy_s = nbytes / (pinned_gbps * GB)
+    compute_iters = max(1, math.ceil(1.5 * copy_s / matmul_s))  # compute longer than the copy
+    with tempfile.TemporaryDirectory(dir=os.path.join(REPO, "bench_out")) as d:
+        results = []
+        sampler = threading.Thread(target=sample, daemon=True)
+        sampler.start()
+        ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=3))
+        try:
+            for i in range(2):  # the first save allocates the pinned pool
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                h = ck.begin(os.path.join(d, f"c{i}"), tag=f"c{i}")
+                ck.save(state, os.path.join(d, f"c{i}", "state.pt"))
+                ck.end()
+                t_saved = time.perf_counter()
+                staged: list[float] = []
+                watcher = threading.Thread(target=lambda: (h.wait_staged(), staged.append(time.perf_counter())))
+                watcher.start()  # waits on CUDA events: notes when the last copy completed
+                for _ in range(compute_iters):  # "forward+backward", longer than the copy
+                    a @ a
+                torch.cuda.synchronize()
+                tw = time.perf_counter()
+                ck.fence()  # before the "optimizer step": the stream waits for the copies
+                torch.cuda.synchronize()
+                t_fenced = time.perf_counter()
+                watcher.join()
+                t_staged = staged[0]
+                ck.wait()
+                results.append({"save_s": t_saved - t0, "fence_wait_s": t_fenced - tw,
+                                "stall_s": (t_saved - t0) + (t_fenced - tw),
+                                "snapshot_s": t_staged - t0, "snapshot_gbps": nbytes / (t_staged - t0) / GB,
+                                "persist_s": h.times["committed"] - t0})
+        finally:
+            ck.close()
+            stop.set()
+            sampler.join()
+    steady = results[-1]
+    return {
+        "available": True, "device": name, "bytes": nbytes, "pinned_d2h_gbps": pinned_gbps,
+        "compute_s": compute_iters * matmul_s, "copy_s_at_pinned": copy_s, "saves": results,
+        "snapshot_fraction_of_pinned": steady["snapshot_gbps"] / pinned_gbps,
+        "targets": {"snapshot_fraction": {"value": steady["snapshot_gbps"] / pinned_gbps, "target": 0.85,
+                                          "met": steady["snapshot_gbps"] / pinned_gbps >= 0.85}},
+        "nvml": {"samples": len(samples),
+                 "pcie_tx_peak_gbps": max((s["pcie_tx_kbps"] for s in samples), default=0) * 1024 / GB,
+                 "pcie_rx_peak_gbps": max((s["pcie_rx_kbps"] for s in samples), default=0) * 1024 / GB,
+                 "mem_used_peak_bytes": max((s["mem_used_bytes"] for s in samples), default=0),
+                 "trace": samples[:: max(1, len(samples) // 200)]},
+    }
+
+
+# --------------------------------------------------------------------------- main
+def machine_info() -> dict:
+    import deepspeed
+    import torch
+
+    top = subprocess.run(["top", "-bn1"], capture_output=True, text=True).stdout.splitlines()[:12] \
+        if shutil.which("top") else []
+    cpu = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    def read(path: str) -> str | None:
+        try:
+            with open(path, encoding="utf-8") as f:
+                return f.read().strip()
+        except OSError:
+            return None
+
+    # Kernel memory management dominates page-fault cost on this kind of VM: record its setup.
+    kernel = {"release": platform.release(),
+              "transparent_hugepage": read("/sys/kernel/mm/transparent_hugepage/enabled"),
+              "damon_kdamond_0": read("/sys/kernel/mm/damon/admin/kdamonds/0/state"),
+              "damon_scheme_0_action": read("/sys/kernel/mm/damon/admin/kdamonds/0/contexts/0/schemes/0/action"),
+              "swap_total_kb": next((ln.split()[1] for ln in (read("/proc/meminfo") or "").splitlines()
+                                     if ln.startswith("SwapTotal")), None)}
+    return {"date": datetime.datetime.now().isoformat(timespec="seconds"), "host": platform.node(),
+            "kernel": kernel,
+            "cpu": cpu, "cores": os.cpu_count(), "python": platform.python_version(),
+            "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+            "cuda": torch.cuda.is_available(), "loadavg": os.getloadavg(), "top": top}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes", default="0.25,1,2", help="checkpoint sizes in GB (1e9 bytes), comma list")
+    p.add_argument("--settings", default="1rank,2rank", help=f"comma list of {', '.join(SETTINGS)}")
+    p.add_argument("--engines", default=",".join(ENGINES), help=f"comma list of {', '.join(ENGINES)}")
+    p.add_argument("--k", type=int, default=10, help="training steps per checkpoint")
+    p.add_argument("--hidden", type=int, default=2048, help="MLP width (layers follow from --sizes)")
+    p.add_argument("--batch", type=int, default=6, help="micro-batch per rank")
+    p.add_argument("--warmup", type=int, default=3, help="untimed steps before measuring")
+    p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
+                   help="DeepSpeed ZeRO stage (0: one model-states file written by rank 0; 1/2: "
+                        "per-rank optimizer files, but DeepSpeed's decoupled engine cannot send "
+                        "ZeRO optimizer state to its writer process)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run (< 1 min): 0.02 GB, hidden 512, K=3, one warm-up step")
+    p.add_argument("--out", default=os.path.join(REPO, "docs", "bench_results", "latest.json"),
+                   help="JSON result; the PNG goes next to it (.png)")
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--work-dir", default=os.path.join(REPO, "bench_out", "bench"),
+                   help="scratch directory for checkpoints (same disk as the repo); emptied after")
+    p.add_argument("--timeout", type=float, default=900, help="seconds per worker launch")
+    p.add_argument("--gpu-report", action="store_true",
+                   help="only the NVML GPU report (PCIe throughput, memory during a save)")
+    args = p.parse_args(argv)
+    if args.quick:
+        args.sizes, args.hidden, args.k, args.warmup = "0.02", 512, 3, 1
+
+    if args.gpu_report:
+        out = args.out if "--out" in (argv or sys.argv) else os.path.join(REPO, "docs", "bench_results", "gpu_report.json")
+        os.makedirs(os.path.join(REPO, "bench_out"), exist_ok=True)
+        rep = gpu_report()
+        if not rep["available"]:
+            print("no NVIDIA GPU/driver found: --gpu-report skipped")
+            print(f"  ({rep['reason']})")
+        else:
+            print(f"{rep['device']}: pinned D2H {rep['pinned_d2h_gbps']:.1f} GB/s, engine snapshot "
+                  f"{rep['saves'][-1]['snapshot_gbps']:.1f} GB/s ({100 * rep['snapshot_fraction_of_pinned']:.0f}%), "
+                  f"stall {fmt_s(rep['saves'][-1]['stall_s'])}, PCIe TX peak {rep['nvml']['pcie_tx_peak_gbps']:.1f} GB/s")
+        _write_json(out, {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds")}, "gpu": rep})
+        print(f"wrote {out}")
+        return 0
+
+    sizes = [float(s) for s in args.sizes.split(",") if s]
+    settings = [s for s in args.settings.split(",") if s]
+    engines = [e for e in args.engines.split(",") if e]
+    for s in settings:
+        if s not in SETTINGS:
+            p.error(f"--settings: unknown {s!r}; allowed: {', '.join(SETTINGS)}")
+    for e in engines:
+        if e not in ENGINES:
+            p.error(f"--engines: unknown {e!r}; allowed: {', '.join(ENGINES)}")
+    zero_stage = args.zero_stage
+    work = os.path.abspath(args.work_dir)
+    shutil.rmtree(work, ignore_errors=True)
+    os.makedirs(os.path.join(work, "logs"), exist_ok=True)
+    t_start = time.perf_counter()
+    load = ForeignLoad().start()
+    meta = machine_info()
+    if meta["loadavg"][0] > 0.5:
+        print(f"note: load average {meta['loadavg'][0]:.2f} at start: the machine is not idle, "
+              "figures will be noisier", flush=True)
+    print(f"micro-benchmarks ...", flush=True)
+    micro = micro_benchmarks(work, 256 << 20)
+    cells: dict = {}
+    raw: dict = {}
+    for setting in settings:
+        nproc = SETTINGS[setting]["nproc"]
+        cells[setting] = {}
+        child_errors: list[str] = []
+        for size in sizes:
+            layers = layers_for(size, args.hidden, zero_stage)
+            tag = f"{setting}_{size:g}GB"
+            prefix = os.path.join(work, tag)
+            # The disk's bandwidth drifts (a VM's virtual disk): measured right before each cell.
+            storage = storage_bandwidth(work, int(size * GB), reps=2)
+            print(f"{tag}: {nproc} rank(s), hidden {args.hidden} x {layers} layers; disk "
+                  f"{storage['fsync_gbps']:.2f} GB/s with fsync, {storage['nofsync_gbps']:.2f} without ...",
+                  flush=True)
+            wargs = ["--hidden", str(args.hidden), "--layers", str(layers), "--batch", str(args.batch),
+                     "--k", str(args.k), "--warmup", str(args.warmup), "--engines", ",".join(engines),
+                     "--work-dir", os.path.join(work, tag), "--result", prefix,
+                     "--zero-stage", str(zero_stage),
+                     # probed once per setting, by its first worker
+                     "--decoupled-probe", os.path.join(work, f"{setting}_decoupled_probe.json")]
+            t_cell = time.perf_counter()
+            codes, wall = run_workers(nproc, wargs, os.path.join(work, "logs", tag), args.timeout)
+            cell: dict = {"size_gb": size, "layers": layers, "hidden": args.hidden, "nproc": nproc,
+                          "worker_wall_s": wall, "storage": storage}
+            time.sleep(2 * load.interval)  # a sample after the cell
+            cell["foreign"] = _foreign(load, t_cell, t_cell + wall)
+            try:
+                if any(codes):
+                    raise RuntimeError(f"worker exit codes {codes}: "
+                                       f"{_tail(os.path.join(work, 'logs', tag + '.rank0.log'))}")
+                ranks = []
+                for r in range(nproc):
+                    with open(f"{prefix}.rank{r}.json", encoding="utf-8") as f:
+                        ranks.append(json.load(f))
+                raw[tag] = ranks
+                cell.update(summarize(ranks, storage, args.k, load))
+                _add_child_errors(cell, os.path.join(work, "logs", tag), child_errors)
+                cell["size_gb"] = cell["expected_bytes"] / GB
+                cell["breakdown"] = breakdown(micro, storage, cell["expected_bytes"])
+                cell["targets"] = targets(cell, storage)
+                a = cell["engines"].get("async", {})
+                busy = cell["foreign"]["foreign_cpu_s"]
+                print(f"  step {fmt_s(cell['steps']['step_s'])}; async stall {fmt_s(a.get('stall_s'))}, "
+                      f"overhead {100 * a.get('overhead', float('nan')):+.1f}%; worker {wall:.0f} s; "
+                      f"other processes used {busy if busy is not None else float('nan'):.1f} CPU-s meanwhile",
+                      flush=True)
+            except Exception as exc:
+                cell["error"] = f"{type(exc).__name__}: {exc}"
+                print(f"  FAILED: {cell['error']}", flush=True)
+            cells[setting][f"{size:g}"] = cell
+    load.stop()
+    meta["loadavg_end"] = os.getloadavg()
+    if len(load.samples) > 1:
+        meta["foreign_cpu_s"] = load.cpu_between(load.samples[0][0], load.samples[-1][0])
+        meta["kernel_threads_cpu_s"] = load.cpu_between(load.samples[0][0], load.samples[-1][0], kernel=True)
+    meta["top_end"] = subprocess.run(["top", "-bn1"], capture_output=True, text=True).stdout.splitlines()[:12] \
+        if shutil.which("top") else []
+    meta["wall_s"] = time.perf_counter() - t_start
+    meta["command"] = " ".join([os.path.basename(sys.argv[0])] + (argv if argv is not None else sys.argv[1:]))
+    result = {
+        "meta": meta,
+        "config": {"sizes_gb": sizes, "settings": settings, "engines": engines, "k": args.k,
+                   "hidden": args.hidden, "batch": args.batch, "warmup": args.warmup,
+                   "zero_stage": zero_stage, "dtype": "fp32", "optimizer": "torch Adam (fused)",
+                   "bytes_per_param": bytes_per_param(zero_stage),
+                   "async_checkpoint": "enabled, all other keys default (crc32, fsync, 4 writer threads, 8 GiB pool)"},
+        "micro": micro,
+        "cells": cells,
+        "gpu": {"available": False, "reason": "not measured in this run; see --gpu-report"},
+        "raw": raw,
+    }
+    print(table(result))
+    print(targets_text(result))
+    print(breakdown_text(result))
+    _write_json(args.out, result)
+    print(f"\nwrote {args.out}")
+    if not args.no_plot:
+        png = os.path.splitext(args.out)[0] + ".png"
+        plot(result, png)
+        print(f"wrote {png}")
+    print(f"total {meta['wall_s']:.0f} s; load average at start {meta['loadavg'][0]:.2f}, "
+          f"at end {meta['loadavg_end'][0]:.2f}; other processes used "
+          f"{meta['foreign_cpu_s'] or 0:.0f} CPU-s of the {meta['cores'] * meta['wall_s']:.0f} available")
+    shutil.rmtree(work, ignore_errors=True)
+    return 0
+
+
+def _write_json(path: str, obj: dict) -> None:
+    os.makedirs(os.path.dirname(os.path.abspath(path)) or ".", exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=1, default=str)
+        f.write("\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,548 @@
+"""One rank of ``bench_checkpoint.py``: trains a DeepSpeed MLP and times every checkpoint engine.
+
+Started by ``scripts/bench_checkpoint.py`` (one process per rank, torchrun-style environment);
+not meant to be run by hand. All engines run in this one process on the same model, so they
+see the same weights, the same memory and the same step time:
+
+1. ``deepspeed.initialize`` with the ``"async_checkpoint"`` key (this package's engine);
+2. warm-up steps, then a baseline window of K steps without checkpoints;
+3. per engine: a first checkpoint (one-time costs: staging buffers, page faults) and one step,
+   drained; then the timed window: ``save_checkpoint`` followed by K training steps, drained;
+4. DeepSpeed's decoupled writer engine, which is chosen at ``initialize``: tiny engines with
+   writer configs from DeepSpeed's default up record why each fails; the first that completes
+   a save lends its ``checkpoint_engine``, timed the same way;
+5. a second baseline window (drift/noise check).
+
+The engines are swapped by assigning ``engine.checkpoint_engine``; DeepSpeed queries that
+object at every save, so the swap is what ``initialize`` would have built. Each rank writes its
+measurements to ``<result>.rank<N>.json``; times are seconds, sizes bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import os
+import resource
+import shutil
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ds_train import batch, build_model  # noqa: E402  (the README's training loop's model)
+
+now = time.perf_counter
+
+
+def usage() -> dict:
+    """CPU seconds and page faults of this process, all threads (copier and writers included)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user_s": ru.ru_utime, "sys_s": ru.ru_stime, "minflt": ru.ru_minflt, "majflt": ru.ru_majflt}
+
+
+def usage_delta(a: dict, b: dict) -> dict:
+    return {k: b[k] - a[k] for k in a}
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor reachable through dicts, lists and tuples (each counted once)."""
+    seen, total, stack = set(), 0, [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if id(o) not in seen:
+                seen.add(id(o))
+                total += o.numel() * o.element_size()
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return total
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
+
+
+def ds_config(batch_size: int, zero_stage: int, extra: dict | None = None) -> dict:
+    """fp32 with torch's fused Adam. Checkpoint bytes per parameter: 12 without ZeRO (weights and
+    two Adam moments in one model-states file), 16 with ZeRO-1/2 (plus the fp32 master
+    partition, in per-rank optimizer files)."""
+    cfg = {
+        "train_micro_batch_size_per_gpu": batch_size,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 1e-4, "torch_adam": True, "fused": True}},
+        "zero_optimization": {"stage": zero_stage},
+        "steps_per_print": 10**9,
+        "checkpoint": {"tag_validation": "Ignore"},
+    }
+    cfg.update(extra or {})
+    return cfg
+
+
+class Trainer:
+    """The training loop, instrumented: per step, forward+backward and optimizer seconds, and
+    any wait the checkpoint engine adds before the optimizer step."""
+
+    def __init__(self, engine, hidden: int, rank: int) -> None:
+        self.engine, self.hidden, self.rank = engine, hidden, rank
+        self.step_no = 0
+        self.waits: list[float] = []
+        self.pre_step: Callable[[], None] | None = None  # e.g. DCP's staging wait
+
+    def step(self) -> dict:
+        eng = self.engine
+        x, y = batch(self.step_no, self.rank, eng.train_micro_batch_size_per_gpu(), self.hidden,
+                     torch.float32)
+        t0 = now()
+        loss = nn.functional.mse_loss(eng(x), y)
+        eng.backward(loss)
+        t1 = now()
+        if self.pre_step is not None:
+            w0 = now()
+            self.pre_step()
+            self.pre_step = None
+            self.waits.append(now() - w0)
+        eng.step()
+        t2 = now()
+        self.step_no += 1
+        waits, self.waits = self.waits, []
+        return {"step_s": t2 - t0, "fb_s": t1 - t0, "opt_s": t2 - t1, "wait_s": sum(waits)}
+
+    def window(self, k: int) -> dict:
+        dist.barrier()
+        u0, t0 = usage(), now()
+        steps = [self.step() for _ in range(k)]
+        t1, u1 = now(), usage()
+        # perf_counter is CLOCK_MONOTONIC, one clock for every process: the launcher uses the
+        # absolute times to measure other processes' CPU use during each window.
+        return {"window_s": t1 - t0, "steps": steps, "t0": t0, "t1": t1, "usage": usage_delta(u0, u1)}
+
+    def timed(self, fn: Callable[[], None]) -> Callable[[], None]:
+        """Wrap a wait the engine performs inside ``engine.step`` so its seconds are counted."""
+
+        def wrapper(*args, **kwargs):
+            w0 = now()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.waits.append(now() - w0)
+
+        return wrapper
+
+
+# --------------------------------------------------------------------------- engines
+class Adapter:
+    """How the benchmark saves, and learns when the save is durable, for one engine."""
+
+    name = ""
+    durable = True  # fsyncs before it reports completion
+    note = ""
+
+    def save(self, save_dir: str, tag: str) -> Any: ...
+
+    def drain(self, token: Any) -> float:
+        """Block until the save is complete; return the perf_counter time it completed."""
+
+    def close(self) -> None: ...
+
+    def stats(self, token: Any) -> dict:
+        return {}
+
+
+class DeepSpeedAdapter(Adapter):
+    """Any DeepSpeed ``CheckpointEngine``, saved through ``engine.save_checkpoint``."""
+
+    def __init__(self, name: str, trainer: Trainer, ckpt_engine, *, durable: bool, note: str = "") -> None:
+        self.name, self.trainer, self.ckpt_engine = name, trainer, ckpt_engine
+        self.durable, self.note = durable, note
+        trainer.engine.checkpoint_engine = ckpt_engine
+
+    def save(self, save_dir: str, tag: str) -> Any:
+        self.trainer.engine.save_checkpoint(save_dir, tag=tag)
+        return now()
+
+    def drain(self, token: Any) -> float:
+        return token  # torch.save has returned: in the page cache, not fsynced
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncAdapter(DeepSpeedAdapter):
+    """This package's engine, async or sync mode. Completion = the commit of ``latest``."""
+
+    def __init__(self, name: str, trainer: Trainer, ckpt_engine) -> None:
+        mode = ckpt_engine.checkpointer.config.mode
+        super().__init__(name, trainer, ckpt_engine, durable=ckpt_engine.checkpointer.config.fsync,
+                         note=f"mode={mode}")
+        ck = ckpt_engine.checkpointer
+        ck.fence = trainer.timed(ck.fence)  # the wait at the optimizer step
+
+    def save(self, save_dir: str, tag: str) -> Any:
+        ck = self.ckpt_engine.checkpointer
+        t0 = now()
+        self.trainer.engine.save_checkpoint(save_dir, tag=tag)
+        handle = ck.history[-1]
+        box: dict = {"handle": handle, "t0": t0}
+
+        def watch() -> None:  # blocks on events only: no CPU taken from training
+            handle.wait_staged()
+            box["staged"] = now()
+
+        box["watcher"] = threading.Thread(target=watch, daemon=True)
+        box["watcher"].start()
+        return box
+
+    def drain(self, token: Any) -> float:
+        ck = self.ckpt_engine.checkpointer
+        ck.wait()
+        token["watcher"].join()
+        return token["handle"].times["committed"]
+
+    def stats(self, token: Any) -> dict:
+        h = token["handle"]
+        base = token["t0"]
+        times = {k: round(v - base, 6) for k, v in h.times.items()}
+        times["staged"] = round(token["staged"] - base, 6)
+        pool = self.ckpt_engine.checkpointer.pool
+        return {"engine_times_s": times, "staged_bytes": h.nbytes,
+                "pool_peak_bytes": pool.peak_bytes, "pool_allocations": pool.allocations}
+
+    def close(self) -> None:
+        self.ckpt_engine.cleanup()
+
+
+class DCPAdapter(Adapter):
+    """``torch.distributed.checkpoint.async_save`` of the same model and optimizer tensors."""
+
+    name = "dcp_async"
+
+    def __init__(self, trainer: Trainer, pg, partitioned: bool) -> None:
+        import torch.distributed.checkpoint as dcp
+
+        self.dcp, self.trainer, self.pg, self.partitioned = dcp, trainer, pg, partitioned
+        # Pinned staging needs a CUDA build (this package's pool pins under the same condition).
+        self.pinned = torch.cuda.is_available()
+        self.stager = None
+        if self.pinned:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+
+            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
+                                                       use_async_staging=True, use_non_blocking_copy=True))
+            self.note = "pinned staging (DefaultStager), thread writer, sync_files=True"
+        else:
+            self.note = ("CPU-only torch: no pinned memory, so DCP's default staging (a blocking "
+                         "copy to new CPU tensors) and its thread writer, sync_files=True")
+
+    def state_dict(self) -> dict:
+        eng = self.trainer.engine
+        # Replicated state gets the same key on every rank (DCP writes it once); ZeRO optimizer
+        # partitions differ per rank, so they get per-rank keys (else DCP dedupes them).
+        optim_key = f"optim_rank{dist.get_rank()}" if self.partitioned else "optim"
+        return {"model": eng.module.state_dict(), optim_key: eng.optimizer.state_dict()}
+
+    def save(self, save_dir: str, tag: str) -> Any:
+        path = os.path.join(save_dir, tag)
+        box: dict = {}
+        result = self.dcp.async_save(self.state_dict(), checkpoint_id=path, process_group=self.pg,
+                                     async_stager=self.stager)
+        upload = getattr(result, "upload_completion", result)
+        staging = getattr(result, "staging_completion", None)
+        if staging is not None:
+            self.trainer.pre_step = staging.result  # params must not change before staging ends
+        upload.add_done_callback(lambda _: box.setdefault("done", now()))
+        box["future"] = upload
+        return box
+
+    def drain(self, token: Any) -> float:
+        token["future"].result()
+        return token["done"]
+
+    def close(self) -> None:
+        if self.stager is not None:
+            self.stager.close()
+
+
+class DecoupledAdapter(DeepSpeedAdapter):
+    """DeepSpeed's ``DecoupledCheckpointEngine``: a writer subprocess; the commit (which waits
+    for the subprocess to finish writing) runs at the next ``engine.step()``."""
+
+    def __init__(self, trainer: Trainer, ckpt_engine, writer_type: str) -> None:
+        super().__init__("ds_decoupled", trainer, ckpt_engine, durable=False,
+                         note=f"writer type={writer_type} (no fsync); commit waits at the next step")
+        ce = self.ckpt_engine
+        self.committed_at: list[float] = []
+        orig_commit = ce.commit
+
+        def commit(info):
+            try:
+                return orig_commit(info)
+            finally:
+                self.committed_at.append(now())
+
+        ce.commit = trainer.timed(commit)
+
+    def drain(self, token: Any) -> float:
+        if not self.committed_at:  # no step ran since the save
+            self.trainer.engine._commit_decoupled_checkpoint()
+        return self.committed_at.pop()
+
+
+# --------------------------------------------------------------------------- measurement
+def one_checkpoint(trainer: Trainer, adapter: Adapter, save_dir: str, tag: str, steps: int,
+                   rank: int) -> dict:
+    """save, then ``steps`` training steps (the first one includes any wait the engine adds
+    before the optimizer step), then drain; returns this rank's figures."""
+    dist.barrier()
+    u0, t0 = usage(), now()
+    token = adapter.save(save_dir, tag)
+    t1 = now()
+    step_stats = [trainer.step() for _ in range(steps)]
+    t2, u2 = now(), usage()
+    done_at = adapter.drain(token)
+    dist.barrier()
+    out = {
+        "save_s": t1 - t0,
+        "wait_s": step_stats[0]["wait_s"] if step_stats else 0.0,
+        "next_step_s": step_stats[0]["step_s"] if step_stats else None,
+        "window_s": t2 - t0,
+        "persist_s": done_at - t0,
+        "steps": step_stats,
+        "t0": t0,
+        "t1": t2,
+        "usage": usage_delta(u0, u2),  # save + steps, as window_s
+    }
+    out["stall_s"] = out["save_s"] + out["wait_s"]
+    out.update(adapter.stats(token))
+    if rank == 0:
+        out["bytes_on_disk"] = dir_bytes(os.path.join(save_dir, tag))
+    return out
+
+
+def run_engine(trainer: Trainer, adapter: Adapter, root: str, k: int, rank: int) -> dict:
+    save_dir = os.path.join(root, adapter.name)
+    res: dict = {"ok": False, "durable": adapter.durable, "note": adapter.note}
+    try:
+        res["first"] = one_checkpoint(trainer, adapter, save_dir, "first", 1, rank)
+        clean(save_dir, rank)
+        res["timed"] = one_checkpoint(trainer, adapter, save_dir, "timed", k, rank)
+        res["ok"] = True
+    except Exception as exc:  # record and go on with the other engines
+        res["error"] = f"{type(exc).__name__}: {exc}"
+        res["traceback"] = traceback.format_exc(limit=8)
+        print(f"rank {rank}: {adapter.name} failed: {res['error']}", file=sys.stderr, flush=True)
+    finally:
+        clean(save_dir, rank)
+    return res
+
+
+def clean(path: str, rank: int) -> None:
+    """Delete a checkpoint directory and flush the page cache's dirty data, so the next engine
+    starts from a quiet disk (the TorchCheckpointEngine leaves its writes unsynced)."""
+    dist.barrier()
+    if rank == 0:
+        shutil.rmtree(path, ignore_errors=True)
+        os.sync()
+    dist.barrier()
+
+
+DECOUPLED_VARIANTS = [  # from DeepSpeed's documented default up to what initializes on CPU
+    ({"decoupled": True}, {}),
+    ({"decoupled": True}, {"CROSS_RANK": "0", "CROSS_SIZE": "1"}),  # one node; torchrun sets neither
+    ({"decoupled": True, "data_parallel": "replica"}, {"CROSS_RANK": "0", "CROSS_SIZE": "1"}),
+    ({"type": "python", "decoupled": True, "data_parallel": "replica"}, {"CROSS_RANK": "0", "CROSS_SIZE": "1"}),
+]
+
+
+def decoupled_engine(rank: int, batch_size: int, zero_stage: int, work_dir: str,
+                     variants: list) -> tuple[list[dict], dict | None, Any]:
+    """Build DeepSpeed's decoupled engine with each writer config in turn, on a tiny model,
+    through one save and the commit at the next step. Returns every attempt (the stage it
+    failed at and the error), the first config that worked, and its engine, still alive: its
+    ``checkpoint_engine`` is what ``initialize`` builds for that config, whatever the model."""
+    import deepspeed
+    from deepspeed.runtime.checkpoint_engine import decoupled_checkpoint_engine as dce
+
+    # DeepSpeed checks its writer process every 10 s while a commit waits; a writer that died
+    # at start-up would cost 10 s per probe. A commit still returns as soon as it is done.
+    dce.PROCESS_HEALTH_CHECK_INTERVAL_SECONDS = 1
+    attempts: list[dict] = []
+    for writer, env in variants:
+        os.environ.update(env)
+        entry: dict = {"writer": writer, "env": env, "error": None}
+        stage = "initialize"
+        eng = None
+        try:
+            model = build_model(64, 1)
+            cfg = ds_config(batch_size, zero_stage, {"checkpoint": {"tag_validation": "Ignore", "writer": writer}})
+            eng, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+            trainer = Trainer(eng, 64, rank)
+            trainer.step()
+            stage = "save"
+            eng.save_checkpoint(os.path.join(work_dir, "probe"), tag="probe")
+            stage = "commit at the next step"
+            trainer.step()
+            clean(os.path.join(work_dir, "probe"), rank)
+        except Exception as exc:
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            entry["failed_at"] = stage
+            if eng is not None:
+                try:
+                    eng.destroy()
+                except Exception:
+                    pass
+            eng = None
+            gc.collect()
+        finally:
+            for key in env:
+                os.environ.pop(key, None)
+        attempts.append(entry)
+        if eng is not None:
+            return attempts, {"writer": writer, "env": env}, eng
+    return attempts, None, None
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__)
+    p.add_argument("--hidden", type=int, required=True)
+    p.add_argument("--layers", type=int, required=True)
+    p.add_argument("--batch", type=int, required=True)
+    p.add_argument("--k", type=int, required=True, help="steps per checkpoint")
+    p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--engines", required=True, help="comma list")
+    p.add_argument("--work-dir", required=True)
+    p.add_argument("--result", required=True, help="path prefix of the per-rank JSON")
+    p.add_argument("--zero-stage", type=int, default=0)
+    p.add_argument("--decoupled-probe", default=None,
+                   help="JSON of an earlier probe of decoupled-writer configs (skips probing)")
+    args = p.parse_args(argv)
+
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    import deepspeed
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    from deepspeed.utils import logger as ds_logger
+
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from deepspeed_async_ckpt.deepspeed_plugin import AsyncCheckpointEngine, install
+
+    install()  # what the .pth hook does at import; idempotent, so no dependence on the hook
+    ds_logger.setLevel(logging.WARNING)
+    deepspeed.init_distributed(dist_backend="gloo")  # DS_ACCELERATOR=cpu, set by the launcher
+    rank, world = dist.get_rank(), dist.get_world_size()
+    engines = [e for e in args.engines.split(",") if e]
+    root = os.path.abspath(args.work_dir)
+    out: dict = {"rank": rank, "world_size": world, "hidden": args.hidden, "layers": args.layers,
+                 "batch": args.batch, "k": args.k, "zero_stage": args.zero_stage, "loadavg_start": os.getloadavg(), "engines": {}}
+    dcp_pg = dist.new_group(backend="gloo")  # DCP's collectives run on its own thread
+
+    torch.manual_seed(1234)
+    model = build_model(args.hidden, args.layers)
+    t0 = now()
+    async_cfg = {"enabled": True, "mode": "async"}  # every other setting: the defaults
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                           config=ds_config(args.batch, args.zero_stage, {"async_checkpoint": async_cfg}))
+    out["init_s"] = now() - t0
+    trainer = Trainer(engine, args.hidden, rank)
+    out["warmup"] = trainer.window(args.warmup)["steps"]
+    phases = out["phases_s"] = {"init": out["init_s"]}  # wall seconds per phase, for budgeting
+    t_phase = now()
+    out["params"] = sum(p.numel() for p in engine.module.parameters())
+    out["module_bytes"] = tensor_bytes(engine.module.state_dict())
+    out["optim_bytes"] = tensor_bytes(engine.optimizer.state_dict())  # Adam state exists after a step
+    out["baseline"] = [trainer.window(args.k)]
+
+    builders: dict[str, Callable[[], Adapter]] = {
+        "async": lambda: AsyncAdapter("async", trainer, async_engine),
+        "sync": lambda: AsyncAdapter("sync", trainer, AsyncCheckpointEngine(
+            engine._config, AsyncCheckpointConfig(enabled=True, mode="sync"))),
+        "ds_torch": lambda: DeepSpeedAdapter("ds_torch", trainer, TorchCheckpointEngine(engine._config),
+                                             durable=False, note="torch.save, no fsync"),
+        "dcp_async": lambda: DCPAdapter(trainer, dcp_pg, partitioned=args.zero_stage > 0),
+    }
+    async_engine = engine.checkpoint_engine
+    if not isinstance(async_engine, AsyncCheckpointEngine):
+        raise SystemExit(f"rank {rank}: the async_checkpoint key did not select AsyncCheckpointEngine "
+                         f"(got {type(async_engine).__name__})")
+    for name in engines:
+        if name not in builders:
+            continue
+        adapter = builders[name]()
+        out["engines"][name] = run_engine(trainer, adapter, root, args.k, rank)
+        adapter.close()
+        del adapter
+        gc.collect()
+        phases[name], t_phase = now() - t_phase, now()
+    if "ds_decoupled" in engines:
+        async_engine = None
+        out["engines"]["ds_decoupled"] = run_decoupled(args, trainer, rank, root)
+        phases["ds_decoupled"], t_phase = now() - t_phase, now()
+    out["baseline"].append(trainer.window(args.k))
+    engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
+    async_engine = None
+    engine.destroy()
+    out["loadavg_end"] = os.getloadavg()
+    with open(f"{args.result}.rank{rank}.json", "w", encoding="utf-8") as f:
+        json.dump(out, f, indent=1)
+    dist.barrier()
+    return 0
+
+
+def run_decoupled(args, trainer: Trainer, rank: int, root: str) -> dict:
+    """DeepSpeed's decoupled engine on the benchmark's model: probed (or, after the first
+    worker of a setting, rebuilt from the probe's answer), then swapped in like the others."""
+    probe = None
+    if args.decoupled_probe and os.path.exists(args.decoupled_probe):
+        with open(args.decoupled_probe, encoding="utf-8") as f:
+            probe = json.load(f)
+    if probe is None:
+        attempts, working, tiny = decoupled_engine(rank, args.batch, args.zero_stage, root, DECOUPLED_VARIANTS)
+        if rank == 0 and args.decoupled_probe:
+            with open(args.decoupled_probe, "w", encoding="utf-8") as f:
+                json.dump({"attempts": attempts, "working": working}, f, indent=1)
+    else:
+        attempts, working, tiny = probe["attempts"], probe["working"], None
+        if working is not None:
+            again, working, tiny = decoupled_engine(rank, args.batch, args.zero_stage, root,
+                                                    [(working["writer"], working["env"])])
+            if tiny is None:
+                attempts = attempts + again
+    default_error = f"{attempts[0]['error']} (at {attempts[0].get('failed_at')})"
+    res: dict = {"ok": False, "attempts": attempts, "working_config": working, "durable": False}
+    if tiny is None:
+        last = attempts[-1]
+        res["error"] = (f"default config: {default_error}; last try, writer={last['writer']}: "
+                        f"{last['error']} (at {last.get('failed_at')})")
+        res["note"] = "no decoupled-writer config completes a save on this machine"
+        return res
+    adapter = DecoupledAdapter(trainer, tiny.checkpoint_engine, working["writer"].get("type", "fast"))
+    try:
+        res.update(run_engine(trainer, adapter, root, args.k, rank))
+    finally:
+        from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+        trainer.engine.checkpoint_engine = TorchCheckpointEngine(trainer.engine._config)
+        tiny.destroy()  # stops the writer process
+    res["note"] = (f"default config fails: {default_error}; runs with writer={working['writer']}, "
+                   f"env {working['env']}; " + adapter.note)
+    return res
+
+
+if __name__ == "__main__":  # the decoupled engine spawns a child that re-imports this file
+    sys.exit(main())

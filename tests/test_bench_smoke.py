@@ -1,0 +1,71 @@
+"""Smoke test of ``scripts/bench_checkpoint.py``: the smallest run (``--quick``) produces a JSON
+with every engine's figures measured (positive, complete checkpoints on disk) and a PNG; and
+``--gpu-report`` says so and exits 0 when there is no GPU."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+BENCH = os.path.join(REPO, "scripts", "bench_checkpoint.py")
+MEASURED = ("async", "sync", "ds_torch", "dcp_async")
+
+
+@pytest.mark.slow
+def test_quick_benchmark_measures_every_engine(tmp_path, repo_env):
+    out = tmp_path / "quick.json"
+    proc = subprocess.run([sys.executable, BENCH, "--quick", "--out", str(out),
+                           "--work-dir", str(tmp_path / "work")],
+                          cwd=REPO, env=repo_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "| this engine (async) |" in proc.stdout  # the table
+    res = json.loads(out.read_text())
+    assert (tmp_path / "quick.png").stat().st_size > 10_000
+    assert not (tmp_path / "work").exists()  # checkpoints cleaned up
+
+    micro = res["micro"]
+    for key in ("memcpy_gbps", "crc32_gbps", "zip_writer_crc_gbps", "pagecache_write_gbps", "fsync_gbps"):
+        assert micro[key] > 0, key
+    assert set(res["cells"]) == set(res["config"]["settings"]) == {"1rank", "2rank"}
+    for setting, cells in res["cells"].items():
+        assert len(cells) == 1
+        cell = next(iter(cells.values()))
+        assert "error" not in cell, cell.get("error")
+        assert cell["storage"]["fsync_gbps"] > 0 and cell["storage"]["nofsync_gbps"] > 0
+        steps = cell["steps"]
+        assert steps["step_s"] > 0 and steps["fwd_bwd_s"] > 0 and steps["baseline_window_s"] > 0
+        assert set(cell["engines"]) == {"async", "sync", "ds_torch", "ds_decoupled", "dcp_async"}
+        for name in MEASURED:
+            e = cell["engines"][name]
+            assert e["ok"], f"{setting}/{name}: {e.get('error')}"
+            for key in ("stall_s", "first_stall_s", "persist_s", "persist_gbps", "window_s"):
+                assert e[key] > 0, f"{setting}/{name}.{key} = {e[key]}"
+            # the bytes on disk are the whole state, measured after the save completed
+            assert e["bytes"] >= 0.95 * e["expected_bytes"] > 0, (setting, name)
+            assert "incomplete" not in e
+            assert isinstance(e["overhead"], float)
+        a = cell["engines"]["async"]
+        assert a["durable"] is True and a["snapshot_s"] > 0 and a["persist_s"] >= a["snapshot_s"]
+        assert cell["engines"]["sync"]["persist_s"] <= cell["engines"]["sync"]["stall_s"] + 1e-3
+        dec = cell["engines"]["ds_decoupled"]
+        assert dec["attempts"], "the decoupled engine was not tried"
+        assert dec["ok"] or dec["error"]  # measured, or the reason it cannot run is recorded
+        assert set(cell["targets"]) == {"stall_ratio_vs_torch", "persist_fraction_of_storage", "overhead_every_k"}
+        b = cell["breakdown"]
+        assert all(b[k] > 0 for k in ("copy_s", "checksum_s", "zip_crc_s", "write_s", "fsync_s"))
+
+
+def test_gpu_report_without_gpu_exits_zero(tmp_path, repo_env):
+    out = tmp_path / "gpu.json"
+    proc = subprocess.run([sys.executable, BENCH, "--gpu-report", "--out", str(out)],
+                          cwd=REPO, env=repo_env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    gpu = json.loads(out.read_text())["gpu"]
+    if gpu["available"]:
+        assert gpu["pinned_d2h_gbps"] > 0 and gpu["nvml"]["samples"] > 0
+    else:
+        assert "no NVIDIA GPU/driver found: --gpu-report skipped" in proc.stdout
+        assert gpu["reason"]
