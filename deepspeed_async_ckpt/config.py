@@ -92,17 +92,25 @@ class AsyncCheckpointConfig:
     @classmethod
     def from_file(cls, path: str | os.PathLike) -> "AsyncCheckpointConfig":
         """Read a JSON file holding either the block itself or ``{"async_checkpoint": {...}}``."""
-        try:
-            with open(path, encoding="utf-8") as f:
-                raw = json.load(f)
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ConfigError(f"cannot read async checkpoint config {os.fspath(path)!r}: {exc}") from exc
-        if isinstance(raw, Mapping) and CONFIG_KEY in raw:
-            raw = raw[CONFIG_KEY]
-        return cls.from_dict(raw)
+        return cls.from_dict(read_block(path))
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
+
+
+def read_block(path: str | os.PathLike) -> dict[str, Any]:
+    """The ``async_checkpoint`` block of a JSON file that holds it bare or under that key."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ConfigError(f"cannot read async checkpoint config {os.fspath(path)!r}: {exc}") from exc
+    if isinstance(raw, Mapping) and CONFIG_KEY in raw:
+        raw = raw[CONFIG_KEY]
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"async checkpoint config {os.fspath(path)!r} must hold a JSON object, "
+                          f"got {type(raw).__name__}")
+    return dict(raw)
 
 
 def _check_type(key: str, value: Any, typ: type) -> None:

@@ -10,10 +10,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 
-from deepspeed_async_ckpt.config import CONFIG_KEY, AsyncCheckpointConfig
-from deepspeed_async_ckpt.errors import ConfigError
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig, read_block
 
 from .election import WRITER_MODES
 
@@ -41,32 +39,8 @@ def config_from_args(args: argparse.Namespace) -> AsyncCheckpointConfig:
     path = getattr(args, "async_ckpt_config", None)
     raw = {"enabled": True}
     if path:
-        raw.update(_read_block(path))
+        raw.update(read_block(path))
     cfg = AsyncCheckpointConfig.from_dict(raw)
     if not getattr(args, "async_ckpt", False):
         cfg = dataclasses.replace(cfg, mode="sync")
     return cfg
-
-
-def _read_block(path: str) -> dict:
-    try:
-        with open(path, encoding="utf-8") as f:
-            raw = json.load(f)
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ConfigError(f"cannot read --async-ckpt-config {path!r}: {exc}") from exc
-    if isinstance(raw, dict) and CONFIG_KEY in raw:
-        raw = raw[CONFIG_KEY]
-    if not isinstance(raw, dict):
-        raise ConfigError(f"--async-ckpt-config {path!r} must hold a JSON object, got {type(raw).__name__}")
-    return raw
-
-
-def checkpointer_from_args(args: argparse.Namespace, storage=None):
-    """A :class:`~megatron_adapter.checkpointer.MegatronCheckpointer`, or None when the config
-    file disables the engine (megatron-core's own checkpointing is then used)."""
-    from .checkpointer import MegatronCheckpointer
-
-    cfg = config_from_args(args)
-    if not cfg.enabled:
-        return None
-    return MegatronCheckpointer(cfg, writers=args.async_ckpt_writers, storage=storage)

@@ -340,7 +340,7 @@ def _usage(windows: list[dict]) -> dict:
     return {k: sum(w["usage"][k] for w in windows) for k in ("user_s", "sys_s", "minflt")}
 
 
-def summarize(ranks: list[dict], storage: dict, k: int, load: "ForeignLoad | None" = None) -> dict:
+def summarize(ranks: list[dict], storage: dict, load: "ForeignLoad | None" = None) -> dict:
     """Per-engine figures of one (setting, size) from the per-rank worker results."""
     r0 = ranks[0]
     base_windows = [max(r["baseline"][i]["window_s"] for r in ranks) for i in range(len(r0["baseline"]))]
@@ -848,7 +848,7 @@ def main(argv=None) -> int:
                     with open(f"{prefix}.rank{r}.json", encoding="utf-8") as f:
                         ranks.append(json.load(f))
                 raw[tag] = ranks
-                cell.update(summarize(ranks, storage, args.k, load))
+                cell.update(summarize(ranks, storage, load))
                 _add_child_errors(cell, os.path.join(work, "logs", tag), child_errors)
                 cell["size_gb"] = cell["expected_bytes"] / GB
                 cell["breakdown"] = breakdown(micro, storage, cell["expected_bytes"])
