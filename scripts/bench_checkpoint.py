@@ -810,7 +810,7 @@ def main(argv=None) -> int:
     if meta["loadavg"][0] > 0.5:
         print(f"note: load average {meta['loadavg'][0]:.2f} at start: the machine is not idle, "
               "figures will be noisier", flush=True)
-    print(f"micro-benchmarks ...", flush=True)
+    print("micro-benchmarks ...", flush=True)
     micro = micro_benchmarks(work, 256 << 20)
     cells: dict = {}
     raw: dict = {}
