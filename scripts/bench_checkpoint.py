@@ -5,8 +5,9 @@ package's engine against DeepSpeed's engines and torch DCP, measured in one run.
     PYTHONPATH=. python scripts/bench_checkpoint.py --quick --out bench_out/quick.json   # < 1 min
     PYTHONPATH=. python scripts/bench_checkpoint.py --gpu-report                        # NVML
 
-For each setting and model size it starts ``scripts/bench_worker.py`` ranks (DeepSpeed on CPU,
-gloo), which time every engine on the same model; see that file for the protocol. This process
+For each setting and model size it starts ``scripts/bench_worker.py`` ranks with
+``scripts/launch.py`` (DeepSpeed on CPU, gloo; each rank's output in ``<work-dir>/logs/``), which
+time every engine on the same model; see that file for the protocol. This process
 measures, in the same run, what bounds the figures: the storage's sequential write bandwidth
 with the engine's fsync policy (fio where installed, else a plain large-file write) and the
 per-byte costs of the persist path (memcpy, zlib.crc32, torch's zip writer, page-cache write,
@@ -35,7 +36,6 @@ import math
 import os
 import platform
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -46,6 +46,8 @@ import zlib
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "scripts", "bench_worker.py")
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from launch import launch  # noqa: E402
 GB = 1e9  # decimal, as storage bandwidth is quoted
 
 ENGINES = ("async", "sync", "ds_torch", "ds_decoupled", "dcp_async")
@@ -270,46 +272,6 @@ class ForeignLoad:
 
 
 # --------------------------------------------------------------------------- running workers
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def run_workers(nproc: int, worker_args: list[str], log_prefix: str, timeout: float) -> tuple[list[int], float]:
-    """Start ``nproc`` ranks of the worker (torchrun-style env, as scripts/launch.py does), with
-    each rank's output in ``<log_prefix>.rank<N>.log``; returns exit codes and wall seconds."""
-    port = _free_port()
-    procs, logs = [], []
-    t0 = time.perf_counter()
-    for rank in range(nproc):
-        env = dict(os.environ)
-        env.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc),
-                   LOCAL_WORLD_SIZE=str(nproc), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-                   OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
-                       [REPO] + [p for p in env.get("PYTHONPATH", "").split(os.pathsep) if p]))
-        env["DS_ACCELERATOR"] = "cpu"
-        log = open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8")
-        logs.append(log)
-        procs.append(subprocess.Popen([sys.executable, WORKER, *worker_args], env=env, cwd=REPO,
-                                      stdout=log, stderr=subprocess.STDOUT))
-    deadline = time.monotonic() + timeout
-    try:
-        while any(p.poll() is None for p in procs):
-            if time.monotonic() > deadline or any(p.returncode not in (None, 0) for p in procs):
-                time.sleep(2)  # let a failing rank's peers notice
-                break
-            time.sleep(0.2)
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
-        for log in logs:
-            log.close()
-    return [p.returncode for p in procs], time.perf_counter() - t0
-
-
 def _tail(path: str, n: int = 6) -> str:
     try:
         with open(path, encoding="utf-8", errors="replace") as f:
@@ -812,6 +774,9 @@ def main(argv=None) -> int:
               "figures will be noisier", flush=True)
     print("micro-benchmarks ...", flush=True)
     micro = micro_benchmarks(work, 256 << 20)
+    # Ranks run DeepSpeed on CPU with one thread each, importing this working tree's package.
+    worker_env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
+        [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
     cells: dict = {}
     raw: dict = {}
     for setting in settings:
@@ -834,15 +799,22 @@ def main(argv=None) -> int:
                      # probed once per setting, by its first worker
                      "--decoupled-probe", os.path.join(work, f"{setting}_decoupled_probe.json")]
             t_cell = time.perf_counter()
-            codes, wall = run_workers(nproc, wargs, os.path.join(work, "logs", tag), args.timeout)
+            failure = None
+            try:
+                codes = launch(WORKER, wargs, nproc, args.timeout, env=worker_env, cwd=REPO,
+                               log_prefix=os.path.join(work, "logs", tag))
+                if any(codes):
+                    failure = f"worker exit codes {codes}"
+            except TimeoutError as exc:  # every rank was killed
+                failure = str(exc)
+            wall = time.perf_counter() - t_cell
             cell: dict = {"size_gb": size, "layers": layers, "hidden": args.hidden, "nproc": nproc,
                           "worker_wall_s": wall, "storage": storage}
             time.sleep(2 * load.interval)  # a sample after the cell
             cell["foreign"] = _foreign(load, t_cell, t_cell + wall)
             try:
-                if any(codes):
-                    raise RuntimeError(f"worker exit codes {codes}: "
-                                       f"{_tail(os.path.join(work, 'logs', tag + '.rank0.log'))}")
+                if failure:
+                    raise RuntimeError(f"{failure}: {_tail(os.path.join(work, 'logs', tag + '.rank0.log'))}")
                 ranks = []
                 for r in range(nproc):
                     with open(f"{prefix}.rank{r}.json", encoding="utf-8") as f:

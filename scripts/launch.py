@@ -2,7 +2,8 @@
 
     python scripts/launch.py --nproc 2 scripts/ds_train.py --config ... 
 
-Exits with the first non-zero rank exit code; a rank killed by a signal counts as -signal.
+Exits with a failing rank's exit code, preferring a rank that failed on its own over peers killed
+afterwards; a rank killed by a signal counts as 128 + signal.
 A deadline (``--timeout``) kills every rank, so a hung collective never hangs CI.
 """
 
@@ -23,8 +24,14 @@ def free_port() -> int:
 
 
 def launch(script: str, script_args: list[str], nproc: int, timeout: float = 600,
-           env: dict | None = None) -> list[int]:
-    """Run ``nproc`` ranks; returns their exit codes (negative: killed by that signal)."""
+           env: dict | None = None, *, log_prefix: str | None = None,
+           cwd: str | None = None) -> list[int]:
+    """Run ``nproc`` ranks; returns their exit codes (negative: killed by that signal).
+
+    Raises ``TimeoutError`` (after killing every rank) past ``timeout`` seconds. With
+    ``log_prefix``, rank N's stdout and stderr go to ``<log_prefix>.rankN.log`` instead of
+    this process's; ``cwd`` is the ranks' working directory.
+    """
     port = free_port()
     procs = []
     for rank in range(nproc):
@@ -33,10 +40,15 @@ def launch(script: str, script_args: list[str], nproc: int, timeout: float = 600
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         e.setdefault("DS_ACCELERATOR", "cpu")
         e.setdefault("OMP_NUM_THREADS", "1")
-        procs.append(subprocess.Popen([sys.executable, script, *script_args], env=e))
+        cmd = [sys.executable, script, *script_args]
+        if log_prefix is None:
+            procs.append(subprocess.Popen(cmd, env=e, cwd=cwd))
+        else:  # the rank keeps its own descriptor of the log file
+            with open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8") as log:
+                procs.append(subprocess.Popen(cmd, env=e, cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
     deadline = time.monotonic() + timeout
     try:
-        while any(p.poll() is None for p in procs):
+        while None in [p.poll() for p in procs]:  # polls every rank, so a failure is seen
             if time.monotonic() > deadline:
                 raise TimeoutError(f"{script}: ranks still running after {timeout:.0f} s")
             # One rank dying (a crash, or a deliberate SIGKILL) must not leave the others
@@ -62,7 +74,9 @@ def main() -> int:
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args()
     codes = launch(a.script, a.args, a.nproc, a.timeout)
-    bad = [c for c in codes if c != 0]
+    # A rank that failed on its own (code > 0) explains the run better than the peers this
+    # launcher then killed (code < 0).
+    bad = sorted((c for c in codes if c != 0), key=lambda c: c < 0)
     return (bad[0] if bad[0] > 0 else 128 - bad[0]) if bad else 0
 
 
