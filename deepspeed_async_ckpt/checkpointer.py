@@ -233,6 +233,40 @@ class AsyncCheckpointer:
         if exc is not None:
             raise _reraise(exc)
 
+    def wait_all_ranks(self, timeout: float | None = None, *, action: str = "wait_all_ranks()") -> None:
+        """Collective :meth:`wait` (every rank): call it before a step that must start on all
+        ranks or on none, e.g. a framework's ``load_checkpoint``, whose collectives would hang
+        if a background error stopped only the rank that has it.
+
+        Each rank waits until its own sealed checkpoints are committed, then all ranks share the
+        outcome in one call of the exchange (the one :meth:`begin` makes). If a save failed, or
+        the wait timed out, on any rank, every rank raises, naming ``action`` as refused: the
+        failing rank its own error, the others a :class:`CommitError` naming the failing
+        rank(s) and their messages. A failed save is never committed, so the last committed
+        checkpoint (the one ``latest`` names) is intact. Every background error recorded so far
+        is consumed, so calling again proceeds. Without a process group (a single process) the
+        exchange is a no-op: this is :meth:`wait`, raising with the same message.
+        """
+        local: Exception | None = None
+        try:
+            self.wait(timeout)  # raises (and consumes) the first background error
+        except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
+            local = exc
+        later = 0
+        while self._take_background_error() is not None:  # reported below: consume them all
+            later += 1
+        detail = None
+        if local is not None:
+            detail = f"{local}" + (f" (and {later} more failed save(s))" if later else "")
+        _, failed = self._exchange(action, None if local is None else f"{type(local).__name__}: {detail}")
+        retry = f". The errors reported here are cleared: calling {action} again retries."
+        if local is not None:
+            cls = type(local) if isinstance(local, AsyncCheckpointError) else CommitError
+            raise cls(f"{action} refused on every rank: {detail}{retry}") from local
+        if failed:
+            raise CommitError(f"{action} refused on every rank, because of rank(s) " +
+                              "; ".join(f"{r}: {m}" for r, m in sorted(failed.items())) + retry)
+
     def _take_background_error(self) -> BaseException | None:
         with self._lock:
             return self._errors.pop(0) if self._errors else None

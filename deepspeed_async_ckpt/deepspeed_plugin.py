@@ -12,7 +12,9 @@ DeepSpeed 0.19.8):
 - ``DeepSpeedEngine._take_model_step`` (which the pipeline engine also uses) gets a fence
   before the optimizer step: the only point where training waits for outstanding copies.
 - ``save_checkpoint`` is wrapped to seal the checkpoint when DeepSpeed's save returns and to
-  freeze ``client_state`` eagerly; ``load_checkpoint`` first waits for pending saves.
+  freeze ``client_state`` eagerly; ``load_checkpoint`` first waits for pending saves on every
+  rank and, if a save failed on any rank, refuses on every rank (rather than leaving the other
+  ranks hanging in DeepSpeed's load collectives).
 """
 
 from __future__ import annotations
@@ -148,7 +150,9 @@ def install() -> bool:
     def load_checkpoint(self, *args, **kwargs):
         engine = getattr(self, "checkpoint_engine", None)
         if isinstance(engine, AsyncCheckpointEngine):
-            engine.checkpointer.wait()  # `latest` must reflect every save issued so far
+            # `latest` must reflect every save issued so far; collective, so that a failed save
+            # stops the load on every rank, not only on the one whose background write failed.
+            engine.checkpointer.wait_all_ranks(action="load_checkpoint")
         return _ORIGINALS["load"](self, *args, **kwargs)
 
     ds_engine.create_checkpoint_engine = create_checkpoint_engine

@@ -151,6 +151,40 @@ def test_disk_full_on_one_rank_raises_on_every_rank_at_next_save(tmp_path, repo_
     assert not os.path.exists(os.path.join(out, "ckpt", "global_step4", ".async_ckpt", "manifest.json"))
 
 
+@pytest.mark.parametrize("failing", [0, 1])
+def test_disk_full_on_one_rank_refuses_load_checkpoint_on_every_rank_then_retry_loads(tmp_path, repo_env,
+                                                                                    failing):
+    # failing=0: rank 1 has no error of its own and learns of rank 0's failure only through the
+    # exchange; failing=1: rank 0's commit fails too (it waited for rank 1's part).
+    out = str(tmp_path)
+    run_ranks(repo_env, 2, "diskfull-load", "--out", out, "--kill-rank", failing, timeout=240)
+    results = [json.load(open(os.path.join(out, f"diskfull_load_rank{r}.json"))) for r in (0, 1)]
+    other = 1 - failing
+    mine, theirs = results[failing]["raised"], results[other]["raised"]
+    # every rank raised: none went on into DeepSpeed's load (to hang in its collectives, or to
+    # load on some ranks only while the others raised)
+    assert mine is not None and theirs is not None, results
+    assert mine.startswith("PersistError: load_checkpoint refused on every rank"), mine
+    assert "No space left on device" in mine, mine
+    assert os.path.join("global_step4", "") in mine and ".pt" in mine  # names the file
+    assert theirs.startswith("CommitError: load_checkpoint refused on every rank"), theirs
+    assert f"rank(s) {failing}" in theirs, theirs  # names the failing rank
+    for msg in (mine, theirs):
+        assert "a previous checkpoint failed and was not committed (the last committed one is intact)" in msg
+        assert "calling load_checkpoint again retries" in msg
+    for rank, r in enumerate(results):
+        assert r["global_steps_after_refusal"] == 4, r  # the refused load changed nothing
+        assert r["latest"] == "global_step2"
+        assert r["loaded"] is not None and r["loaded"].startswith("global_step2" + os.sep), r
+        assert r["latest_after_save"] == "after_load"  # no error left pending on any rank
+        # the retry restored exactly the state saved at step 2 (then training went on to step 4)
+        saved = torch.load(os.path.join(out, f"diskfull_load_saved_rank{rank}.pt"), weights_only=False)
+        loaded = torch.load(os.path.join(out, f"diskfull_load_loaded_rank{rank}.pt"), weights_only=False)
+        assert saved["global_steps"] == 2
+        assert_same(loaded, saved, f"rank{rank}: retried load")
+    assert not os.path.exists(os.path.join(out, "ckpt", "global_step4", ".async_ckpt", "manifest.json"))
+
+
 def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env):
     out = str(tmp_path)
     flags = ["--out", out, "--zero-stage", "1"]

@@ -5,6 +5,8 @@ Phases:
           DeepSpeed's TorchCheckpointEngine), keep training (mutating every tensor), destroy.
   load    in a fresh process, load each saved variant and dump the restored engine state.
   kill    save and commit once, then SIGKILL one rank in the middle of the next persist.
+  diskfull  one rank's disk fills mid-persist; the next save raises on every rank, then recovers.
+  diskfull-load  the same failure, then load_checkpoint: refused on every rank, a retry loads.
   engines check which checkpoint engine DeepSpeed builds for several configs.
 The test module reads what they write under --out and asserts on it.
 """
@@ -143,9 +145,35 @@ def phase_kill(args):
     raise SystemExit("unreachable: a rank should have been killed mid-persist")
 
 
-def phase_diskfull(args):
+def fill_disk(ckpt):
+    """From now on, every checkpoint file this rank writes runs out of space after 4 KiB (at
+    the storage seam: the file itself fails). Returns the function that frees the space."""
     import errno
 
+    storage = ckpt.storage
+    original = storage.open_write
+
+    def open_write_disk_full(path):
+        f = original(path)
+        if path.endswith(".pt.tmp." + str(os.getpid())):
+            def write(data, budget=[4096]):
+                budget[0] -= len(memoryview(data).cast("B"))
+                if budget[0] < 0:
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return type(f).write(f, data)
+            f.write = write
+        return f
+
+    storage.open_write = open_write_disk_full
+    return lambda: setattr(storage, "open_write", original)
+
+
+def dump_engine_state(engine, path):
+    torch.save({"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+                "lr_scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps}, path)
+
+
+def phase_diskfull(args):
     from deepspeed_async_ckpt.errors import AsyncCheckpointError
 
     engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
@@ -156,25 +184,11 @@ def phase_diskfull(args):
     engine.save_checkpoint(save_dir)
     ckpt.wait()
     torch.distributed.barrier()
-    storage = ckpt.storage
-    original = storage.open_write
-    if rank == args.kill_rank:
-        def open_write_disk_full(path):  # the storage seam: the file itself runs out of space
-            f = original(path)
-            if path.endswith(".pt.tmp." + str(os.getpid())):
-                def write(data, budget=[4096]):
-                    budget[0] -= len(memoryview(data).cast("B"))
-                    if budget[0] < 0:
-                        raise OSError(errno.ENOSPC, "No space left on device")
-                    return type(f).write(f, data)
-                f.write = write
-            return f
-
-        storage.open_write = open_write_disk_full
+    restore = fill_disk(ckpt) if rank == args.kill_rank else (lambda: None)
     train(engine, args, 2, start=2)
     engine.save_checkpoint(save_dir)  # global_step4 fails in rank 1's writer
     ckpt.history[-1].wait_committed()
-    storage.open_write = original  # space is back
+    restore()  # space is back
     torch.distributed.barrier()
     result = {"rank": rank}
     with open(os.path.join(save_dir, "latest")) as f:
@@ -192,6 +206,47 @@ def phase_diskfull(args):
         result["latest_after_recovery"] = f.read()
     engine.destroy()
     with open(os.path.join(args.out, f"diskfull_rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
+def phase_diskfull_load(args):
+    """A save fails on --kill-rank only; then every rank calls load_checkpoint: every rank must
+    raise (none may go on into DeepSpeed's load collectives), and a retry loads the last
+    committed checkpoint."""
+    from deepspeed_async_ckpt.errors import AsyncCheckpointError
+
+    engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
+    rank = torch.distributed.get_rank()
+    save_dir = os.path.join(args.out, "ckpt")
+    ckpt = engine.checkpoint_engine.checkpointer
+    train(engine, args, 2)
+    engine.save_checkpoint(save_dir)  # global_step2: the last one that commits
+    dump_engine_state(engine, os.path.join(args.out, f"diskfull_load_saved_rank{rank}.pt"))
+    ckpt.wait()
+    torch.distributed.barrier()
+    restore = fill_disk(ckpt) if rank == args.kill_rank else (lambda: None)
+    train(engine, args, 2, start=2)
+    engine.save_checkpoint(save_dir)  # global_step4 fails in --kill-rank's writer, in the background
+    result = {"rank": rank}
+    try:  # no wait, no barrier first: load_checkpoint itself must wait and agree across ranks
+        engine.load_checkpoint(save_dir)
+        result["raised"] = None
+    except AsyncCheckpointError as exc:
+        result["raised"] = f"{type(exc).__name__}: {exc}"
+    result["global_steps_after_refusal"] = engine.global_steps  # nothing loaded
+    restore()
+    with open(os.path.join(save_dir, "latest")) as f:
+        result["latest"] = f.read()
+    path, _ = engine.load_checkpoint(save_dir)  # the retry: the error was consumed
+    result["loaded"] = os.path.relpath(path, save_dir) if path else None
+    dump_engine_state(engine, os.path.join(args.out, f"diskfull_load_loaded_rank{rank}.pt"))
+    engine.save_checkpoint(save_dir, tag="after_load")  # nothing left pending on any rank
+    ckpt.wait()
+    torch.distributed.barrier()
+    with open(os.path.join(save_dir, "latest")) as f:
+        result["latest_after_save"] = f.read()
+    engine.destroy()
+    with open(os.path.join(args.out, f"diskfull_load_rank{rank}.json"), "w") as f:
         json.dump(result, f)
 
 
@@ -217,7 +272,7 @@ def phase_engines(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("phase", choices=["save", "load", "kill", "engines", "diskfull"])
+    p.add_argument("phase", choices=["save", "load", "kill", "engines", "diskfull", "diskfull-load"])
     p.add_argument("--out", required=True)
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
@@ -227,7 +282,7 @@ def main():
     p.add_argument("--partial", type=int, default=0)
     args = p.parse_args()
     {"save": phase_save, "load": phase_load, "kill": phase_kill, "engines": phase_engines,
-     "diskfull": phase_diskfull}[args.phase](args)
+     "diskfull": phase_diskfull, "diskfull-load": phase_diskfull_load}[args.phase](args)
 
 
 if __name__ == "__main__":
