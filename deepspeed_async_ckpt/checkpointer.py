@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import functools
 import os
 import queue
 import sys
@@ -55,6 +56,8 @@ class CheckpointHandle:
     def __init__(self, ckpt_dir: str, tag: str, save_id: str, pointer: Pointer | None) -> None:
         self.ckpt_dir, self.tag, self.save_id, self.pointer = ckpt_dir, tag, save_id, pointer
         self.items: list[TensorItem] = []
+        self.unsubmitted: list[TensorItem] = []
+        """Lazy items of an open save, queued for the copier when it is sealed."""
         self.files: list[Future] = []
         self.nbytes = 0
         self.error: BaseException | None = None
@@ -67,9 +70,7 @@ class CheckpointHandle:
 
     def wait_staged(self) -> None:
         for item in self.items:
-            item._issued.wait()
-            if item._cuda_event is not None:
-                item._cuda_event.synchronize()
+            item.wait_copied()
         self.times.setdefault("staged", time.perf_counter())
 
     def wait_persisted(self, timeout: float | None = None) -> bool:
@@ -110,7 +111,7 @@ class AsyncCheckpointer:
                  ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
-        self.storage = storage or LocalStorage(fsync=config.fsync)
+        self.storage = storage or LocalStorage(fsync=config.fsync, direct_io=config.direct_io)
         self._exchange = exchange or exchange_across_ranks
         use_cuda = torch.cuda.is_available()
         self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda)
@@ -173,16 +174,19 @@ class AsyncCheckpointer:
         handle.items.extend(plan.items)
         handle.nbytes += plan.nbytes
         self.storage.makedirs(os.path.dirname(path))
-        checksum = self.config.checksum
+        checksum, zip_crc32 = self.config.checksum, self.config.zip_crc32
         if not self.config.is_async:
-            record = write_file(self.storage, path, plan, checksum, stage=self._stager.stage)
+            largest = max((i.nbytes for i in plan.items), default=0)
+            record = write_file(self.storage, path, plan, checksum, zip_crc32=zip_crc32,
+                                stage=functools.partial(self._stager.stage, expected_bytes=largest))
             done: Future = Future()
             done.set_result(record)
             handle.files.append(done)
             return plan.nbytes
         self._stager.stage_eager(i for i in plan.items if i.eager)
-        self._stager.submit(i for i in plan.items if not i.eager)
-        handle.files.append(self._writers.submit(write_file, self.storage, path, plan, checksum))
+        handle.unsubmitted.extend(i for i in plan.items if not i.eager)
+        handle.files.append(self._writers.submit(write_file, self.storage, path, plan, checksum,
+                                                 zip_crc32=zip_crc32))
         return plan.nbytes
 
     def end(self, *, commit: bool = True) -> CheckpointHandle:
@@ -201,6 +205,10 @@ class AsyncCheckpointer:
         with self._lock:
             self._inflight.append(handle)
         if self.config.is_async:
+            # The whole save is queued for the copier at once, so the pool can size one block
+            # for all of it (nothing can change the tensors before the next fence anyway).
+            self._stager.submit(handle.unsubmitted)
+            handle.unsubmitted = []
             self._commits.put(handle)
         else:
             self._commit_one(handle)
@@ -210,6 +218,9 @@ class AsyncCheckpointer:
     def fence(self) -> None:
         """Call before parameters or optimizer state are modified (the optimizer step)."""
         t0 = time.perf_counter()
+        if self._current is not None and self._current.unsubmitted:  # fenced inside a save
+            self._stager.submit(self._current.unsubmitted)
+            self._current.unsubmitted = []
         self._stager.fence()
         if self.history:
             self.history[-1].fence_wait_s += time.perf_counter() - t0

@@ -45,8 +45,18 @@ class AsyncCheckpointConfig:
     checksum: str = "crc32"
     """Per-file checksum recorded in the manifest and verified on load."""
 
+    zip_crc32: bool = False
+    """Also store torch's own CRC-32 of every zip record, as ``torch.save`` does by default.
+    Off by default: ``checksum`` already covers every byte, the second CRC costs about as much
+    again, and ``torch.load`` reads files without it. Turn on for tools that check zip CRCs."""
+
     fsync: bool = True
     """fsync every file and directory before the checkpoint counts as persisted."""
+
+    direct_io: bool = True
+    """With ``fsync``, write files with ``O_DIRECT`` where the filesystem allows it: tensor
+    bytes go from the host pool to the disk without a page-cache copy or kernel writeback work
+    (falls back to buffered writes, with writeback started as the file is written, otherwise)."""
 
     verify_on_load: bool = True
     """Check each file's size and checksum against the committed manifest before loading."""
@@ -59,6 +69,8 @@ class AsyncCheckpointConfig:
         _check_choice("mode", self.mode, MODES)
         _check_choice("checksum", self.checksum, CHECKSUMS)
         _check_type("fsync", self.fsync, bool)
+        _check_type("zip_crc32", self.zip_crc32, bool)
+        _check_type("direct_io", self.direct_io, bool)
         _check_type("verify_on_load", self.verify_on_load, bool)
         _check_positive_number("host_buffer_gb", self.host_buffer_gb)
         _check_positive_number("commit_timeout_s", self.commit_timeout_s)

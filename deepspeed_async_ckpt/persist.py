@@ -19,13 +19,13 @@ from dataclasses import dataclass
 from typing import BinaryIO, Callable
 
 import torch
-from torch.serialization import _get_storage_alignment, get_crc32_options
 
 from .errors import PersistError
 from .snapshot import FilePlan, TensorItem
-from .storage import Storage
+from .storage import DIRECT_ALIGN, Storage
 
 _READ_CHUNK = 8 * 1024 * 1024
+_PART = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -78,18 +78,21 @@ class _ChecksumSink:
         if self.discard:
             return len(view)
         try:
-            self.hasher.update(view)
-            done = 0
-            while done < len(view):
-                n = self._f.write(view[done:])
-                if not n:
-                    raise OSError(f"short write to {getattr(self._f, 'name', '?')}")
-                done += n
+            # In parts, so the file (DirectFile) writes one part while the next is hashed.
+            for start in range(0, len(view), _PART):
+                part = view[start:start + _PART]
+                self.hasher.update(part)
+                while len(part):
+                    n = self._f.write(part)
+                    if not n:
+                        raise OSError(f"short write to {getattr(self._f, 'name', '?')}")
+                    part = part[n:]
+            self._f.flush()  # the caller may reuse `data` once this returns
         except BaseException as exc:
             self.error, self.discard = exc, True
             return len(view)
-        self.nbytes += done
-        return done
+        self.nbytes += len(view)
+        return len(view)
 
     def check(self) -> None:
         if self.error is not None:
@@ -99,10 +102,14 @@ class _ChecksumSink:
         pass
 
 
-def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str,
+def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str, *,
+               zip_crc32: bool = False,
                stage: Callable[[TensorItem], None] | None = None) -> FileRecord:
     """Write ``plan`` to ``path``, waiting for each record's host copy as it goes.
 
+    ``zip_crc32`` makes torch's writer also store a CRC-32 per zip record, as ``torch.save``
+    does by default; ``torch.load`` reads the file either way (see
+    ``torch.serialization.set_crc32_options``), and ``checksum`` already covers every byte.
     ``stage``, when given, stages each item inline right before it is written (the synchronous
     mode). On any failure every remaining item is still released, so the pool never leaks.
     """
@@ -113,7 +120,7 @@ def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str,
         sink = _ChecksumSink(f, checksum)
         writer = None
         try:
-            writer = torch._C.PyTorchFileWriter(sink, get_crc32_options(), _get_storage_alignment())
+            writer = torch._C.PyTorchFileWriter(sink, zip_crc32, DIRECT_ALIGN)
             for name, value in _header_records(plan.pickle_bytes):
                 writer.write_record(name, value, len(value))
                 sink.check()
@@ -122,7 +129,10 @@ def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str,
                 if stage is not None:
                     stage(item)
                 host = item.wait_staged()
-                writer.write_record(f"data/{item.key}", host.untyped_storage(), item.nbytes)
+                # the host buffer may be a slice of a larger pool block: write just its bytes
+                start = host.storage_offset()
+                writer.write_record(f"data/{item.key}",
+                                    host.untyped_storage()[start:start + item.nbytes], item.nbytes)
                 pending.pop(0).release()
                 sink.check()
             writer.write_end_of_file()
@@ -138,9 +148,8 @@ def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str,
         return FileRecord(path=path, nbytes=sink.nbytes, checksum=sink.hasher.hexdigest())
     except BaseException as exc:
         for item in pending:
-            if stage is not None and not item._issued.is_set():
-                item.src = None
-                item._issued.set()
+            if stage is not None:
+                item.cancel()
             item.release()
         try:
             os.unlink(tmp)
@@ -152,9 +161,10 @@ def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str,
 
 
 def _header_records(pickle_bytes: bytes) -> list[tuple[str, bytes | str]]:
-    # The same records, in the same order, as torch.serialization._save writes.
+    # The same records, in the same order, as torch.serialization._save writes. Record data is
+    # aligned to pages rather than torch's default 64 bytes, so it can be written directly.
     return [("data.pkl", pickle_bytes), (".format_version", "1"),
-            (".storage_alignment", str(_get_storage_alignment())), ("byteorder", sys.byteorder)]
+            (".storage_alignment", str(DIRECT_ALIGN)), ("byteorder", sys.byteorder)]
 
 
 def hash_file(path: str, algorithm: str) -> tuple[int, str]:

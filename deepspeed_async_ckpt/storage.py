@@ -6,7 +6,14 @@ subclassing it; a remote backend would implement the same five methods.
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import fcntl
+import mmap
 import os
+import sys
+import threading
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Protocol
 
 
@@ -28,17 +35,37 @@ class Storage(Protocol):
 
 
 class LocalStorage:
-    """POSIX files. ``fsync=False`` skips every fsync (faster, not crash-safe)."""
+    """POSIX files. ``fsync=False`` skips every fsync (faster, not crash-safe).
 
-    def __init__(self, fsync: bool = True) -> None:
+    With fsync, files are opened for direct I/O where the filesystem allows it
+    (:class:`DirectFile`, ``direct_io=True``), else written behind on Linux
+    (:class:`WriteBehindFile`), else written plainly.
+    """
+
+    def __init__(self, fsync: bool = True, direct_io: bool = True) -> None:
         self.fsync = fsync
+        self.direct_io = direct_io
 
     def open_write(self, path: str) -> BinaryIO:
-        return open(path, "wb", buffering=0)
+        if self.fsync and self.direct_io and _O_DIRECT:
+            try:
+                fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o666)
+            except OSError as exc:  # e.g. tmpfs: no direct I/O; other errors show up just below
+                if exc.errno != errno.EINVAL:
+                    raise
+            else:
+                return DirectFile(fd, path)
+        f = open(path, "wb", buffering=0)
+        return WriteBehindFile(f) if self.fsync and _sync_file_range is not None else f
 
     def sync_file(self, f: BinaryIO) -> None:
+        finish = getattr(f, "finish", None)  # DirectFile: its staged tail is not written yet
+        if finish is not None:
+            finish()
         if self.fsync:
             os.fsync(f.fileno())
+            if isinstance(f, WriteBehindFile):  # clean now: drop the rest from the page cache
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
     def replace(self, src: str, dst: str) -> None:
         os.replace(src, dst)
@@ -58,3 +85,213 @@ def _fsync_dir(path: str) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _load_sync_file_range():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).sync_file_range
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_sync_file_range = _load_sync_file_range()
+_WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4  # SYNC_FILE_RANGE_* from <fcntl.h>
+
+
+class WriteBehindFile:
+    """An unbuffered file that starts writeback while it is written, instead of at the fsync.
+
+    Every ``chunk_bytes`` written are handed to the disk at once (``sync_file_range``); once
+    more than ``window_bytes`` are in flight, the oldest range is waited for and dropped from
+    the page cache. So the disk works while the CPU still checksums and writes, the final fsync
+    finds almost nothing left to do, and a checkpoint does not fill the page cache (on the
+    machine this was measured on, letting 2 GB of dirty pages pile up made the write itself
+    2.5-4x slower). ``fsync`` still provides the durability guarantee.
+    """
+
+    def __init__(self, f: BinaryIO, chunk_bytes: int = 64 << 20, window_bytes: int = 256 << 20) -> None:
+        self._f = f
+        self.name = f.name
+        self._fd = f.fileno()
+        self._chunk, self._window = chunk_bytes, window_bytes
+        self._offset = 0  # bytes written so far
+        self._started = 0  # writeback was started for [0, _started)
+        self._inflight: list[tuple[int, int]] = []  # (offset, length) not yet waited for
+
+    def write(self, data) -> int:
+        n = self._f.write(data)
+        if n:
+            self._offset += n
+            if self._offset - self._started >= self._chunk:
+                self._write_behind()
+        return n
+
+    def _write_behind(self) -> None:
+        start, length = self._started, self._offset - self._started
+        self._call(start, length, _WRITE)
+        self._inflight.append((start, length))
+        self._started = self._offset
+        while sum(n for _, n in self._inflight) > self._window:
+            off, n = self._inflight.pop(0)
+            self._call(off, n, _WAIT_BEFORE | _WRITE | _WAIT_AFTER)
+            os.posix_fadvise(self._fd, off, n, os.POSIX_FADV_DONTNEED)
+
+    def _call(self, offset: int, length: int, flags: int) -> None:
+        if _sync_file_range(self._fd, offset, length, flags) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"sync_file_range: {os.strerror(err)}", self.name)
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._f.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def __enter__(self) -> "WriteBehindFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+DIRECT_ALIGN = 4096
+"""Offsets, lengths and addresses of direct writes are multiples of this (the page size, and
+a multiple of every common logical block size)."""
+
+
+def _address(view: memoryview) -> int:
+    import numpy as np  # a read-only buffer's address; numpy comes with torch and DeepSpeed
+
+    return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
+
+
+class DirectFile:
+    """A file written with ``O_DIRECT``: tensor bytes go from the host buffer to the disk,
+    without a copy into the page cache and without the kernel's writeback work, which leaves
+    the CPU to training.
+
+    Direct writes need page-aligned memory, file offsets and lengths. The checkpoint's tensor
+    records are all three (pool buffers are page-aligned and the zip writer pads record data
+    to ``DIRECT_ALIGN``), and are written in place by an I/O thread, 8 MiB at a time, while
+    the writer checksums the next part. Everything else (zip headers, the pickle, record
+    tails) is copied into an aligned staging buffer; :meth:`finish` writes its last, padded
+    page and truncates the file to its real size. :meth:`flush` waits for the I/O thread, so
+    the caller may reuse a buffer once its ``write`` and ``flush`` returned. If the filesystem
+    refuses a direct write (EINVAL), the file falls back to ordinary writes.
+    """
+
+    _STAGE = 8 << 20
+    _PART = 8 << 20
+
+    def __init__(self, fd: int, path: str) -> None:
+        self.name = path
+        self._fd = fd
+        self._size = 0  # bytes written or staged: the file's logical size
+        self._stage = mmap.mmap(-1, self._STAGE)  # page-aligned
+        self._staged = 0  # bytes in the stage; they belong at [_size - _staged, _size)
+        self._io: ThreadPoolExecutor | None = None
+        self._pending: list[Future] = []
+        self._lock = threading.Lock()
+        self.direct = True
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if n >= DIRECT_ALIGN and self._size % DIRECT_ALIGN == 0 and _address(view) % DIRECT_ALIGN == 0:
+            self._write_stage()  # a whole number of pages: the file stays aligned
+            k = n - n % DIRECT_ALIGN
+            if self._io is None:
+                self._io = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-io")
+            for off in range(0, k, self._PART):
+                part = view[off:min(k, off + self._PART)]
+                self._pending.append(self._io.submit(self._pwrite, part, self._size + off))
+            self._size += k
+            view = view[k:]
+        while len(view):
+            m = min(len(view), self._STAGE - self._staged)
+            self._stage[self._staged:self._staged + m] = view[:m]
+            self._staged += m
+            self._size += m
+            view = view[m:]
+            if self._staged == self._STAGE:
+                self._write_stage()
+        return n
+
+    def flush(self) -> None:
+        """Wait until every direct write issued so far is done (raises its error, if any)."""
+        pending, self._pending = self._pending, []
+        for fut in pending:
+            fut.result()
+
+    def finish(self) -> None:
+        """Write what is staged (its last page padded) and cut the file to its real size."""
+        self.flush()
+        self._write_stage(pad=True)
+        os.ftruncate(self._fd, self._size)
+
+    def _write_stage(self, pad: bool = False) -> None:
+        if not self._staged:
+            return
+        n = self._staged
+        if pad:
+            n = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+            self._stage[self._staged:n] = bytes(n - self._staged)
+        self._pwrite(memoryview(self._stage)[:n], self._size - self._staged)
+        self._staged = 0
+
+    def _pwrite(self, view: memoryview, offset: int) -> None:
+        while len(view):
+            try:
+                done = os.pwrite(self._fd, view, offset)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or not self.direct:
+                    raise
+                self._fall_back()
+                continue
+            if not done:
+                raise OSError(errno.EIO, "short write", self.name)
+            view, offset = view[done:], offset + done
+
+    def _fall_back(self) -> None:
+        with self._lock:  # the filesystem takes O_DIRECT at open but not this write
+            if self.direct:
+                flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
+                fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
+                self.direct = False
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd < 0:
+            return
+        try:
+            if self._io is not None:
+                self._io.shutdown(wait=True)
+        finally:
+            os.close(self._fd)
+            self._fd = -1
+            self._stage.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def __enter__(self) -> "DirectFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -115,17 +115,149 @@ def test_tensor_larger_than_pool_is_a_clear_error(tmp_path):
 
 
 def test_pool_blocks_until_release():
-    pool = HostBufferPool(100, pin=False)
-    a = pool.acquire(60, "a")
+    page = 4096
+    pool = HostBufferPool(10 * page, pin=False)
+    a = pool.acquire(6 * page - 5, "a")
     got = []
-    t = threading.Thread(target=lambda: got.append(pool.acquire(60, "b")))
+    t = threading.Thread(target=lambda: got.append(pool.acquire(6 * page - 5, "b")))
     t.start()
     t.join(0.2)
     assert not got  # backpressure: waits for room
     pool.release(a)
     t.join(5)
-    assert got and got[0].numel() == 60
+    assert got and got[0].numel() == 6 * page - 5
+    assert got[0].data_ptr() % page == 0  # buffers start on a page (direct I/O)
     assert pool.allocations == 1  # the released buffer was reused
+
+
+def test_pool_ring_never_hands_out_overlapping_buffers():
+    import queue
+    import random
+
+    pool = HostBufferPool(40 * 4096, pin=False)
+    handed: queue.SimpleQueue = queue.SimpleQueue()
+    lock = threading.Lock()
+    live: list[torch.Tensor] = []
+    errors: list[str] = []
+
+    def copier():  # acquires like the stager: blocking, any size up to the capacity
+        rng = random.Random(1)
+        for _ in range(1500):
+            want = rng.randrange(1, 12 * 4096)
+            buf = pool.acquire(want, "t", expected_bytes=rng.randrange(0, 24 * 4096))
+            with lock:
+                spans = sorted((b.data_ptr(), b.data_ptr() + b.numel()) for b in live + [buf])
+                if any(a_end > b_start for (_, a_end), (b_start, _) in zip(spans, spans[1:])):
+                    errors.append(f"overlap handing out {want} bytes")
+                buf.fill_(want % 251)
+                live.append(buf)
+            handed.put(buf)
+        handed.put(None)
+
+    t = threading.Thread(target=copier)
+    t.start()
+    rng = random.Random(2)
+    mine: list[torch.Tensor] = []
+    done = False
+    while not (done and not mine):
+        if not done:
+            try:
+                buf = handed.get(timeout=0.005)
+                if buf is None:
+                    done = True
+                else:
+                    mine.append(buf)
+            except queue.Empty:
+                pass
+        if mine and (done or rng.random() < 0.4 or handed.empty()):
+            # writers release mostly in order, sometimes out of order (several files)
+            buf = mine.pop(0 if rng.random() < 0.8 else rng.randrange(len(mine)))
+            with lock:
+                if not torch.all(buf == buf.numel() % 251):
+                    errors.append("a live buffer was overwritten")
+                live[:] = [b for b in live if b is not buf]
+            pool.release(buf)
+    t.join(10)
+    assert not t.is_alive() and not errors
+    assert pool.peak_bytes <= pool.capacity_bytes
+
+
+def test_second_save_allocates_nothing_one_block_per_file(tmp_path):
+    model = {"module": {f"p{i}": torch.randn(64, 64 + i) for i in range(20)}}
+    optim = {"optimizer": {f"m{i}": torch.randn(64, 64 + i) for i in range(20)}}
+    ck = make(gb=0.1)
+    for step in range(3):
+        d = tmp_path / f"s{step}"
+        ck.begin(str(d), tag=f"s{step}")
+        ck.save(model, str(d / "model.pt"))
+        ck.save(optim, str(d / "optim.pt"))
+        ck.end()
+        ck.fence()
+        ck.wait()
+        if step == 0:
+            assert ck.pool.allocations == 1  # one block for the whole save, not one per tensor
+            first = ck.pool.allocations
+    assert ck.pool.allocations == first  # later saves reuse the blocks
+    assert_same(torch.load(tmp_path / "s2" / "optim.pt"), optim)
+    ck.close()
+
+
+@pytest.mark.parametrize("zip_crc32", [True, False])
+def test_zip_crc32_option_files_load_and_verify(tmp_path, zip_crc32):
+    import zipfile
+
+    state = sample_state()
+    ck = make(zip_crc32=zip_crc32)
+    save_one(ck, str(tmp_path), state)
+    ck.fence()
+    ck.wait()
+    ck.close()
+    path = tmp_path / "t1" / "model.pt"
+    assert_same(torch.load(path, weights_only=True), torch.load(_ref(tmp_path, state), weights_only=True))
+    verify_checkpoint(str(tmp_path / "t1"))  # the manifest checksum covers every byte either way
+    bad = zipfile.ZipFile(path).testzip()  # first record whose stored CRC does not match
+    assert (bad is None) == zip_crc32
+
+
+def test_write_behind_file_writes_every_byte(tmp_path):
+    from deepspeed_async_ckpt.storage import WriteBehindFile, _sync_file_range
+
+    if _sync_file_range is None:
+        pytest.skip("sync_file_range is Linux-only; LocalStorage writes plainly elsewhere")
+    data = os.urandom(5 << 20)
+    with WriteBehindFile(open(tmp_path / "f", "wb", buffering=0), chunk_bytes=256 << 10,
+                         window_bytes=1 << 20) as f:
+        for i in range(0, len(data), 100_000):  # unaligned pieces
+            f.write(data[i:i + 100_000])
+        LocalStorage(fsync=True).sync_file(f)
+    assert (tmp_path / "f").read_bytes() == data
+    assert isinstance(LocalStorage(fsync=True, direct_io=False).open_write(str(tmp_path / "g")),
+                      WriteBehindFile)
+
+
+def test_direct_file_writes_aligned_and_unaligned_pieces_exactly(tmp_path):
+    import mmap
+
+    from deepspeed_async_ckpt.storage import DIRECT_ALIGN, DirectFile
+
+    f = LocalStorage(fsync=True).open_write(str(tmp_path / "f"))
+    if not isinstance(f, DirectFile):
+        f.close()
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT; LocalStorage writes buffered there")
+    aligned = mmap.mmap(-1, 3 * DirectFile._PART)  # page-aligned, spans several I/O parts
+    aligned.write(os.urandom(len(aligned)))
+    header, tail = os.urandom(DIRECT_ALIGN - 100), os.urandom(5000)
+    expected = b"hdr" + header[3:] + b"x" * 100 + bytes(aligned) + tail + os.urandom(10 << 20)
+    f.write(b"hdr")
+    f.write(header[3:] + b"x" * 100)              # now at a page boundary
+    f.write(memoryview(aligned))                  # written in place, asynchronously
+    f.flush()
+    f.write(tail)                                 # unaligned: staged
+    f.write(expected[-(10 << 20):])               # more than the stage holds
+    LocalStorage(fsync=True).sync_file(f)
+    assert f.direct  # no fallback happened
+    f.close()
+    assert (tmp_path / "f").read_bytes() == expected
 
 
 class FailingStorage(LocalStorage):
