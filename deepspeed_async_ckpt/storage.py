@@ -233,8 +233,10 @@ class DirectFile:
     def flush(self) -> None:
         """Wait until every direct write issued so far is done (raises its error, if any)."""
         pending, self._pending = self._pending, []
-        for fut in pending:
-            fut.result()
+        errors = [fut.exception() for fut in pending]  # waits for all: buffers are then free
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def finish(self) -> None:
         """Write what is staged (its last page padded) and cut the file to its real size."""
