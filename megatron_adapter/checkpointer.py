@@ -39,7 +39,7 @@ from typing import Any, Callable
 
 import torch.distributed as dist
 
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, CheckpointHandle
+from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, CheckpointHandle, exchange_across_ranks
 from deepspeed_async_ckpt.commit import META_DIR, read_manifest, verify_file, write_text_atomic
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError
@@ -285,12 +285,7 @@ class MegatronCheckpointer:
 
     def _agree_no_error(self, error: BaseException | None) -> None:
         """Collective: raise on every rank if any rank has an error (its own, or a summary)."""
-        if self.world_size > 1:
-            messages: list[Any] = [None] * self.world_size
-            dist.all_gather_object(messages, None if error is None else f"{type(error).__name__}: {error}")
-            failed = {r: m for r, m in enumerate(messages) if m}
-        else:
-            failed = {0: str(error)} if error is not None else {}
+        _, failed = exchange_across_ranks("", None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
         if failed:
