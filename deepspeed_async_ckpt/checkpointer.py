@@ -205,10 +205,7 @@ class AsyncCheckpointer:
         with self._lock:
             self._inflight.append(handle)
         if self.config.is_async:
-            # The whole save is queued for the copier at once, so the pool can size one block
-            # for all of it (nothing can change the tensors before the next fence anyway).
-            self._stager.submit(handle.unsubmitted)
-            handle.unsubmitted = []
+            self._queue_copies(handle)
             self._commits.put(handle)
         else:
             self._commit_one(handle)
@@ -218,12 +215,18 @@ class AsyncCheckpointer:
     def fence(self) -> None:
         """Call before parameters or optimizer state are modified (the optimizer step)."""
         t0 = time.perf_counter()
-        if self._current is not None and self._current.unsubmitted:  # fenced inside a save
-            self._stager.submit(self._current.unsubmitted)
-            self._current.unsubmitted = []
+        if self._current is not None:  # fenced inside a save: its copies must come first
+            self._queue_copies(self._current)
         self._stager.fence()
         if self.history:
             self.history[-1].fence_wait_s += time.perf_counter() - t0
+
+    def _queue_copies(self, handle: CheckpointHandle) -> None:
+        # A save's lazy copies are queued together when it is sealed, so the pool can size one
+        # block for all of them (nothing can change the tensors before the next fence anyway).
+        if handle.unsubmitted:
+            self._stager.submit(handle.unsubmitted)
+            handle.unsubmitted = []
 
     def wait(self, timeout: float | None = None) -> None:
         """Block until every sealed checkpoint is committed; raise a background error if any."""

@@ -145,6 +145,11 @@ def phase_kill(args):
     raise SystemExit("unreachable: a rank should have been killed mid-persist")
 
 
+def read_latest(save_dir):
+    with open(os.path.join(save_dir, "latest")) as f:
+        return f.read()
+
+
 def fill_disk(ckpt):
     """From now on, every checkpoint file this rank writes runs out of space after 4 KiB (at
     the storage seam: the file itself fails). Returns the function that frees the space."""
@@ -191,8 +196,7 @@ def phase_diskfull(args):
     restore()  # space is back
     torch.distributed.barrier()
     result = {"rank": rank}
-    with open(os.path.join(save_dir, "latest")) as f:
-        result["latest_after_failure"] = f.read()
+    result["latest_after_failure"] = read_latest(save_dir)
     train(engine, args, 1, start=4)
     try:
         engine.save_checkpoint(save_dir)
@@ -202,8 +206,7 @@ def phase_diskfull(args):
     engine.save_checkpoint(save_dir, tag="recovered")
     ckpt.wait()
     torch.distributed.barrier()
-    with open(os.path.join(save_dir, "latest")) as f:
-        result["latest_after_recovery"] = f.read()
+    result["latest_after_recovery"] = read_latest(save_dir)
     engine.destroy()
     with open(os.path.join(args.out, f"diskfull_rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -235,16 +238,14 @@ def phase_diskfull_load(args):
         result["raised"] = f"{type(exc).__name__}: {exc}"
     result["global_steps_after_refusal"] = engine.global_steps  # nothing loaded
     restore()
-    with open(os.path.join(save_dir, "latest")) as f:
-        result["latest"] = f.read()
+    result["latest"] = read_latest(save_dir)
     path, _ = engine.load_checkpoint(save_dir)  # the retry: the error was consumed
     result["loaded"] = os.path.relpath(path, save_dir) if path else None
     dump_engine_state(engine, os.path.join(args.out, f"diskfull_load_loaded_rank{rank}.pt"))
     engine.save_checkpoint(save_dir, tag="after_load")  # nothing left pending on any rank
     ckpt.wait()
     torch.distributed.barrier()
-    with open(os.path.join(save_dir, "latest")) as f:
-        result["latest_after_save"] = f.read()
+    result["latest_after_save"] = read_latest(save_dir)
     engine.destroy()
     with open(os.path.join(args.out, f"diskfull_load_rank{rank}.json"), "w") as f:
         json.dump(result, f)
