@@ -22,7 +22,7 @@ import torch
 
 from .errors import PersistError
 from .snapshot import FilePlan, TensorItem
-from .storage import DIRECT_ALIGN, Storage
+from .storage import DIRECT_ALIGN, Storage, buffer_address
 
 _READ_CHUNK = 8 * 1024 * 1024
 _PART = 8 * 1024 * 1024
@@ -60,6 +60,11 @@ class _Hasher:
 class _ChecksumSink:
     """The file object handed to torch's zip writer: hashes and counts every byte written.
 
+    Bytes inside :attr:`stable` (the host buffer of the record being written, which stays
+    untouched until its writes are done) go to the file's ``write_stable`` where it has one
+    (:class:`~.storage.DirectFile`: written in place, asynchronously); everything else is
+    written with ``write``, which is done with the bytes when it returns.
+
     An exception must never cross torch's C++ writer: it would leave the archive's offsets
     inconsistent and the writer's destructor would abort the process. So a failed write is
     recorded, later bytes are discarded (reported as written), and :meth:`check` raises it from
@@ -68,26 +73,34 @@ class _ChecksumSink:
 
     def __init__(self, f: BinaryIO, algorithm: str) -> None:
         self._f = f
+        self._write_stable = getattr(f, "write_stable", None)
         self.hasher = _Hasher(algorithm)
         self.nbytes = 0
         self.error: BaseException | None = None
         self.discard = False
+        self.stable: tuple[int, int] | None = None
+        """[start, end) addresses of a buffer that stays unchanged until the file's writes
+        are done."""
 
     def write(self, data) -> int:
         view = memoryview(data).cast("B")
         if self.discard:
             return len(view)
+        write = self._f.write
+        if self._write_stable is not None and self.stable is not None and len(view):
+            addr = buffer_address(view)
+            if self.stable[0] <= addr and addr + len(view) <= self.stable[1]:
+                write = self._write_stable
         try:
             # In parts, so the file (DirectFile) writes one part while the next is hashed.
             for start in range(0, len(view), _PART):
                 part = view[start:start + _PART]
                 self.hasher.update(part)
                 while len(part):
-                    n = self._f.write(part)
+                    n = write(part)
                     if not n:
                         raise OSError(f"short write to {getattr(self._f, 'name', '?')}")
                     part = part[n:]
-            self._f.flush()  # the caller may reuse `data` once this returns
         except BaseException as exc:
             self.error, self.discard = exc, True
             return len(view)
@@ -131,9 +144,11 @@ def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str, *,
                 host = item.wait_staged()
                 # the host buffer may be a slice of a larger pool block: write just its bytes
                 start = host.storage_offset()
+                sink.stable = (host.data_ptr(), host.data_ptr() + item.nbytes)
                 writer.write_record(f"data/{item.key}",
                                     host.untyped_storage()[start:start + item.nbytes], item.nbytes)
-                pending.pop(0).release()
+                sink.stable = None
+                _release_when_written(f, pending.pop(0))
                 sink.check()
             writer.write_end_of_file()
             sink.check()
@@ -158,6 +173,18 @@ def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str, *,
         if isinstance(exc, PersistError):
             raise
         raise PersistError(f"writing {path} failed: {exc}") from exc
+
+
+def _release_when_written(f: BinaryIO, item: TensorItem) -> None:
+    """Return ``item``'s host buffer to the pool once the file's writes of it are done: at
+    once for files that copy what they are given, else when the I/O thread gets there, so
+    the writer hashes the next record meanwhile. (On failure, closing the file waits for the
+    I/O thread, so every buffer still comes back.)"""
+    barrier = getattr(f, "barrier", None)
+    if barrier is None:
+        item.release()
+    else:
+        barrier().add_done_callback(lambda _done: item.release())
 
 
 def _header_records(pickle_bytes: bytes) -> list[tuple[str, bytes | str]]:

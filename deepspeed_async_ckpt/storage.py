@@ -6,6 +6,7 @@ subclassing it; a remote backend would implement the same five methods.
 
 from __future__ import annotations
 
+import collections
 import ctypes
 import errno
 import fcntl
@@ -172,7 +173,8 @@ DIRECT_ALIGN = 4096
 a multiple of every common logical block size)."""
 
 
-def _address(view: memoryview) -> int:
+def buffer_address(view: memoryview) -> int:
+    """The address of a buffer's first byte (read-only buffers included)."""
     import numpy as np  # a read-only buffer's address; numpy comes with torch and DeepSpeed
 
     return int(np.frombuffer(view, dtype=np.uint8).ctypes.data) if len(view) else 0
@@ -183,18 +185,25 @@ class DirectFile:
     without a copy into the page cache and without the kernel's writeback work, which leaves
     the CPU to training.
 
-    Direct writes need page-aligned memory, file offsets and lengths. The checkpoint's tensor
-    records are all three (pool buffers are page-aligned and the zip writer pads record data
-    to ``DIRECT_ALIGN``), and are written in place by an I/O thread, 8 MiB at a time, while
-    the writer checksums the next part. Everything else (zip headers, the pickle, record
-    tails) is copied into an aligned staging buffer; :meth:`finish` writes its last, padded
-    page and truncates the file to its real size. :meth:`flush` waits for the I/O thread, so
-    the caller may reuse a buffer once its ``write`` and ``flush`` returned. If the filesystem
-    refuses a direct write (EINVAL), the file falls back to ordinary writes.
+    Direct writes need page-aligned memory, file offsets and lengths. Every write runs on one
+    I/O thread, in order, so the caller never waits for the disk:
+
+    - :meth:`write_stable` writes the caller's buffer in place, 8 MiB at a time, when it is
+      page-aligned (the checkpoint's tensor records are: pool buffers are page-aligned and the
+      zip writer pads record data to ``DIRECT_ALIGN``). The caller must keep the buffer
+      unchanged until :meth:`barrier`'s future is done.
+    - :meth:`write` copies the data into an aligned staging buffer (zip headers, the pickle,
+      record tails), so the caller may reuse it at once. A full stage is handed to the I/O
+      thread and the next one is used (at most ``_MAX_STAGES`` exist).
+
+    :meth:`finish` writes the last stage, its last page padded, waits for every write and cuts
+    the file to its real size. If the filesystem refuses a direct write (EINVAL), the file falls
+    back to ordinary writes.
     """
 
     _STAGE = 8 << 20
     _PART = 8 << 20
+    _MAX_STAGES = 4
 
     def __init__(self, fd: int, path: str) -> None:
         self.name = path
@@ -202,24 +211,18 @@ class DirectFile:
         self._size = 0  # bytes written or staged: the file's logical size
         self._stage = mmap.mmap(-1, self._STAGE)  # page-aligned
         self._staged = 0  # bytes in the stage; they belong at [_size - _staged, _size)
+        self._stages = [self._stage]
+        self._spare: list[mmap.mmap] = []  # stages whose write is done
+        self._cond = threading.Condition()
         self._io: ThreadPoolExecutor | None = None
-        self._pending: list[Future] = []
-        self._lock = threading.Lock()
+        self._pending: collections.deque[Future] = collections.deque()
+        self._error: BaseException | None = None  # of a write no longer in _pending
         self.direct = True
 
     def write(self, data) -> int:
+        """Copy ``data`` into the stage: the caller may reuse it as soon as this returns."""
         view = memoryview(data).cast("B")
         n = len(view)
-        if n >= DIRECT_ALIGN and self._size % DIRECT_ALIGN == 0 and _address(view) % DIRECT_ALIGN == 0:
-            self._write_stage()  # a whole number of pages: the file stays aligned
-            k = n - n % DIRECT_ALIGN
-            if self._io is None:
-                self._io = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-io")
-            for off in range(0, k, self._PART):
-                part = view[off:min(k, off + self._PART)]
-                self._pending.append(self._io.submit(self._pwrite, part, self._size + off))
-            self._size += k
-            view = view[k:]
         while len(view):
             m = min(len(view), self._STAGE - self._staged)
             self._stage[self._staged:self._staged + m] = view[:m]
@@ -227,32 +230,81 @@ class DirectFile:
             self._size += m
             view = view[m:]
             if self._staged == self._STAGE:
-                self._write_stage()
+                self._submit_stage()
         return n
 
+    def write_stable(self, data) -> int:
+        """Write ``data`` in place where it is page-aligned (its last partial page is staged).
+        ``data`` must stay unchanged until :meth:`barrier`'s future is done."""
+        view = memoryview(data).cast("B")
+        n = len(view)
+        if n < DIRECT_ALIGN or self._size % DIRECT_ALIGN or buffer_address(view) % DIRECT_ALIGN:
+            return self.write(view)
+        self._submit_stage()  # whole pages: the file stays aligned
+        k = n - n % DIRECT_ALIGN
+        for off in range(0, k, self._PART):
+            self._submit(view[off:min(k, off + self._PART)], self._size + off)
+        self._size += k
+        self.write(view[k:])
+        return n
+
+    def barrier(self) -> Future:
+        """A future that is done once every write issued so far is done (successfully or not;
+        errors are raised by :meth:`flush`). Writes run in order on one thread."""
+        if self._pending:
+            return self._pending[-1]
+        done: Future = Future()
+        done.set_result(None)
+        return done
+
     def flush(self) -> None:
-        """Wait until every direct write issued so far is done (raises its error, if any)."""
-        pending, self._pending = self._pending, []
+        """Wait until every write issued so far is done; raise the first error, if any."""
+        pending, self._pending = self._pending, collections.deque()
         errors = [fut.exception() for fut in pending]  # waits for all: buffers are then free
-        first = next((e for e in errors if e is not None), None)
+        first = self._error or next((e for e in errors if e is not None), None)
+        self._error = None
         if first is not None:
             raise first
 
     def finish(self) -> None:
         """Write what is staged (its last page padded) and cut the file to its real size."""
+        self._submit_stage(pad=True)
         self.flush()
-        self._write_stage(pad=True)
         os.ftruncate(self._fd, self._size)
 
-    def _write_stage(self, pad: bool = False) -> None:
+    def _submit(self, view: memoryview, offset: int) -> Future:
+        if self._io is None:
+            self._io = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-io")
+        while self._pending and self._pending[0].done():  # keep the queue short
+            err = self._pending.popleft().exception()
+            self._error = self._error or err
+        fut = self._io.submit(self._pwrite, view, offset)
+        self._pending.append(fut)
+        return fut
+
+    def _submit_stage(self, pad: bool = False) -> None:
         if not self._staged:
             return
         n = self._staged
         if pad:
             n = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
             self._stage[self._staged:n] = bytes(n - self._staged)
-        self._pwrite(memoryview(self._stage)[:n], self._size - self._staged)
+        stage = self._stage
+        fut = self._submit(memoryview(stage)[:n], self._size - self._staged)
+        fut.add_done_callback(lambda _fut: self._give_back(stage))
         self._staged = 0
+        with self._cond:
+            if not self._spare and len(self._stages) < self._MAX_STAGES:
+                self._stages.append(mmap.mmap(-1, self._STAGE))
+                self._spare.append(self._stages[-1])
+            while not self._spare:
+                self._cond.wait()
+            self._stage = self._spare.pop()
+
+    def _give_back(self, stage: mmap.mmap) -> None:
+        with self._cond:
+            self._spare.append(stage)
+            self._cond.notify()
 
     def _pwrite(self, view: memoryview, offset: int) -> None:
         while len(view):
@@ -268,7 +320,7 @@ class DirectFile:
             view, offset = view[done:], offset + done
 
     def _fall_back(self) -> None:
-        with self._lock:  # the filesystem takes O_DIRECT at open but not this write
+        with self._cond:  # the filesystem takes O_DIRECT at open but not this write
             if self.direct:
                 flags = fcntl.fcntl(self._fd, fcntl.F_GETFL)
                 fcntl.fcntl(self._fd, fcntl.F_SETFL, flags & ~_O_DIRECT)
@@ -282,11 +334,16 @@ class DirectFile:
             return
         try:
             if self._io is not None:
-                self._io.shutdown(wait=True)
+                self._io.shutdown(wait=True)  # every write, and its buffer's use, is over
         finally:
             os.close(self._fd)
             self._fd = -1
-            self._stage.close()
+            self._pending.clear()
+            for stage in self._stages:
+                try:
+                    stage.close()
+                except BufferError:  # a view is still held (by a raised error's traceback)
+                    pass
 
     @property
     def closed(self) -> bool:

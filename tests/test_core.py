@@ -250,12 +250,33 @@ def test_direct_file_writes_aligned_and_unaligned_pieces_exactly(tmp_path):
     expected = b"hdr" + header[3:] + b"x" * 100 + bytes(aligned) + tail + os.urandom(10 << 20)
     f.write(b"hdr")
     f.write(header[3:] + b"x" * 100)              # now at a page boundary
-    f.write(memoryview(aligned))                  # written in place, asynchronously
-    f.flush()
-    f.write(tail)                                 # unaligned: staged
-    f.write(expected[-(10 << 20):])               # more than the stage holds
+    f.write_stable(memoryview(aligned))           # written in place, asynchronously
+    f.barrier().result(timeout=30)                # ... and done: the buffer may change again
+    aligned[:] = bytes(len(aligned))
+    f.write_stable(tail)                          # unaligned: staged, like write()
+    f.write(expected[-(10 << 20):])               # more than one stage holds
     LocalStorage(fsync=True).sync_file(f)
     assert f.direct  # no fallback happened
+    f.close()
+    assert (tmp_path / "f").read_bytes() == expected
+
+
+def test_direct_file_write_copies_so_the_caller_may_reuse_its_buffer(tmp_path):
+    import mmap
+
+    from deepspeed_async_ckpt.storage import DirectFile
+
+    f = LocalStorage(fsync=True).open_write(str(tmp_path / "f"))
+    if not isinstance(f, DirectFile):
+        f.close()
+        pytest.skip(f"{tmp_path}'s filesystem refuses O_DIRECT; LocalStorage writes buffered there")
+    buf = mmap.mmap(-1, 3 * DirectFile._STAGE)  # aligned, but not declared stable
+    expected = b""
+    for i in range(6):  # more stages than the file keeps: write() must wait for a free one
+        buf[:] = bytes([i]) * len(buf)
+        f.write(buf)
+        expected += bytes(buf)
+    LocalStorage(fsync=True).sync_file(f)
     f.close()
     assert (tmp_path / "f").read_bytes() == expected
 
@@ -272,11 +293,15 @@ class FailingStorage(LocalStorage):
         storage = self
 
         class W:
-            def write(self, data):
+            def write(self, data, write=f.write):
                 storage.budget -= len(memoryview(data).cast("B"))
                 if storage.budget < 0 and ".async_ckpt" not in path and not path.endswith(("latest.tmp." + str(os.getpid()),)):
                     raise OSError(errno.ENOSPC, "No space left on device")
-                return f.write(data)
+                return write(data)
+
+            if hasattr(f, "write_stable"):
+                def write_stable(self, data):
+                    return self.write(data, write=f.write_stable)
 
             def __getattr__(self, name):
                 return getattr(f, name)

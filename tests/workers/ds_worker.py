@@ -161,12 +161,16 @@ def fill_disk(ckpt):
     def open_write_disk_full(path):
         f = original(path)
         if path.endswith(".pt.tmp." + str(os.getpid())):
-            def write(data, budget=[4096]):
-                budget[0] -= len(memoryview(data).cast("B"))
-                if budget[0] < 0:
-                    raise OSError(errno.ENOSPC, "No space left on device")
-                return type(f).write(f, data)
-            f.write = write
+            def full(method, budget=[4096]):
+                def write(data):
+                    budget[0] -= len(memoryview(data).cast("B"))
+                    if budget[0] < 0:
+                        raise OSError(errno.ENOSPC, "No space left on device")
+                    return method(data)
+                return write
+            f.write = full(f.write)
+            if hasattr(f, "write_stable"):  # DirectFile: tensor records are written in place
+                f.write_stable = full(f.write_stable)
         return f
 
     storage.open_write = open_write_disk_full
