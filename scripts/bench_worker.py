@@ -27,6 +27,7 @@ import logging
 import os
 import resource
 import shutil
+import statistics
 import sys
 import threading
 import time
@@ -467,6 +468,7 @@ def main(argv=None) -> int:
     out["module_bytes"] = tensor_bytes(engine.module.state_dict())
     out["optim_bytes"] = tensor_bytes(engine.optimizer.state_dict())  # Adam state exists after a step
     out["baseline"] = [trainer.window(args.k)]
+    out["ds_floor_s"] = deepspeed_floor(trainer, root, rank)
 
     builders: dict[str, Callable[[], Adapter]] = {
         "async": lambda: AsyncAdapter("async", trainer, async_engine),
@@ -502,6 +504,32 @@ def main(argv=None) -> int:
         json.dump(out, f, indent=1)
     dist.barrier()
     return 0
+
+
+def deepspeed_floor(trainer: Trainer, root: str, rank: int, reps: int = 3) -> float:
+    """Median wall time of ``engine.save_checkpoint`` with a checkpoint engine that writes
+    nothing: DeepSpeed's own part of every engine's stall (state dicts, its two barriers,
+    `latest`, the recovery script it copies), which no checkpoint engine can remove."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+
+    class NullEngine(TorchCheckpointEngine):
+        def save(self, state_dict, path: str) -> None:
+            pass
+
+    eng = trainer.engine
+    kept, eng.checkpoint_engine = eng.checkpoint_engine, NullEngine(eng._config)
+    times = []
+    try:
+        for i in range(reps):
+            t0 = now()
+            eng.save_checkpoint(os.path.join(root, "floor"), tag=f"floor{i}")
+            times.append(now() - t0)
+    finally:
+        eng.checkpoint_engine = kept
+        dist.barrier()
+        if rank == 0:
+            shutil.rmtree(os.path.join(root, "floor"), ignore_errors=True)
+    return statistics.median(times)
 
 
 def run_decoupled(args, trainer: Trainer, rank: int, root: str) -> dict:
