@@ -24,6 +24,7 @@ import argparse
 import gc
 import json
 import logging
+import mmap
 import os
 import resource
 import shutil
@@ -126,8 +127,10 @@ class Trainer:
         waits, self.waits = self.waits, []
         return {"step_s": t2 - t0, "fb_s": t1 - t0, "opt_s": t2 - t1, "wait_s": sum(waits)}
 
-    def window(self, k: int) -> dict:
+    def window(self, k: int, on_start: Callable[[], None] | None = None) -> dict:
         dist.barrier()
+        if on_start is not None:
+            on_start()
         u0, t0 = usage(), now()
         steps = [self.step() for _ in range(k)]
         t1, u1 = now(), usage()
@@ -495,6 +498,11 @@ def main(argv=None) -> int:
         async_engine = None
         out["engines"]["ds_decoupled"] = run_decoupled(args, trainer, rank, root)
         phases["ds_decoupled"], t_phase = now() - t_phase, now()
+    # what this rank writes in a checkpoint (without ZeRO, rank 0 writes everything)
+    mine = (out["module_bytes"] if rank == 0 else 0) + \
+        (out["optim_bytes"] if args.zero_stage > 0 or rank == 0 else 0)
+    out["bare_write"] = bare_write(trainer, root, rank, mine, args.k)
+    phases["bare_write"], t_phase = now() - t_phase, now()
     out["baseline"].append(trainer.window(args.k))
     engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
     async_engine = None
@@ -504,6 +512,47 @@ def main(argv=None) -> int:
         json.dump(out, f, indent=1)
     dist.barrier()
     return 0
+
+
+def bare_write(trainer: Trainer, root: str, rank: int, nbytes: int, k: int) -> dict:
+    """The floor for any engine that writes in the background: ``nbytes`` written by a thread
+    of this process the way this engine writes them (``O_DIRECT`` from a page-aligned buffer,
+    fsync, rename), but with no snapshot copy and no checksum, during a window of ``k`` training
+    steps. Gives the disk's bandwidth under this training load, and what the write alone costs
+    the steps."""
+    from deepspeed_async_ckpt.storage import LocalStorage
+
+    storage = LocalStorage(fsync=True)
+    buf = memoryview(mmap.mmap(-1, 64 << 20))
+    buf[:] = b"\x01" * len(buf)  # faulted in before the window: the engine's pool is, too
+    path = os.path.join(root, "bare", f"rank{rank}.bin")
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    box: dict = {}
+
+    def write() -> None:
+        t0 = now()
+        f = storage.open_write(path + ".tmp")
+        try:
+            put = getattr(f, "write_stable", f.write)  # the buffer never changes
+            left = nbytes
+            while left > 0:
+                left -= put(buf[:min(left, len(buf))])
+            storage.sync_file(f)
+        finally:
+            f.close()
+        storage.replace(path + ".tmp", path)
+        box["write_s"] = now() - t0
+
+    thread = threading.Thread(target=write, name="bare-write", daemon=True)
+    window = trainer.window(k, on_start=thread.start if nbytes else None)
+    if nbytes:
+        thread.join()
+    clean(os.path.dirname(path), rank)
+    res = {"bytes": nbytes, "window": window}
+    if nbytes:
+        res["write_s"] = box.get("write_s")
+        res["gbps"] = nbytes / box["write_s"] / 1e9 if box.get("write_s") else None
+    return res
 
 
 def deepspeed_floor(trainer: Trainer, root: str, rank: int, reps: int = 3) -> float:

@@ -37,6 +37,9 @@ def test_quick_benchmark_measures_every_engine(tmp_path, repo_env):
         assert cell["storage"]["fsync_gbps"] > 0 and cell["storage"]["nofsync_gbps"] > 0
         steps = cell["steps"]
         assert steps["step_s"] > 0 and steps["fwd_bwd_s"] > 0 and steps["baseline_window_s"] > 0
+        assert 0 < steps["ds_floor_s"] < cell["engines"]["ds_torch"]["stall_s"]  # DeepSpeed's own part
+        bare = steps["bare_write"]  # the same bytes written alone during training
+        assert bare["bytes"] >= 0.95 * cell["engines"]["async"]["expected_bytes"] and bare["gbps"] > 0
         assert set(cell["engines"]) == {"async", "sync", "ds_torch", "ds_decoupled", "dcp_async"}
         for name in MEASURED:
             e = cell["engines"][name]
