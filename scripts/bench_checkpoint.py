@@ -18,6 +18,13 @@ Settings:
          free while the GPUs compute (the headline).
   2rank  two ranks on the two cores: every background byte competes with training compute.
 
+The ranks' glibc malloc keeps the memory it frees (``--malloc keep``, the default): with glibc's
+defaults a CPU training step gives its gradient buffers back to the kernel and faults them in
+again every step, and whether it does depends on the heap's history (in one process, the same
+step ran at 0.54 s and, after a large free elsewhere left a hole that served it, at 0.27 s).
+That makes the baseline, and so every overhead figure, a coin toss. A GPU job's host memory
+does not churn like that either. ``--malloc default`` measures glibc's defaults.
+
 Figures, per engine (seconds unless named):
   stall       save_checkpoint wall time + any wait the engine adds before the next optimizer
               step (max over ranks), for the timed (second) checkpoint; "first" is the first
@@ -142,6 +149,11 @@ def _write_all(f, view, chunk: int = 8 << 20) -> None:
         part = view[off:off + chunk]
         while part:
             part = part[f.write(part):]
+
+
+MALLOC_KEEP = {"MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": str(1 << 40)}
+"""glibc tunables for the ranks (``--malloc keep``): every allocation from the heap, and the
+heap never trimmed, so memory freed by a training step is reused by the next one."""
 
 
 def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
@@ -785,6 +797,11 @@ def main(argv=None) -> int:
                    help="smoke run (< 1 min): 0.02 GB, hidden 512, K=3, one warm-up step")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "bench_results", "latest.json"),
                    help="JSON result; the PNG goes next to it (.png)")
+    p.add_argument("--malloc", choices=("keep", "default"), default="keep",
+                   help="keep: the ranks' glibc malloc keeps freed memory (MALLOC_MMAP_MAX_=0, "
+                        "MALLOC_TRIM_THRESHOLD_ huge), as a GPU job's host memory stays put; "
+                        "default: glibc's defaults (the training step then page-faults its "
+                        "gradients every step and its speed depends on heap history)")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--work-dir", default=os.path.join(REPO, "bench_out", "bench"),
                    help="scratch directory for checkpoints (same disk as the repo); emptied after")
@@ -834,6 +851,7 @@ def main(argv=None) -> int:
     # Ranks run DeepSpeed on CPU with one thread each, importing this working tree's package.
     worker_env = dict(os.environ, DS_ACCELERATOR="cpu", OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join(
         [REPO] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+    worker_env.update(MALLOC_KEEP if args.malloc == "keep" else {})
     cells: dict = {}
     raw: dict = {}
     for setting in settings:
@@ -907,7 +925,8 @@ def main(argv=None) -> int:
                    "hidden": args.hidden, "batch": args.batch, "warmup": args.warmup,
                    "zero_stage": zero_stage, "dtype": "fp32", "optimizer": "torch Adam (fused)",
                    "bytes_per_param": bytes_per_param(zero_stage),
-                   "async_checkpoint": "enabled, all other keys default (crc32, fsync, 4 writer threads, 8 GiB pool)"},
+                   "async_checkpoint": "enabled, all other keys default (crc32, fsync, 4 writer threads, 8 GiB pool)",
+                   "malloc": args.malloc, "malloc_env": MALLOC_KEEP if args.malloc == "keep" else {}},
         "micro": micro,
         "cells": cells,
         "gpu": {"available": False, "reason": "not measured in this run; see --gpu-report"},
