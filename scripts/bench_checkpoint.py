@@ -561,7 +561,7 @@ def targets_text(result: dict) -> str:
                     extra += (f" (that bare write alone, no copy or checksum: "
                               f"{100 * t['bare_write']:+.1f}%)")
                 if "ds_floor_ratio" in t:
-                    extra = (f" (DeepSpeed's own save_checkpoint work alone, with an engine that "
+                    extra += (f" (DeepSpeed's own save_checkpoint work alone, with an engine that "
                              f"writes nothing: {t['ds_floor_ratio']:.1f}x)")
                 lines.append(f"  {setting} {cell['size_gb']:.2f} GB {key}: {shown} ({goal}) "
                              f"{'MET' if t['met'] else 'MISSED'}{extra}")
