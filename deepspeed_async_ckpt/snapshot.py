@@ -31,13 +31,7 @@ from typing import Any, Iterable
 import torch
 
 from .errors import SnapshotError
-
-
-_ALIGN = 4096  # every buffer inside a block starts on a page: it can be written with O_DIRECT
-
-
-def _aligned(n: int) -> int:
-    return (n + _ALIGN - 1) // _ALIGN * _ALIGN
+from .storage import aligned_size  # every buffer starts on a page: O_DIRECT can write it
 
 
 class _Block:
@@ -63,7 +57,7 @@ class _Block:
 
     def carve(self, nbytes: int) -> tuple[int, list] | None:
         """Offset and bookkeeping entry of a free ``nbytes`` range, or None if none is free."""
-        n = _aligned(nbytes)
+        n = aligned_size(nbytes)
         if not self._live:
             start = 0 if n <= self.size else None
         else:
@@ -117,7 +111,7 @@ class HostBufferPool:
         ``expected_bytes`` (the bytes queued for staging, this buffer included) sizes a new
         block when one is needed, so that the rest of the queue fits in it.
         """
-        n = _aligned(nbytes)
+        n = aligned_size(nbytes)
         if n > self.capacity_bytes:
             raise SnapshotError(
                 f"{what} needs {n} bytes of host staging ({nbytes} rounded up to whole pages) but "
@@ -136,7 +130,7 @@ class HostBufferPool:
                 self._blocks = [b for b in self._blocks if not b.idle]
                 room = self.capacity_bytes - self.held_bytes
                 if room >= n:
-                    size = min(room, max(n, _aligned(expected_bytes)))
+                    size = min(room, max(n, aligned_size(expected_bytes)))
                     self._blocks.append(_Block(size, self.pin))
                     self.allocations += 1
                     self.peak_bytes = max(self.peak_bytes, self.held_bytes)
@@ -341,7 +335,7 @@ class Stager:
         with self._lock:
             for item in items:
                 self._pending.append(item)
-                self._queued_bytes += _aligned(item.nbytes)
+                self._queued_bytes += aligned_size(item.nbytes)
                 self._queue.put((item, ready))
 
     def stage_eager(self, items: Iterable[TensorItem]) -> None:
@@ -420,4 +414,4 @@ class Stager:
                 return
             self.stage(*job)
             with self._lock:
-                self._queued_bytes -= _aligned(job[0].nbytes)
+                self._queued_bytes -= aligned_size(job[0].nbytes)

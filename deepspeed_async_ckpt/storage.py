@@ -173,6 +173,11 @@ DIRECT_ALIGN = 4096
 a multiple of every common logical block size)."""
 
 
+def aligned_size(n: int) -> int:
+    """``n`` rounded up to a multiple of :data:`DIRECT_ALIGN`."""
+    return -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+
+
 def buffer_address(view: memoryview) -> int:
     """The address of a buffer's first byte (read-only buffers included)."""
     import numpy as np  # a read-only buffer's address; numpy comes with torch and DeepSpeed
@@ -287,7 +292,7 @@ class DirectFile:
             return
         n = self._staged
         if pad:
-            n = -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
+            n = aligned_size(n)
             self._stage[self._staged:n] = bytes(n - self._staged)
         stage = self._stage
         fut = self._submit(memoryview(stage)[:n], self._size - self._staged)
