@@ -150,6 +150,17 @@ def read_latest(save_dir):
         return f.read()
 
 
+def error_of(call):
+    """None if ``call()`` returns, else "ErrorType: message" of the AsyncCheckpointError it raised."""
+    from deepspeed_async_ckpt.errors import AsyncCheckpointError
+
+    try:
+        call()
+    except AsyncCheckpointError as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 def fill_disk(ckpt):
     """From now on, every checkpoint file this rank writes runs out of space after 4 KiB (at
     the storage seam: the file itself fails). Returns the function that frees the space."""
@@ -183,8 +194,6 @@ def dump_engine_state(engine, path):
 
 
 def phase_diskfull(args):
-    from deepspeed_async_ckpt.errors import AsyncCheckpointError
-
     engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
     rank = torch.distributed.get_rank()
     save_dir = os.path.join(args.out, "ckpt")
@@ -202,11 +211,7 @@ def phase_diskfull(args):
     result = {"rank": rank}
     result["latest_after_failure"] = read_latest(save_dir)
     train(engine, args, 1, start=4)
-    try:
-        engine.save_checkpoint(save_dir)
-        result["raised"] = None
-    except AsyncCheckpointError as exc:
-        result["raised"] = f"{type(exc).__name__}: {exc}"
+    result["raised"] = error_of(lambda: engine.save_checkpoint(save_dir))
     engine.save_checkpoint(save_dir, tag="recovered")
     ckpt.wait()
     torch.distributed.barrier()
@@ -220,8 +225,6 @@ def phase_diskfull_load(args):
     """A save fails on --kill-rank only; then every rank calls load_checkpoint: every rank must
     raise (none may go on into DeepSpeed's load collectives), and a retry loads the last
     committed checkpoint."""
-    from deepspeed_async_ckpt.errors import AsyncCheckpointError
-
     engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
     rank = torch.distributed.get_rank()
     save_dir = os.path.join(args.out, "ckpt")
@@ -235,11 +238,8 @@ def phase_diskfull_load(args):
     train(engine, args, 2, start=2)
     engine.save_checkpoint(save_dir)  # global_step4 fails in --kill-rank's writer, in the background
     result = {"rank": rank}
-    try:  # no wait, no barrier first: load_checkpoint itself must wait and agree across ranks
-        engine.load_checkpoint(save_dir)
-        result["raised"] = None
-    except AsyncCheckpointError as exc:
-        result["raised"] = f"{type(exc).__name__}: {exc}"
+    # no wait, no barrier first: load_checkpoint itself must wait and agree across ranks
+    result["raised"] = error_of(lambda: engine.load_checkpoint(save_dir))
     result["global_steps_after_refusal"] = engine.global_steps  # nothing loaded
     restore()
     result["latest"] = read_latest(save_dir)
