@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Iterable
 
 from .errors import CommitError, IntegrityError
-from .persist import FileRecord, hash_file
+from .persist import HASHERS, FileRecord, hash_file
 from .storage import Storage
 
 META_DIR = ".async_ckpt"
@@ -152,6 +152,9 @@ def verify_file(path: str, manifest: dict | None = None) -> None:
     if entry is None:
         raise IntegrityError(f"{path} is not listed in the manifest of checkpoint {ckpt_dir!r}")
     algorithm = manifest["checksum"]
+    if algorithm not in HASHERS:
+        raise IntegrityError(f"manifest of checkpoint {ckpt_dir!r} uses checksum {algorithm!r}, "
+                             f"which this version cannot compute (it knows {', '.join(HASHERS)})")
     size, digest = hash_file(path, algorithm)
     if size != entry["bytes"]:
         raise IntegrityError(f"{path}: size {size} bytes, manifest says {entry['bytes']}: file truncated or replaced")

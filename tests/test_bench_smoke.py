@@ -27,7 +27,7 @@ def test_quick_benchmark_measures_every_engine(tmp_path, repo_env):
     assert not (tmp_path / "work").exists()  # checkpoints cleaned up
 
     micro = res["micro"]
-    for key in ("memcpy_gbps", "crc32_gbps", "zip_writer_crc_gbps", "pagecache_write_gbps", "fsync_gbps"):
+    for key in ("memcpy_gbps", "crc32_gbps", "checksum_gbps", "zip_writer_crc_gbps", "pagecache_write_gbps", "fsync_gbps"):
         assert micro[key] > 0, key
     assert set(res["cells"]) == set(res["config"]["settings"]) == {"1rank", "2rank"}
     for setting, cells in res["cells"].items():

@@ -10,7 +10,7 @@ from deepspeed_async_ckpt.deepspeed_plugin import parse_config
 def test_defaults_and_round_trip():
     cfg = AsyncCheckpointConfig.from_dict({"enabled": True, "host_buffer_gb": 0.5, "writer_threads": 2})
     assert cfg.host_buffer_bytes == 512 * 1024**2
-    assert cfg.is_async and cfg.checksum == "crc32"
+    assert cfg.is_async and cfg.checksum == "xxh128"
     assert AsyncCheckpointConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -23,7 +23,7 @@ def test_unknown_key_is_named_with_allowed_keys():
 
 @pytest.mark.parametrize("key,value,fragment", [
     ("mode", "lazy", "'async', 'sync'"),
-    ("checksum", "md5", "'crc32', 'sha256', 'none'"),
+    ("checksum", "md5", "'xxh128', 'crc32', 'sha256', 'none'"),
     ("host_buffer_gb", 0, "> 0"),
     ("host_buffer_gb", "8", "> 0"),
     ("writer_threads", 0, "[1, 64]"),

@@ -1,14 +1,17 @@
 """Fast tests of the core pipeline (one process, fakes for faults)."""
 
 import errno
+import hashlib
 import os
 import threading
+import zlib
 
 import pytest
 import torch
+import xxhash
 
 from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
-from deepspeed_async_ckpt.commit import META_DIR, Pointer, verify_checkpoint
+from deepspeed_async_ckpt.commit import META_DIR, Pointer, read_manifest, verify_checkpoint
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError, PersistError, SnapshotError
 from deepspeed_async_ckpt.snapshot import HostBufferPool
@@ -343,16 +346,43 @@ def test_disk_full_surfaces_at_next_save_and_previous_checkpoint_survives(tmp_pa
     ck.close()
 
 
-def test_corrupted_byte_is_detected_naming_the_file(tmp_path):
-    ck = make()
+@pytest.mark.parametrize("checksum", ["xxh128", "crc32", "sha256"])
+def test_corrupted_byte_is_detected_naming_the_file(tmp_path, checksum):
+    ck = make(checksum=checksum)
     save_one(ck, str(tmp_path), sample_state())
     ck.wait()
     path = tmp_path / "t1" / "model.pt"
+    manifest = read_manifest(str(tmp_path / "t1"))
+    assert manifest["checksum"] == checksum
+    # The manifest holds the digest any standard tool computes over the whole file
+    # (xxh128sum, crc32, sha256sum).
+    whole = path.read_bytes()
+    expected = {"xxh128": lambda b: xxhash.xxh3_128(b).hexdigest(),
+                "crc32": lambda b: f"{zlib.crc32(b):08x}",
+                "sha256": lambda b: hashlib.sha256(b).hexdigest()}[checksum](whole)
+    assert manifest["files"]["model.pt"][checksum] == expected
     data = bytearray(path.read_bytes())
     data[len(data) // 2] ^= 0x01
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match="model.pt.*corrupted"):
         ck.load(str(path))
+    ck.close()
+
+
+def test_verification_follows_the_manifest_not_the_config(tmp_path):
+    # A checkpoint written with crc32 (the default before xxh128) loads under today's config;
+    # a manifest naming a checksum this version does not know is refused, naming it.
+    old = make(checksum="crc32")
+    save_one(old, str(tmp_path), sample_state())
+    old.close()
+    ck = make()
+    assert ck.config.checksum == "xxh128"
+    loaded = ck.load(str(tmp_path / "t1" / "model.pt"))
+    assert_same(loaded["module"], sample_state()["module"])
+    meta = tmp_path / "t1" / META_DIR / "manifest.json"
+    meta.write_text(meta.read_text().replace('"checksum": "crc32"', '"checksum": "blake9"'))
+    with pytest.raises(IntegrityError, match="'blake9'"):
+        ck.load(str(tmp_path / "t1" / "model.pt"))
     ck.close()
 
 

@@ -42,7 +42,7 @@ def test_without_the_flag_the_same_pipeline_runs_inline():
 def test_async_flag_and_example_config():
     args = parse("--async-ckpt", "--async-ckpt-config", os.path.join(REPO, "configs", "megatron_async.json"))
     cfg = config_from_args(args)
-    assert cfg.enabled and cfg.is_async and cfg.checksum == "crc32" and cfg.writer_threads == 2
+    assert cfg.enabled and cfg.is_async and cfg.checksum == "xxh128" and cfg.writer_threads == 2
     assert args.async_ckpt_writers == "replica"
     assert config_from_args(parse("--async-ckpt")).is_async
 
