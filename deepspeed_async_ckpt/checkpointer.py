@@ -221,6 +221,14 @@ class AsyncCheckpointer:
         if self.history:
             self.history[-1].fence_wait_s += time.perf_counter() - t0
 
+    def reserve(self, nbytes: int) -> threading.Thread | None:
+        """Prepare the host pool for saves of about ``nbytes`` on this rank: allocate it and
+        fault it in now, in a background thread, instead of during the first save (whose
+        stall would include it). Optional; the DeepSpeed plugin calls it after the first
+        optimizer step. See :meth:`HostBufferPool.reserve`."""
+        self._check_open()
+        return self.pool.reserve(nbytes)
+
     def _queue_copies(self, handle: CheckpointHandle) -> None:
         # A save's lazy copies are queued together when it is sealed, so the pool can size one
         # block for all of them (nothing can change the tensors before the next fence anyway).

@@ -11,6 +11,8 @@ DeepSpeed 0.19.8):
   our commit stage does, once every rank persisted.
 - ``DeepSpeedEngine._take_model_step`` (which the pipeline engine also uses) gets a fence
   before the optimizer step: the only point where training waits for outstanding copies.
+  After the first step (when the optimizer state exists) the host pool is sized from this
+  rank's share of the state and faulted in, in the background, ahead of the first save.
 - ``save_checkpoint`` is wrapped to seal the checkpoint when DeepSpeed's save returns and to
   freeze ``client_state`` eagerly; ``load_checkpoint`` first waits for pending saves on every
   rank and, if a save failed on any rank, refuses on every rank (rather than leaving the other
@@ -21,18 +23,24 @@ from __future__ import annotations
 
 import functools
 import inspect
+import itertools
+import logging
 import os
 import sys
+import threading
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from .checkpointer import AsyncCheckpointer
 from .commit import Pointer
 from .config import CONFIG_KEY, AsyncCheckpointConfig
+from .storage import aligned_size
 
 ENGINE_NAME = "AsyncCheckpointEngine"
+logger = logging.getLogger(__name__)
 
 #: Top-level keys of DeepSpeed's model-states file whose tensors the training loop may change
 #: outside the optimizer step; they are copied before ``save_checkpoint`` returns.
@@ -51,6 +59,9 @@ class AsyncCheckpointEngine(CheckpointEngine):
             rank=dist.get_rank() if initialized else 0,
             world_size=dist.get_world_size() if initialized else 1)
         self._eager_keys: tuple[str, ...] = _DEEPSPEED_EAGER_KEYS
+        self._reserved = False  # the host pool was sized after the first optimizer step
+        self.reservation: threading.Thread | None = None
+        """The thread faulting the host pool in after the first optimizer step, if any."""
 
     # DeepSpeed's contract -------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -89,6 +100,58 @@ class AsyncCheckpointEngine(CheckpointEngine):
     def before_optimizer_step(self) -> None:
         self.checkpointer.fence()
 
+    def after_optimizer_step(self, ds_engine: Any) -> None:
+        if self._reserved:
+            return
+        self._reserved = True
+        try:
+            nbytes = checkpoint_bytes_estimate(ds_engine)
+        except Exception as exc:  # an optimizer we cannot walk: the first save allocates
+            logger.warning("async checkpoint: not sizing the host pool ahead of the first save: "
+                           "%s: %s", type(exc).__name__, exc)
+            return
+        self.reservation = self.checkpointer.reserve(nbytes)
+
+
+def checkpoint_bytes_estimate(ds_engine: Any) -> int:
+    """Host pool bytes this rank's DeepSpeed checkpoint needs, from the live state: module
+    parameters and buffers where this rank writes the model-states file, and the tensors of
+    the optimizer chain (``engine.optimizer`` and the wrapped ``.optimizer``s: their states
+    and parameter groups, which hold ZeRO's fp32 partitions) where it writes the optimizer
+    state (ZeRO files, or the model-states file without ZeRO). Each tensor view counts once,
+    rounded up to whole pages as the pool holds it. An estimate: it sizes the host pool ahead
+    of the first save, nothing else."""
+    seen: set[tuple] = set()
+    total = 0
+
+    def add(t: Any) -> None:
+        nonlocal total
+        if isinstance(t, torch.Tensor) and t.device.type != "meta":
+            key = (t.data_ptr(), t.numel(), t.dtype)
+            if key not in seen:
+                seen.add(key)
+                total += aligned_size(t.numel() * t.element_size())
+
+    writes_model = getattr(ds_engine, "save_non_zero_checkpoint", True)
+    zero = getattr(ds_engine, "zero_optimization", lambda: False)()
+    module = getattr(ds_engine, "module", None)
+    if writes_model and isinstance(module, torch.nn.Module):
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            add(t)
+    if getattr(ds_engine, "save_zero_checkpoint", False) if zero else writes_model:
+        opt, visited = getattr(ds_engine, "optimizer", None), set()
+        while opt is not None and id(opt) not in visited:
+            visited.add(id(opt))
+            if isinstance(opt, torch.optim.Optimizer):
+                for state in opt.state.values():
+                    for value in state.values():
+                        add(value)
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        add(p)
+            opt = getattr(opt, "optimizer", None)
+    return total
+
 
 def parse_config(param_dict: dict | None) -> AsyncCheckpointConfig | None:
     """The validated config, or None when the key is absent or disabled."""
@@ -125,9 +188,12 @@ def install() -> bool:
     @functools.wraps(_ORIGINALS["step"])
     def _take_model_step(self, *args, **kwargs):
         engine = getattr(self, "checkpoint_engine", None)
-        if isinstance(engine, AsyncCheckpointEngine):
-            engine.before_optimizer_step()
-        return _ORIGINALS["step"](self, *args, **kwargs)
+        if not isinstance(engine, AsyncCheckpointEngine):
+            return _ORIGINALS["step"](self, *args, **kwargs)
+        engine.before_optimizer_step()
+        result = _ORIGINALS["step"](self, *args, **kwargs)
+        engine.after_optimizer_step(self)
+        return result
 
     save_sig = inspect.signature(_ORIGINALS["save"])
 

@@ -31,7 +31,7 @@ from typing import Any, Iterable
 import torch
 
 from .errors import SnapshotError
-from .storage import aligned_size  # every buffer starts on a page: O_DIRECT can write it
+from .storage import DIRECT_ALIGN, aligned_size  # every buffer starts on a page: O_DIRECT can write it
 
 
 class _Block:
@@ -85,7 +85,8 @@ class HostBufferPool:
     Memory is held in large blocks, allocated on demand, each as big as the bytes then queued
     for staging (a whole save is queued at once, so a save that fits the pool gets one block),
     and kept: from the second save of the same state on, nothing is allocated and no page is
-    faulted in while training runs. ``acquire`` blocks while the pool is full (backpressure).
+    faulted in while training runs. :meth:`reserve` does the same for the first save, ahead of
+    it, in a background thread. ``acquire`` blocks while the pool is full (backpressure).
     An idle block too small for a new buffer is freed and replaced. Pinned when ``pin`` is
     true (CUDA present).
     """
@@ -100,6 +101,9 @@ class HostBufferPool:
         """Number of blocks ever allocated (stays flat once saves repeat)."""
         self.peak_bytes = 0
         """Largest number of bytes held in blocks at any time."""
+        self._reserving = False  # a reserve() thread is allocating: acquire waits for its block
+        self.reserve_error: BaseException | None = None
+        """Why the last :meth:`reserve` failed, if it did (the first save then allocates)."""
 
     @property
     def held_bytes(self) -> int:
@@ -119,6 +123,8 @@ class HostBufferPool:
                 "async_checkpoint.host_buffer_gb")
         with self._cond:
             while True:
+                while self._reserving:  # its block is about to arrive: allocate nothing twice
+                    self._cond.wait()
                 for block in self._blocks:
                     got = block.carve(n)
                     if got is not None:
@@ -136,6 +142,41 @@ class HostBufferPool:
                     self.peak_bytes = max(self.peak_bytes, self.held_bytes)
                     continue
                 self._cond.wait()
+
+    def reserve(self, nbytes: int) -> threading.Thread | None:
+        """Allocate one block for a save of about ``nbytes`` (at most the capacity) and fault
+        its pages in, in a background thread, so the first save finds its memory ready.
+
+        A first save otherwise faults its staging memory in while the copier fills it, and
+        the fence before the next optimizer step waits for that (0.4 s/GB here, up to 3.6 s/GB
+        when the hypervisor has taken the free memory back). Does nothing, and returns None,
+        if the pool already holds memory or ``nbytes`` is 0; otherwise returns the thread.
+        """
+        n = min(aligned_size(nbytes), self.capacity_bytes // DIRECT_ALIGN * DIRECT_ALIGN)
+        with self._cond:
+            if n <= 0 or self._blocks or self._reserving:
+                return None
+            self._reserving = True
+        thread = threading.Thread(target=self._fault_in, args=(n,), name="async-ckpt-reserve",
+                                  daemon=True)
+        thread.start()
+        return thread
+
+    def _fault_in(self, nbytes: int) -> None:
+        block = None
+        try:
+            block = _Block(nbytes, self.pin)  # pinned memory is faulted in by pinning it
+            if not self.pin:
+                block.memory[::DIRECT_ALIGN].zero_()  # one write per page; drops the GIL
+        except BaseException as exc:  # e.g. out of memory: the first save allocates as before
+            self.reserve_error, block = exc, None
+        with self._cond:
+            if block is not None:
+                self._blocks.append(block)
+                self.allocations += 1
+                self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+            self._reserving = False
+            self._cond.notify_all()
 
     def release(self, buf: torch.Tensor) -> None:
         with self._cond:

@@ -5,7 +5,8 @@ not meant to be run by hand. All engines run in this one process on the same mod
 see the same weights, the same memory and the same step time:
 
 1. ``deepspeed.initialize`` with the ``"async_checkpoint"`` key (this package's engine);
-2. warm-up steps, then a baseline window of K steps without checkpoints;
+2. warm-up steps (after the first, this engine faults its host pool in, in the background; the
+   worker waits for that), then a baseline window of K steps without checkpoints;
 3. per engine: a first checkpoint (one-time costs: staging buffers, page faults) and one step,
    drained; then the timed window: ``save_checkpoint`` followed by K training steps, drained;
 4. DeepSpeed's decoupled writer engine, which is chosen at ``initialize``: tiny engines with
@@ -465,6 +466,14 @@ def main(argv=None) -> int:
     out["init_s"] = now() - t0
     trainer = Trainer(engine, args.hidden, rank)
     out["warmup"] = trainer.window(args.warmup)["steps"]
+    # After the first step the engine faults its host pool in, in the background, sized from
+    # the live state; wait for it, so it does not run inside the baseline window.
+    t_res = now()
+    reservation = engine.checkpoint_engine.reservation
+    if reservation is not None:
+        reservation.join()
+    out["reserve_wait_s"] = now() - t_res
+    out["reserved_bytes"] = engine.checkpoint_engine.checkpointer.pool.held_bytes
     phases = out["phases_s"] = {"init": out["init_s"]}  # wall seconds per phase, for budgeting
     t_phase = now()
     out["params"] = sum(p.numel() for p in engine.module.parameters())

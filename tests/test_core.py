@@ -205,6 +205,51 @@ def test_second_save_allocates_nothing_one_block_per_file(tmp_path):
     ck.close()
 
 
+def test_reserve_faults_the_pool_in_ahead_of_the_first_save(tmp_path, monkeypatch):
+    from deepspeed_async_ckpt import snapshot
+    from deepspeed_async_ckpt.storage import aligned_size
+
+    model = {"module": {f"p{i}": torch.randn(64, 64 + i) for i in range(20)}}
+    need = sum(aligned_size(t.numel() * 4) for t in model["module"].values())
+    ck = make(gb=0.1)
+    # The first save starts while the reservation is still faulting its block in: the copier
+    # waits for that block instead of allocating a second one.
+    faulting, go_on = threading.Event(), threading.Event()
+    real_block = snapshot._Block
+
+    def slow_block(nbytes, pin):
+        faulting.set()
+        assert go_on.wait(10)
+        return real_block(nbytes, pin)
+
+    monkeypatch.setattr(snapshot, "_Block", slow_block)
+    thread = ck.reserve(need)
+    assert faulting.wait(10)
+    assert ck.reserve(need) is None  # one reservation at a time
+    monkeypatch.setattr(snapshot, "_Block", real_block)
+    save_one(ck, str(tmp_path), model, eager=())
+    go_on.set()
+    thread.join(10)
+    ck.fence()
+    ck.wait()
+    assert ck.pool.allocations == 1 and ck.pool.held_bytes == need
+    assert_same(torch.load(tmp_path / "t1" / "model.pt")["module"], model["module"])
+    assert ck.reserve(need) is None  # the pool already holds memory
+    ck.close()
+    # capped at the pool's capacity; an allocation failure leaves the first save to allocate
+    pool = HostBufferPool(10 * 4096 + 100, pin=False)
+    pool.reserve(10**9).join()
+    assert pool.held_bytes == 10 * 4096
+    broken = HostBufferPool(10 * 4096, pin=False)
+    monkeypatch.setattr(snapshot, "_Block", lambda n, pin: (_ for _ in ()).throw(MemoryError("no")))
+    broken.reserve(4096).join()
+    assert isinstance(broken.reserve_error, MemoryError) and broken.held_bytes == 0
+    monkeypatch.setattr(snapshot, "_Block", real_block)
+    buf = broken.acquire(4096, "x")  # allocates on demand as before
+    assert broken.allocations == 1
+    broken.release(buf)
+
+
 @pytest.mark.parametrize("zip_crc32", [True, False])
 def test_zip_crc32_option_files_load_and_verify(tmp_path, zip_crc32):
     import zipfile

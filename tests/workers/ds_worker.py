@@ -78,12 +78,18 @@ def phase_save(args):
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
     from deepspeed_async_ckpt.deepspeed_plugin import AsyncCheckpointEngine
+    from deepspeed_async_ckpt.storage import aligned_size
 
     config = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05, "writer_threads": 2})
     engine = init(args, config)
     ours = engine.checkpoint_engine
     assert isinstance(ours, AsyncCheckpointEngine), type(ours)
     train(engine, args, 3)
+    # After the first step the plugin sized the host pool from the live state and faulted it in.
+    if ours.reservation is not None:
+        ours.reservation.join()
+    pool = ours.checkpointer.pool
+    reserved = {"reserved_bytes": pool.held_bytes, "allocations_before_save": pool.allocations}
     engine.save_checkpoint(os.path.join(args.out, "async"))
     # The same pipeline run inline, and DeepSpeed's own engine, at the very same state.
     engine.checkpoint_engine = AsyncCheckpointEngine(engine._config, AsyncCheckpointConfig(enabled=True, mode="sync"))
@@ -96,7 +102,10 @@ def phase_save(args):
     handle = ours.checkpointer.history[0]
     stats = {"rank": torch.distributed.get_rank(), "staged_bytes": ours.checkpointer.staged_bytes,
              "planned_bytes": handle.nbytes, "pool_peak": ours.checkpointer.pool.peak_bytes,
-             "pool_capacity": ours.checkpointer.pool.capacity_bytes}
+             "pool_capacity": ours.checkpointer.pool.capacity_bytes,
+             "pool_allocations": ours.checkpointer.pool.allocations,
+             "pool_bytes_needed": sum(aligned_size(i.nbytes) for i in handle.items if i._pool is not None),
+             **reserved}
     engine.destroy()
     with open(os.path.join(args.out, f"stats_rank{stats['rank']}.json"), "w") as f:
         json.dump(stats, f)
