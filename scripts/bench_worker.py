@@ -8,7 +8,8 @@ see the same weights, the same memory and the same step time:
 2. warm-up steps (after the first, this engine faults its host pool in, in the background; the
    worker waits for that), then a baseline window of K steps without checkpoints;
 3. per engine: a first checkpoint (one-time costs: staging buffers, page faults) and one step,
-   drained; then the timed window: ``save_checkpoint`` followed by K training steps, drained;
+   drained; a paired baseline window of K steps; then the timed window: ``save_checkpoint``
+   followed by K training steps, drained;
 4. DeepSpeed's decoupled writer engine, which is chosen at ``initialize``: tiny engines with
    writer configs from DeepSpeed's default up record why each fails; the first that completes
    a save lends its ``checkpoint_engine``, timed the same way;
@@ -347,6 +348,9 @@ def run_engine(trainer: Trainer, adapter: Adapter, root: str, k: int, rank: int)
     try:
         res["first"] = one_checkpoint(trainer, adapter, save_dir, "first", 1, rank)
         clean(save_dir, rank)
+        # The overhead's reference: K steps without a checkpoint right before the timed window
+        # (this VM's step time drifts by several percent over a run; adjacent windows agree).
+        res["paired_baseline"] = trainer.window(k)
         res["timed"] = one_checkpoint(trainer, adapter, save_dir, "timed", k, rank)
         res["ok"] = True
     except Exception as exc:  # record and go on with the other engines
@@ -553,11 +557,12 @@ def bare_write(trainer: Trainer, root: str, rank: int, nbytes: int, k: int) -> d
         box["write_s"] = now() - t0
 
     thread = threading.Thread(target=write, name="bare-write", daemon=True)
+    paired = trainer.window(k)
     window = trainer.window(k, on_start=thread.start if nbytes else None)
     if nbytes:
         thread.join()
     clean(os.path.dirname(path), rank)
-    res = {"bytes": nbytes, "window": window}
+    res = {"bytes": nbytes, "window": window, "paired_baseline": paired}
     if nbytes:
         res["write_s"] = box.get("write_s")
         res["gbps"] = nbytes / box["write_s"] / 1e9 if box.get("write_s") else None
