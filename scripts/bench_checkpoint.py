@@ -597,7 +597,7 @@ def targets_text(result: dict) -> str:
 def breakdown_text(result: dict) -> str:
     lines = ["\nWhere this engine's (async) cost goes. Per checkpoint, from the micro-benchmarks: CPU for "
              f"the copy and the checksum ({result['micro'].get('checksum', 'crc32')}), disk time for "
-             "the (direct) write; then measured in the timed window vs a baseline window (all ranks' "
+             "the (direct) write; then measured in the timed window vs its paired baseline window (all ranks' "
              "processes): extra wall time, extra user and system CPU, extra minor page faults.",
              "| setting | size | copy | checksum | disk | CPU total (model) "
              "| extra wall | extra user CPU | extra sys CPU | extra faults | persist bound: model (measured) |",
