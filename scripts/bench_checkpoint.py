@@ -11,7 +11,8 @@ time every engine on the same model; see that file for the protocol. This proces
 measures, in the same run, what bounds the figures: the storage's sequential write bandwidth
 with the engine's fsync policy (fio where installed, else a plain large-file write) and the
 per-byte costs of the persist path (memcpy, the manifest checksum (xxh128) and zlib.crc32 for
-reference, torch's zip writer, page-cache write, fsync). It prints a table, writes a JSON file and a PNG bar chart next to it.
+reference, torch's zip writer, page-cache write, fsync). It prints a table, writes a JSON file
+and a PNG bar chart next to it.
 
 Settings:
   1rank  one rank, OMP_NUM_THREADS=1, the other core idle: a GPU node's host, whose CPUs are
@@ -500,8 +501,9 @@ def targets(cell: dict, storage: dict) -> dict:
 
 def breakdown(micro: dict, storage: dict, nbytes: int) -> dict:
     """Seconds per checkpoint of each stage of this engine's persist path, from the
-    micro-benchmarks (one core): copy to the host pool and the manifest checksum are CPU work; with direct I/O the disk reads the pool buffers itself, so the write costs
-    disk time (``disk_s``, at the disk's measured bandwidth), not CPU. For reference:
+    micro-benchmarks (one core): copy to the host pool and the manifest checksum are CPU
+    work; with direct I/O the disk reads the pool buffers itself, so the write costs disk time
+    (``disk_s``, at the disk's measured bandwidth), not CPU. For reference:
     ``pagecache_write_s``, what a buffered write would cost in CPU, and ``zip_crc_s``, torch's
     own zip CRC, off by default (``zip_crc32``)."""
     b = nbytes / GB
