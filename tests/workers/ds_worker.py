@@ -159,6 +159,15 @@ def read_latest(save_dir):
         return f.read()
 
 
+def save_committed(engine, save_dir, tag):
+    """Save ``tag``, wait until it is committed on this rank and every rank got there; returns
+    what ``latest`` then names."""
+    engine.save_checkpoint(save_dir, tag=tag)
+    engine.checkpoint_engine.checkpointer.wait()
+    torch.distributed.barrier()
+    return read_latest(save_dir)
+
+
 def error_of(call):
     """None if ``call()`` returns, else "ErrorType: message" of the AsyncCheckpointError it raised."""
     from deepspeed_async_ckpt.errors import AsyncCheckpointError
@@ -221,10 +230,7 @@ def phase_diskfull(args):
     result["latest_after_failure"] = read_latest(save_dir)
     train(engine, args, 1, start=4)
     result["raised"] = error_of(lambda: engine.save_checkpoint(save_dir))
-    engine.save_checkpoint(save_dir, tag="recovered")
-    ckpt.wait()
-    torch.distributed.barrier()
-    result["latest_after_recovery"] = read_latest(save_dir)
+    result["latest_after_recovery"] = save_committed(engine, save_dir, "recovered")
     engine.destroy()
     with open(os.path.join(args.out, f"diskfull_rank{rank}.json"), "w") as f:
         json.dump(result, f)
@@ -255,10 +261,8 @@ def phase_diskfull_load(args):
     path, _ = engine.load_checkpoint(save_dir)  # the retry: the error was consumed
     result["loaded"] = os.path.relpath(path, save_dir) if path else None
     dump_engine_state(engine, os.path.join(args.out, f"diskfull_load_loaded_rank{rank}.pt"))
-    engine.save_checkpoint(save_dir, tag="after_load")  # nothing left pending on any rank
-    ckpt.wait()
-    torch.distributed.barrier()
-    result["latest_after_save"] = read_latest(save_dir)
+    # nothing left pending on any rank: a new save commits
+    result["latest_after_save"] = save_committed(engine, save_dir, "after_load")
     engine.destroy()
     with open(os.path.join(args.out, f"diskfull_load_rank{rank}.json"), "w") as f:
         json.dump(result, f)
