@@ -21,7 +21,6 @@ from __future__ import annotations
 import collections
 import gc
 import io
-import mmap
 import pickle
 import queue
 import threading
@@ -31,7 +30,7 @@ from typing import Any, Iterable
 import torch
 
 from .errors import SnapshotError
-from .storage import DIRECT_ALIGN, aligned_size  # every buffer starts on a page: O_DIRECT can write it
+from .storage import DIRECT_ALIGN, aligned_size, host_buffer  # every buffer starts on a page: O_DIRECT can write it
 
 
 class _Block:
@@ -45,8 +44,8 @@ class _Block:
     def __init__(self, nbytes: int, pin: bool) -> None:
         if pin:  # page-locked memory from CUDA's host allocator starts on a page
             self.memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        else:  # an anonymous mapping starts on a page; torch's CPU allocator only aligns to 64
-            self.memory = torch.frombuffer(mmap.mmap(-1, nbytes), dtype=torch.uint8)
+        else:  # a mapping starts on a page (torch's CPU allocator aligns to 64), huge pages
+            self.memory = torch.frombuffer(host_buffer(nbytes), dtype=torch.uint8)
         self.size = nbytes
         self._live: collections.deque[list] = collections.deque()  # [start, end, released]
         self._head = 0  # where the next buffer starts

@@ -178,6 +178,34 @@ def aligned_size(n: int) -> int:
     return -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
 
 
+def host_buffer(nbytes: int) -> mmap.mmap:
+    """``nbytes`` of page-aligned, zero-filled host memory for direct writes: a private
+    anonymous mapping, advised to use transparent huge pages and not to be inherited by
+    ``fork``.
+
+    Huge pages are for the disk, not the CPU: a direct write is one block request per run of
+    physically contiguous memory, up to the device's segment limit (254 here, ``max_segments``),
+    so from 4 KiB pages a request carries at most ~1 MiB, and from 2 MiB pages it carries the
+    device's maximum (4 MiB here). On this machine's virtual disk that took 1 GiB ``O_DIRECT``
+    writes from 2.2-2.4 GB/s to 3.4-3.6 GB/s, with a tenth of the system CPU (faulting in is
+    also 500x fewer faults). The kernel falls back to small pages where it has no huge page
+    free, or where transparent huge pages are off (``never``).
+
+    Not inherited by ``fork``: a data-loader worker forked while the pool exists would
+    otherwise share its pages copy-on-write, and every later copy into them would fault.
+    (A shared mapping, ``mmap``'s default, has neither problem but is shmem, whose huge pages
+    are off by default.)
+    """
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
+        if hasattr(mmap, advice) and nbytes:
+            try:
+                buf.madvise(getattr(mmap, advice))
+            except OSError:  # a kernel without it: the advice is only advice
+                pass
+    return buf
+
+
 def buffer_address(view: memoryview) -> int:
     """The address of a buffer's first byte (read-only buffers included)."""
     import numpy as np  # a read-only buffer's address; numpy comes with torch and DeepSpeed
@@ -214,7 +242,7 @@ class DirectFile:
         self.name = path
         self._fd = fd
         self._size = 0  # bytes written or staged: the file's logical size
-        self._stage = mmap.mmap(-1, self._STAGE)  # page-aligned
+        self._stage = host_buffer(self._STAGE)
         self._staged = 0  # bytes in the stage; they belong at [_size - _staged, _size)
         self._stages = [self._stage]
         self._spare: list[mmap.mmap] = []  # stages whose write is done
@@ -300,7 +328,7 @@ class DirectFile:
         self._staged = 0
         with self._cond:
             if not self._spare and len(self._stages) < self._MAX_STAGES:
-                self._stages.append(mmap.mmap(-1, self._STAGE))
+                self._stages.append(host_buffer(self._STAGE))
                 self._spare.append(self._stages[-1])
             while not self._spare:
                 self._cond.wait()

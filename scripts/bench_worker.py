@@ -26,7 +26,6 @@ import argparse
 import gc
 import json
 import logging
-import mmap
 import os
 import resource
 import shutil
@@ -533,10 +532,10 @@ def bare_write(trainer: Trainer, root: str, rank: int, nbytes: int, k: int) -> d
     fsync, rename), but with no snapshot copy and no checksum, during a window of ``k`` training
     steps. Gives the disk's bandwidth under this training load, and what the write alone costs
     the steps."""
-    from deepspeed_async_ckpt.storage import LocalStorage
+    from deepspeed_async_ckpt.storage import LocalStorage, host_buffer
 
     storage = LocalStorage(fsync=True)
-    buf = memoryview(mmap.mmap(-1, 64 << 20))
+    buf = memoryview(host_buffer(64 << 20))  # the engine's kind of memory (huge pages)
     buf[:] = b"\x01" * len(buf)  # faulted in before the window: the engine's pool is, too
     path = os.path.join(root, "bare", f"rank{rank}.bin")
     os.makedirs(os.path.dirname(path), exist_ok=True)

@@ -250,6 +250,43 @@ def test_reserve_faults_the_pool_in_ahead_of_the_first_save(tmp_path, monkeypatc
     broken.release(buf)
 
 
+def _mapping_of(address: int, smaps: str = "/proc/self/smaps") -> dict | None:
+    """The ``smaps`` fields (kB) of the mapping that holds ``address``, or None."""
+    import re
+
+    found = None
+    for line in open(smaps):
+        m = re.match(r"([0-9a-f]+)-([0-9a-f]+) ", line)
+        if m:
+            lo, hi = int(m.group(1), 16), int(m.group(2), 16)
+            found = {} if lo <= address < hi else None
+        elif found is not None and line.startswith("VmFlags"):
+            break  # the last field of a mapping
+        elif found is not None and line.split()[-1] == "kB":
+            found[line.split(":")[0]] = int(line.split()[1])
+    return found
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/smaps"), reason="needs Linux /proc")
+def test_host_pool_is_huge_pages_and_not_inherited_by_fork():
+    thp = "/sys/kernel/mm/transparent_hugepage/enabled"
+    if not os.path.exists(thp) or "[never]" in open(thp).read():
+        pytest.skip(f"transparent huge pages are off on this machine ({thp})")
+    pool = HostBufferPool(64 << 20, pin=False)
+    pool.reserve(64 << 20).join()  # faulted in by the reserve thread, as in training
+    buf = pool.acquire(32 << 20, "x")
+    address = buf.data_ptr()
+    fields = _mapping_of(address)
+    assert fields is not None and fields["Rss"] >= 32 << 10
+    # most of the block in 2 MiB pages (an unaligned head or tail may not be)
+    assert fields["AnonHugePages"] >= 60 << 10, fields
+    pid = os.fork()
+    if pid == 0:  # the child (a forked data-loader worker, say) does not map the pool
+        os._exit(0 if _mapping_of(address) is None else 1)
+    assert os.waitpid(pid, 0)[1] == 0, "the pool's mapping was inherited by a forked child"
+    pool.release(buf)
+
+
 @pytest.mark.parametrize("zip_crc32", [True, False])
 def test_zip_crc32_option_files_load_and_verify(tmp_path, zip_crc32):
     import zipfile
