@@ -329,6 +329,11 @@ class AsyncCheckpointer:
         """Bytes this rank copied to host so far (what non-writer ranks must keep at 0)."""
         return self._stager.staged_bytes
 
+    @property
+    def pooled_bytes(self) -> int:
+        """Host pool bytes those copies took so far (each record rounded up to whole pages)."""
+        return self._stager.pooled_bytes
+
     def _at_exit(self) -> None:
         try:
             self.close()

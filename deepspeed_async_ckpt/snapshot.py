@@ -362,6 +362,9 @@ class Stager:
         self._queued_bytes = 0  # pool bytes submitted and not yet acquired: sizes new blocks
         self.staged_bytes = 0
         """Bytes copied to host by this rank since start (pool and eager)."""
+        self.pooled_bytes = 0
+        """Pool bytes those copies took (whole pages per record), since start: what a save
+        needs from the pool, for sizing ``host_buffer_gb`` and :meth:`HostBufferPool.reserve`."""
         self._thread = threading.Thread(target=self._run, name="async-ckpt-copier", daemon=True)
         self._thread.start()
 
@@ -415,7 +418,7 @@ class Stager:
                     item._cuda_event = event
                 else:
                     dst.copy_(src)
-            self._count(item.nbytes)
+            self._count(item.nbytes, pooled=aligned_size(item.nbytes))
         except BaseException as exc:  # surfaced by wait_staged / fence
             item.error = exc
         finally:
@@ -443,9 +446,10 @@ class Stager:
         self._queue.put(None)
         self._thread.join(timeout=60)
 
-    def _count(self, n: int) -> None:
+    def _count(self, n: int, pooled: int = 0) -> None:
         with self._lock:
             self.staged_bytes += n
+            self.pooled_bytes += pooled
 
     def _run(self) -> None:
         while True:

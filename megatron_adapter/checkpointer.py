@@ -8,6 +8,8 @@ Call order, on every rank::
         ...forward/backward...
         ckpt.fence()                  # right before optimizer.step(): copies of the last save done
         optimizer.step()
+        if iteration == first:
+            ckpt.reserve(state_dict)      # optional: the host pool faulted in before the 1st save
         if iteration % save_interval == 0:
             ckpt.save(state_dict, save_dir, iteration)   # returns once planned (async mode)
     ckpt.close()                      # flush: the last checkpoint committed, tracker moved
@@ -37,16 +39,17 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 
 from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, CheckpointHandle, exchange_across_ranks
 from deepspeed_async_ckpt.commit import META_DIR, read_manifest, verify_file, write_text_atomic
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError
-from deepspeed_async_ckpt.storage import Storage
+from deepspeed_async_ckpt.storage import Storage, aligned_size
 
 from . import torch_dist
-from .election import check_mode, elect_writers
+from .election import check_mode, elect_writers, is_writer
 from .layout import ParallelLayout, replica_group
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
@@ -166,6 +169,33 @@ class MegatronCheckpointer:
         self._agree_no_error(error)
         record.blocked_s = time.perf_counter() - t0
         return record
+
+    def reserve(self, state_dict: dict) -> int:
+        """Collective (every rank, like ``save``): size this rank's host pool for a save of
+        ``state_dict`` and fault it in, in a background thread; returns the bytes reserved.
+
+        Call once, after the first optimizer step, with the state dict a save would take (it
+        is consumed, as ``save`` consumes it). The size is what ``save`` would stage through
+        the pool here: the shards this rank is elected to write (after the same election),
+        each rounded up to whole pages; 0 on a rank that writes none. Without it, the first
+        save faults its staging memory in while copying, and the next fence waits for that.
+        """
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+        from torch.utils._pytree import tree_leaves
+
+        sharded_part, _common = save_preprocess(state_dict, False)
+        values = list(nested_values(sharded_part))
+        tensors = [v for v in values if isinstance(v, ShardedTensor)]
+        elect_writers(tensors, self.writers, replica_group())
+        staged = [t.data for t in tensors if is_writer(t)]
+        for obj in values:  # objects (RNG states, say) may hold tensors: staged lazily, too
+            if isinstance(obj, ShardedObject) and is_writer(obj):
+                staged += [x for x in tree_leaves(obj.data) if isinstance(x, torch.Tensor)]
+        nbytes = sum(aligned_size(t.numel() * t.element_size()) for t in staged if t is not None)
+        self.engine.reserve(nbytes)
+        return nbytes
 
     def _save_file(self, handle: CheckpointHandle, record: SaveRecord, data: Any, relpath: str, *,
                    key: str, offset: tuple | None, eager_keys: tuple = ()) -> None:

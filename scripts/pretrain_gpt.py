@@ -385,6 +385,7 @@ def main(argv: list[str] | None = None, storage=None) -> int:
     forward_backward = get_forward_backward_func()
     last_saved = iteration if args.load else None
     validate = True
+    reserved = False
     try:
         while iteration < args.train_iters:
             t0 = time.perf_counter()
@@ -402,6 +403,14 @@ def main(argv: list[str] | None = None, storage=None) -> int:
             ok, grad_norm, _ = optimizer.step()
             scheduler.step(increment=args.global_batch_size)
             iteration += 1
+            if ckpt is not None and args.save and not reserved:
+                # After the first step (the optimizer state exists now): the host pool faulted
+                # in, in the background, before the first save needs it.
+                state = state_dict_for(args, gpt, optimizer, scheduler, iteration,
+                                       metadata=sharded_metadata(args), with_optim=not args.no_save_optim)
+                emit(event="reserve", iteration=iteration, bytes=ckpt.reserve(state))
+                reserved = True
+                del state
             if ps.is_pipeline_last_stage() and iteration % args.log_interval == 0:
                 loss = sum(float(x["lm loss"]) for x in losses) / max(len(losses), 1)
                 emit(event="step", iteration=iteration, loss=loss, grad_norm=float(grad_norm or 0),
@@ -413,7 +422,9 @@ def main(argv: list[str] | None = None, storage=None) -> int:
                 emit(event="save", iteration=iteration,
                      blocked_s=record.blocked_s if record else None,
                      files=len(record.files) if record else None,
-                     staged_bytes=ckpt.staged_bytes if ckpt else None)
+                     staged_bytes=ckpt.staged_bytes if ckpt else None,
+                     pooled_bytes=ckpt.engine.pooled_bytes if ckpt else None,
+                     pool_allocations=ckpt.engine.pool.allocations if ckpt else None)
         if args.save and last_saved != iteration:
             save_checkpoint(args, ckpt, gpt, optimizer, scheduler, iteration, validate)
         if ckpt is not None:

@@ -189,6 +189,25 @@ def test_each_unique_shard_written_once_by_its_elected_rank(request, layout):
         assert max(per_mode_bytes["balanced"].values()) < max(per_mode_bytes["replica"].values())
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_reserve_sizes_the_pool_for_exactly_the_elected_shards(request, layout):
+    """``reserve`` (after the same election as ``save``) faults in what the first save then
+    stages through the pool on each rank, so that save allocates nothing more: 0 bytes on a
+    data-parallel replica that writes nothing."""
+    from deepspeed_async_ckpt.storage import aligned_size
+
+    out = request.getfixturevalue(layout)
+    for mode in ("sync", "balanced"):
+        for r, rec in records(out).items():
+            need = rec[mode]["pooled_bytes"]  # what the save took from the pool
+            shards = sum(aligned_size(f["bytes"]) for f in rec[mode]["files"] if f["offset"] is not None)
+            assert shards <= need, (mode, r)  # RNG-state objects hold tensors, too
+            assert rec[mode]["reserved"] == need, (mode, r, rec[mode]["reserved"], need)
+            assert rec[mode]["pool_allocations"] == (1 if need else 0), (mode, r)
+    if infos(out, "reference")[0]["layout"]["dp"] > 1:
+        assert any(rec["sync"]["reserved"] == 0 for rec in records(out).values())
+
+
 def test_sync_and_async_checkpoints_are_byte_identical(saved_tp2_pp2):
     sync_dir = os.path.join(saved_tp2_pp2, "ckpt_sync", "iter_0000002")
     async_dir = os.path.join(saved_tp2_pp2, "ckpt_replica", "iter_0000002")
@@ -282,6 +301,17 @@ def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
     assert sorted({i for _, i in resumed}) == [4, 5, 6]
     assert resumed == {k: v for k, v in straight.items() if k[1] > 3}
     assert read_tracker(str(tmp_path / "ckpt")) == 6
+    # The pool was reserved after the first step (building a state dict for it changed no
+    # loss, above) for exactly what the first save then took from it, on every rank.
+    events = [json.loads(line) for line in open(log, encoding="utf-8")]
+    reserve = {e["rank"]: e for e in events if e["event"] == "reserve"}
+    save = {e["rank"]: e for e in events if e["event"] == "save"}
+    assert sorted(reserve) == sorted(save) == list(range(4))
+    for r in range(4):
+        assert reserve[r]["iteration"] == 4 and save[r]["iteration"] == 6
+        assert reserve[r]["bytes"] == save[r]["pooled_bytes"], (r, reserve[r], save[r])
+        assert save[r]["pool_allocations"] == (1 if reserve[r]["bytes"] else 0), save[r]
+    assert sum(reserve[r]["bytes"] > 0 for r in range(4)) >= 2
 
 
 def test_kill_mid_persist_keeps_the_previous_checkpoint(straight_run, tmp_path, env):

@@ -194,10 +194,13 @@ def run_save(r: Rank, out: str, steps: int, interop: bool) -> None:
              "replica": (engine_config("async", TINY_POOL_GB), "replica", SlowStorage(fsync=False))}
     for name, (config, writers, storage) in saves.items():
         ckpt = MegatronCheckpointer(config, writers=writers, storage=storage)
+        reserved = ckpt.reserve(r.state()) if name != "replica" else None  # not the tiny pool
         record = ckpt.save(r.state(), os.path.join(out, f"ckpt_{name}"), r.iteration,
                            content_metadata=r.metadata)
         checkpointers[name], handles[name] = ckpt, record.handle
-        records[name] = {"files": record.files, "ckpt_dir": record.ckpt_dir}
+        records[name] = {"files": record.files, "ckpt_dir": record.ckpt_dir, "reserved": reserved,
+                         "pool_allocations": ckpt.engine.pool.allocations,
+                         "pooled_bytes": ckpt.engine.pooled_bytes}
     # The next optimizer step changes every weight: the async checkpoints must not see it.
     # With the tiny pool, a rank that writes more than the pool holds is still copying now.
     records["replica"]["outstanding_at_step"] = not handles["replica"].wait_persisted(0)
