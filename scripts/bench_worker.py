@@ -528,7 +528,7 @@ def main(argv=None) -> int:
 
 def bare_write(trainer: Trainer, root: str, rank: int, nbytes: int, k: int) -> dict:
     """The floor for any engine that writes in the background: ``nbytes`` written by a thread
-    of this process the way this engine writes them (``O_DIRECT`` from a page-aligned buffer,
+    of this process the way this engine writes them (``O_DIRECT`` from page-aligned huge pages,
     fsync, rename), but with no snapshot copy and no checksum, during a window of ``k`` training
     steps. Gives the disk's bandwidth under this training load, and what the write alone costs
     the steps."""
