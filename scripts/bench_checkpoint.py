@@ -183,9 +183,9 @@ def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
                                               _sync_file_range, host_buffer)
 
     # page-aligned and in huge pages, as the engine's pool: direct writes from 4 KiB pages
-    # are split into smaller block requests, which on this disk cost a third of the bandwidth
+    # are split into smaller block requests, which on this disk cost about half the bandwidth
     buf = memoryview(host_buffer(8 << 20))
-    small_pages = memoryview(mmap.mmap(-1, 8 << 20))  # shmem, 4 KiB pages: the pool until 11-22
+    small_pages = memoryview(mmap.mmap(-1, 8 << 20))  # shmem, 4 KiB pages: the pool before 2026-11-22
     path = os.path.join(work_dir, "storage.bin")
     res = {"tool": "python large-file write, 8 MiB chunks (fio not installed)", "bytes": nbytes}
     ways = {"fsync_plain": (True, "plain"), "nofsync": (False, "plain")}
