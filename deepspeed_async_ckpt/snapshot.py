@@ -135,10 +135,7 @@ class HostBufferPool:
                 self._blocks = [b for b in self._blocks if not b.idle]
                 room = self.capacity_bytes - self.held_bytes
                 if room >= n:
-                    size = min(room, max(n, aligned_size(expected_bytes)))
-                    self._blocks.append(_Block(size, self.pin))
-                    self.allocations += 1
-                    self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+                    self._add_block(_Block(min(room, max(n, aligned_size(expected_bytes))), self.pin))
                     continue
                 self._cond.wait()
 
@@ -171,11 +168,14 @@ class HostBufferPool:
             self.reserve_error, block = exc, None
         with self._cond:
             if block is not None:
-                self._blocks.append(block)
-                self.allocations += 1
-                self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+                self._add_block(block)
             self._reserving = False
             self._cond.notify_all()
+
+    def _add_block(self, block: _Block) -> None:  # with self._cond held
+        self._blocks.append(block)
+        self.allocations += 1
+        self.peak_bytes = max(self.peak_bytes, self.held_bytes)
 
     def release(self, buf: torch.Tensor) -> None:
         with self._cond:

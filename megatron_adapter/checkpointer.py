@@ -178,8 +178,8 @@ class MegatronCheckpointer:
         is consumed, as ``save`` consumes it). The size is what ``save`` would stage through
         the pool here: the shards this rank is elected to write (after the same election) and
         the tensors inside its ``ShardedObject``s (RNG states), each rounded up to whole pages;
-        0 on a rank that writes none. Without it, the first
-        save faults its staging memory in while copying, and the next fence waits for that.
+        0 on a rank that writes none. Without it, the first save faults its staging memory in
+        while copying, and the next fence waits for that.
         """
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor

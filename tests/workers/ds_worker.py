@@ -78,8 +78,6 @@ def phase_save(args):
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
     from deepspeed_async_ckpt.deepspeed_plugin import AsyncCheckpointEngine
-    from deepspeed_async_ckpt.storage import aligned_size
-
     config = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05, "writer_threads": 2})
     engine = init(args, config)
     ours = engine.checkpoint_engine
@@ -104,7 +102,7 @@ def phase_save(args):
              "planned_bytes": handle.nbytes, "pool_peak": ours.checkpointer.pool.peak_bytes,
              "pool_capacity": ours.checkpointer.pool.capacity_bytes,
              "pool_allocations": ours.checkpointer.pool.allocations,
-             "pool_bytes_needed": sum(aligned_size(i.nbytes) for i in handle.items if i._pool is not None),
+             "pool_bytes_needed": ours.checkpointer.pooled_bytes,  # this checkpointer saved once
              **reserved}
     engine.destroy()
     with open(os.path.join(args.out, f"stats_rank{stats['rank']}.json"), "w") as f:
