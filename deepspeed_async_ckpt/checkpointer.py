@@ -25,6 +25,7 @@ import sys
 import threading
 import time
 import uuid
+import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Iterable
 
@@ -97,6 +98,48 @@ def exchange_across_ranks(value: str, error: str | None) -> tuple[str, dict[int,
     return gathered[0][0], {r: e for r, (_, e) in enumerate(gathered) if e}
 
 
+_exit_flushes: list[weakref.WeakMethod] = []
+_exit_lock = threading.Lock()
+_exit_hook_installed = False
+
+
+def flush_at_exit(method: Callable[[], None]) -> None:
+    """Call the bound ``method`` when the interpreter exits normally, while Python's thread
+    pools still take work: the last checkpoint of a script that returns right after saving is
+    then written and committed. Later registrations run first; the object is held weakly.
+
+    ``atexit`` runs too late for that: Python calls it after ``threading``'s own shutdown hooks,
+    one of which makes every ``concurrent.futures`` pool refuse new work, so a save still being
+    written would fail instead. The hook goes to ``threading._register_atexit`` (what
+    ``concurrent.futures`` itself uses; its hooks run newest first, so ours runs before the
+    pools stop), or to ``atexit`` where that does not exist."""
+    global _exit_hook_installed
+    with _exit_lock:
+        _exit_flushes.append(weakref.WeakMethod(method))
+        if _exit_hook_installed:
+            return
+        _exit_hook_installed = True
+    try:
+        threading._register_atexit(_run_exit_flushes)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):  # another Python; or already shutting down
+        atexit.register(_run_exit_flushes)
+
+
+def cancel_flush_at_exit(method: Callable[[], None]) -> None:
+    with _exit_lock:
+        _exit_flushes[:] = [ref for ref in _exit_flushes if ref() not in (None, method)]
+
+
+def _run_exit_flushes() -> None:
+    while True:
+        with _exit_lock:
+            if not _exit_flushes:
+                return
+            method = _exit_flushes.pop()()
+        if method is not None:
+            method()
+
+
 class AsyncCheckpointer:
     """Snapshot, persist and commit checkpoints for one rank.
 
@@ -127,7 +170,7 @@ class AsyncCheckpointer:
         self._closed = False
         self.history: collections.deque[CheckpointHandle] = collections.deque(maxlen=64)
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
-        atexit.register(self._at_exit)
+        flush_at_exit(self._at_exit)
 
     # ------------------------------------------------------------------ save path
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None) -> CheckpointHandle:
@@ -317,7 +360,7 @@ class AsyncCheckpointer:
             self._committer.join(timeout=60)
             self._writers.shutdown(wait=True)
             self._stager.close()
-            atexit.unregister(self._at_exit)
+            cancel_flush_at_exit(self._at_exit)
 
     @property
     def is_open(self) -> bool:

@@ -29,7 +29,6 @@ previous checkpoint.
 
 from __future__ import annotations
 
-import atexit
 import os
 import queue
 import sys
@@ -42,7 +41,8 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, CheckpointHandle, exchange_across_ranks
+from deepspeed_async_ckpt.checkpointer import (AsyncCheckpointer, CheckpointHandle, cancel_flush_at_exit,
+                                               exchange_across_ranks, flush_at_exit)
 from deepspeed_async_ckpt.commit import META_DIR, read_manifest, verify_file, write_text_atomic
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError
@@ -112,7 +112,7 @@ class MegatronCheckpointer:
                                            daemon=True)
         self._finalizer.start()
         self._closed = False
-        atexit.register(self._at_exit)  # after the engine's: runs first, flushes both
+        flush_at_exit(self._at_exit)  # after the engine's: runs first, flushes both
 
     # ------------------------------------------------------------------ save path
     def save(self, state_dict: dict, save_dir: str, iteration: int, *,
@@ -246,7 +246,7 @@ class MegatronCheckpointer:
             self._closed = True
             self._finalize_queue.put(None)
             self._finalizer.join(timeout=60)
-            atexit.unregister(self._at_exit)
+            cancel_flush_at_exit(self._at_exit)
 
     @property
     def staged_bytes(self) -> int:

@@ -400,6 +400,50 @@ class FailingStorage(LocalStorage):
         return W()
 
 
+EXIT_SCRIPT = """
+import sys, time, torch
+import deepspeed_async_ckpt.checkpointer as checkpointer
+from deepspeed_async_ckpt.commit import Pointer
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+
+real_write_file = checkpointer.write_file
+def slow_write_file(*args, **kwargs):  # still writing when the script returns
+    time.sleep(0.5)
+    return real_write_file(*args, **kwargs)
+checkpointer.write_file = slow_write_file
+
+root = sys.argv[1]
+torch.manual_seed(0)
+state = {"w": torch.randn(1 << 20), "b": torch.randn(1000).to(torch.bfloat16), "step": 7}
+ck = checkpointer.AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05))
+ck.begin(root + "/final", tag="final", pointer=Pointer(root + "/latest", "final"))
+ck.save(state, root + "/final/model.pt")
+ck.end()
+torch.save(state, root + "/expected.pt")
+state["w"].zero_()  # the copy is lazy: nothing fences, so exit must still save what was there
+print("returning", flush=True)
+"""
+
+
+def test_script_that_returns_right_after_saving_commits_its_last_checkpoint(tmp_path, repo_env):
+    # The usual end of a training script: save, then return. The interpreter's exit must let
+    # the save finish (not refuse its writes as Python's thread pools shut down) and commit it.
+    import subprocess
+    import sys
+
+    root = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, root], env=repo_env, capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "not committed" not in out.stderr, out.stderr
+    assert "returning" in out.stdout
+    with open(os.path.join(root, "latest")) as f:
+        assert f.read() == "final"
+    verify_checkpoint(os.path.join(root, "final"))
+    assert_same(torch.load(os.path.join(root, "final", "model.pt"), weights_only=True),
+                torch.load(os.path.join(root, "expected.pt"), weights_only=True), "at exit")
+
+
 def test_disk_full_surfaces_at_next_save_and_previous_checkpoint_survives(tmp_path):
     state = sample_state()
     storage = FailingStorage(budget=10**9)

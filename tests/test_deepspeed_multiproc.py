@@ -190,6 +190,25 @@ def test_disk_full_on_one_rank_refuses_load_checkpoint_on_every_rank_then_retry_
     assert not os.path.exists(os.path.join(out, "ckpt", "global_step4", ".async_ckpt", "manifest.json"))
 
 
+def test_training_script_that_returns_after_its_last_save_commits_it(tmp_path, repo_env):
+    # Every rank returns from main while its last save is still being written: interpreter
+    # exit finishes the writes on every rank, rank 0 commits, and a fresh run restores it.
+    out = str(tmp_path)
+    proc = run_ranks(repo_env, 2, "exit", "--out", out)
+    assert proc == [0, 0]
+    with open(os.path.join(out, "exit", "latest")) as f:
+        assert f.read() == "global_step2"
+    from deepspeed_async_ckpt.commit import verify_checkpoint
+    manifest = verify_checkpoint(os.path.join(out, "exit", "global_step2"))
+    assert sorted(manifest["ranks"]) == ["0", "1"]
+    run_ranks(repo_env, 2, "load", "--out", out, "--variants", "exit")
+    for rank in range(2):
+        saved = torch.load(os.path.join(out, f"exit_saved_rank{rank}.pt"), weights_only=False)
+        loaded = torch.load(os.path.join(out, f"dump_exit_rank{rank}.pt"), weights_only=False)
+        assert saved["global_steps"] == 2
+        assert_same(loaded, saved, f"rank{rank}: checkpoint committed at exit")
+
+
 def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env):
     out = str(tmp_path)
     flags = ["--out", out, "--zero-stage", "1"]

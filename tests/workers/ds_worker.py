@@ -7,6 +7,7 @@ Phases:
   kill    save and commit once, then SIGKILL one rank in the middle of the next persist.
   diskfull  one rank's disk fills mid-persist; the next save raises on every rank, then recovers.
   diskfull-load  the same failure, then load_checkpoint: refused on every rank, a retry loads.
+  exit    save, train one more step, and return without destroy(): interpreter exit commits.
   engines check which checkpoint engine DeepSpeed builds for several configs.
 The test module reads what they write under --out and asserts on it.
 """
@@ -152,6 +153,28 @@ def phase_kill(args):
     raise SystemExit("unreachable: a rank should have been killed mid-persist")
 
 
+def phase_exit(args):
+    """The usual end of a training script: the last save_checkpoint, then return (no destroy,
+    no wait). The writers are slowed so the save is still being written when main returns."""
+    import time
+
+    import deepspeed_async_ckpt.checkpointer as checkpointer
+
+    real_write_file = checkpointer.write_file
+
+    def slow_write_file(*a, **kw):
+        time.sleep(0.5)
+        return real_write_file(*a, **kw)
+
+    checkpointer.write_file = slow_write_file
+    engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
+    rank = torch.distributed.get_rank()
+    train(engine, args, 2)
+    dump_engine_state(engine, os.path.join(args.out, f"exit_saved_rank{rank}.pt"))
+    engine.save_checkpoint(os.path.join(args.out, "exit"))
+    train(engine, args, 1, start=2)  # the fence copies the lazy tensors before they change
+
+
 def read_latest(save_dir):
     with open(os.path.join(save_dir, "latest")) as f:
         return f.read()
@@ -288,7 +311,7 @@ def phase_engines(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("phase", choices=["save", "load", "kill", "engines", "diskfull", "diskfull-load"])
+    p.add_argument("phase", choices=["save", "load", "kill", "exit", "engines", "diskfull", "diskfull-load"])
     p.add_argument("--out", required=True)
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
@@ -297,7 +320,8 @@ def main():
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--partial", type=int, default=0)
     args = p.parse_args()
-    {"save": phase_save, "load": phase_load, "kill": phase_kill, "engines": phase_engines,
+    {"save": phase_save, "load": phase_load, "kill": phase_kill, "exit": phase_exit,
+     "engines": phase_engines,
      "diskfull": phase_diskfull, "diskfull-load": phase_diskfull_load}[args.phase](args)
 
 
