@@ -422,13 +422,14 @@ def main(argv: list[str] | None = None, storage=None) -> int:
                 emit(event="save", iteration=iteration,
                      blocked_s=record.blocked_s if record else None,
                      files=len(record.files) if record else None,
-                     staged_bytes=ckpt.staged_bytes if ckpt else None,
-                     pooled_bytes=ckpt.engine.pooled_bytes if ckpt else None,
-                     pool_allocations=ckpt.engine.pool.allocations if ckpt else None)
+                     staged_bytes=ckpt.staged_bytes if ckpt else None)
         if args.save and last_saved != iteration:
             save_checkpoint(args, ckpt, gpt, optimizer, scheduler, iteration, validate)
         if ckpt is not None:
             ckpt.wait()  # collective: every rank knows the last checkpoint is committed
+            # only now: a save's lazy copies take their pool buffers after it returns
+            emit(event="pool", iteration=iteration, pooled_bytes=ckpt.engine.pooled_bytes,
+                 pool_allocations=ckpt.engine.pool.allocations)
     finally:
         if ckpt is not None:
             ckpt.close()

@@ -305,12 +305,14 @@ def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
     # loss, above) for exactly what the first save then took from it, on every rank.
     events = [json.loads(line) for line in open(log, encoding="utf-8")]
     reserve = {e["rank"]: e for e in events if e["event"] == "reserve"}
-    save = {e["rank"]: e for e in events if e["event"] == "save"}
-    assert sorted(reserve) == sorted(save) == list(range(4))
+    saves = [e for e in events if e["event"] == "save"]
+    pool = {e["rank"]: e for e in events if e["event"] == "pool"}  # after the run's last commit
+    assert sorted(reserve) == sorted(pool) == list(range(4))
+    assert sorted((e["rank"], e["iteration"]) for e in saves) == [(r, 6) for r in range(4)]
     for r in range(4):
-        assert reserve[r]["iteration"] == 4 and save[r]["iteration"] == 6
-        assert reserve[r]["bytes"] == save[r]["pooled_bytes"], (r, reserve[r], save[r])
-        assert save[r]["pool_allocations"] == (1 if reserve[r]["bytes"] else 0), save[r]
+        assert reserve[r]["iteration"] == 4
+        assert reserve[r]["bytes"] == pool[r]["pooled_bytes"], (r, reserve[r], pool[r])
+        assert pool[r]["pool_allocations"] == (1 if reserve[r]["bytes"] else 0), pool[r]
     assert sum(reserve[r]["bytes"] > 0 for r in range(4)) >= 2
 
 

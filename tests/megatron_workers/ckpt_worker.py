@@ -198,6 +198,8 @@ def run_save(r: Rank, out: str, steps: int, interop: bool) -> None:
         record = ckpt.save(r.state(), os.path.join(out, f"ckpt_{name}"), r.iteration,
                            content_metadata=r.metadata)
         checkpointers[name], handles[name] = ckpt, record.handle
+        if name != "replica":  # the lazy copies take their pool buffers after save returns
+            record.handle.wait_staged()
         records[name] = {"files": record.files, "ckpt_dir": record.ckpt_dir, "reserved": reserved,
                          "pool_allocations": ckpt.engine.pool.allocations,
                          "pooled_bytes": ckpt.engine.pooled_bytes}
