@@ -121,9 +121,6 @@ class MegatronCheckpointer:
         """Save (collective). Async mode: returns once the files are planned and the eager part
         is copied. Sync mode: returns once the checkpoint is committed and the tracker moved.
         A failure of a previous save is raised here, on every rank, before anything starts."""
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
         from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
         t0 = time.perf_counter()
@@ -131,9 +128,7 @@ class MegatronCheckpointer:
         if content_metadata is not None:
             # As dist_checkpointing.save stores it (process groups dropped), for load to read.
             state_dict["content_metadata"] = _clean_metadata_for_serialization(content_metadata)
-        sharded_part, common = save_preprocess(state_dict, validate_access_integrity)
-        tensors = [v for v in nested_values(sharded_part) if isinstance(v, ShardedTensor)]
-        elect_writers(tensors, self.writers, replica_group())
+        sharded_part, common, _ = self._preprocess_and_elect(state_dict, validate_access_integrity)
         plan = torch_dist.plan_save(sharded_part, rank=self.rank, world_size=self.world_size)
 
         ckpt_dir = os.path.abspath(checkpoint_dir(save_dir, iteration))
@@ -181,22 +176,31 @@ class MegatronCheckpointer:
         0 on a rank that writes none. Without it, the first save faults its staging memory in
         while copying, and the next fence waits for that.
         """
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor
-        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
         from torch.utils._pytree import tree_leaves
 
-        sharded_part, _common = save_preprocess(state_dict, False)
-        values = list(nested_values(sharded_part))
-        tensors = [v for v in values if isinstance(v, ShardedTensor)]
-        elect_writers(tensors, self.writers, replica_group())
-        staged = [t.data for t in tensors if is_writer(t)]
+        _, _, values = self._preprocess_and_elect(state_dict, False)
+        staged = [v.data for v in values if isinstance(v, ShardedTensor) and is_writer(v)]
         for obj in values:  # objects (RNG states, say) may hold tensors: staged lazily, too
             if isinstance(obj, ShardedObject) and is_writer(obj):
                 staged += [x for x in tree_leaves(obj.data) if isinstance(x, torch.Tensor)]
         nbytes = sum(aligned_size(t.numel() * t.element_size()) for t in staged if t is not None)
         self.engine.reserve(nbytes)
         return nbytes
+
+    def _preprocess_and_elect(self, state_dict: dict, validate_access_integrity: bool,
+                              ) -> tuple[dict, dict, list]:
+        """What ``save`` and ``reserve`` both start from (collective): megatron-core's save
+        preprocessing, then the writer election over its ShardedTensors. Returns the sharded
+        part, the common part, and the sharded part's values (tensors and objects)."""
+        from megatron.core.dist_checkpointing.dict_utils import nested_values
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor
+        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+
+        sharded_part, common = save_preprocess(state_dict, validate_access_integrity)
+        values = list(nested_values(sharded_part))
+        elect_writers([v for v in values if isinstance(v, ShardedTensor)], self.writers, replica_group())
+        return sharded_part, common, values
 
     def _save_file(self, handle: CheckpointHandle, record: SaveRecord, data: Any, relpath: str, *,
                    key: str, offset: tuple | None, eager_keys: tuple = ()) -> None:
