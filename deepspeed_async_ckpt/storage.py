@@ -223,11 +223,12 @@ class DirectFile:
 
     - :meth:`write_stable` writes the caller's buffer in place, 8 MiB at a time, when it is
       page-aligned (the checkpoint's tensor records are: pool buffers are page-aligned and the
-      zip writer pads record data to ``DIRECT_ALIGN``). The caller must keep the buffer
-      unchanged until :meth:`barrier`'s future is done.
+      zip writer pads record data to ``DIRECT_ALIGN``) and at least 1 MiB; what is staged
+      before it goes out in the same ``pwritev``. The caller must keep the buffer unchanged
+      until :meth:`barrier`'s future is done.
     - :meth:`write` copies the data into an aligned staging buffer (zip headers, the pickle,
-      record tails), so the caller may reuse it at once. A full stage is handed to the I/O
-      thread and the next one is used (at most ``_MAX_STAGES`` exist).
+      small records, record tails), so the caller may reuse it at once. A full stage is
+      handed to the I/O thread and the next one is used (at most ``_MAX_STAGES`` exist).
 
     :meth:`finish` writes the last stage, its last page padded, waits for every write and cuts
     the file to its real size. If the filesystem refuses a direct write (EINVAL), the file falls
@@ -236,6 +237,7 @@ class DirectFile:
 
     _STAGE = 8 << 20
     _PART = 8 << 20
+    _SMALL = 1 << 20
     _MAX_STAGES = 4
 
     def __init__(self, fd: int, path: str) -> None:
@@ -268,15 +270,28 @@ class DirectFile:
 
     def write_stable(self, data) -> int:
         """Write ``data`` in place where it is page-aligned (its last partial page is staged).
-        ``data`` must stay unchanged until :meth:`barrier`'s future is done."""
+        ``data`` must stay unchanged until :meth:`barrier`'s future is done.
+
+        Data under :attr:`_SMALL` bytes is staged instead: every write waits for the disk, and
+        a small one costs as much as its round trip (a DeepSpeed file has two small records,
+        biases and norms, per large one: 430 writes of 2.9 MB in all took 80-130 ms of a
+        1 GB file's 0.5 s on this machine's disk, while training; staged, 64 writes, 20 ms).
+        What is staged goes out in the same system call as the next in-place write."""
         view = memoryview(data).cast("B")
         n = len(view)
-        if n < DIRECT_ALIGN or self._size % DIRECT_ALIGN or buffer_address(view) % DIRECT_ALIGN:
+        if n < self._SMALL or self._size % DIRECT_ALIGN or buffer_address(view) % DIRECT_ALIGN:
             return self.write(view)
-        self._submit_stage()  # whole pages: the file stays aligned
         k = n - n % DIRECT_ALIGN
+        head = self._detach_stage()  # whole pages (the file is aligned): it leads the first part
         for off in range(0, k, self._PART):
-            self._submit(view[off:min(k, off + self._PART)], self._size + off)
+            parts, offset = [view[off:min(k, off + self._PART)]], self._size + off
+            if off == 0 and head is not None:
+                stage, staged, offset = head
+                parts.insert(0, memoryview(stage)[:staged])
+                self._submit(parts, offset).add_done_callback(
+                    lambda _fut, stage=stage: self._give_back(stage))
+            else:
+                self._submit(parts, offset)
         self._size += k
         self.write(view[k:])
         return n
@@ -305,26 +320,34 @@ class DirectFile:
         self.flush()
         os.ftruncate(self._fd, self._size)
 
-    def _submit(self, view: memoryview, offset: int) -> Future:
+    def _submit(self, parts: list[memoryview], offset: int) -> Future:
+        """Queue one write of ``parts``, contiguous in the file from ``offset``."""
         if self._io is None:
             self._io = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-io")
         while self._pending and self._pending[0].done():  # keep the queue short
             err = self._pending.popleft().exception()
             self._error = self._error or err
-        fut = self._io.submit(self._pwrite, view, offset)
+        fut = self._io.submit(self._pwrite, parts, offset)
         self._pending.append(fut)
         return fut
 
     def _submit_stage(self, pad: bool = False) -> None:
+        head = self._detach_stage(pad)
+        if head is not None:
+            stage, n, offset = head
+            fut = self._submit([memoryview(stage)[:n]], offset)
+            fut.add_done_callback(lambda _fut: self._give_back(stage))
+
+    def _detach_stage(self, pad: bool = False) -> tuple[mmap.mmap, int, int] | None:
+        """Hand over the current stage, the number of its bytes to write (padded to whole
+        pages if ``pad``) and their file offset, and continue with a spare stage. None if it
+        is empty. The caller writes it and gives it back."""
         if not self._staged:
-            return
-        n = self._staged
+            return None
+        stage, n, offset = self._stage, self._staged, self._size - self._staged
         if pad:
             n = aligned_size(n)
-            self._stage[self._staged:n] = bytes(n - self._staged)
-        stage = self._stage
-        fut = self._submit(memoryview(stage)[:n], self._size - self._staged)
-        fut.add_done_callback(lambda _fut: self._give_back(stage))
+            stage[self._staged:n] = bytes(n - self._staged)
         self._staged = 0
         with self._cond:
             if not self._spare and len(self._stages) < self._MAX_STAGES:
@@ -333,16 +356,17 @@ class DirectFile:
             while not self._spare:
                 self._cond.wait()
             self._stage = self._spare.pop()
+        return stage, n, offset
 
     def _give_back(self, stage: mmap.mmap) -> None:
         with self._cond:
             self._spare.append(stage)
             self._cond.notify()
 
-    def _pwrite(self, view: memoryview, offset: int) -> None:
-        while len(view):
+    def _pwrite(self, parts: list[memoryview], offset: int) -> None:
+        while parts:
             try:
-                done = os.pwrite(self._fd, view, offset)
+                done = os.pwritev(self._fd, parts, offset)
             except OSError as exc:
                 if exc.errno != errno.EINVAL or not self.direct:
                     raise
@@ -350,7 +374,12 @@ class DirectFile:
                 continue
             if not done:
                 raise OSError(errno.EIO, "short write", self.name)
-            view, offset = view[done:], offset + done
+            offset += done
+            while parts and done >= len(parts[0]):
+                done -= len(parts[0])
+                parts = parts[1:]
+            if done:
+                parts[0] = parts[0][done:]
 
     def _fall_back(self) -> None:
         with self._cond:  # the filesystem takes O_DIRECT at open but not this write

@@ -346,6 +346,84 @@ def test_direct_file_writes_aligned_and_unaligned_pieces_exactly(tmp_path):
     assert (tmp_path / "f").read_bytes() == expected
 
 
+def _direct_file_or_skip(path):
+    from deepspeed_async_ckpt.storage import DirectFile
+
+    f = LocalStorage(fsync=True).open_write(str(path))
+    if not isinstance(f, DirectFile):
+        f.close()
+        pytest.skip(f"{path.parent}'s filesystem refuses O_DIRECT; LocalStorage writes buffered there")
+    return f
+
+
+def _write_records_like_deepspeed(f, n_large=4):
+    """Per large record, as in a DeepSpeed file: a page of zip header, two small page-aligned
+    records (a bias and a norm), another header, the large record (its last page partial)."""
+    import mmap
+
+    from deepspeed_async_ckpt.storage import DIRECT_ALIGN, DirectFile
+
+    expected = b""
+    for i in range(n_large):
+        small = mmap.mmap(-1, 2 * DIRECT_ALIGN)
+        large = mmap.mmap(-1, 2 * DirectFile._SMALL + 3 * DIRECT_ALIGN + 100)
+        small.write(os.urandom(len(small)))
+        large.write(os.urandom(len(large)))
+        for header, record in (((b"%d" % i) * DIRECT_ALIGN, small), (b"s" * DIRECT_ALIGN, small),
+                               (b"L" * DIRECT_ALIGN, large)):
+            header = header[:DIRECT_ALIGN]
+            f.write(header)
+            f.write_stable(memoryview(record))
+            expected += header + bytes(record)
+        if i == n_large - 1:
+            break
+        f.write(b"p" * (DIRECT_ALIGN - 100))  # back to a page boundary, as the zip writer pads
+        expected += b"p" * (DIRECT_ALIGN - 100)
+    LocalStorage(fsync=True).sync_file(f)
+    f.close()
+    return expected
+
+
+def test_direct_file_stages_small_records_and_sends_them_with_the_next_large_one(tmp_path, monkeypatch):
+    """Every direct write waits for the disk; small records are copied into the stage and go
+    out with the next large record in one system call, instead of one write each."""
+    f = _direct_file_or_skip(tmp_path / "f")
+    calls, real = [], os.pwritev
+
+    def pwritev(fd, bufs, offset):
+        calls.append([len(b) for b in bufs])
+        return real(fd, bufs, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    expected = _write_records_like_deepspeed(f, n_large=4)
+    assert (tmp_path / "f").read_bytes() == expected
+    # one write per large record (the stage before it, then the record), one for the last tail
+    assert [len(c) for c in calls] == [2, 2, 2, 2, 1], calls
+    assert f.direct
+
+
+def test_direct_file_resumes_short_writes_across_parts(tmp_path, monkeypatch):
+    from deepspeed_async_ckpt.storage import DIRECT_ALIGN
+
+    f = _direct_file_or_skip(tmp_path / "f")
+    real, short = os.pwritev, []
+
+    def pwritev(fd, bufs, offset):  # writes at most 3 pages per call (a legal short write)
+        left, cut = 3 * DIRECT_ALIGN + DIRECT_ALIGN * (len(short) % 2), []
+        for b in bufs:
+            cut.append(b[:left])
+            left -= len(cut[-1])
+            if not left:
+                break
+        short.append(sum(map(len, cut)) < sum(map(len, bufs)))
+        return real(fd, cut, offset)
+
+    monkeypatch.setattr(os, "pwritev", pwritev)
+    expected = _write_records_like_deepspeed(f, n_large=2)
+    assert (tmp_path / "f").read_bytes() == expected
+    assert any(short)
+
+
 def test_direct_file_write_copies_so_the_caller_may_reuse_its_buffer(tmp_path):
     import mmap
 
