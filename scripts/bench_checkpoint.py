@@ -26,10 +26,11 @@ step ran at 0.54 s and, after a large free elsewhere left a hole that served it,
 That makes the baseline, and so every overhead figure, a coin toss. A GPU job's host memory
 does not churn like that either. ``--malloc default`` measures glibc's defaults.
 
-Figures, per engine (seconds unless named):
+Figures, per engine (seconds unless named), each the median over ``--repeats`` timed
+checkpoints (3; every one after its own paired baseline window; one in ``--quick``):
   stall       save_checkpoint wall time + any wait the engine adds before the next optimizer
-              step (max over ranks), for the timed (second) checkpoint; "first" is the first
-              checkpoint of the process, which also pays one-time allocations.
+              step (max over ranks); "first" is the first checkpoint of the process, which
+              also pays one-time allocations.
   persist     save start -> the checkpoint is complete (committed for this package, future done
               for DCP, save returned for torch.save); GB/s = bytes on disk / persist.
   overhead    (save + K steps) vs the K steps without checkpointing right before them (the
@@ -365,6 +366,68 @@ def _paired(windows: list[dict]) -> dict:
             "usage": _usage(windows)}
 
 
+def _timed_figures(name: str, durable: bool, runs: list[dict], base_window: float, expected: int,
+                   storage: dict, load: "ForeignLoad | None") -> dict:
+    """One engine's figures for one timed checkpoint (``runs``: that repeat on every rank)."""
+    row: dict = {"durable": durable}
+    timed = [r["timed"] for r in runs]
+    pair = _paired([r["paired_baseline"] for r in runs])
+    nbytes = timed[0]["bytes_on_disk"]
+    # This engine's commit on rank 0 waits for every rank: its time is the checkpoint's.
+    persist = timed[0]["persist_s"] if name in ("async", "sync") else max(t["persist_s"] for t in timed)
+    window = max(t["window_s"] for t in timed)
+    row.update({
+        "stall_s": max(t["stall_s"] for t in timed),
+        "save_s": max(t["save_s"] for t in timed),
+        "wait_s": max(t["wait_s"] for t in timed),
+        "next_step_extra_s": max(t["next_step_s"] for t in timed) - pair["step_s"],
+        "persist_s": persist,
+        "bytes": nbytes,
+        "expected_bytes": expected,
+        "persist_gbps": nbytes / persist / GB,
+        "window_s": window,
+        "paired_baseline_s": pair["window_s"],
+        "overhead": (window - pair["window_s"]) / pair["window_s"],
+        "extra_s": window - pair["window_s"],
+        "overhead_vs_run_baseline": (window - base_window) / base_window,
+        "keeps_up": persist <= base_window,
+    })
+    row.update(_foreign(load, timed[0]["t0"], timed[0]["t1"]))  # during the timed window
+    p0 = runs[0]["paired_baseline"]
+    row["paired_foreign"] = _foreign(load, p0["t0"], p0["t1"])
+    use = _usage(timed)  # this process's threads only: not the decoupled engine's writer process
+    row["usage"] = use
+    row["extra_user_s"] = use["user_s"] - pair["usage"]["user_s"]
+    row["extra_sys_s"] = use["sys_s"] - pair["usage"]["sys_s"]
+    row["extra_minflt"] = use["minflt"] - pair["usage"]["minflt"]
+    ref = storage["fsync_gbps"] if row["durable"] else storage["nofsync_gbps"]
+    row["storage_ref_gbps"] = ref
+    row["persist_fraction"] = row["persist_gbps"] / ref
+    if nbytes < 0.95 * expected:
+        row["incomplete"] = f"{nbytes} bytes on disk, {expected} bytes of state"
+    if "engine_times_s" in timed[0]:
+        row["engine_times_s"] = [t["engine_times_s"] for t in timed]
+        staged = max(t["engine_times_s"]["staged"] for t in timed)
+        row["snapshot_s"] = staged
+        row["snapshot_gbps"] = sum(t["staged_bytes"] for t in timed) / staged / GB  # all ranks
+        row["pool_peak_bytes"] = [t["pool_peak_bytes"] for t in timed]
+    return row
+
+
+def _median_figures(runs: list[dict]) -> dict:
+    """Per figure, the median over repeats; flags: whether any repeat was busy, whether every
+    repeat kept up; everything else from the repeat whose overhead is the median one."""
+    by_overhead = sorted(runs, key=lambda r: r["overhead"])
+    out = dict(by_overhead[(len(runs) - 1) // 2])
+    for key, value in out.items():
+        if key in ("busy", "keeps_up"):
+            vals = [r[key] for r in runs]
+            out[key] = any(vals) if key == "busy" else all(v is not False for v in vals)
+        elif isinstance(value, (int, float)) and not isinstance(value, bool):
+            out[key] = statistics.median(r[key] for r in runs)
+    return out
+
+
 def summarize(ranks: list[dict], storage: dict, load: "ForeignLoad | None" = None) -> dict:
     """Per-engine figures of one (setting, size) from the per-rank worker results."""
     r0 = ranks[0]
@@ -412,54 +475,18 @@ def summarize(ranks: list[dict], storage: dict, load: "ForeignLoad | None" = Non
         if not row["ok"]:
             engines[name] = row
             continue
-        timed = [p["timed"] for p in per]
         first = [p["first"] for p in per]
-        pair = _paired([p["paired_baseline"] for p in per])
-        nbytes = timed[0]["bytes_on_disk"]
-        # This engine's commit on rank 0 waits for every rank: its time is the checkpoint's.
-        persist = timed[0]["persist_s"] if name in ("async", "sync") else max(t["persist_s"] for t in timed)
-        window = max(t["window_s"] for t in timed)
-        row.update({
-            "stall_s": max(t["stall_s"] for t in timed),
-            "save_s": max(t["save_s"] for t in timed),
-            "wait_s": max(t["wait_s"] for t in timed),
-            "first_stall_s": max(t["stall_s"] for t in first),
-            "first_next_step_extra_s": max(t["next_step_s"] for t in first) - step["step_s"],
-            "next_step_extra_s": max(t["next_step_s"] for t in timed) - pair["step_s"],
-            "persist_s": persist,
-            "bytes": nbytes,
-            "expected_bytes": expected,
-            "persist_gbps": nbytes / persist / GB,
-            "window_s": window,
-            "paired_baseline_s": pair["window_s"],
-            "overhead": (window - pair["window_s"]) / pair["window_s"],
-            "extra_s": window - pair["window_s"],
-            "overhead_vs_run_baseline": (window - base_window) / base_window,
-            "keeps_up": persist <= base_window,
-        })
-        row.update(_foreign(load, timed[0]["t0"], timed[0]["t1"]))  # during the timed window
-        p0 = per[0]["paired_baseline"]
-        row["paired_foreign"] = _foreign(load, p0["t0"], p0["t1"])
-        use = _usage(timed)  # this process's threads only: not the decoupled engine's writer process
-        row["usage"] = use
-        row["extra_user_s"] = use["user_s"] - pair["usage"]["user_s"]
-        row["extra_sys_s"] = use["sys_s"] - pair["usage"]["sys_s"]
-        row["extra_minflt"] = use["minflt"] - pair["usage"]["minflt"]
-        ref = storage["fsync_gbps"] if row["durable"] else storage["nofsync_gbps"]
-        row["storage_ref_gbps"] = ref
-        row["persist_fraction"] = row["persist_gbps"] / ref
-        if nbytes < 0.95 * expected:
-            row["incomplete"] = f"{nbytes} bytes on disk, {expected} bytes of state"
-        if "engine_times_s" in timed[0]:
-            row["engine_times_s"] = [t["engine_times_s"] for t in timed]
-            staged = max(t["engine_times_s"]["staged"] for t in timed)
-            row["snapshot_s"] = staged
-            row["snapshot_gbps"] = sum(t["staged_bytes"] for t in timed) / staged / GB  # all ranks
-            row["pool_peak_bytes"] = [t["pool_peak_bytes"] for t in timed]
+        runs = [_timed_figures(name, row["durable"], [p["runs"][i] for p in per], base_window,
+                               expected, storage, load) for i in range(len(e0["runs"]))]
+        row.update(_median_figures(runs))
+        row["repeats"] = len(runs)
+        row["runs"] = runs
+        row["first_stall_s"] = max(t["stall_s"] for t in first)
+        row["first_next_step_extra_s"] = max(t["next_step_s"] for t in first) - step["step_s"]
         engines[name] = row
     # Every window of K steps without checkpoints in this cell: the run's two baselines and each
     # paired baseline. Their spread is the noise floor of the overhead figures.
-    quiet = base_windows + [e["paired_baseline_s"] for e in engines.values() if "paired_baseline_s" in e]
+    quiet = base_windows + [r["paired_baseline_s"] for e in engines.values() for r in e.get("runs", [])]
     quiet += [max(b["paired_baseline"]["window_s"] for b in bare)] if bare else []
     step["baseline_spread"] = (max(quiet) - min(quiet)) / statistics.mean(quiet)
     return {"steps": step, "engines": engines, "params": r0["params"], "expected_bytes": expected,
@@ -829,12 +856,16 @@ def main(argv=None) -> int:
     p.add_argument("--hidden", type=int, default=2048, help="MLP width (layers follow from --sizes)")
     p.add_argument("--batch", type=int, default=6, help="micro-batch per rank")
     p.add_argument("--warmup", type=int, default=3, help="untimed steps before measuring")
+    p.add_argument("--repeats", type=int, default=None,
+                   help="timed checkpoints per engine, each after its own paired baseline; "
+                        "every figure is the median over them (default 3; 1 with --quick)")
     p.add_argument("--zero-stage", type=int, default=0, choices=(0, 1, 2),
                    help="DeepSpeed ZeRO stage (0: one model-states file written by rank 0; 1/2: "
                         "per-rank optimizer files, but DeepSpeed's decoupled engine cannot send "
                         "ZeRO optimizer state to its writer process)")
     p.add_argument("--quick", action="store_true",
-                   help="smoke run (< 1 min): 0.02 GB, hidden 512, K=3, one warm-up step")
+                   help="smoke run (< 1 min): 0.02 GB, hidden 512, K=3, one warm-up step, one "
+                        "repeat unless --repeats is given")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "bench_results", "latest.json"),
                    help="JSON result; the PNG goes next to it (.png)")
     p.add_argument("--malloc", choices=("keep", "default"), default="keep",
@@ -851,6 +882,10 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.hidden, args.k, args.warmup = "0.02", 512, 3, 1
+    if args.repeats is None:
+        args.repeats = 1 if args.quick else 3
+    if args.repeats < 1:
+        p.error(f"--repeats: must be at least 1, got {args.repeats}")
 
     if args.gpu_report:
         out = args.out if "--out" in (argv or sys.argv) else os.path.join(REPO, "docs", "bench_results", "gpu_report.json")
@@ -908,7 +943,8 @@ def main(argv=None) -> int:
                   f"{storage['fsync_gbps']:.2f} GB/s with fsync, {storage['nofsync_gbps']:.2f} without ...",
                   flush=True)
             wargs = ["--hidden", str(args.hidden), "--layers", str(layers), "--batch", str(args.batch),
-                     "--k", str(args.k), "--warmup", str(args.warmup), "--engines", ",".join(engines),
+                     "--k", str(args.k), "--warmup", str(args.warmup), "--repeats", str(args.repeats),
+                     "--engines", ",".join(engines),
                      "--work-dir", os.path.join(work, tag), "--result", prefix,
                      "--zero-stage", str(zero_stage),
                      # probed once per setting, by its first worker
@@ -962,6 +998,7 @@ def main(argv=None) -> int:
     result = {
         "meta": meta,
         "config": {"sizes_gb": sizes, "settings": settings, "engines": engines, "k": args.k,
+                   "repeats": args.repeats,
                    "hidden": args.hidden, "batch": args.batch, "warmup": args.warmup,
                    "zero_stage": zero_stage, "dtype": "fp32", "optimizer": "torch Adam (fused)",
                    "bytes_per_param": bytes_per_param(zero_stage),

@@ -8,8 +8,8 @@ see the same weights, the same memory and the same step time:
 2. warm-up steps (after the first, this engine faults its host pool in, in the background; the
    worker waits for that), then a baseline window of K steps without checkpoints;
 3. per engine: a first checkpoint (one-time costs: staging buffers, page faults) and one step,
-   drained; a paired baseline window of K steps; then the timed window: ``save_checkpoint``
-   followed by K training steps, drained;
+   drained; then ``--repeats`` times a paired baseline window of K steps and the timed window:
+   ``save_checkpoint`` followed by K training steps, drained;
 4. DeepSpeed's decoupled writer engine, which is chosen at ``initialize``: tiny engines with
    writer configs from DeepSpeed's default up record why each fails; the first that completes
    a save lends its ``checkpoint_engine``, timed the same way;
@@ -341,16 +341,23 @@ def one_checkpoint(trainer: Trainer, adapter: Adapter, save_dir: str, tag: str, 
     return out
 
 
-def run_engine(trainer: Trainer, adapter: Adapter, root: str, k: int, rank: int) -> dict:
+def run_engine(trainer: Trainer, adapter: Adapter, root: str, k: int, rank: int,
+               repeats: int = 1) -> dict:
+    """The first checkpoint, then ``repeats`` times: K steps without a checkpoint (the paired
+    baseline), a timed checkpoint and its K steps."""
     save_dir = os.path.join(root, adapter.name)
-    res: dict = {"ok": False, "durable": adapter.durable, "note": adapter.note}
+    res: dict = {"ok": False, "durable": adapter.durable, "note": adapter.note, "runs": []}
     try:
         res["first"] = one_checkpoint(trainer, adapter, save_dir, "first", 1, rank)
         clean(save_dir, rank)
-        # The overhead's reference: K steps without a checkpoint right before the timed window
-        # (this VM's step time drifts by several percent over a run; adjacent windows agree).
-        res["paired_baseline"] = trainer.window(k)
-        res["timed"] = one_checkpoint(trainer, adapter, save_dir, "timed", k, rank)
+        for i in range(repeats):
+            # The overhead's reference: K steps without a checkpoint right before the timed
+            # window (this VM's step time drifts by several percent over a run; adjacent
+            # windows agree better).
+            base = trainer.window(k)
+            timed = one_checkpoint(trainer, adapter, save_dir, f"timed{i}", k, rank)
+            res["runs"].append({"paired_baseline": base, "timed": timed})
+            clean(save_dir, rank)
         res["ok"] = True
     except Exception as exc:  # record and go on with the other engines
         res["error"] = f"{type(exc).__name__}: {exc}"
@@ -434,6 +441,7 @@ def main(argv=None) -> int:
     p.add_argument("--batch", type=int, required=True)
     p.add_argument("--k", type=int, required=True, help="steps per checkpoint")
     p.add_argument("--warmup", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1, help="timed checkpoints per engine")
     p.add_argument("--engines", required=True, help="comma list")
     p.add_argument("--work-dir", required=True)
     p.add_argument("--result", required=True, help="path prefix of the per-rank JSON")
@@ -501,7 +509,7 @@ def main(argv=None) -> int:
         if name not in builders:
             continue
         adapter = builders[name]()
-        out["engines"][name] = run_engine(trainer, adapter, root, args.k, rank)
+        out["engines"][name] = run_engine(trainer, adapter, root, args.k, rank, args.repeats)
         adapter.close()
         del adapter
         gc.collect()
@@ -623,7 +631,7 @@ def run_decoupled(args, trainer: Trainer, rank: int, root: str) -> dict:
         return res
     adapter = DecoupledAdapter(trainer, tiny.checkpoint_engine, working["writer"].get("type", "fast"))
     try:
-        res.update(run_engine(trainer, adapter, root, args.k, rank))
+        res.update(run_engine(trainer, adapter, root, args.k, rank, args.repeats))
     finally:
         from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 

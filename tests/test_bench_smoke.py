@@ -17,7 +17,7 @@ MEASURED = ("async", "sync", "ds_torch", "dcp_async")
 @pytest.mark.slow
 def test_quick_benchmark_measures_every_engine(tmp_path, repo_env):
     out = tmp_path / "quick.json"
-    proc = subprocess.run([sys.executable, BENCH, "--quick", "--out", str(out),
+    proc = subprocess.run([sys.executable, BENCH, "--quick", "--repeats", "2", "--out", str(out),
                            "--work-dir", str(tmp_path / "work")],
                           cwd=REPO, env=repo_env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -50,6 +50,11 @@ def test_quick_benchmark_measures_every_engine(tmp_path, repo_env):
             assert e["bytes"] >= 0.95 * e["expected_bytes"] > 0, (setting, name)
             assert "incomplete" not in e
             assert isinstance(e["overhead"], float)
+            # every figure is the median over the repeats, each with its own paired baseline
+            assert e["repeats"] == len(e["runs"]) == 2
+            for key in ("stall_s", "persist_s", "overhead"):
+                assert e[key] == pytest.approx(sum(r[key] for r in e["runs"]) / 2), key
+            assert e["runs"][0]["paired_baseline_s"] != e["runs"][1]["paired_baseline_s"]
         a = cell["engines"]["async"]
         assert a["durable"] is True and a["snapshot_s"] > 0 and a["persist_s"] >= a["snapshot_s"]
         assert cell["engines"]["sync"]["persist_s"] <= cell["engines"]["sync"]["stall_s"] + 1e-3
