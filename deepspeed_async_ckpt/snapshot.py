@@ -24,7 +24,7 @@ import io
 import pickle
 import queue
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Iterable
 
 import torch
@@ -184,24 +184,50 @@ class HostBufferPool:
             self._cond.notify_all()
 
 
-@dataclass(eq=False)
 class TensorItem:
-    """One storage record of a file: a source tensor and, once staged, its host copy."""
+    """One storage record of a file: a source tensor and, once staged, its host copy.
 
-    key: str
-    src: torch.Tensor | None
-    nbytes: int
-    eager: bool
-    what: str
-    host: torch.Tensor | None = None
-    error: BaseException | None = None
-    _pool: HostBufferPool | None = None
-    _cuda_event: Any = None
-    _issued: threading.Event = field(default_factory=threading.Event)
+    A save plans one per tensor on the training thread (hundreds per file), so it is kept
+    light: slots, a lock as its "issued" latch rather than a ``threading.Event`` (a condition
+    and a lock each), and its description formatted only when a message needs it.
+    """
+
+    __slots__ = ("key", "src", "nbytes", "eager", "_label", "host", "error", "_pool",
+                 "_cuda_event", "_issued", "_latch")
+
+    def __init__(self, key: str, src: torch.Tensor | None, nbytes: int, eager: bool,
+                 what: str | tuple = "") -> None:
+        self.key, self.src, self.nbytes, self.eager = key, src, nbytes, eager
+        self._label = what  # a string, or (file, shape, dtype) formatted by ``what``
+        self.host: torch.Tensor | None = None
+        self.error: BaseException | None = None
+        self._pool: HostBufferPool | None = None
+        self._cuda_event: Any = None
+        self._issued = False
+        self._latch = threading.Lock()  # held until the copy is issued; waiters pass through
+        self._latch.acquire()
+
+    @property
+    def what(self) -> str:
+        if isinstance(self._label, tuple):
+            file, shape, dtype = self._label
+            return f"{file}: tensor record {self.key} {tuple(shape)} {dtype}"
+        return self._label
+
+    def _set_issued(self) -> None:
+        """The copy was issued (or failed, or will never happen)."""
+        if not self._issued:
+            self._issued = True
+            self._latch.release()
+
+    def _wait_issued(self) -> None:
+        if not self._issued:
+            with self._latch:
+                pass
 
     def wait_copied(self) -> None:
         """Block until the host copy has finished or failed (never raises)."""
-        self._issued.wait()
+        self._wait_issued()
         if self._cuda_event is not None:
             self._cuda_event.synchronize()
 
@@ -215,9 +241,9 @@ class TensorItem:
     def cancel(self) -> None:
         """Mark an item that no copier will ever stage (the synchronous mode, after a failure)
         as done, so :meth:`release` does not wait for it. No effect once it was staged."""
-        if not self._issued.is_set():
+        if not self._issued:
             self.src = None
-            self._issued.set()
+            self._set_issued()
 
     def release(self) -> None:
         """Return the host buffer to the pool (after it was written, or on failure)."""
@@ -256,9 +282,14 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
     items: list[TensorItem] = []
     by_view: dict[tuple, tuple[_StorageRef, TensorItem]] = {}
 
+    untyped_dtypes = torch.storage._new_dtypes()
+    storage_types = {dtype: getattr(torch, name)
+                     for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
+    strides: dict[tuple, tuple] = {}  # shape -> its contiguous stride (shapes repeat: m, v, w)
+
     def storage_ref(t: torch.Tensor) -> _StorageRef:
         ptr = t.untyped_storage().data_ptr()
-        view_key = (ptr, t.storage_offset(), tuple(t.shape), t.stride(), t.dtype, t.device) \
+        view_key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device) \
             if ptr else (id(t),)
         eager = id(t) not in lazy_tensor_ids
         if view_key in by_view:
@@ -267,13 +298,11 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
             return ref
         nbytes = t.numel() * t.element_size()
         key = str(len(items))
-        if t.dtype in torch.storage._new_dtypes():
+        if t.dtype in untyped_dtypes:
             ref = _StorageRef(key, torch.UntypedStorage, nbytes)
         else:
-            name = torch.storage._dtype_to_storage_type_map()[t.dtype]
-            ref = _StorageRef(key, getattr(torch, name), t.numel())
-        item = TensorItem(key=key, src=t.detach(), nbytes=nbytes, eager=eager,
-                          what=f"{what}: tensor record {key} {tuple(t.shape)} {t.dtype}")
+            ref = _StorageRef(key, storage_types[t.dtype], t.numel())
+        item = TensorItem(key, t.detach(), nbytes, eager, (what, t.shape, t.dtype))
         items.append(item)
         by_view[view_key] = (ref, item)
         return ref
@@ -282,17 +311,22 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
         if t.layout != torch.strided or t.is_quantized or t.is_nested:
             raise SnapshotError(f"{what}: cannot snapshot a {t.layout} tensor of type "
                                 f"{type(t).__name__}; only dense strided tensors are supported")
-        contiguous = _contiguous_stride(tuple(t.shape))
+        shape = tuple(t.shape)
+        contiguous = strides.get(shape)
+        if contiguous is None:
+            contiguous = strides[shape] = _contiguous_stride(shape)
         ref = storage_ref(t)
         hooks: collections.OrderedDict = collections.OrderedDict()
         if ref.storage_type is torch.UntypedStorage:
             return (torch._utils._rebuild_tensor_v3,
-                    (ref, 0, tuple(t.shape), contiguous, t.requires_grad, hooks, t.dtype))
+                    (ref, 0, shape, contiguous, t.requires_grad, hooks, t.dtype))
         return (torch._utils._rebuild_tensor_v2,
-                (ref, 0, tuple(t.shape), contiguous, t.requires_grad, hooks))
+                (ref, 0, shape, contiguous, t.requires_grad, hooks))
 
     class _Pickler(pickle.Pickler):
         def reducer_override(self, o: Any) -> Any:
+            if not isinstance(o, torch.Tensor):  # first: Parameter's isinstance runs Python code
+                return NotImplemented
             if isinstance(o, torch.nn.Parameter):
                 state = torch._utils._get_obj_state(o)
                 hooks: collections.OrderedDict = collections.OrderedDict()
@@ -306,8 +340,8 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
                 raise SnapshotError(f"{what}: cannot snapshot tensor subclass {type(o).__name__}")
             return NotImplemented
 
-        def persistent_id(self, o: Any) -> Any:
-            if isinstance(o, _StorageRef):
+        def persistent_id(self, o: Any) -> Any:  # called for every object pickled
+            if type(o) is _StorageRef:
                 return ("storage", o.storage_type, o.key, "cpu", o.numel)
             return None
 
@@ -389,7 +423,7 @@ class Stager:
                 if item.nbytes else torch.empty(0, dtype=torch.uint8)
             item.src = None
             self._count(item.nbytes)
-            item._issued.set()
+            item._set_issued()
 
     def stage(self, item: TensorItem, ready: Any = None, expected_bytes: int = 0) -> None:
         """Copy one item into a pool buffer; with CUDA the copy is only issued here.
@@ -423,7 +457,7 @@ class Stager:
             item.error = exc
         finally:
             item.src = None
-            item._issued.set()
+            item._set_issued()
 
     def fence(self) -> None:
         """Block until every queued copy is issued; with CUDA, make the current stream wait for
@@ -433,7 +467,7 @@ class Stager:
                 if not self._pending:
                     return
                 item = self._pending[0]
-            item._issued.wait()
+            item._wait_issued()
             if item.error is not None:
                 raise SnapshotError(f"staging {item.what} failed: {item.error}") from item.error
             if item._cuda_event is not None:
