@@ -35,7 +35,7 @@ from .commit import Pointer, commit, uncommit, verify_file, write_rank_failure, 
 from .config import AsyncCheckpointConfig
 from .errors import AsyncCheckpointError, CommitError, PersistError
 from .persist import FileRecord, write_file
-from .snapshot import HostBufferPool, Stager, TensorItem, plan_file, tensor_ids
+from .snapshot import FilePlan, HostBufferPool, Stager, TensorItem, plan_file, tensor_ids
 from .storage import LocalStorage, Storage
 
 
@@ -59,6 +59,8 @@ class CheckpointHandle:
         self.items: list[TensorItem] = []
         self.unsubmitted: list[TensorItem] = []
         """Lazy items of an open save, queued for the copier when it is sealed."""
+        self.unwritten: list[tuple[str, FilePlan]] = []
+        """Files of an open save, handed to the writers when it is sealed."""
         self.files: list[Future] = []
         self.nbytes = 0
         self.error: BaseException | None = None
@@ -254,8 +256,7 @@ class AsyncCheckpointer:
             return plan.nbytes
         self._stager.stage_eager(i for i in plan.items if i.eager)
         handle.unsubmitted.extend(i for i in plan.items if not i.eager)
-        handle.files.append(self._writers.submit(write_file, self.storage, path, plan, checksum,
-                                                 zip_crc32=zip_crc32))
+        handle.unwritten.append((path, plan))
         return plan.nbytes
 
     def end(self, *, commit: bool = True) -> CheckpointHandle:
@@ -274,7 +275,7 @@ class AsyncCheckpointer:
         with self._lock:
             self._inflight.append(handle)
         if self.config.is_async:
-            self._queue_copies(handle)
+            self._start_background(handle)
             self._commits.put(handle)
         else:
             self._commit_one(handle)
@@ -285,7 +286,7 @@ class AsyncCheckpointer:
         """Call before parameters or optimizer state are modified (the optimizer step)."""
         t0 = time.perf_counter()
         if self._current is not None:  # fenced inside a save: its copies must come first
-            self._queue_copies(self._current)
+            self._start_background(self._current)
         self._stager.fence()
         if self.history:
             self.history[-1].fence_wait_s += time.perf_counter() - t0
@@ -298,9 +299,17 @@ class AsyncCheckpointer:
         self._check_open()
         return self.pool.reserve(nbytes)
 
-    def _queue_copies(self, handle: CheckpointHandle) -> None:
-        # A save's lazy copies are queued together when it is sealed, so the pool can size one
-        # block for all of them (nothing can change the tensors before the next fence anyway).
+    def _start_background(self, handle: CheckpointHandle) -> None:
+        # A save's files go to the writers and its lazy copies to the copier together, when it
+        # is sealed: the pool can size one block for all of them (nothing can change the
+        # tensors before the next fence anyway), and no background thread competes with the
+        # training thread for the GIL or a core while it is still inside the save (on 2 busy
+        # cores, a writer opening its file and writing headers meanwhile made saves slower).
+        for path, plan in handle.unwritten:
+            handle.files.append(self._writers.submit(
+                write_file, self.storage, path, plan, self.config.checksum,
+                zip_crc32=self.config.zip_crc32))
+        handle.unwritten = []
         if handle.unsubmitted:
             self._stager.submit(handle.unsubmitted)
             handle.unsubmitted = []

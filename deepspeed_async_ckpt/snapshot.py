@@ -390,7 +390,7 @@ class Stager:
         self.pool = pool
         self.use_cuda = use_cuda
         self._copy_stream = torch.cuda.Stream() if use_cuda else None
-        self._queue: queue.SimpleQueue[tuple[TensorItem, Any] | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[list[TensorItem], Any] | None] = queue.SimpleQueue()
         self._pending: collections.deque[TensorItem] = collections.deque()
         self._lock = threading.Lock()
         self._queued_bytes = 0  # pool bytes submitted and not yet acquired: sizes new blocks
@@ -409,11 +409,11 @@ class Stager:
             # The copy stream must see the values as of now, not as of when it gets to them.
             ready = torch.cuda.Event()
             ready.record()
+        items = list(items)
         with self._lock:
-            for item in items:
-                self._pending.append(item)
-                self._queued_bytes += aligned_size(item.nbytes)
-                self._queue.put((item, ready))
+            self._pending.extend(items)
+            self._queued_bytes += sum(aligned_size(item.nbytes) for item in items)
+        self._queue.put((items, ready))  # one wake-up of the copier, after the lock is free
 
     def stage_eager(self, items: Iterable[TensorItem]) -> None:
         """Copy items now, outside the pool (small state the loop may mutate at any time)."""
@@ -490,6 +490,8 @@ class Stager:
             job = self._queue.get()
             if job is None:
                 return
-            self.stage(*job)
-            with self._lock:
-                self._queued_bytes -= aligned_size(job[0].nbytes)
+            items, ready = job
+            for item in items:
+                self.stage(item, ready)
+                with self._lock:
+                    self._queued_bytes -= aligned_size(item.nbytes)

@@ -85,6 +85,27 @@ def test_lazy_tensors_are_frozen_at_the_fence_and_eager_ones_at_save(tmp_path):
     ck.close()
 
 
+def test_background_threads_start_only_when_the_save_is_sealed(tmp_path):
+    """Inside the save, nothing runs beside the training thread: the writers (which open the
+    file and write its headers) and the copier start at end(), so they do not compete with the
+    rest of the framework's save for the GIL or a core."""
+    import time
+
+    state = sample_state()
+    ck = make()
+    d = tmp_path / "t1"
+    ck.begin(str(d), tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
+    ck.save(state, str(d / "model.pt"), eager_keys=("client",))
+    time.sleep(0.3)  # ample time for a writer thread to open its temporary file
+    assert not [p.name for p in d.iterdir() if p.name.startswith("model.pt")]
+    handle = ck._current
+    assert not any(i._issued for i in handle.items if not i.eager)  # no lazy copy yet
+    ck.end()
+    ck.wait()
+    assert (d / "model.pt").exists() and (tmp_path / "latest").read_text() == "t1"
+    ck.close()
+
+
 def _ref(tmp_path, state):
     path = tmp_path / "ref.pt"
     torch.save(state, path)
