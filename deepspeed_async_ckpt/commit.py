@@ -74,17 +74,31 @@ def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: st
     write_text_atomic(storage, _rank_record_path(ckpt_dir, rank, save_id), json.dumps(record, indent=1))
 
 
+#: Rank 0 polls for the ranks' records: first after this many seconds, then twice as long
+#: each time, up to ``_POLL_MAX_S``. Each poll is one directory listing whatever the world
+#: size, so a short cap costs little and the commit follows the last rank closely.
+_POLL_FIRST_S = 0.005
+_POLL_MAX_S = 0.05
+
+
 def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
            checksum: str, timeout_s: float, pointer: Pointer | None) -> dict:
     """Rank 0: wait for every rank's record, write the manifest, then move the pointer."""
     deadline = time.monotonic() + timeout_s
+    meta = os.path.join(ckpt_dir, META_DIR)
     paths = {r: _rank_record_path(ckpt_dir, r, save_id) for r in range(world_size)}
-    delay = 0.01
+    missing = sorted(paths)
+    delay = _POLL_FIRST_S
     while True:
-        missing = [r for r, p in paths.items() if not storage.exists(p)]
+        try:
+            names = set(storage.listdir(meta))
+        except FileNotFoundError:
+            names = set()
+        missing = [r for r in missing if os.path.basename(paths[r]) not in names]
         if not missing:
             break
-        failed = [r for r in missing if storage.exists(_failure_record_path(ckpt_dir, r, save_id))]
+        failed = [r for r in missing
+                  if os.path.basename(_failure_record_path(ckpt_dir, r, save_id)) in names]
         if failed:
             with open(_failure_record_path(ckpt_dir, failed[0], save_id), encoding="utf-8") as f:
                 reason = f.read()
@@ -95,7 +109,7 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
                               f"{_ranges(missing)} did not finish persisting within "
                               f"{timeout_s:.0f} s (async_checkpoint.commit_timeout_s)")
         time.sleep(delay)
-        delay = min(delay * 2, 0.5)
+        delay = min(delay * 2, _POLL_MAX_S)
     files: dict[str, dict] = {}
     ranks: dict[str, list[str]] = {}
     for r, p in paths.items():

@@ -34,6 +34,9 @@ class Storage(Protocol):
     def exists(self, path: str) -> bool:
         ...
 
+    def listdir(self, path: str) -> list[str]:
+        """Names in directory ``path`` (rank 0 polls the checkpoint's records with one call)."""
+
 
 class LocalStorage:
     """POSIX files. ``fsync=False`` skips every fsync (faster, not crash-safe).
@@ -78,6 +81,9 @@ class LocalStorage:
 
     def exists(self, path: str) -> bool:
         return os.path.exists(path)
+
+    def listdir(self, path: str) -> list[str]:
+        return os.listdir(path)
 
 
 def _fsync_dir(path: str) -> None:
