@@ -31,9 +31,6 @@ class Storage(Protocol):
     def makedirs(self, path: str) -> None:
         ...
 
-    def exists(self, path: str) -> bool:
-        ...
-
     def listdir(self, path: str) -> list[str]:
         """Names in directory ``path`` (rank 0 polls the checkpoint's records with one call)."""
 
@@ -78,9 +75,6 @@ class LocalStorage:
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
-
-    def exists(self, path: str) -> bool:
-        return os.path.exists(path)
 
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)
