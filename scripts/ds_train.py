@@ -111,7 +111,7 @@ def main(argv=None) -> int:
             engine.backward(loss)
             engine.step()
         step_s = time.perf_counter() - t0
-        emit(event="step", step=step + 1, loss=float(loss), step_s=step_s)
+        emit(event="step", step=step + 1, loss=float(loss.detach()), step_s=step_s)
         if pending_save_s is not None:  # the save's cost includes any wait at this step's fence
             emit(event="checkpoint", step=step, save_s=pending_save_s, next_step_s=step_s,
                  stall_s=pending_save_s + _fence_wait_s(engine))
