@@ -74,9 +74,9 @@ def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: st
     write_text_atomic(storage, _rank_record_path(ckpt_dir, rank, save_id), json.dumps(record, indent=1))
 
 
-#: Rank 0 polls for the ranks' records: first after this many seconds, then twice as long
-#: each time, up to ``_POLL_MAX_S``. Each poll is one directory listing whatever the world
-#: size, so a short cap costs little and the commit follows the last rank closely.
+#: Rank 0 polls for the ranks' records at once, then after waits of ``_POLL_FIRST_S``, twice
+#: as long each time, up to ``_POLL_MAX_S``. Each poll is one directory listing whatever the
+#: world size, so a short cap costs little and the commit follows the last rank closely.
 _POLL_FIRST_S = 0.005
 _POLL_MAX_S = 0.05
 
