@@ -87,6 +87,9 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
     deadline = time.monotonic() + timeout_s
     meta = os.path.join(ckpt_dir, META_DIR)
     paths = {r: _rank_record_path(ckpt_dir, r, save_id) for r in range(world_size)}
+    # What each rank leaves in ``meta``: its record, or a failure record (names built once).
+    done = {r: os.path.basename(p) for r, p in paths.items()}
+    failure = {r: os.path.basename(_failure_record_path(ckpt_dir, r, save_id)) for r in paths}
     missing = sorted(paths)
     delay = _POLL_FIRST_S
     while True:
@@ -94,11 +97,10 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
             names = set(storage.listdir(meta))
         except FileNotFoundError:
             names = set()
-        missing = [r for r in missing if os.path.basename(paths[r]) not in names]
+        missing = [r for r in missing if done[r] not in names]
         if not missing:
             break
-        failed = [r for r in missing
-                  if os.path.basename(_failure_record_path(ckpt_dir, r, save_id)) in names]
+        failed = [r for r in missing if failure[r] in names]
         if failed:
             with open(_failure_record_path(ckpt_dir, failed[0], save_id), encoding="utf-8") as f:
                 reason = f.read()
