@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import logging
 import os
 import queue
 import sys
@@ -31,12 +32,15 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .commit import Pointer, commit, uncommit, verify_file, write_rank_failure, write_rank_record
+from .commit import (Pointer, commit, retire_checkpoints, uncommit, verify_file, write_rank_failure,
+                     write_rank_record)
 from .config import AsyncCheckpointConfig
 from .errors import AsyncCheckpointError, CommitError, PersistError
 from .persist import FileRecord, write_file
 from .snapshot import FilePlan, HostBufferPool, Stager, TensorItem, plan_file, tensor_ids
 from .storage import LocalStorage, Storage
+
+logger = logging.getLogger(__name__)
 
 
 def _reraise(exc: BaseException) -> AsyncCheckpointError:
@@ -67,6 +71,8 @@ class CheckpointHandle:
         self.abandoned = False
         self.fence_wait_s = 0.0
         """Time the training loop spent blocked at fences waiting for this save's copies."""
+        self.retired: list[str] = []
+        """Older checkpoints that retention (``keep_last``) removed after this one committed."""
         self.times: dict[str, float] = {"begin": time.perf_counter()}
         self._persisted = threading.Event()
         self._committed = threading.Event()
@@ -192,6 +198,8 @@ class AsyncCheckpointer:
         self._committer = threading.Thread(target=self._commit_loop, name="async-ckpt-committer", daemon=True)
         self._committer.start()
         self._current: CheckpointHandle | None = None
+        self._beginning: str | None = None  # directory of a begin() still agreeing its save id
+        self._dirs_lock = threading.Lock()  # retention vs. saves announcing their directories
         self._inflight: collections.deque[CheckpointHandle] = collections.deque()
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
@@ -209,19 +217,25 @@ class AsyncCheckpointer:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
                                        "still open: call end() first")
         ckpt_dir = os.path.abspath(ckpt_dir)
-        local = self._take_background_error()
-        save_id, failed = self._exchange(uuid.uuid4().hex[:16], None if local is None else
-                                         f"{type(local).__name__}: {local}")
-        if local is not None:
-            raise _reraise(local)
-        if failed:
-            raise CommitError("a previous checkpoint failed and was not committed (the last "
-                              "committed one is intact) on rank(s) " +
-                              "; ".join(f"{r}: {m}" for r, m in sorted(failed.items())))
-        if self.rank == 0:
-            self._wait_for_dir(ckpt_dir)
-            uncommit(ckpt_dir)  # only now: a save that fails to start must not lose a commit
-        self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer)
+        with self._dirs_lock:  # before the exchange, so before any rank writes into it
+            self._beginning = ckpt_dir  # retention leaves it alone (see retire_older)
+        try:
+            local = self._take_background_error()
+            save_id, failed = self._exchange(uuid.uuid4().hex[:16], None if local is None else
+                                             f"{type(local).__name__}: {local}")
+            if local is not None:
+                raise _reraise(local)
+            if failed:
+                raise CommitError("a previous checkpoint failed and was not committed (the last "
+                                  "committed one is intact) on rank(s) " +
+                                  "; ".join(f"{r}: {m}" for r, m in sorted(failed.items())))
+            if self.rank == 0:
+                self._wait_for_dir(ckpt_dir)
+                uncommit(ckpt_dir)  # only now: a save that fails to start must not lose a commit
+            self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer)
+        finally:
+            with self._dirs_lock:
+                self._beginning = None
         return self._current
 
     def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = ()) -> int:
@@ -268,12 +282,12 @@ class AsyncCheckpointer:
         handle = self._current
         if handle is None:
             raise AsyncCheckpointError("end() without begin()")
-        self._current = None
         handle.abandoned = not commit
         handle.times["end"] = time.perf_counter()
         self.history.append(handle)
         with self._lock:
             self._inflight.append(handle)
+        self._current = None  # only now: retention sees its directory as in use throughout
         if self.config.is_async:
             self._start_background(handle)
             self._commits.put(handle)
@@ -371,6 +385,36 @@ class AsyncCheckpointer:
         with self._lock:
             return self._errors.pop(0) if self._errors else None
 
+    def retire_older(self, handle: CheckpointHandle) -> list[str]:
+        """Retention (rank 0, once ``handle`` is committed and the pointer names it): remove
+        this engine's committed checkpoints in the same save directory beyond the
+        ``keep_last`` most recently committed, never ``handle``'s nor that of a save begun and
+        not yet committed. Records and returns the names removed; does nothing when
+        ``keep_last`` is 0. The commit stage calls it when it moved the pointer (DeepSpeed's
+        ``latest``); an adapter that moves its own pointer (Megatron's tracker) calls it after.
+
+        A failure to remove an old checkpoint does not undo the commit: it is logged, and the
+        next commit tries again.
+        """
+        if not self.config.keep_last:
+            return []
+
+        def protected() -> set[str]:  # called with self._dirs_lock held
+            with self._lock:
+                busy = {h.ckpt_dir for h in self._inflight}
+            current = self._current
+            return busy | {d for d in (self._beginning, current and current.ckpt_dir,
+                                       handle.ckpt_dir) if d}
+
+        try:
+            handle.retired = retire_checkpoints(
+                self.storage, os.path.dirname(handle.ckpt_dir), keep_last=self.config.keep_last,
+                protected=protected, lock=self._dirs_lock)
+        except OSError as exc:
+            logger.warning("async checkpoint: %s is committed, but removing older checkpoints "
+                           "(keep_last=%d) failed: %s", handle.ckpt_dir, self.config.keep_last, exc)
+        return handle.retired
+
     # ------------------------------------------------------------------ load path
     def load(self, path: str, map_location: Any = None) -> Any:
         """``torch.load`` after checking the file against its checkpoint's committed manifest."""
@@ -461,6 +505,8 @@ class AsyncCheckpointer:
                        world_size=self.world_size, checksum=cfg.checksum,
                        timeout_s=cfg.commit_timeout_s, pointer=handle.pointer)
             handle.times["committed"] = time.perf_counter()
+            if self.rank == 0 and handle.pointer is not None:
+                self.retire_older(handle)
         except BaseException as exc:
             handle.error = exc
             with self._lock:

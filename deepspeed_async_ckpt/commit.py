@@ -11,15 +11,18 @@ Megatron's ``latest_checkpointed_iteration.txt``), by write-to-temp, fsync, rena
 any moment therefore leaves the pointer on the previous, complete checkpoint. Records are
 exchanged through the checkpoint directory itself (which rank 0 must see, as DeepSpeed's own
 ``latest`` already assumes), so no collective ever runs on a background thread.
+
+Retention (``keep_last``) runs after the pointer moved: see :func:`retire_checkpoints`.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
 import time
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Callable, Iterable
 
 from .errors import CommitError, IntegrityError
 from .persist import HASHERS, FileRecord, hash_file
@@ -126,6 +129,62 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
     if pointer is not None:
         write_text_atomic(storage, pointer.path, pointer.text)
     return manifest
+
+
+#: Retention renames a checkpoint to this prefix + its name before deleting it: one atomic
+#: rename, after which it is no longer a checkpoint (nor where a new save would write).
+REMOVING_PREFIX = ".async_ckpt_removing."
+
+
+def committed_checkpoints(save_dir: str) -> list[str]:
+    """Names of this engine's committed checkpoints directly under ``save_dir``, most recently
+    committed first (by the manifest's ``committed_at``). Directories without a readable
+    manifest (other engines' checkpoints, partial or in-progress saves) are not listed."""
+    found: list[tuple[float, str]] = []
+    try:
+        entries = list(os.scandir(save_dir))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
+            continue
+        try:
+            with open(os.path.join(entry.path, META_DIR, MANIFEST), encoding="utf-8") as f:
+                committed_at = float(json.load(f)["committed_at"])
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        found.append((committed_at, entry.name))
+    return [name for _, name in sorted(found, reverse=True)]
+
+
+def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
+                       protected: Callable[[], set[str]], lock: threading.Lock) -> list[str]:
+    """Retention, on rank 0 once a commit has moved the pointer: remove the committed
+    checkpoints of ``save_dir`` beyond the ``keep_last`` most recently committed. Returns the
+    names removed.
+
+    ``protected()`` gives the absolute paths that must stay (the pointer's target, and the
+    directory of every save begun and not yet committed); it is called with ``lock`` held, and
+    a save announces its directory under the same lock before any rank can write into it, so a
+    directory is never taken away from under a save. Each removal is an atomic rename to
+    :data:`REMOVING_PREFIX` + name (made durable), then the deletion; a deletion that a crash
+    cut short is finished by the next call.
+    """
+    save_dir = os.path.abspath(save_dir)
+    for name in storage.listdir(save_dir):  # removals a crash cut short
+        if name.startswith(REMOVING_PREFIX):
+            storage.remove_tree(os.path.join(save_dir, name))
+    removed = []
+    for name in committed_checkpoints(save_dir)[keep_last:]:
+        path = os.path.join(save_dir, name)
+        with lock:
+            if path in protected():
+                continue
+            trash = os.path.join(save_dir, REMOVING_PREFIX + name)
+            storage.replace(path, trash)
+        storage.remove_tree(trash)
+        removed.append(name)
+    return removed
 
 
 def uncommit(ckpt_dir: str) -> None:

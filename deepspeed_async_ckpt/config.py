@@ -66,6 +66,13 @@ class AsyncCheckpointConfig:
     commit_timeout_s: float = 600.0
     """How long rank 0 waits for every rank's persist record before the commit fails."""
 
+    keep_last: int = 0
+    """Retention: after each commit, rank 0 removes this engine's older committed checkpoints
+    in the same save directory, keeping the ``keep_last`` most recently committed (the new one
+    among them). ``0`` keeps every checkpoint. Directories that are not committed checkpoints
+    of this engine (partial saves, saves in progress, other engines' output) are never
+    removed."""
+
     def __post_init__(self) -> None:
         _check_type("enabled", self.enabled, bool)
         _check_choice("mode", self.mode, MODES)
@@ -76,6 +83,9 @@ class AsyncCheckpointConfig:
         _check_type("verify_on_load", self.verify_on_load, bool)
         _check_positive_number("host_buffer_gb", self.host_buffer_gb)
         _check_positive_number("commit_timeout_s", self.commit_timeout_s)
+        if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
+            raise ConfigError(f"{CONFIG_KEY}.keep_last must be an integer >= 0 (0 keeps every "
+                              f"checkpoint), got {self.keep_last!r}")
         if isinstance(self.writer_threads, bool) or not isinstance(self.writer_threads, int) \
                 or not 1 <= self.writer_threads <= 64:
             raise ConfigError(f"{CONFIG_KEY}.writer_threads must be an integer in [1, 64], "

@@ -1,7 +1,7 @@
 """The storage seam: the few filesystem operations the persist and commit stages use.
 
 ``LocalStorage`` is the default (a POSIX path, local or a shared mount). Tests inject faults by
-subclassing it; a remote backend would implement the same five methods.
+subclassing it; a remote backend would implement the same six methods.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import errno
 import fcntl
 import mmap
 import os
+import shutil
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,6 +34,9 @@ class Storage(Protocol):
 
     def listdir(self, path: str) -> list[str]:
         """Names in directory ``path`` (rank 0 polls the checkpoint's records with one call)."""
+
+    def remove_tree(self, path: str) -> None:
+        """Delete directory ``path`` and everything under it (retention)."""
 
 
 class LocalStorage:
@@ -78,6 +82,9 @@ class LocalStorage:
 
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)
+
+    def remove_tree(self, path: str) -> None:
+        shutil.rmtree(path)
 
 
 def _fsync_dir(path: str) -> None:

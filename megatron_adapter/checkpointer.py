@@ -273,6 +273,7 @@ class MegatronCheckpointer:
         torch_dist.write_markers(self.engine.storage, handle.ckpt_dir, index)
         write_text_atomic(self.engine.storage, tracker, text)
         handle.times["finalized"] = time.perf_counter()
+        self.engine.retire_older(handle)  # keep_last: only once the tracker names the new one
 
     def _submit_finalize(self, ckpt_dir: str, fn: Callable[[], None]) -> None:
         fut: Future = Future()

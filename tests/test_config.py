@@ -30,6 +30,9 @@ def test_unknown_key_is_named_with_allowed_keys():
     ("writer_threads", 2.5, "[1, 64]"),
     ("enabled", "yes", "true or false"),
     ("commit_timeout_s", -1, "> 0"),
+    ("keep_last", -1, "integer >= 0"),
+    ("keep_last", 2.0, "integer >= 0"),
+    ("keep_last", True, "integer >= 0"),
 ])
 def test_bad_values_name_key_and_allowed(key, value, fragment):
     with pytest.raises(ConfigError) as e:

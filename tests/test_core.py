@@ -669,6 +669,102 @@ def test_commit_follows_the_last_rank_closely_with_one_listing_per_poll(tmp_path
     assert 2 <= Counting.listings < 60, Counting.listings  # one per poll, not one per rank
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path, mode):
+    root = str(tmp_path)
+    # What retention must leave alone: another engine's checkpoint, a partial save of ours, a
+    # plain file; and what it must finish: a removal that a crash cut short.
+    (tmp_path / "torch_engine" / "global_step1").mkdir(parents=True)
+    (tmp_path / "torch_engine" / "global_step1" / "mp_rank_00_model_states.pt").write_bytes(b"x")
+    (tmp_path / "partial" / META_DIR).mkdir(parents=True)
+    (tmp_path / "partial" / META_DIR / "rank_00000.abc.json").write_text("{}")
+    (tmp_path / "notes.txt").write_text("hello")
+    (tmp_path / ".async_ckpt_removing.old" / "sub").mkdir(parents=True)
+    (tmp_path / ".async_ckpt_removing.old" / "sub" / "model.pt").write_bytes(b"y" * 100)
+    ck = make(mode, keep_last=2)
+    state, retired = sample_state(), []
+    for i in range(5):
+        state["global_steps"] = i
+        handle = save_one(ck, root, state, tag=f"s{i}")
+        ck.fence()
+        ck.wait()
+        retired.append(handle.retired)
+        assert sorted(n for n in os.listdir(root) if n.startswith("s")) == [f"s{j}" for j in range(max(0, i - 1), i + 1)]
+    ck.close()
+    assert retired == [[], [], ["s0"], ["s1"], ["s2"]]
+    assert sorted(os.listdir(root)) == ["latest", "notes.txt", "partial", "s3", "s4", "torch_engine"]
+    assert (tmp_path / "torch_engine" / "global_step1" / "mp_rank_00_model_states.pt").read_bytes() == b"x"
+    assert os.listdir(tmp_path / "partial" / META_DIR) == ["rank_00000.abc.json"]
+    assert (tmp_path / "latest").read_text() == "s4"
+    for i in (3, 4):  # the kept ones are whole: every byte verifies, and they hold their step
+        verify_checkpoint(str(tmp_path / f"s{i}"))
+        assert torch.load(tmp_path / f"s{i}" / "model.pt", weights_only=False)["global_steps"] == i
+
+
+def test_keep_last_never_takes_a_directory_from_under_a_save_being_begun(tmp_path):
+    """A save announces its directory before begin()'s exchange, that is before any rank can
+    write into it: retention running meanwhile (the commit of the previous save, on rank 0's
+    committer thread) must skip it, even when it is an old committed checkpoint re-saved."""
+    from deepspeed_async_ckpt.checkpointer import CheckpointHandle
+
+    root = str(tmp_path)
+    plain = make()
+    for tag in ("a", "b"):
+        save_one(plain, root, sample_state(), tag=tag)
+        plain.wait()
+    plain.close()
+    seen = {}
+
+    def exchange(value, error):  # rank 0's part of begin()'s collective, for re-saving "a"
+        b = CheckpointHandle(str(tmp_path / "b"), "b", "id-b", None)
+        seen["retired"] = ck.retire_older(b)  # "a" is committed and beyond keep_last=1
+        seen["a_exists"] = os.path.isdir(tmp_path / "a" / META_DIR)
+        return value, {}
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, keep_last=1, host_buffer_gb=0.01),
+                           exchange=exchange)
+    state = sample_state()
+    state["global_steps"] = 7
+    handle = save_one(ck, root, state, tag="a")
+    ck.fence()
+    ck.wait()
+    ck.close()
+    assert seen == {"retired": [], "a_exists": True}
+    assert handle.retired == ["b"]  # the re-saved "a" is now the newest; "b" goes
+    assert sorted(os.listdir(root)) == ["a", "latest"]
+    verify_checkpoint(str(tmp_path / "a"))
+    assert torch.load(tmp_path / "a" / "model.pt", weights_only=False)["global_steps"] == 7
+
+
+def test_keep_last_failure_to_remove_keeps_the_commit_and_retries_next_time(tmp_path, caplog):
+    class Undeletable(LocalStorage):
+        fail = True
+
+        def remove_tree(self, path):
+            if Undeletable.fail:
+                raise PermissionError(errno.EACCES, "Permission denied", path)
+            super().remove_tree(path)
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, keep_last=1, host_buffer_gb=0.01),
+                           storage=Undeletable())
+    root = str(tmp_path)
+    for tag in ("s0", "s1"):
+        save_one(ck, root, sample_state(), tag=tag)
+        ck.wait()  # raises nothing: the commit of s1 stands
+    assert (tmp_path / "latest").read_text() == "s1"
+    assert "removing older checkpoints (keep_last=1) failed" in caplog.text
+    assert "Permission denied" in caplog.text
+    # s0 was renamed away (it is no longer a checkpoint) but could not be deleted
+    assert sorted(os.listdir(root)) == [".async_ckpt_removing.s0", "latest", "s1"]
+    Undeletable.fail = False
+    handle = save_one(ck, root, sample_state(), tag="s2")
+    ck.wait()
+    ck.close()
+    assert handle.retired == ["s1"]
+    assert sorted(os.listdir(root)) == ["latest", "s2"]
+    verify_checkpoint(str(tmp_path / "s2"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned pool and copy stream")
 def test_cuda_pinned_pool_and_copy_stream_overlap(tmp_path):

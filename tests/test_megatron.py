@@ -319,8 +319,12 @@ def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
 def test_kill_mid_persist_keeps_the_previous_checkpoint(straight_run, tmp_path, env):
     _, straight = straight_run
     save = tmp_path / "ckpt"
+    # Retention on (keep_last=1): it must not cost the one committed checkpoint when the next
+    # save dies, and it removes it once the resumed run's save commits and the tracker moves.
+    config = tmp_path / "keep1.json"
+    config.write_text(json.dumps(dict(json.load(open(CONFIG, encoding="utf-8")), keep_last=1)))
     args = [*TINY_GPT, "--save", save, "--save-interval", 3, "--async-ckpt",
-            "--async-ckpt-config", CONFIG, "--async-ckpt-writers", "balanced"]
+            "--async-ckpt-config", config, "--async-ckpt-writers", "balanced"]
     codes = run(KILL_WORKER, args, dict(env, KILL_AT_ITERATION="6"), expect_ok=False)
     assert all(c != 0 for c in codes), codes
     assert read_tracker(str(save)) == 3
@@ -330,8 +334,9 @@ def test_kill_mid_persist_keeps_the_previous_checkpoint(straight_run, tmp_path, 
 
     log = str(tmp_path / "log.jsonl")
     run(PRETRAIN, [*TINY_GPT, "--load", save, "--save", save, "--save-interval", 3,
-                   "--async-ckpt", "--async-ckpt-config", CONFIG, "--log-json", log], env)
+                   "--async-ckpt", "--async-ckpt-config", config, "--log-json", log], env)
     resumed = steps(log)
     assert resumed == {k: v for k, v in straight.items() if k[1] > 3}
     assert read_tracker(str(save)) == 6
     verify_checkpoint_dir(str(save / "iter_0000006"))
+    assert not (save / "iter_0000003").exists()  # keep_last=1, once iteration 6 is the tracker's

@@ -4,7 +4,8 @@ Phases:
   save    train, then at one step save three ways (this engine async, this engine sync,
           DeepSpeed's TorchCheckpointEngine), keep training (mutating every tensor), destroy.
   load    in a fresh process, load each saved variant and dump the restored engine state.
-  kill    save and commit once, then SIGKILL one rank in the middle of the next persist.
+  kill    save and commit twice (keep_last=1), then SIGKILL one rank in the middle of the
+          next persist.
   diskfull  one rank's disk fills mid-persist; the next save raises on every rank, then recovers.
   diskfull-load  the same failure, then load_checkpoint: refused on every rank, a retry loads.
   exit    save, train one more step, and return without destroy(): interpreter exit commits.
@@ -132,10 +133,13 @@ def phase_load(args):
 def phase_kill(args):
     import deepspeed_async_ckpt.persist as persist
 
-    engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
+    # keep_last=1: global_step1 is removed once global_step2 commits, and global_step2 must
+    # survive the failed save after it (retention runs only after a commit).
+    engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05, "keep_last": 1}))
     save_dir = os.path.join(args.out, "ckpt")
-    train(engine, args, 2)
-    engine.save_checkpoint(save_dir)
+    for step in (1, 2):
+        train(engine, args, 1, start=step - 1)
+        engine.save_checkpoint(save_dir)
     engine.checkpoint_engine.checkpointer.wait()  # global_step2 is committed
     torch.distributed.barrier()
     if torch.distributed.get_rank() == args.kill_rank:
