@@ -63,7 +63,7 @@ class CheckpointHandle:
         self.items: list[TensorItem] = []
         self.unsubmitted: list[TensorItem] = []
         """Lazy items of an open save, queued for the copier when it is sealed."""
-        self.unwritten: list[tuple[str, FilePlan]] = []
+        self.unwritten: list[tuple[str, list[FilePlan], list[str] | None]] = []
         """Files of an open save, handed to the writers when it is sealed."""
         self.files: list[Future] = []
         self.nbytes = 0
@@ -239,39 +239,59 @@ class AsyncCheckpointer:
         return self._current
 
     def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = ()) -> int:
-        """Add one file to the open checkpoint.
+        """Add one file to the open checkpoint: ``state`` as ``torch.save`` would write it.
 
         Python values are frozen before this returns. Tensors are copied lazily, before the
         next :meth:`fence`, except those reachable under ``state[k]`` for ``k`` in
         ``eager_keys`` (state the loop may mutate outside the optimizer step), which are copied
         now. Returns the tensor bytes this file stages (what it costs the host pool).
         """
+        return self._add_file(path, [state], None, eager_keys)[0]
+
+    def save_packed(self, path: str, parts: Iterable[tuple[str, Any]]) -> list[int]:
+        """Add one file holding several ``torch.save`` archives back to back, one per
+        ``(name, state)`` of ``parts``, each starting on a page. The committed manifest gives
+        each name's offset and length (``files[<path in the checkpoint>]["parts"][name]``), so
+        a reader can ``torch.load`` a view of just those bytes (what megatron-core's
+        ``.distcp`` files are). All tensors are copied lazily. Returns the tensor bytes each
+        part stages.
+        """
+        parts = list(parts)
+        return self._add_file(path, [state for _, state in parts], [name for name, _ in parts], ())
+
+    def _add_file(self, path: str, states: list[Any], names: list[str] | None,
+                  eager_keys: Iterable[str]) -> list[int]:
         handle = self._current
         if handle is None:
             raise AsyncCheckpointError(f"save({path!r}) outside begin()/end()")
         path = os.path.abspath(path)
-        lazy = tensor_ids(state)
-        if isinstance(state, dict):
-            for k in eager_keys:
-                if k in state:
-                    lazy -= tensor_ids(state[k])
-        plan = plan_file(state, lazy, what=path)
-        handle.items.extend(plan.items)
-        handle.nbytes += plan.nbytes
+        plans = []
+        for state in states:
+            lazy = tensor_ids(state)
+            if isinstance(state, dict):
+                for k in eager_keys:
+                    if k in state:
+                        lazy -= tensor_ids(state[k])
+            plan = plan_file(state, lazy, what=path)
+            handle.items.extend(plan.items)
+            handle.nbytes += plan.nbytes
+            plans.append(plan)
         self.storage.makedirs(os.path.dirname(path))
         checksum, zip_crc32 = self.config.checksum, self.config.zip_crc32
         if not self.config.is_async:
-            largest = max((i.nbytes for i in plan.items), default=0)
-            record = write_file(self.storage, path, plan, checksum, zip_crc32=zip_crc32,
+            largest = max((i.nbytes for p in plans for i in p.items), default=0)
+            record = write_file(self.storage, path, plans, checksum, part_names=names,
+                                zip_crc32=zip_crc32,
                                 stage=functools.partial(self._stager.stage, expected_bytes=largest))
             done: Future = Future()
             done.set_result(record)
             handle.files.append(done)
-            return plan.nbytes
-        self._stager.stage_eager(i for i in plan.items if i.eager)
-        handle.unsubmitted.extend(i for i in plan.items if not i.eager)
-        handle.unwritten.append((path, plan))
-        return plan.nbytes
+        else:
+            for plan in plans:
+                self._stager.stage_eager(i for i in plan.items if i.eager)
+                handle.unsubmitted.extend(i for i in plan.items if not i.eager)
+            handle.unwritten.append((path, plans, names))
+        return [plan.nbytes for plan in plans]
 
     def end(self, *, commit: bool = True) -> CheckpointHandle:
         """Seal the open checkpoint; in sync mode, return only once it is committed.
@@ -319,9 +339,9 @@ class AsyncCheckpointer:
         # tensors before the next fence anyway), and no background thread competes with the
         # training thread for the GIL or a core while it is still inside the save (on 2 busy
         # cores, a writer opening its file and writing headers meanwhile made saves slower).
-        for path, plan in handle.unwritten:
+        for path, plans, names in handle.unwritten:
             handle.files.append(self._writers.submit(
-                write_file, self.storage, path, plan, self.config.checksum,
+                write_file, self.storage, path, plans, self.config.checksum, part_names=names,
                 zip_crc32=self.config.zip_crc32))
         handle.unwritten = []
         if handle.unsubmitted:

@@ -73,6 +73,9 @@ def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: st
     storage.makedirs(os.path.join(ckpt_dir, META_DIR))
     entries = {os.path.relpath(r.path, ckpt_dir): {"bytes": r.nbytes, checksum: r.checksum}
                for r in files}
+    for r in files:  # a packed file: where each archive lies in it
+        if r.parts is not None:
+            entries[os.path.relpath(r.path, ckpt_dir)]["parts"] = {n: list(s) for n, s in r.parts.items()}
     record = {"rank": rank, "save_id": save_id, "checksum": checksum, "files": entries}
     write_text_atomic(storage, _rank_record_path(ckpt_dir, rank, save_id), json.dumps(record, indent=1))
 

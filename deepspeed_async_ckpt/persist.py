@@ -7,6 +7,9 @@ larger than the host pool streams through it. Files stay ``torch.load``-compatib
 
 A file is written under a temporary name, checksummed while the bytes go out, fsynced, then
 renamed: a crash never leaves a half-written file under the final name.
+
+A file may also pack several archives back to back, each starting on a page (megatron-core's
+``.distcp`` files hold many items, each a ``torch.save`` archive found by offset and length).
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ import os
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import BinaryIO, Callable
+from typing import BinaryIO, Callable, Sequence
 
 import torch
 import xxhash
@@ -36,6 +39,8 @@ class FileRecord:
     path: str
     nbytes: int
     checksum: str
+    parts: dict[str, tuple[int, int]] | None = None
+    """For a packed file: each archive's name -> (offset, length) in bytes."""
 
 
 class _Crc32:
@@ -133,52 +138,47 @@ class _ChecksumSink:
         pass
 
 
-def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str, *,
-               zip_crc32: bool = False,
+def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum: str, *,
+               part_names: Sequence[str] | None = None, zip_crc32: bool = False,
                stage: Callable[[TensorItem], None] | None = None) -> FileRecord:
-    """Write ``plan`` to ``path``, waiting for each record's host copy as it goes.
+    """Write ``plans`` to ``path``, one ``torch.save`` archive each, waiting for each record's
+    host copy as it goes.
 
+    One plan makes an ordinary ``torch.save`` file. Several are packed back to back, each
+    archive starting on a page (its records stay page-aligned for direct I/O, and its zip
+    offsets count from its own start, so ``torch.load`` reads it from a view of its bytes);
+    ``part_names`` names them, and the record gives each name's offset and length.
     ``zip_crc32`` makes torch's writer also store a CRC-32 per zip record, as ``torch.save``
     does by default; ``torch.load`` reads the file either way (see
     ``torch.serialization.set_crc32_options``), and ``checksum`` already covers every byte.
     ``stage``, when given, stages each item inline right before it is written (the synchronous
     mode). On any failure every remaining item is still released, so the pool never leaks.
     """
+    if part_names is not None and len(part_names) != len(plans):
+        raise ValueError(f"{path}: {len(plans)} archives but {len(part_names)} part names")
     tmp = f"{path}.tmp.{os.getpid()}"
-    pending = list(plan.items)
+    pending = [item for plan in plans for item in plan.items]
+    spans: list[tuple[int, int]] = []
     try:
         f = storage.open_write(tmp)
         sink = _ChecksumSink(f, checksum)
-        writer = None
         try:
-            writer = torch._C.PyTorchFileWriter(sink, zip_crc32, DIRECT_ALIGN)
-            for name, value in _header_records(plan.pickle_bytes):
-                writer.write_record(name, value, len(value))
-                sink.check()
-            while pending:
-                item = pending[0]
-                if stage is not None:
-                    stage(item)
-                host = item.wait_staged()
-                # the host buffer may be a slice of a larger pool block: write just its bytes
-                start = host.storage_offset()
-                sink.stable = (host.data_ptr(), host.data_ptr() + item.nbytes)
-                writer.write_record(f"data/{item.key}",
-                                    host.untyped_storage()[start:start + item.nbytes], item.nbytes)
-                sink.stable = None
-                _release_when_written(f, pending.pop(0))
-                sink.check()
-            writer.write_end_of_file()
-            sink.check()
+            for plan in plans:
+                if sink.nbytes % DIRECT_ALIGN:  # the next archive starts on a page
+                    sink.write(bytes(DIRECT_ALIGN - sink.nbytes % DIRECT_ALIGN))
+                    sink.check()
+                start = sink.nbytes
+                _write_archive(sink, f, plan, pending, zip_crc32, stage)
+                spans.append((start, sink.nbytes - start))
             storage.sync_file(f)
         except BaseException:
             sink.discard = True
             raise
         finally:
-            del writer
             f.close()
         storage.replace(tmp, path)
-        return FileRecord(path=path, nbytes=sink.nbytes, checksum=sink.hasher.hexdigest())
+        parts = None if part_names is None else dict(zip(part_names, spans))
+        return FileRecord(path=path, nbytes=sink.nbytes, checksum=sink.hasher.hexdigest(), parts=parts)
     except BaseException as exc:
         for item in pending:
             if stage is not None:
@@ -191,6 +191,37 @@ def write_file(storage: Storage, path: str, plan: FilePlan, checksum: str, *,
         if isinstance(exc, PersistError):
             raise
         raise PersistError(f"writing {path} failed: {exc}") from exc
+
+
+def _write_archive(sink: _ChecksumSink, f: BinaryIO, plan: FilePlan, pending: list[TensorItem],
+                   zip_crc32: bool, stage: Callable[[TensorItem], None] | None) -> None:
+    """One ``torch.save`` archive of ``plan`` into ``sink``; each item leaves ``pending`` (the
+    file's items not yet handed back) once written."""
+    writer = None
+    try:
+        writer = torch._C.PyTorchFileWriter(sink, zip_crc32, DIRECT_ALIGN)
+        for name, value in _header_records(plan.pickle_bytes):
+            writer.write_record(name, value, len(value))
+            sink.check()
+        for item in plan.items:
+            if stage is not None:
+                stage(item)
+            host = item.wait_staged()
+            # the host buffer may be a slice of a larger pool block: write just its bytes
+            start = host.storage_offset()
+            sink.stable = (host.data_ptr(), host.data_ptr() + item.nbytes)
+            writer.write_record(f"data/{item.key}",
+                                host.untyped_storage()[start:start + item.nbytes], item.nbytes)
+            sink.stable = None
+            _release_when_written(f, pending.pop(0))  # ``item``: written in order
+            sink.check()
+        writer.write_end_of_file()
+        sink.check()
+    except BaseException:
+        sink.discard = True  # what the writer's destructor writes now goes nowhere
+        raise
+    finally:
+        del writer
 
 
 def _release_when_written(f: BinaryIO, item: TensorItem) -> None:

@@ -669,6 +669,40 @@ def test_commit_follows_the_last_rank_closely_with_one_listing_per_poll(tmp_path
     assert 2 <= Counting.listings < 60, Counting.listings  # one per poll, not one per rank
 
 
+def test_packed_file_holds_one_torch_save_archive_per_part_at_page_offsets(tmp_path):
+    """``save_packed``: several archives in one file, each on a page, found by the manifest's
+    offset and length, each loading (from a view of just its bytes) to what ``torch.save``
+    writes; the same bytes in sync and async mode."""
+    import io
+
+    torch.manual_seed(1)
+    parts = [("0", torch.randn(300, 7)), ("1", {"obj": [1, 2], "t": torch.randn(5).to(torch.bfloat16)}),
+             ("2", torch.empty(0)), ("3", torch.randn(64, 32).t()), ("4", torch.arange(10))]
+    files = {}
+    for mode in ("async", "sync"):
+        ck = make(mode)
+        d = tmp_path / mode
+        ck.begin(str(d / "c"), tag="c")
+        staged = ck.save_packed(str(d / "c" / "__0_0.distcp"), parts)
+        ck.end()
+        ck.fence()
+        ck.wait()
+        ck.close()
+        assert staged[0] == 300 * 7 * 4 and staged[2] == 0
+        verify_checkpoint(str(d / "c"))
+        entry = read_manifest(str(d / "c"))["files"]["__0_0.distcp"]
+        data = (d / "c" / "__0_0.distcp").read_bytes()
+        assert entry["bytes"] == len(data)
+        spans = [entry["parts"][name] for name, _ in parts]
+        assert [off % 4096 for off, _ in spans] == [0] * len(parts)
+        assert all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # in order, disjoint
+        assert spans[-1][0] + spans[-1][1] == len(data)
+        for (name, value), (off, length) in zip(parts, spans):
+            assert_same(torch.load(io.BytesIO(data[off:off + length]), weights_only=False), value, name)
+        files[mode] = data
+    assert files["async"] == files["sync"]
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path, mode):
     root = str(tmp_path)
