@@ -84,7 +84,8 @@ class SaveRecord:
     iteration: int
     ckpt_dir: str
     files: list[dict] = field(default_factory=list)
-    """``{"path", "key", "offset", "bytes"}`` per file; ``bytes`` are the tensor bytes staged."""
+    """``{"path", "part", "key", "offset", "bytes"}`` per item written: its file, its archive in
+    that file (None for ``common.pt``, a whole file), and the tensor bytes it staged."""
     blocked_s: float = 0.0
     """Seconds ``save`` held the training thread (planning, eager copies, sync writes)."""
     handle: CheckpointHandle | None = field(default=None, repr=False)
@@ -129,7 +130,8 @@ class MegatronCheckpointer:
             # As dist_checkpointing.save stores it (process groups dropped), for load to read.
             state_dict["content_metadata"] = _clean_metadata_for_serialization(content_metadata)
         sharded_part, common, _ = self._preprocess_and_elect(state_dict, validate_access_integrity)
-        plan = torch_dist.plan_save(sharded_part, rank=self.rank, world_size=self.world_size)
+        plan = torch_dist.plan_save(sharded_part, rank=self.rank, world_size=self.world_size,
+                                    max_files=self.config.writer_threads)
 
         ckpt_dir = os.path.abspath(checkpoint_dir(save_dir, iteration))
         record = SaveRecord(iteration=iteration, ckpt_dir=ckpt_dir)
@@ -140,10 +142,15 @@ class MegatronCheckpointer:
         error: BaseException | None = None
         try:
             if self.rank == 0:
-                self._save_file(handle, record, common, torch_dist.COMMON_FILE, key="common",
-                                offset=None, eager_keys=tuple(common))
-            for job in plan.jobs:
-                self._save_file(handle, record, job.data, job.relpath, key=job.key, offset=job.offset)
+                staged = self.engine.save(common, os.path.join(ckpt_dir, torch_dist.COMMON_FILE),
+                                          eager_keys=tuple(common))
+                record.files.append({"path": torch_dist.COMMON_FILE, "part": None, "key": "common",
+                                     "offset": None, "bytes": staged})
+            for relpath, jobs in plan.files().items():
+                staged = self.engine.save_packed(os.path.join(ckpt_dir, relpath),
+                                                 [(job.part, job.data) for job in jobs])
+                record.files += [{"path": relpath, "part": job.part, "key": job.key,
+                                  "offset": job.offset, "bytes": n} for job, n in zip(jobs, staged)]
         except BaseException as exc:
             error = exc
         try:
@@ -201,11 +208,6 @@ class MegatronCheckpointer:
         values = list(nested_values(sharded_part))
         elect_writers([v for v in values if isinstance(v, ShardedTensor)], self.writers, replica_group())
         return sharded_part, common, values
-
-    def _save_file(self, handle: CheckpointHandle, record: SaveRecord, data: Any, relpath: str, *,
-                   key: str, offset: tuple | None, eager_keys: tuple = ()) -> None:
-        staged = self.engine.save(data, os.path.join(record.ckpt_dir, relpath), eager_keys=eager_keys)
-        record.files.append({"path": relpath, "key": key, "offset": offset, "bytes": staged})
 
     def fence(self) -> None:
         """Call right before ``optimizer.step()``: waits only for copies still outstanding."""

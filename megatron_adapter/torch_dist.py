@@ -9,22 +9,26 @@ step                        megatron-core 0.16                                he
 translate shards            ``mcore_to_pyt_state_dict``                      reused
 plan (local, global)        ``MCoreSavePlanner`` + decentralized global plan reused
 device -> host              ``preload_tensors``: fresh buffers + full sync   engine snapshot
-write                       forked workers, ``.distcp`` per worker            engine persist
+write                       forked workers, a ``.distcp`` per worker thread  engine persist
 ``.metadata`` + commit      finalize fns; tracker written by the trainer     after engine commit
 ==========================  ===============================================  ================
 
 Layout of a checkpoint directory (readable by ``megatron.core.dist_checkpointing.load``)::
 
     common.pt            rank 0: everything that is not a ShardedTensor/ShardedObject
-    __<rank>_<k>.distcp  the k-th item this rank writes: one torch.save-format tensor or object
+    __<rank>_<f>.distcp  the items (tensor shards, objects) this rank writes, spread over at
+                         most ``writer_threads`` files balanced by bytes; each item one
+                         torch.save archive, starting on a page
     .metadata            rank 0, after every rank persisted: torch DCP global metadata
     metadata.json        rank 0, then: {"sharded_backend": "torch_dist", ...}
-    .async_ckpt/         the engine's per-rank records and manifest (sizes, checksums)
+    .async_ckpt/         the engine's per-rank records and manifest (sizes, checksums, and
+                         where each item lies in its file)
 
-One file per item (instead of megatron's one file per writer process) is what the engine's
-``save(state, path)`` API writes; ``.metadata`` points each item at offset 0 of its own file.
-Its byte lengths are only known once every rank has persisted, so ``.metadata`` is written from
-the committed manifest on rank 0, before the tracker moves.
+As in megatron-core, a rank writes a few files (one per writer thread), not one per item: a
+large model has thousands of items per rank, and a file each would load a shared filesystem's
+metadata servers with millions of files per checkpoint. ``.metadata`` points each item at its
+offset and length in its file; those are only known once every rank has persisted, so
+``.metadata`` is written from the committed manifest on rank 0, before the tracker moves.
 """
 
 from __future__ import annotations
@@ -33,6 +37,7 @@ import io
 import json
 import os
 import pickle
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -51,15 +56,20 @@ CONFIG_FILE = "metadata.json"
 MARKER_FILES = (DCP_METADATA_FILE, CONFIG_FILE)
 
 
-def distcp_name(rank: int, k: int) -> str:
-    return f"__{rank}_{k}.distcp"
+def distcp_name(rank: int, f: int) -> str:
+    return f"__{rank}_{f}.distcp"
+
+
+_DISTCP_NAME = re.compile(r"__(\d+)_\d+\.distcp")
 
 
 @dataclass(frozen=True)
 class WriteJob:
-    """One file this rank writes: a tensor shard or the payload of a sharded object."""
+    """One item this rank writes, a tensor shard or the payload of a sharded object: the
+    archive named ``part`` (the item's number in this rank's plan) in file ``relpath``."""
 
     relpath: str
+    part: str
     key: str
     offset: tuple | None
     """Global offset of a tensor shard; None for a sharded object."""
@@ -73,7 +83,7 @@ class GlobalIndex:
     metadata: Any
     """torch DCP ``Metadata`` from the global plan, still without storage locations."""
     item_indices: list[list[Any]]
-    """``item_indices[r][k]`` is the DCP index of the item in ``distcp_name(r, k)``."""
+    """``item_indices[r][k]`` is the DCP index of rank ``r``'s item ``k`` (part ``str(k)``)."""
 
 
 @dataclass
@@ -84,9 +94,17 @@ class SavePlan:
     index: GlobalIndex | None = None
     """Rank 0 only."""
 
+    def files(self) -> dict[str, list[WriteJob]]:
+        """The jobs grouped by file, in plan order within each file."""
+        files: dict[str, list[WriteJob]] = {}
+        for job in self.jobs:
+            files.setdefault(job.relpath, []).append(job)
+        return files
 
-def plan_save(sharded_part: dict, *, rank: int, world_size: int) -> SavePlan:
-    """Collective (all ranks): plan the ``.distcp`` items with megatron-core's own planner.
+
+def plan_save(sharded_part: dict, *, rank: int, world_size: int, max_files: int) -> SavePlan:
+    """Collective (all ranks): plan the ``.distcp`` items with megatron-core's own planner, and
+    spread this rank's items over at most ``max_files`` files of about equal bytes.
 
     Only main replicas are kept, so a rank plans exactly the shards it was elected to write.
     Raises on every rank if the global plan is invalid (a shard missing or written twice).
@@ -128,18 +146,35 @@ def plan_save(sharded_part: dict, *, rank: int, world_size: int) -> SavePlan:
         raise RuntimeError(f"torch_dist save plan rejected: {error}")
 
     final_plan = planner.finish_plan(planner.create_decentralized_global_plan(local_plan))
-    for k, item in enumerate(final_plan.items):
+    items = []
+    for item in final_plan.items:
         data = planner.resolve_data(item)
         if item.type == WriteItemType.BYTE_IO:
             # megatron serialized the objects into a BytesIO when translating; a private,
             # frozen copy of them is what the engine writes (torch.load gives the same list back).
+            nbytes = len(data.getbuffer())
             data = torch.load(io.BytesIO(data.getvalue()), weights_only=False)
-            offset = None
+            items.append((item, None, data, nbytes))
         else:
-            offset = tuple(item.index.offset)
-        plan.jobs.append(WriteJob(relpath=distcp_name(rank, k), key=item.index.fqn,
+            items.append((item, tuple(item.index.offset), data, data.numel() * data.element_size()))
+    files = _balance([nbytes for *_, nbytes in items], max_files)
+    for k, ((item, offset, data, _), f) in enumerate(zip(items, files)):
+        plan.jobs.append(WriteJob(relpath=distcp_name(rank, f), part=str(k), key=item.index.fqn,
                                   offset=offset, data=data))
     return plan
+
+
+def _balance(sizes: list[int], max_files: int) -> list[int]:
+    """File number of each item: the largest items first, each to the file with the fewest
+    bytes so far (lowest number on ties), as megatron-core spreads items over its workers."""
+    nfiles = max(1, min(max_files, len(sizes)))
+    load = [0] * nfiles
+    files = [0] * len(sizes)
+    for k in sorted(range(len(sizes)), key=lambda k: -sizes[k]):
+        f = min(range(nfiles), key=lambda f: load[f])
+        files[k] = f
+        load[f] += sizes[k]
+    return files
 
 
 def write_markers(storage: Storage, ckpt_dir: str, index: GlobalIndex) -> None:
@@ -148,12 +183,20 @@ def write_markers(storage: Storage, ckpt_dir: str, index: GlobalIndex) -> None:
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from megatron.core.dist_checkpointing.core import CheckpointingConfig
 
-    files = read_manifest(ckpt_dir)["files"]
+    where = {}  # (rank, item number) -> (file, offset, length), from the committed manifest
+    for name, entry in read_manifest(ckpt_dir)["files"].items():
+        match = _DISTCP_NAME.fullmatch(name)
+        if match:
+            for part, (offset, length) in entry.get("parts", {}).items():
+                where[int(match[1]), int(part)] = (name, offset, length)
     storage_data = {}
     for r, indices in enumerate(index.item_indices):
         for k, item_index in enumerate(indices):
-            name = distcp_name(r, k)
-            storage_data[item_index] = _StorageInfo(relative_path=name, offset=0, length=files[name]["bytes"])
+            if (r, k) not in where:
+                raise RuntimeError(f"the manifest of {ckpt_dir!r} does not say where rank {r} "
+                                   f"wrote item {k} ({item_index.fqn})")
+            name, offset, length = where[r, k]
+            storage_data[item_index] = _StorageInfo(relative_path=name, offset=offset, length=length)
     metadata = index.metadata
     metadata.storage_data = storage_data
     metadata.version = CURRENT_DCP_VERSION

@@ -421,7 +421,8 @@ def main(argv: list[str] | None = None, storage=None) -> int:
                 last_saved = iteration
                 emit(event="save", iteration=iteration,
                      blocked_s=record.blocked_s if record else None,
-                     files=len(record.files) if record else None,
+                     items=len(record.files) if record else None,
+                     files=len({f["path"] for f in record.files}) if record else None,
                      staged_bytes=ckpt.staged_bytes if ckpt else None)
         if args.save and last_saved != iteration:
             save_checkpoint(args, ckpt, gpt, optimizer, scheduler, iteration, validate)

@@ -173,6 +173,14 @@ def test_each_unique_shard_written_once_by_its_elected_rank(request, layout):
                     assert f["bytes"] == unique[ident], f"{mode}: {ident} staged {f['bytes']} bytes"
             # Non-writers copy nothing: the bytes a rank staged are exactly those it wrote.
             assert rec[mode]["staged_bytes"] == sum(f["bytes"] for f in files), (mode, r)
+            # A few files per rank (writer_threads=2), not one per item, as megatron-core
+            # writes them; the manifest says where each item lies in its file.
+            items = [f for f in files if f["part"] is not None]
+            distcp = sorted({f["path"] for f in items})
+            assert distcp == [f"__{r}_{k}.distcp" for k in range(min(2, len(items)))], (mode, r, distcp)
+            manifest = read_manifest(rec[mode]["ckpt_dir"])["files"]
+            assert sorted(p for name in distcp for p in manifest[name]["parts"]) == \
+                sorted(f["part"] for f in items), (mode, r)
         assert set(writer_of) == set(unique) | objects | {"common"}, mode
         assert writer_of["common"] == 0
         per_mode_bytes[mode] = {r: rec[mode]["staged_bytes"] for r, rec in recs.items()}
