@@ -64,8 +64,12 @@ def main() -> int:
     print("2) resume from `latest` and finish")
     second = run("async_resumed", a.workdir, [*common, "--save-dir", ours_dir, "--resume"])
     resumed = next(e for e in second if e["event"] == "resumed" and e["rank"] == 0)
-    print(f"   resumed at step {resumed['step']}, trained to {a.steps}; `latest` -> "
-          f"{open(os.path.join(ours_dir, 'latest')).read()}")
+    with open(os.path.join(ours_dir, "latest")) as f:
+        latest = f.read()
+    print(f"   resumed at step {resumed['step']}, trained to {a.steps}; `latest` -> {latest}")
+    kept = sorted((n for n in os.listdir(ours_dir) if n.startswith("global_step")),
+                  key=lambda n: int(n[len("global_step"):]))
+    print(f"   checkpoints on disk (keep_last=3 in configs/deepspeed_async.json): {', '.join(kept)}")
 
     print("3) the same model with DeepSpeed's TorchCheckpointEngine (key removed)")
     third = run("torch", a.workdir, [*common, "--save-dir", torch_dir, "--no-async"])

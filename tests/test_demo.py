@@ -38,6 +38,13 @@ def test_demo_kills_resumes_from_a_committed_checkpoint_and_prints_the_stall_tab
 
     ckpt = work / "ckpt_async"
     assert (ckpt / "latest").read_text() == "global_step30"
+    # keep_last=3: only the three newest committed checkpoints are left, whichever the kill hit
+    kept = sorted(n for n in os.listdir(ckpt) if n.startswith("global_step"))
+    assert kept == ["global_step20", "global_step25", "global_step30"], kept
+    assert "checkpoints on disk (keep_last=3 in configs/deepspeed_async.json): " \
+           "global_step20, global_step25, global_step30" in out, out[-3000:]
+    for name in kept:
+        verify_checkpoint(str(ckpt / name))
     manifest = verify_checkpoint(str(ckpt / "global_step30"))  # sizes and checksums of every file
     assert any(name.endswith("model_states.pt") for name in manifest["files"])
     assert any("optim_states" in name for name in manifest["files"])  # ZeRO-1: per-rank shards
