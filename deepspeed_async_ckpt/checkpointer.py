@@ -405,18 +405,21 @@ class AsyncCheckpointer:
         with self._lock:
             return self._errors.pop(0) if self._errors else None
 
-    def retire_older(self, handle: CheckpointHandle) -> list[str]:
+    def retire_older(self, handle: CheckpointHandle, *, keep_last: int | None = None,
+                     keep: Callable[[str], bool] | None = None) -> list[str]:
         """Retention (rank 0, once ``handle`` is committed and the pointer names it): remove
         this engine's committed checkpoints in the same save directory beyond the
-        ``keep_last`` most recently committed, never ``handle``'s nor that of a save begun and
-        not yet committed. Records and returns the names removed; does nothing when
-        ``keep_last`` is 0. The commit stage calls it when it moved the pointer (DeepSpeed's
-        ``latest``); an adapter that moves its own pointer (Megatron's tracker) calls it after.
+        ``keep_last`` (default: the config's) most recently committed, except those whose
+        name ``keep`` accepts, never ``handle``'s nor that of a save begun and not yet
+        committed. Records and returns the names removed; does nothing when ``keep_last`` is
+        0. The commit stage calls it when it moved the pointer (DeepSpeed's ``latest``); an
+        adapter that moves its own pointer (Megatron's tracker) calls it after.
 
         A failure to remove an old checkpoint does not undo the commit: it is logged, and the
         next commit tries again.
         """
-        if not self.config.keep_last:
+        keep_last = self.config.keep_last if keep_last is None else keep_last
+        if not keep_last:
             return []
 
         def protected() -> set[str]:  # called with self._dirs_lock held
@@ -428,11 +431,11 @@ class AsyncCheckpointer:
 
         try:
             handle.retired = retire_checkpoints(
-                self.storage, os.path.dirname(handle.ckpt_dir), keep_last=self.config.keep_last,
-                protected=protected, lock=self._dirs_lock)
+                self.storage, os.path.dirname(handle.ckpt_dir), keep_last=keep_last,
+                protected=protected, lock=self._dirs_lock, keep=keep)
         except OSError as exc:
             logger.warning("async checkpoint: %s is committed, but removing older checkpoints "
-                           "(keep_last=%d) failed: %s", handle.ckpt_dir, self.config.keep_last, exc)
+                           "(keep_last=%d) failed: %s", handle.ckpt_dir, keep_last, exc)
         return handle.retired
 
     # ------------------------------------------------------------------ load path

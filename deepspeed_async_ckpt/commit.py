@@ -161,10 +161,11 @@ def committed_checkpoints(save_dir: str) -> list[str]:
 
 
 def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
-                       protected: Callable[[], set[str]], lock: threading.Lock) -> list[str]:
+                       protected: Callable[[], set[str]], lock: threading.Lock,
+                       keep: Callable[[str], bool] | None = None) -> list[str]:
     """Retention, on rank 0 once a commit has moved the pointer: remove the committed
-    checkpoints of ``save_dir`` beyond the ``keep_last`` most recently committed. Returns the
-    names removed.
+    checkpoints of ``save_dir`` beyond the ``keep_last`` most recently committed, except those
+    whose name ``keep`` accepts (e.g. every N-th iteration). Returns the names removed.
 
     ``protected()`` gives the absolute paths that must stay (the pointer's target, and the
     directory of every save begun and not yet committed); it is called with ``lock`` held, and
@@ -179,6 +180,8 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
             storage.remove_tree(os.path.join(save_dir, name))
     removed = []
     for name in committed_checkpoints(save_dir)[keep_last:]:
+        if keep is not None and keep(name):
+            continue
         path = os.path.join(save_dir, name)
         with lock:
             if path in protected():

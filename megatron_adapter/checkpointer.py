@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import queue
+import re
 import sys
 import threading
 import time
@@ -53,6 +54,9 @@ from .election import check_mode, elect_writers, is_writer
 from .layout import ParallelLayout, replica_group
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
+
+
+_ITERATION_DIR = re.compile(r"iter_(\d+)")
 
 
 def checkpoint_dir(save_dir: str, iteration: int) -> str:
@@ -97,11 +101,18 @@ class MegatronCheckpointer:
 
     ``writers`` is the election mode (``"replica"`` or ``"balanced"``, see :mod:`.election`);
     ``config`` is the same :class:`AsyncCheckpointConfig` the DeepSpeed adapter takes.
+    ``retain_interval`` is Megatron-LM's ``--save-retain-interval``: once the tracker names a
+    new checkpoint, the others are removed except every ``retain_interval``-th iteration (and
+    the config's ``keep_last`` newest, if set).
     """
 
     def __init__(self, config: AsyncCheckpointConfig, *, writers: str = "replica",
-                 storage: Storage | None = None) -> None:
+                 storage: Storage | None = None, retain_interval: int | None = None) -> None:
+        if retain_interval is not None and (isinstance(retain_interval, bool)
+                                            or not isinstance(retain_interval, int) or retain_interval < 1):
+            raise ValueError(f"--save-retain-interval must be a positive integer, got {retain_interval!r}")
         self.config = config
+        self.retain_interval = retain_interval
         self.writers = check_mode(writers)
         self.layout = ParallelLayout.from_parallel_state()
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
@@ -275,7 +286,21 @@ class MegatronCheckpointer:
         torch_dist.write_markers(self.engine.storage, handle.ckpt_dir, index)
         write_text_atomic(self.engine.storage, tracker, text)
         handle.times["finalized"] = time.perf_counter()
-        self.engine.retire_older(handle)  # keep_last: only once the tracker names the new one
+        self._retire_older(handle)  # only once the tracker names the new one
+
+    def _retire_older(self, handle: CheckpointHandle) -> None:
+        """Retention: the config's ``keep_last``, and Megatron-LM's ``--save-retain-interval``
+        (keep every ``retain_interval``-th iteration and the newest checkpoint, remove the rest)."""
+        interval = self.retain_interval
+        if interval is None:
+            self.engine.retire_older(handle)
+            return
+
+        def on_interval(name: str) -> bool:
+            match = _ITERATION_DIR.fullmatch(name)
+            return match is not None and int(match[1]) % interval == 0
+
+        self.engine.retire_older(handle, keep_last=max(self.config.keep_last, 1), keep=on_interval)
 
     def _submit_finalize(self, ckpt_dir: str, fn: Callable[[], None]) -> None:
         fut: Future = Future()

@@ -26,8 +26,9 @@ What :func:`install` hooks (module attributes of ``megatron.training``):
 - ``maybe_finalize_async_save(blocking=True)``: also flushes the engine.
 
 Do not combine with Megatron-LM's ``--async-save``: saves no longer go through its queue.
-Routed saves skip Megatron-LM's save-time side effects (fault-tolerance and one-logger
-callbacks, W&B artifact logging, ``--save-retain-interval`` deletion).
+Routed saves keep ``--save-retain-interval`` (the engine removes the checkpoints it would, once
+the tracker moved) and skip Megatron-LM's other save-time side effects (fault-tolerance and
+one-logger callbacks, W&B artifact logging).
 """
 
 from __future__ import annotations
@@ -70,7 +71,9 @@ def _engine(args: Any) -> MegatronCheckpointer | None:
         cfg = config_from_args(args)
         if not cfg.enabled:
             return None
-        _STATE["engine"] = MegatronCheckpointer(cfg, writers=args.async_ckpt_writers)
+        _STATE["engine"] = MegatronCheckpointer(
+            cfg, writers=args.async_ckpt_writers,
+            retain_interval=getattr(args, "save_retain_interval", None))
     return _STATE["engine"]
 
 

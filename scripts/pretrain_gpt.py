@@ -94,6 +94,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("checkpointing (Megatron-LM names)")
     g.add_argument("--save", default=None)
     g.add_argument("--save-interval", type=int, default=None)
+    g.add_argument("--save-retain-interval", type=int, default=None,
+                   help="as in Megatron-LM: keep every N-th iteration's checkpoint and the newest, "
+                        "remove the others once the tracker moved")
     g.add_argument("--load", default=None)
     g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, not the tracker's")
     g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
@@ -367,8 +370,8 @@ def main(argv: list[str] | None = None, storage=None) -> int:
     ddp_model, gpt, config = build_model(args)
     optimizer, scheduler = build_optimizer(args, ddp_model, config)
     cfg = config_from_args(args)
-    ckpt = MegatronCheckpointer(cfg, writers=args.async_ckpt_writers, storage=storage) \
-        if cfg.enabled else None
+    ckpt = MegatronCheckpointer(cfg, writers=args.async_ckpt_writers, storage=storage,
+                                retain_interval=args.save_retain_interval) if cfg.enabled else None
     rank = dist.get_rank()
     log = open(args.log_json, "a", encoding="utf-8") if args.log_json else None
 

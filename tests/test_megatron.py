@@ -324,6 +324,20 @@ def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
     assert sum(reserve[r]["bytes"] > 0 for r in range(4)) >= 2
 
 
+def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path, env):
+    """Megatron-LM's ``--save-retain-interval``, which routed saves honour: a checkpoint every
+    iteration, only iterations 3 and 6 (multiples of 3) and the newest, 7, are left."""
+    save = tmp_path / "ckpt"
+    args = [*TINY_GPT, "--train-iters", 7, "--save", save, "--save-interval", 1,
+            "--save-retain-interval", 3, "--async-ckpt", "--async-ckpt-config", CONFIG]
+    run(PRETRAIN, args, env)
+    assert read_tracker(str(save)) == 7
+    assert sorted(os.listdir(save)) == ["iter_0000003", "iter_0000006", "iter_0000007",
+                                        "latest_checkpointed_iteration.txt"]
+    for it in (3, 6, 7):
+        verify_checkpoint_dir(str(save / f"iter_{it:07d}"))
+
+
 def test_kill_mid_persist_keeps_the_previous_checkpoint(straight_run, tmp_path, env):
     _, straight = straight_run
     save = tmp_path / "ckpt"
