@@ -32,10 +32,10 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from .commit import (Pointer, commit, retire_checkpoints, uncommit, verify_file, write_rank_failure,
-                     write_rank_record)
+from .commit import (META_DIR, Pointer, commit, find_checkpoint_dir, read_manifest,
+                     retire_checkpoints, uncommit, verify_file, write_rank_failure, write_rank_record)
 from .config import AsyncCheckpointConfig
-from .errors import AsyncCheckpointError, CommitError, PersistError
+from .errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
 from .persist import FileRecord, write_file
 from .snapshot import FilePlan, HostBufferPool, Stager, TensorItem, plan_file, tensor_ids
 from .storage import LocalStorage, Storage
@@ -200,6 +200,7 @@ class AsyncCheckpointer:
         self._current: CheckpointHandle | None = None
         self._beginning: str | None = None  # directory of a begin() still agreeing its save id
         self._dirs_lock = threading.Lock()  # retention vs. saves announcing their directories
+        self._verified: dict[str, str] = {}  # checkpoint dir -> save id, checked by verify_all_ranks
         self._inflight: collections.deque[CheckpointHandle] = collections.deque()
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
@@ -217,6 +218,7 @@ class AsyncCheckpointer:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
                                        "still open: call end() first")
         ckpt_dir = os.path.abspath(ckpt_dir)
+        self._verified.pop(ckpt_dir, None)  # being saved again: its files will change
         with self._dirs_lock:  # before the exchange, so before any rank writes into it
             self._beginning = ckpt_dir  # retention leaves it alone (see retire_older)
         try:
@@ -439,13 +441,53 @@ class AsyncCheckpointer:
         return handle.retired
 
     # ------------------------------------------------------------------ load path
+    def verify_all_ranks(self, ckpt_dir: str, *, action: str = "load") -> None:
+        """Collective: check a checkpoint of this engine before any rank loads from it, each
+        rank hashing a disjoint share of its files (rank ``r``: files ``r, r + world_size, ...``
+        of the manifest), and raise on every rank if any file is bad or the checkpoint was
+        never committed: the rank that found it with its :class:`IntegrityError` naming the
+        file, the others naming that rank. Every file is read once across the ranks, where
+        checking each file on every rank that loads it reads a file all ranks load (DeepSpeed's
+        model states) once per rank. :meth:`load` then skips the files of this checkpoint. A
+        directory without this engine's records (another engine's checkpoint) passes as it is.
+        """
+        ckpt_dir = os.path.abspath(ckpt_dir)
+        error: IntegrityError | None = None
+        save_id = None
+        try:
+            if os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
+                manifest = read_manifest(ckpt_dir)
+                for rel in sorted(manifest["files"])[self.rank::self.world_size]:
+                    verify_file(os.path.join(ckpt_dir, rel), manifest)
+                save_id = manifest["save_id"]
+        except IntegrityError as exc:
+            error = exc
+        _, failed = self._exchange(action, None if error is None else f"{type(error).__name__}: {error}")
+        if error is not None:
+            raise IntegrityError(f"{action} refused on every rank: {error}") from error
+        if failed:
+            raise IntegrityError(f"{action} refused on every rank, because of rank(s) " +
+                                 "; ".join(f"{r}: {m}" for r, m in sorted(failed.items())))
+        if save_id is not None:
+            self._verified[ckpt_dir] = save_id
+
     def load(self, path: str, map_location: Any = None) -> Any:
-        """``torch.load`` after checking the file against its checkpoint's committed manifest."""
+        """``torch.load`` after checking the file against its checkpoint's committed manifest
+        (unless :meth:`verify_all_ranks` checked that checkpoint, as it still is)."""
         if self._inflight:
             self.wait()
-        if self.config.verify_on_load:
+        if self.config.verify_on_load and not self._was_verified(path):
             verify_file(path)
         return torch.load(path, map_location=map_location, weights_only=False)
+
+    def _was_verified(self, path: str) -> bool:
+        ckpt_dir = find_checkpoint_dir(os.path.abspath(path))
+        if ckpt_dir is None or ckpt_dir not in self._verified:
+            return False
+        try:  # the same commit, not one written over it since
+            return read_manifest(ckpt_dir)["save_id"] == self._verified[ckpt_dir]
+        except IntegrityError:
+            return False
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -153,6 +153,22 @@ def checkpoint_bytes_estimate(ds_engine: Any) -> int:
     return total
 
 
+def checkpoint_to_load(arguments: dict, latest: str = "latest") -> str | None:
+    """The directory ``load_checkpoint(load_dir, tag=None, ...)`` will read: ``load_dir/tag``,
+    with the tag from ``load_dir/<latest>`` when none is given (as DeepSpeed reads it); None
+    when there is no tag (DeepSpeed then loads nothing)."""
+    load_dir, tag = arguments.get("load_dir"), arguments.get("tag")
+    if load_dir is None:
+        return None
+    if tag is None:
+        try:
+            with open(os.path.join(load_dir, latest), encoding="utf-8") as f:
+                tag = f.read().strip()
+        except FileNotFoundError:
+            return None
+    return os.path.join(load_dir, str(tag))
+
+
 def parse_config(param_dict: dict | None) -> AsyncCheckpointConfig | None:
     """The validated config, or None when the key is absent or disabled."""
     raw = (param_dict or {}).get(CONFIG_KEY)
@@ -196,6 +212,7 @@ def install() -> bool:
         return result
 
     save_sig = inspect.signature(_ORIGINALS["save"])
+    load_sig = inspect.signature(_ORIGINALS["load"])
 
     @functools.wraps(_ORIGINALS["save"])
     def save_checkpoint(self, *args, **kwargs):
@@ -219,6 +236,12 @@ def install() -> bool:
             # `latest` must reflect every save issued so far; collective, so that a failed save
             # stops the load on every rank, not only on the one whose background write failed.
             engine.checkpointer.wait_all_ranks(action="load_checkpoint")
+            if engine.checkpointer.config.verify_on_load:
+                universal = getattr(self, "load_universal_checkpoint", lambda: False)()
+                ckpt_dir = checkpoint_to_load(load_sig.bind(self, *args, **kwargs).arguments,
+                                              "latest_universal" if universal else "latest")
+                if ckpt_dir is not None:  # every file checked once, across the ranks
+                    engine.checkpointer.verify_all_ranks(ckpt_dir, action="load_checkpoint")
         return _ORIGINALS["load"](self, *args, **kwargs)
 
     ds_engine.create_checkpoint_engine = create_checkpoint_engine

@@ -111,6 +111,13 @@ def test_async_checkpoint_equals_torch_engine_and_sync_mode(tmp_path, repo_env, 
             assert_same(got["module"], ref["module"], "partial-load module")
             assert_same(got["lr_scheduler"], got["fresh"]["lr_scheduler"], "scheduler not loaded")
             assert got["lr_scheduler"] != ref["lr_scheduler"]
+    # Verification on load read every file of our checkpoints exactly once across the ranks
+    # (each rank a share), not the shared model-states file once per rank; torch's: none.
+    hashed = [json.load(open(os.path.join(out, f"hashed_rank{r}.json"))) for r in range(nproc)]
+    for variant in ("async", "sync"):
+        files = json.load(open(os.path.join(out, variant, "global_step3", ".async_ckpt", "manifest.json")))["files"]
+        assert sum(h[variant] for h in hashed) == sum(e["bytes"] for e in files.values()), (variant, hashed)
+    assert all(h["torch"] == 0 for h in hashed)
     for rank in range(nproc):
         ref = torch.load(os.path.join(out, f"dump_torch_rank{rank}.pt"), weights_only=False)
         assert ref["global_steps"] == 3
@@ -231,6 +238,13 @@ def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env):
     assert proc.returncode != 0
     text = log.read_text()
     assert "IntegrityError" in text and "zero_pp_rank_1_mp_rank_00_optim_states.pt" in text and "corrupted" in text
+    # Refused on every rank before DeepSpeed's load began (no rank left waiting in its
+    # collectives): the rank whose share held the file names it, the other names that rank.
+    errors = [open(os.path.join(out, f"load_error_rank{r}.txt")).read() for r in range(2)]
+    for e in errors:
+        assert e.startswith("IntegrityError: load_checkpoint refused on every rank"), e
+        assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in e and "corrupted" in e, e
+    assert sum("because of rank(s)" in e for e in errors) == 1, errors
 
 
 def test_engine_selection_and_config_errors(tmp_path, repo_env):

@@ -111,9 +111,25 @@ def phase_save(args):
         json.dump(stats, f)
 
 
+def count_hashed_bytes():
+    """Bytes this rank hashes to verify checkpoint files on load, in ``counter["bytes"]``."""
+    import deepspeed_async_ckpt.commit as commit
+
+    counter, hash_file = {"bytes": 0}, commit.hash_file
+
+    def counting(path, algorithm):
+        size, digest = hash_file(path, algorithm)
+        counter["bytes"] += size
+        return size, digest
+
+    commit.hash_file = counting
+    return counter
+
+
 def phase_load(args):
     engine = init(args, ds_config(args, {"enabled": True}))
     rank = torch.distributed.get_rank()
+    hashed, counter = {}, count_hashed_bytes()
     if args.partial:  # weights only: optimizer and scheduler must keep their fresh state
         fresh = {"optimizer": engine.optimizer.state_dict(), "lr_scheduler": engine.lr_scheduler.state_dict()}
         engine.load_checkpoint(os.path.join(args.out, "async"), load_optimizer_states=False,
@@ -122,11 +138,20 @@ def phase_load(args):
                     "optimizer": engine.optimizer.state_dict(), "lr_scheduler": engine.lr_scheduler.state_dict()},
                    os.path.join(args.out, f"dump_partial_rank{rank}.pt"))
     for variant in args.variants.split(","):
-        path, _ = engine.load_checkpoint(os.path.join(args.out, variant))
+        counter["bytes"] = 0
+        try:
+            path, _ = engine.load_checkpoint(os.path.join(args.out, variant))
+        except Exception as exc:  # the corruption test reads it from here
+            with open(os.path.join(args.out, f"load_error_rank{rank}.txt"), "w") as f:
+                f.write(f"{type(exc).__name__}: {exc}")
+            raise
+        hashed[variant] = counter["bytes"]
         assert path is not None, variant
         state = {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
                  "lr_scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps}
         torch.save(state, os.path.join(args.out, f"dump_{variant}_rank{rank}.pt"))
+    with open(os.path.join(args.out, f"hashed_rank{rank}.json"), "w") as f:
+        json.dump(hashed, f)
     engine.destroy()
 
 
