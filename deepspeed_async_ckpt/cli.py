@@ -1,8 +1,8 @@
 """``ds-async-ckpt`` command line.
 
 Subcommands are registered in :func:`build_parser`; each one adds its own
-subparser and sets ``func`` (``args -> exit code``).  Only ``plan`` exists
-so far; add e.g. ``verify`` with another ``_add_<name>_parser`` function.
+subparser and sets ``func`` (``args -> exit code``): ``plan``, ``verify`` and
+``list``; add another with an ``_add_<name>_parser`` function.
 
 Exit codes: 0 success, 2 invalid input (message on stderr as ``error: ...``).
 """
@@ -48,7 +48,92 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     _add_plan_parser(sub)
     _add_verify_parser(sub)
+    _add_list_parser(sub)
     return parser
+
+
+_POINTERS = (("latest", "{}"), ("latest_checkpointed_iteration.txt", "iter_{:0>7}"))
+
+
+def _pointer_target(save_dir: str) -> str | None:
+    """The checkpoint directory name ``save_dir``'s pointer (DeepSpeed's ``latest`` or
+    Megatron's tracker) names, if it has one."""
+    import os
+
+    for pointer, fmt in _POINTERS:
+        if os.path.isfile(os.path.join(save_dir, pointer)):
+            with open(os.path.join(save_dir, pointer), encoding="utf-8") as f:
+                return fmt.format(f.read().strip())
+    return None
+
+
+def _add_list_parser(sub) -> None:
+    p = sub.add_parser("list", help="the checkpoints in a save dir: committed, partial, other",
+                       description="List the checkpoint directories of a save dir, newest commit "
+                                   "first: this engine's committed checkpoints (commit time, files, "
+                                   "bytes, ranks; the one the pointer names marked), its partial "
+                                   "ones (a save in progress, or one a crash or failure cut "
+                                   "short: never loaded, never removed by keep_last), and other "
+                                   "directories. Reads manifests only; `verify` checks the bytes.")
+    p.add_argument("save_dir", help="e.g. ckpt (holding global_step*/ or iter_*/ directories)")
+    p.add_argument("--json", action="store_true", help="one JSON list instead of a table")
+    p.set_defaults(func=_cmd_list)
+
+
+def _cmd_list(args: argparse.Namespace) -> int:
+    import datetime
+    import os
+
+    from .commit import META_DIR, REMOVING_PREFIX, read_manifest
+    from .errors import IntegrityError
+
+    save_dir = args.save_dir
+    if not os.path.isdir(save_dir):
+        raise CliError(f"no save directory at {save_dir!r}")
+    pointed = _pointer_target(save_dir)
+    rows = []
+    for name in sorted(os.listdir(save_dir)):
+        path = os.path.join(save_dir, name)
+        if not os.path.isdir(path) or os.path.islink(path):
+            continue
+        row = {"name": name, "state": "other", "pointer": name == pointed}
+        if name.startswith(REMOVING_PREFIX):
+            row["state"] = "being removed"
+        elif os.path.isdir(os.path.join(path, META_DIR)):
+            try:
+                manifest = read_manifest(path)
+            except (IntegrityError, OSError, ValueError, KeyError):  # no (readable) manifest
+                records = [n for n in os.listdir(os.path.join(path, META_DIR)) if n.startswith("rank_")]
+                row.update(state="partial", rank_records=len(records))
+            else:
+                row.update(state="committed", committed_at=manifest["committed_at"],
+                           files=len(manifest["files"]), world_size=manifest["world_size"],
+                           bytes=sum(e["bytes"] for e in manifest["files"].values()))
+        rows.append(row)
+    order = {"committed": 0, "partial": 1, "being removed": 2, "other": 3}
+    rows.sort(key=lambda r: (order[r["state"]], -r.get("committed_at", 0), r["name"]))
+    if args.json:
+        print(json.dumps(rows, indent=1))
+        return 0
+    table = [("checkpoint", "state", "committed (UTC)", "files", "bytes", "ranks", "")]
+    for r in rows:
+        when = datetime.datetime.fromtimestamp(r["committed_at"], datetime.timezone.utc) \
+            .strftime("%Y-%m-%d %H:%M:%S") if "committed_at" in r else "-"
+        detail = f"{r['rank_records']} rank record(s)" if r["state"] == "partial" else ""
+        table.append((r["name"], r["state"], when, str(r.get("files", "-")),
+                      _bytes_text(r["bytes"]) if "bytes" in r else "-",
+                      str(r.get("world_size", "-")), "<- pointer" if r["pointer"] else detail))
+    widths = [max(len(row[c]) for row in table) for c in range(len(table[0]))]
+    for row in table:
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+    return 0
+
+
+def _bytes_text(n: int) -> str:
+    for unit, size in (("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def _add_verify_parser(sub) -> None:
@@ -67,11 +152,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     from .errors import IntegrityError
 
     path = args.path
-    for pointer, fmt in (("latest", "{}"), ("latest_checkpointed_iteration.txt", "iter_{:0>7}")):
-        if os.path.isfile(os.path.join(path, pointer)):
-            with open(os.path.join(path, pointer), encoding="utf-8") as f:
-                path = os.path.join(path, fmt.format(f.read().strip()))
-            break
+    target = _pointer_target(path) if os.path.isdir(path) else None
+    if target is not None:
+        path = os.path.join(path, target)
     if not os.path.isdir(path):
         raise CliError(f"no checkpoint directory at {path!r}")
     try:

@@ -841,6 +841,35 @@ def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "nope")]) == 2
 
 
+def test_list_cli_shows_committed_newest_first_partial_and_other(tmp_path, capsys):
+    import json
+
+    from deepspeed_async_ckpt.cli import main
+
+    ck = make()
+    for tag in ("s1", "s2"):
+        save_one(ck, str(tmp_path), sample_state(), tag=tag)
+        ck.wait()
+    ck.close()
+    (tmp_path / "crashed" / META_DIR).mkdir(parents=True)
+    (tmp_path / "crashed" / META_DIR / "rank_00001.x.json").write_text("{}")
+    (tmp_path / "torch_engine").mkdir()
+    assert main(["list", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert [(r["name"], r["state"], r["pointer"]) for r in rows] == [
+        ("s2", "committed", True), ("s1", "committed", False), ("crashed", "partial", False),
+        ("torch_engine", "other", False)]
+    manifest = read_manifest(str(tmp_path / "s2"))
+    assert rows[0]["bytes"] == sum(e["bytes"] for e in manifest["files"].values()) > 0
+    assert rows[0]["files"] == 1 and rows[0]["world_size"] == 1 and rows[2]["rank_records"] == 1
+    assert main(["list", str(tmp_path)]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split() == ["checkpoint", "state", "committed", "(UTC)", "files", "bytes", "ranks"]
+    assert lines[1].startswith("s2 ") and lines[1].endswith("<- pointer")
+    assert "1 rank record(s)" in lines[3]
+    assert main(["list", str(tmp_path / "nope")]) == 2
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: copy stream")
 def test_cuda_fence_does_not_block_the_host(tmp_path):
