@@ -220,6 +220,23 @@ def test_training_script_that_returns_after_its_last_save_commits_it(tmp_path, r
         assert_same(loaded, saved, f"rank{rank}: checkpoint committed at exit")
 
 
+def test_sigterm_handled_by_the_script_saves_and_the_exit_flush_commits_it(tmp_path, repo_env):
+    # The README's preemption recipe: SIGTERM at step 3 sets a flag, the loop saves at step 4
+    # and returns while that save is still being written; interpreter exit commits it.
+    out = str(tmp_path)
+    assert run_ranks(repo_env, 2, "sigterm", "--out", out) == [0, 0]
+    with open(os.path.join(out, "preempted", "latest")) as f:
+        assert f.read() == "global_step4"
+    from deepspeed_async_ckpt.commit import verify_checkpoint
+    verify_checkpoint(os.path.join(out, "preempted", "global_step4"))
+    run_ranks(repo_env, 2, "load", "--out", out, "--variants", "preempted")
+    for rank in range(2):
+        saved = torch.load(os.path.join(out, f"sigterm_saved_rank{rank}.pt"), weights_only=False)
+        loaded = torch.load(os.path.join(out, f"dump_preempted_rank{rank}.pt"), weights_only=False)
+        assert saved["global_steps"] == 4
+        assert_same(loaded, saved, f"rank{rank}: checkpoint saved on SIGTERM")
+
+
 def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env):
     out = str(tmp_path)
     flags = ["--out", out, "--zero-stage", "1"]

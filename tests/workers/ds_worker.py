@@ -9,6 +9,7 @@ Phases:
   diskfull  one rank's disk fills mid-persist; the next save raises on every rank, then recovers.
   diskfull-load  the same failure, then load_checkpoint: refused on every rank, a retry loads.
   exit    save, train one more step, and return without destroy(): interpreter exit commits.
+  sigterm each rank gets SIGTERM; its handler's flag makes the loop save and return (committed).
   engines check which checkpoint engine DeepSpeed builds for several configs.
 The test module reads what they write under --out and asserts on it.
 """
@@ -204,6 +205,36 @@ def phase_exit(args):
     train(engine, args, 1, start=2)  # the fence copies the lazy tensors before they change
 
 
+def phase_sigterm(args):
+    """The README's preemption recipe: SIGTERM sets a flag, the loop saves at the next step and
+    returns; the exit flush commits that save. The writers are slowed so it is still being
+    written when main returns. Each rank sends itself SIGTERM at step 3, as a scheduler would."""
+    import time
+
+    import deepspeed_async_ckpt.checkpointer as checkpointer
+
+    real_write_file = checkpointer.write_file
+
+    def slow_write_file(*a, **kw):
+        time.sleep(0.5)
+        return real_write_file(*a, **kw)
+
+    checkpointer.write_file = slow_write_file
+    stop = {"asked": False}
+    signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(asked=True))
+    engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
+    rank = torch.distributed.get_rank()
+    for step in range(100):
+        if stop["asked"]:
+            dump_engine_state(engine, os.path.join(args.out, f"sigterm_saved_rank{rank}.pt"))
+            engine.save_checkpoint(os.path.join(args.out, "preempted"))
+            return  # no wait, no destroy: the exit flush commits it
+        train(engine, args, 1, start=step)
+        if step == 3:
+            os.kill(os.getpid(), signal.SIGTERM)
+    raise SystemExit("unreachable: SIGTERM should have stopped training")
+
+
 def read_latest(save_dir):
     with open(os.path.join(save_dir, "latest")) as f:
         return f.read()
@@ -340,7 +371,8 @@ def phase_engines(args):
 
 def main():
     p = argparse.ArgumentParser()
-    p.add_argument("phase", choices=["save", "load", "kill", "exit", "engines", "diskfull", "diskfull-load"])
+    p.add_argument("phase", choices=["save", "load", "kill", "exit", "sigterm", "engines", "diskfull",
+                                     "diskfull-load"])
     p.add_argument("--out", required=True)
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
@@ -350,6 +382,7 @@ def main():
     p.add_argument("--partial", type=int, default=0)
     args = p.parse_args()
     {"save": phase_save, "load": phase_load, "kill": phase_kill, "exit": phase_exit,
+     "sigterm": phase_sigterm,
      "engines": phase_engines,
      "diskfull": phase_diskfull, "diskfull-load": phase_diskfull_load}[args.phase](args)
 
