@@ -452,7 +452,7 @@ class AsyncCheckpointer:
         directory without this engine's records (another engine's checkpoint) passes as it is.
         """
         ckpt_dir = os.path.abspath(ckpt_dir)
-        error: IntegrityError | None = None
+        error: Exception | None = None
         save_id = None
         try:
             if os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
@@ -460,11 +460,12 @@ class AsyncCheckpointer:
                 for rel in sorted(manifest["files"])[self.rank::self.world_size]:
                     verify_file(os.path.join(ckpt_dir, rel), manifest)
                 save_id = manifest["save_id"]
-        except IntegrityError as exc:
+        except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
             error = exc
-        _, failed = self._exchange(action, None if error is None else f"{type(error).__name__}: {error}")
+        detail = None if error is None else f"{type(error).__name__}: {error}"
+        _, failed = self._exchange(action, detail)
         if error is not None:
-            raise IntegrityError(f"{action} refused on every rank: {error}") from error
+            raise IntegrityError(f"{action} refused on every rank: {detail}") from error
         if failed:
             raise IntegrityError(f"{action} refused on every rank, because of rank(s) " +
                                  "; ".join(f"{r}: {m}" for r, m in sorted(failed.items())))

@@ -236,7 +236,11 @@ def verify_file(path: str, manifest: dict | None = None) -> None:
     if algorithm not in HASHERS:
         raise IntegrityError(f"manifest of checkpoint {ckpt_dir!r} uses checksum {algorithm!r}, "
                              f"which this version cannot compute (it knows {', '.join(HASHERS)})")
-    size, digest = hash_file(path, algorithm)
+    try:
+        size, digest = hash_file(path, algorithm)
+    except OSError as exc:  # missing, unreadable: as bad as a wrong checksum
+        raise IntegrityError(f"{path}: listed in the manifest of checkpoint {ckpt_dir!r} but "
+                             f"cannot be read: {exc}") from exc
     if size != entry["bytes"]:
         raise IntegrityError(f"{path}: size {size} bytes, manifest says {entry['bytes']}: file truncated or replaced")
     if algorithm != "none" and digest != entry[algorithm]:

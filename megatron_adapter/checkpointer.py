@@ -378,6 +378,8 @@ def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1) 
                 verify_file(os.path.join(ckpt_dir, rel), manifest)
     except IntegrityError as exc:
         error = str(exc)
+    except Exception as exc:  # any kind: a rank that skipped the all-gather would hang the rest
+        error = f"{type(exc).__name__}: {exc}"
     errors = [error]
     if world_size > 1:
         errors = [None] * world_size

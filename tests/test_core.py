@@ -650,6 +650,44 @@ def test_verification_follows_the_manifest_not_the_config(tmp_path):
     ck.close()
 
 
+def test_verify_all_ranks_always_reaches_the_exchange_and_load_then_skips_the_files(tmp_path):
+    """Whatever goes wrong on a rank (a missing file here), it still takes part in the exchange
+    (or the other ranks would hang in it) and raises naming the file; once a checkpoint
+    verified, load() does not hash its files again, until the checkpoint is saved anew."""
+    import deepspeed_async_ckpt.commit as commit_module
+
+    calls = []
+
+    def exchange(value, error):
+        calls.append(error)
+        return value, {}
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), exchange=exchange)
+    save_one(ck, str(tmp_path), sample_state())
+    ck.wait()
+    hashed = []
+    real_hash_file = commit_module.hash_file
+    commit_module.hash_file = lambda path, algorithm: hashed.append(path) or real_hash_file(path, algorithm)
+    try:
+        calls.clear()
+        ck.verify_all_ranks(str(tmp_path / "t1"))
+        assert calls == [None] and len(hashed) == 1
+        ck.load(str(tmp_path / "t1" / "model.pt"))
+        assert len(hashed) == 1  # verified above: not hashed again
+        save_one(ck, str(tmp_path), sample_state())  # the same directory, saved anew
+        ck.wait()
+        ck.load(str(tmp_path / "t1" / "model.pt"))
+        assert len(hashed) == 2
+        os.rename(tmp_path / "t1" / "model.pt", tmp_path / "moved.pt")
+        calls.clear()
+        with pytest.raises(IntegrityError, match="refused on every rank.*model.pt.*cannot be read"):
+            ck.verify_all_ranks(str(tmp_path / "t1"))
+        assert len(calls) == 1 and "model.pt" in calls[0]
+    finally:
+        commit_module.hash_file = real_hash_file
+    ck.close()
+
+
 def test_uncommitted_checkpoint_is_refused(tmp_path):
     ck = make()
     save_one(ck, str(tmp_path), sample_state())
