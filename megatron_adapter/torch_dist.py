@@ -178,8 +178,9 @@ def _balance(sizes: list[int], max_files: int) -> list[int]:
 
 
 def write_markers(storage: Storage, ckpt_dir: str, index: GlobalIndex) -> None:
-    """Rank 0, after the engine committed: write ``.metadata`` from the manifest's file sizes,
-    then ``metadata.json``. Each is written to a temporary name, fsynced and renamed."""
+    """Rank 0, after the engine committed: write ``.metadata``, each item at the offset and
+    length the manifest gives for it, then ``metadata.json``. Each is written to a temporary
+    name, fsynced and renamed."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from megatron.core.dist_checkpointing.core import CheckpointingConfig
 
