@@ -13,7 +13,8 @@ Tensors are then staged:
   by a background copier into buffers from :class:`HostBufferPool` while the next
   forward/backward runs. With CUDA the copies run on a dedicated copy stream into pinned
   buffers and complete through CUDA events. The training loop calls :meth:`Stager.fence`
-  before the optimizer step; it blocks only while copies are outstanding.
+  before the optimizer step; it blocks only while copies are outstanding, and without CUDA
+  it copies alongside the copier meanwhile.
 """
 
 from __future__ import annotations
@@ -108,8 +109,10 @@ class HostBufferPool:
     def held_bytes(self) -> int:
         return sum(b.size for b in self._blocks)
 
-    def acquire(self, nbytes: int, what: str, expected_bytes: int = 0) -> torch.Tensor:
-        """A uint8 tensor of exactly ``nbytes``; blocks until the pool has room.
+    def acquire(self, nbytes: int, what: str, expected_bytes: int = 0, *,
+                wait: bool = True) -> torch.Tensor | None:
+        """A uint8 tensor of exactly ``nbytes``; blocks until the pool has room, or returns
+        None at once if it has none and ``wait`` is false.
 
         ``expected_bytes`` (the bytes queued for staging, this buffer included) sizes a new
         block when one is needed, so that the rest of the queue fits in it.
@@ -137,6 +140,8 @@ class HostBufferPool:
                 if room >= n:
                     self._add_block(_Block(min(room, max(n, aligned_size(expected_bytes))), self.pin))
                     continue
+                if not wait:
+                    return None
                 self._cond.wait()
 
     def reserve(self, nbytes: int) -> threading.Thread | None:
@@ -193,7 +198,7 @@ class TensorItem:
     """
 
     __slots__ = ("key", "src", "nbytes", "eager", "_label", "host", "error", "_pool",
-                 "_cuda_event", "_issued", "_latch")
+                 "_cuda_event", "_issued", "_latch", "_claimed")
 
     def __init__(self, key: str, src: torch.Tensor | None, nbytes: int, eager: bool,
                  what: str | tuple = "") -> None:
@@ -206,6 +211,7 @@ class TensorItem:
         self._issued = False
         self._latch = threading.Lock()  # held until the copy is issued; waiters pass through
         self._latch.acquire()
+        self._claimed = False  # a thread took it to copy (the copier, or the fence helping)
 
     @property
     def what(self) -> str:
@@ -384,7 +390,8 @@ def tensor_ids(obj: Any) -> set[int]:
 
 class Stager:
     """Copies tensor items to host. One background copier thread serves lazy items in FIFO
-    order; eager items and the synchronous mode call :meth:`stage` inline."""
+    order; eager items and the synchronous mode call :meth:`stage` inline; without CUDA, a
+    fence that would block copies items from the back of the queue (:meth:`fence`)."""
 
     def __init__(self, pool: HostBufferPool, use_cuda: bool) -> None:
         self.pool = pool
@@ -399,6 +406,11 @@ class Stager:
         self.pooled_bytes = 0
         """Pool bytes those copies took (whole pages per record), since start: what a save
         needs from the pool, for sizing ``host_buffer_gb`` and :meth:`HostBufferPool.reserve`."""
+        self.fence_copied_bytes = 0
+        """Bytes the training thread copied itself while blocked at the fence, since start."""
+        self._helpable: collections.deque[TensorItem] = collections.deque()
+        """Items of the copier's current job that have their buffers: the fence takes from
+        the back."""
         self._thread = threading.Thread(target=self._run, name="async-ckpt-copier", daemon=True)
         self._thread.start()
 
@@ -431,16 +443,41 @@ class Stager:
         ``expected_bytes`` sizes a new pool block when one is needed (the synchronous mode
         passes its largest record); queued background items are counted automatically.
         """
+        if self._acquire(item, expected_bytes, wait=True):
+            self._copy(item, ready)
+
+    def _acquire(self, item: TensorItem, expected_bytes: int = 0, *, wait: bool) -> bool:
+        """Give ``item`` its pool buffer, unless it has one. Returns False, having taken
+        nothing, if ``wait`` is false and the pool has no room now. A failure (a tensor larger
+        than the pool) is recorded on the item, which then counts as issued."""
+        if item.host is not None or item._issued:
+            return True
         try:
-            with self._lock:
-                expected = max(expected_bytes, self._queued_bytes)
-            buf = self.pool.acquire(item.nbytes, item.what, expected) if item.nbytes else \
-                torch.empty(0, dtype=torch.uint8)
-            item._pool = self.pool if item.nbytes else None
+            if item.nbytes:
+                with self._lock:
+                    expected = max(expected_bytes, self._queued_bytes)
+                buf = self.pool.acquire(item.nbytes, item.what, expected, wait=wait)
+                if buf is None:
+                    return False
+                item._pool = self.pool
+            else:
+                buf = torch.empty(0, dtype=torch.uint8)
             item.host = buf
+        except BaseException as exc:  # surfaced by wait_staged / fence
+            item.error = exc
+            item.src = None
+            item._set_issued()
+        return True
+
+    def _copy(self, item: TensorItem, ready: Any = None) -> None:
+        """Copy ``item``'s source into its buffer (with CUDA: issue the copy on the copy
+        stream), then mark it issued."""
+        try:
+            if item._issued:  # its buffer could not be had: the error is on the item
+                return
             src = item.src
             if item.nbytes:
-                dst = buf.view(src.dtype).view(src.shape)
+                dst = item.host.view(src.dtype).view(src.shape)
                 if src.is_cuda and self._copy_stream is not None:
                     with torch.cuda.stream(self._copy_stream):
                         if ready is not None:
@@ -461,12 +498,19 @@ class Stager:
 
     def fence(self) -> None:
         """Block until every queued copy is issued; with CUDA, make the current stream wait for
-        the copies instead of blocking the host. Called before the optimizer step."""
+        the copies instead of blocking the host. Called before the optimizer step.
+
+        Without CUDA, a training thread that would block here copies too: it takes items from
+        the back of the queue that already have their buffers (the copier takes a buffer for
+        every item it can when a save arrives) while the copier works from the front, so a
+        copy that outlasts forward and backward finishes with two threads copying."""
         while True:
             with self._lock:
                 if not self._pending:
                     return
                 item = self._pending[0]
+            if not item._issued and self._copy_one_from_the_back():
+                continue
             item._wait_issued()
             if item.error is not None:
                 raise SnapshotError(f"staging {item.what} failed: {item.error}") from item.error
@@ -475,6 +519,21 @@ class Stager:
             with self._lock:
                 if self._pending and self._pending[0] is item:
                     self._pending.popleft()
+
+    def _copy_one_from_the_back(self) -> bool:
+        """Copy the last queued item that has its buffer and that no thread has taken; False if
+        there is none (with CUDA, always: the fence does not block the host there)."""
+        with self._lock:
+            while self._helpable:
+                item = self._helpable.pop()
+                if not item._claimed and not item._issued:
+                    item._claimed = True
+                    break
+            else:
+                return False
+        self._copy(item)
+        self.fence_copied_bytes += item.nbytes
+        return True
 
     def close(self) -> None:
         self._queue.put(None)
@@ -491,7 +550,18 @@ class Stager:
             if job is None:
                 return
             items, ready = job
+            if not self.use_cuda:  # every buffer free now, so that the fence can copy too
+                for item in items:
+                    if not self._acquire(item, wait=False):
+                        break
+                    with self._lock:
+                        self._helpable.append(item)
             for item in items:
-                self.stage(item, ready)
+                with self._lock:
+                    mine, item._claimed = not item._claimed, True
+                if mine:
+                    self.stage(item, ready)
                 with self._lock:
                     self._queued_bytes -= aligned_size(item.nbytes)
+            with self._lock:
+                self._helpable.clear()  # all taken by now

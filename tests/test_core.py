@@ -4,6 +4,7 @@ import errno
 import hashlib
 import os
 import threading
+import time
 import zlib
 
 import pytest
@@ -110,6 +111,43 @@ def _ref(tmp_path, state):
     path = tmp_path / "ref.pt"
     torch.save(state, path)
     return path
+
+
+def test_fence_copies_from_the_back_while_a_slow_copier_works_from_the_front(tmp_path, monkeypatch):
+    """Without CUDA, a training thread blocked at the fence copies too. The copier is held on
+    its first item here: the fence copies every other one itself, the copier then finishes its
+    item and finds the rest taken, and the file holds the values of save time although the
+    "optimizer" changed every tensor right after the fence."""
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    real_copy, release, timed_out = Stager._copy, threading.Event(), []
+
+    def copy(self, item, ready=None):
+        if threading.current_thread().name == "async-ckpt-copier" and not release.is_set():
+            if not release.wait(10):
+                timed_out.append(item.key)
+        return real_copy(self, item, ready)
+
+    monkeypatch.setattr(Stager, "_copy", copy)
+    torch.manual_seed(3)
+    state = {f"w{i}": torch.randn(128, 128) for i in range(8)}
+    expected = {k: v.clone() for k, v in state.items()}
+    ck = make()
+    save_one(ck, str(tmp_path), state, eager=())
+    others = 7 * 128 * 128 * 4
+    watcher = threading.Thread(target=lambda: (
+        [time.sleep(0.01) for _ in range(1000) if ck._stager.fence_copied_bytes < others],
+        release.set()))
+    watcher.start()
+    ck.fence()
+    watcher.join()
+    for v in state.values():  # the optimizer step
+        v.add_(1.0)
+    ck.wait()
+    ck.close()
+    assert not timed_out, "the fence left every copy to the copier"
+    assert ck._stager.fence_copied_bytes == others
+    assert_same(torch.load(tmp_path / "t1" / "model.pt", weights_only=True), expected)
 
 
 def test_pool_smaller_than_state_streams_and_buffers_are_reused(tmp_path):
