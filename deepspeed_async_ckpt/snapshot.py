@@ -411,6 +411,8 @@ class Stager:
         self._helpable: collections.deque[TensorItem] = collections.deque()
         """Items of the copier's current job that have their buffers: the fence takes from
         the back."""
+        self._jobs = [0, 0]  # jobs submitted, and jobs whose buffers the copier has taken
+        self._prepared = threading.Condition(self._lock)
         self._thread = threading.Thread(target=self._run, name="async-ckpt-copier", daemon=True)
         self._thread.start()
 
@@ -425,6 +427,7 @@ class Stager:
         with self._lock:
             self._pending.extend(items)
             self._queued_bytes += sum(aligned_size(item.nbytes) for item in items)
+            self._jobs[0] += 1
         self._queue.put((items, ready))  # one wake-up of the copier, after the lock is free
 
     def stage_eager(self, items: Iterable[TensorItem]) -> None:
@@ -523,7 +526,11 @@ class Stager:
     def _copy_one_from_the_back(self) -> bool:
         """Copy the last queued item that has its buffer and that no thread has taken; False if
         there is none (with CUDA, always: the fence does not block the host there)."""
+        if self.use_cuda:
+            return False
         with self._lock:
+            while self._jobs[1] < self._jobs[0]:  # the copier is taking buffers: in a moment
+                self._prepared.wait()
             while self._helpable:
                 item = self._helpable.pop()
                 if not item._claimed and not item._issued:
@@ -556,6 +563,9 @@ class Stager:
                         break
                     with self._lock:
                         self._helpable.append(item)
+            with self._lock:
+                self._jobs[1] += 1
+                self._prepared.notify_all()
             for item in items:
                 with self._lock:
                     mine, item._claimed = not item._claimed, True
