@@ -205,19 +205,24 @@ def test_training_script_that_returns_after_its_last_save_commits_it(tmp_path, r
     # Every rank returns from main while its last save is still being written: interpreter
     # exit finishes the writes on every rank, rank 0 commits, and a fresh run restores it.
     out = str(tmp_path)
-    proc = run_ranks(repo_env, 2, "exit", "--out", out)
-    assert proc == [0, 0]
-    with open(os.path.join(out, "exit", "latest")) as f:
-        assert f.read() == "global_step2"
+    assert run_ranks(repo_env, 2, "exit", "--out", out) == [0, 0]
+    assert_committed_at_exit_and_restored(repo_env, out, "exit", step=2, saved="exit_saved")
+
+
+def assert_committed_at_exit_and_restored(repo_env, out, variant, *, step, saved):
+    """``variant``'s `latest` names global_step<step>, which verifies and holds both ranks'
+    parts, and a fresh run restores exactly the state the ranks dumped as ``saved``."""
+    with open(os.path.join(out, variant, "latest")) as f:
+        assert f.read() == f"global_step{step}"
     from deepspeed_async_ckpt.commit import verify_checkpoint
-    manifest = verify_checkpoint(os.path.join(out, "exit", "global_step2"))
+    manifest = verify_checkpoint(os.path.join(out, variant, f"global_step{step}"))
     assert sorted(manifest["ranks"]) == ["0", "1"]
-    run_ranks(repo_env, 2, "load", "--out", out, "--variants", "exit")
+    run_ranks(repo_env, 2, "load", "--out", out, "--variants", variant)
     for rank in range(2):
-        saved = torch.load(os.path.join(out, f"exit_saved_rank{rank}.pt"), weights_only=False)
-        loaded = torch.load(os.path.join(out, f"dump_exit_rank{rank}.pt"), weights_only=False)
-        assert saved["global_steps"] == 2
-        assert_same(loaded, saved, f"rank{rank}: checkpoint committed at exit")
+        before = torch.load(os.path.join(out, f"{saved}_rank{rank}.pt"), weights_only=False)
+        loaded = torch.load(os.path.join(out, f"dump_{variant}_rank{rank}.pt"), weights_only=False)
+        assert before["global_steps"] == step
+        assert_same(loaded, before, f"rank{rank}: {variant} checkpoint committed at exit")
 
 
 def test_sigterm_handled_by_the_script_saves_and_the_exit_flush_commits_it(tmp_path, repo_env):
@@ -225,16 +230,7 @@ def test_sigterm_handled_by_the_script_saves_and_the_exit_flush_commits_it(tmp_p
     # and returns while that save is still being written; interpreter exit commits it.
     out = str(tmp_path)
     assert run_ranks(repo_env, 2, "sigterm", "--out", out) == [0, 0]
-    with open(os.path.join(out, "preempted", "latest")) as f:
-        assert f.read() == "global_step4"
-    from deepspeed_async_ckpt.commit import verify_checkpoint
-    verify_checkpoint(os.path.join(out, "preempted", "global_step4"))
-    run_ranks(repo_env, 2, "load", "--out", out, "--variants", "preempted")
-    for rank in range(2):
-        saved = torch.load(os.path.join(out, f"sigterm_saved_rank{rank}.pt"), weights_only=False)
-        loaded = torch.load(os.path.join(out, f"dump_preempted_rank{rank}.pt"), weights_only=False)
-        assert saved["global_steps"] == 4
-        assert_same(loaded, saved, f"rank{rank}: checkpoint saved on SIGTERM")
+    assert_committed_at_exit_and_restored(repo_env, out, "preempted", step=4, saved="sigterm_saved")
 
 
 def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env):

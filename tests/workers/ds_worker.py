@@ -183,9 +183,8 @@ def phase_kill(args):
     raise SystemExit("unreachable: a rank should have been killed mid-persist")
 
 
-def phase_exit(args):
-    """The usual end of a training script: the last save_checkpoint, then return (no destroy,
-    no wait). The writers are slowed so the save is still being written when main returns."""
+def slow_writes():
+    """Every file write starts 0.5 s late: the save is still being written when main returns."""
     import time
 
     import deepspeed_async_ckpt.checkpointer as checkpointer
@@ -197,6 +196,12 @@ def phase_exit(args):
         return real_write_file(*a, **kw)
 
     checkpointer.write_file = slow_write_file
+
+
+def phase_exit(args):
+    """The usual end of a training script: the last save_checkpoint, then return (no destroy,
+    no wait). The writers are slowed so the save is still being written when main returns."""
+    slow_writes()
     engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
     rank = torch.distributed.get_rank()
     train(engine, args, 2)
@@ -209,17 +214,7 @@ def phase_sigterm(args):
     """The README's preemption recipe: SIGTERM sets a flag, the loop saves at the next step and
     returns; the exit flush commits that save. The writers are slowed so it is still being
     written when main returns. Each rank sends itself SIGTERM at step 3, as a scheduler would."""
-    import time
-
-    import deepspeed_async_ckpt.checkpointer as checkpointer
-
-    real_write_file = checkpointer.write_file
-
-    def slow_write_file(*a, **kw):
-        time.sleep(0.5)
-        return real_write_file(*a, **kw)
-
-    checkpointer.write_file = slow_write_file
+    slow_writes()
     stop = {"asked": False}
     signal.signal(signal.SIGTERM, lambda signum, frame: stop.update(asked=True))
     engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
