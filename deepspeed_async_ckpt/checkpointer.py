@@ -435,6 +435,9 @@ class AsyncCheckpointer:
             handle.retired = retire_checkpoints(
                 self.storage, os.path.dirname(handle.ckpt_dir), keep_last=keep_last,
                 protected=protected, lock=self._dirs_lock, keep=keep)
+            if handle.retired:
+                logger.info("async checkpoint: %s committed; removed older checkpoint(s) %s",
+                            handle.ckpt_dir, ", ".join(handle.retired))
         except OSError as exc:
             logger.warning("async checkpoint: %s is committed, but removing older checkpoints "
                            "(keep_last=%d) failed: %s", handle.ckpt_dir, keep_last, exc)

@@ -817,7 +817,8 @@ def test_packed_file_holds_one_torch_save_archive_per_part_at_page_offsets(tmp_p
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
-def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path, mode):
+def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path, mode, caplog):
+    caplog.set_level("INFO", logger="deepspeed_async_ckpt.checkpointer")
     root = str(tmp_path)
     # What retention must leave alone: another engine's checkpoint, a partial save of ours, a
     # plain file; and what it must finish: a removal that a crash cut short.
@@ -839,6 +840,7 @@ def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path
         assert sorted(n for n in os.listdir(root) if n.startswith("s")) == [f"s{j}" for j in range(max(0, i - 1), i + 1)]
     ck.close()
     assert retired == [[], [], ["s0"], ["s1"], ["s2"]]
+    assert "s4 committed; removed older checkpoint(s) s2" in caplog.text  # said in the log
     assert sorted(os.listdir(root)) == ["latest", "notes.txt", "partial", "s3", "s4", "torch_engine"]
     assert (tmp_path / "torch_engine" / "global_step1" / "mp_rank_00_model_states.pt").read_bytes() == b"x"
     assert os.listdir(tmp_path / "partial" / META_DIR) == ["rank_00000.abc.json"]
