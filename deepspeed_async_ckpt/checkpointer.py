@@ -33,7 +33,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from .commit import (META_DIR, Pointer, commit, find_checkpoint_dir, read_manifest,
-                     retire_checkpoints, uncommit, verify_file, write_rank_failure, write_rank_record)
+                     retire_checkpoints, uncommit, verify_checkpoint, verify_file,
+                     write_rank_failure, write_rank_record)
 from .config import AsyncCheckpointConfig
 from .errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
 from .persist import FileRecord, write_file
@@ -459,10 +460,8 @@ class AsyncCheckpointer:
         save_id = None
         try:
             if os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
-                manifest = read_manifest(ckpt_dir)
-                for rel in sorted(manifest["files"])[self.rank::self.world_size]:
-                    verify_file(os.path.join(ckpt_dir, rel), manifest)
-                save_id = manifest["save_id"]
+                save_id = verify_checkpoint(ckpt_dir, rank=self.rank,
+                                            world_size=self.world_size)["save_id"]
         except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
             error = exc
         detail = None if error is None else f"{type(error).__name__}: {error}"

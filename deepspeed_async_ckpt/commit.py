@@ -247,10 +247,14 @@ def verify_file(path: str, manifest: dict | None = None) -> None:
         raise IntegrityError(f"{path}: {algorithm} {digest} does not match manifest {entry[algorithm]}: file corrupted")
 
 
-def verify_checkpoint(ckpt_dir: str) -> dict:
-    """Verify every file of a committed checkpoint; returns its manifest."""
-    manifest = read_manifest(ckpt_dir)
-    for rel in sorted(manifest["files"]):
+def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
+                      manifest: dict | None = None) -> dict:
+    """Verify the files of a committed checkpoint (against ``manifest`` if already read);
+    returns its manifest. With ``world_size`` ranks each verifying its share, rank ``r``
+    checks files ``r, r + world_size, ...`` of the manifest (sorted), so that together they
+    read every file once."""
+    manifest = manifest or read_manifest(ckpt_dir)
+    for rel in sorted(manifest["files"])[rank::world_size]:
         verify_file(os.path.join(ckpt_dir, rel), manifest)
     return manifest
 

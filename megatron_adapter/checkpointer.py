@@ -44,7 +44,7 @@ import torch.distributed as dist
 
 from deepspeed_async_ckpt.checkpointer import (AsyncCheckpointer, CheckpointHandle, cancel_flush_at_exit,
                                                exchange_across_ranks, flush_at_exit)
-from deepspeed_async_ckpt.commit import META_DIR, read_manifest, verify_file, write_text_atomic
+from deepspeed_async_ckpt.commit import META_DIR, read_manifest, verify_checkpoint, write_text_atomic
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError
 from deepspeed_async_ckpt.storage import Storage, aligned_size
@@ -374,8 +374,7 @@ def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1) 
             if missing:
                 raise IntegrityError(f"checkpoint {ckpt_dir!r} was persisted but never finalized "
                                      f"({', '.join(missing)} missing): load the one the tracker names")
-            for rel in sorted(manifest["files"])[rank::world_size]:
-                verify_file(os.path.join(ckpt_dir, rel), manifest)
+            verify_checkpoint(ckpt_dir, rank=rank, world_size=world_size, manifest=manifest)
     except IntegrityError as exc:
         error = str(exc)
     except Exception as exc:  # any kind: a rank that skipped the all-gather would hang the rest
