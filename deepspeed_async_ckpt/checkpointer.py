@@ -97,6 +97,11 @@ class CheckpointHandle:
 _EXCHANGE_VALUE_BYTES = 64
 
 
+def by_rank(errors: dict[int, str]) -> str:
+    """``"1: msg; 3: msg"``: the per-rank errors an exchange returned, in rank order."""
+    return "; ".join(f"{r}: {m}" for r, m in sorted(errors.items()))
+
+
 def exchange_across_ranks(value: str, error: str | None) -> tuple[str, dict[int, str]]:
     """Collective: rank 0's ``value``, and every rank's error message (rank -> message) so that
     a failure on one rank is raised on all of them instead of leaving the others waiting in the
@@ -230,8 +235,7 @@ class AsyncCheckpointer:
                 raise _reraise(local)
             if failed:
                 raise CommitError("a previous checkpoint failed and was not committed (the last "
-                                  "committed one is intact) on rank(s) " +
-                                  "; ".join(f"{r}: {m}" for r, m in sorted(failed.items())))
+                                  "committed one is intact) on rank(s) " + by_rank(failed))
             if self.rank == 0:
                 self._wait_for_dir(ckpt_dir)
                 uncommit(ckpt_dir)  # only now: a save that fails to start must not lose a commit
@@ -402,7 +406,7 @@ class AsyncCheckpointer:
             raise cls(f"{action} refused on every rank: {detail}{retry}") from local
         if failed:
             raise CommitError(f"{action} refused on every rank, because of rank(s) " +
-                              "; ".join(f"{r}: {m}" for r, m in sorted(failed.items())) + retry)
+                              by_rank(failed) + retry)
 
     def _take_background_error(self) -> BaseException | None:
         with self._lock:
@@ -469,8 +473,8 @@ class AsyncCheckpointer:
         if error is not None:
             raise IntegrityError(f"{action} refused on every rank: {detail}") from error
         if failed:
-            raise IntegrityError(f"{action} refused on every rank, because of rank(s) " +
-                                 "; ".join(f"{r}: {m}" for r, m in sorted(failed.items())))
+            raise IntegrityError(f"{action} refused on every rank, because of rank(s) "
+                                 f"{by_rank(failed)}")
         if save_id is not None:
             self._verified[ckpt_dir] = save_id
 

@@ -42,8 +42,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from deepspeed_async_ckpt.checkpointer import (AsyncCheckpointer, CheckpointHandle, cancel_flush_at_exit,
-                                               exchange_across_ranks, flush_at_exit)
+from deepspeed_async_ckpt.checkpointer import (AsyncCheckpointer, CheckpointHandle, by_rank,
+                                               cancel_flush_at_exit, exchange_across_ranks,
+                                               flush_at_exit)
 from deepspeed_async_ckpt.commit import META_DIR, read_manifest, verify_checkpoint, write_text_atomic
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError
@@ -352,8 +353,7 @@ class MegatronCheckpointer:
         if error is not None:
             raise error
         if failed:
-            raise CommitError("checkpoint failed on rank(s) " + "; ".join(
-                f"{r}: {m}" for r, m in sorted(failed.items())))
+            raise CommitError("checkpoint failed on rank(s) " + by_rank(failed))
 
 
 def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1) -> None:
