@@ -152,9 +152,8 @@ def committed_checkpoints(save_dir: str) -> list[str]:
         if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
             continue
         try:
-            with open(os.path.join(entry.path, META_DIR, MANIFEST), encoding="utf-8") as f:
-                committed_at = float(json.load(f)["committed_at"])
-        except (OSError, ValueError, KeyError, TypeError):
+            committed_at = float(read_manifest(entry.path)["committed_at"])
+        except (IntegrityError, OSError, ValueError, KeyError, TypeError):
             continue
         found.append((committed_at, entry.name))
     return [name for _, name in sorted(found, reverse=True)]
