@@ -28,18 +28,20 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
+import xxhash
 
 from .commit import (META_DIR, Pointer, commit, find_checkpoint_dir, read_manifest,
                      retire_checkpoints, uncommit, verify_checkpoint, verify_file,
                      write_rank_failure, write_rank_record)
 from .config import AsyncCheckpointConfig
 from .errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
-from .persist import FileRecord, write_file
+from .persist import FileRecord, Share, split_items, write_file
 from .snapshot import FilePlan, HostBufferPool, Stager, TensorItem, plan_file, tensor_ids
-from .storage import LocalStorage, Storage
+from .storage import LocalStorage, Storage, aligned_size
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +66,7 @@ class CheckpointHandle:
         self.items: list[TensorItem] = []
         self.unsubmitted: list[TensorItem] = []
         """Lazy items of an open save, queued for the copier when it is sealed."""
-        self.unwritten: list[tuple[str, list[FilePlan], list[str] | None]] = []
+        self.unwritten: list[tuple[str, list[FilePlan], list[str] | None, Share | None]] = []
         """Files of an open save, handed to the writers when it is sealed."""
         self.files: list[Future] = []
         self.nbytes = 0
@@ -138,6 +140,38 @@ def exchange_across_ranks(value: str, error: str | None) -> tuple[str, dict[int,
     return gathered[0][0], {r: e for r, (_, e) in enumerate(gathered) if e}
 
 
+@dataclass(frozen=True)
+class Replicas:
+    """Ranks that all save the same file from the same state (DeepSpeed's model states, on
+    every data-parallel replica) and can write it together: ``rank`` is this rank's index
+    among them, ``size`` their number, ``group`` their ``torch.distributed`` process group
+    (None: the default group). See :meth:`AsyncCheckpointer.save`."""
+
+    rank: int
+    size: int
+    group: Any = None
+
+    def gather(self, digest: bytes) -> list[bytes]:
+        """Collective over the group: every replica's ``digest`` (all of one length), in
+        replica order. One all-gather of a few bytes per replica, on the training thread."""
+        import torch.distributed as dist
+
+        backend = dist.get_backend(self.group)
+        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
+            else torch.device("cpu")
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+        every = [torch.empty_like(mine) for _ in range(self.size)]
+        dist.all_gather(every, mine, group=self.group)
+        return [bytes(t.cpu().tolist()) for t in every]
+
+
+def layout_digest(plan: FilePlan) -> bytes:
+    """What a file's archive is laid out from: its pickle and record sizes (xxh128)."""
+    h = xxhash.xxh3_128(plan.pickle_bytes)
+    h.update(b"".join(i.nbytes.to_bytes(8, "little") for i in plan.items))
+    return h.digest()
+
+
 _exit_flushes: list[weakref.WeakMethod] = []
 _exit_lock = threading.Lock()
 _exit_hook_installed = False
@@ -207,6 +241,7 @@ class AsyncCheckpointer:
         self._beginning: str | None = None  # directory of a begin() still agreeing its save id
         self._dirs_lock = threading.Lock()  # retention vs. saves announcing their directories
         self._verified: dict[str, str] = {}  # checkpoint dir -> save id, checked by verify_all_ranks
+        self._warned_replicas_differ = False
         self._inflight: collections.deque[CheckpointHandle] = collections.deque()
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
@@ -245,15 +280,24 @@ class AsyncCheckpointer:
                 self._beginning = None
         return self._current
 
-    def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = ()) -> int:
+    def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = (),
+             replicas: Replicas | None = None) -> int:
         """Add one file to the open checkpoint: ``state`` as ``torch.save`` would write it.
 
         Python values are frozen before this returns. Tensors are copied lazily, before the
         next :meth:`fence`, except those reachable under ``state[k]`` for ``k`` in
         ``eager_keys`` (state the loop may mutate outside the optimizer step), which are copied
         now. Returns the tensor bytes this file stages (what it costs the host pool).
+
+        ``replicas``: every rank of that group calls ``save`` for this ``path`` at this point
+        (collective). If they all planned the same archive (the same pickle and record sizes:
+        one all-gather of a digest), each copies and writes one share of its records, of
+        about equal bytes (see :class:`~.persist.Share`), and the commit joins the shares into
+        the same file the first replica would have written alone. Otherwise, or with
+        ``zip_crc32`` (the zip directory's CRCs need every record), the first replica writes
+        it alone and the others nothing.
         """
-        return self._add_file(path, [state], None, eager_keys)[0]
+        return self._add_file(path, [state], None, eager_keys, replicas)[0]
 
     def save_packed(self, path: str, parts: Iterable[tuple[str, Any]]) -> list[int]:
         """Add one file holding several ``torch.save`` archives back to back, one per
@@ -267,7 +311,7 @@ class AsyncCheckpointer:
         return self._add_file(path, [state for _, state in parts], [name for name, _ in parts], ())
 
     def _add_file(self, path: str, states: list[Any], names: list[str] | None,
-                  eager_keys: Iterable[str]) -> list[int]:
+                  eager_keys: Iterable[str], replicas: Replicas | None = None) -> list[int]:
         handle = self._current
         if handle is None:
             raise AsyncCheckpointError(f"save({path!r}) outside begin()/end()")
@@ -279,26 +323,68 @@ class AsyncCheckpointer:
                 for k in eager_keys:
                     if k in state:
                         lazy -= tensor_ids(state[k])
-            plan = plan_file(state, lazy, what=path)
-            handle.items.extend(plan.items)
-            handle.nbytes += plan.nbytes
-            plans.append(plan)
+            plans.append(plan_file(state, lazy, what=path))
+        share = None
+        if replicas is not None and replicas.size > 1:
+            share = self._share_of(path, plans[0], replicas, handle.save_id)
+            if (share is None and replicas.rank != 0) or (share is not None and share.index < 0):
+                for item in plans[0].items:  # the other replicas write it
+                    item.cancel()
+                return [0]
+        staged = []  # this rank's items of each plan: all, or its share's
+        for plan in plans:
+            mine = plan.items if share is None else \
+                [plan.items[j] for j in share.items(len(plan.items))]
+            if share is not None:
+                for item in set(plan.items).difference(mine):
+                    item.cancel()  # another rank's: never staged here
+            handle.items.extend(mine)
+            handle.nbytes += sum(i.nbytes for i in mine)
+            staged.append(mine)
         self.storage.makedirs(os.path.dirname(path))
         checksum, zip_crc32 = self.config.checksum, self.config.zip_crc32
         if not self.config.is_async:
             largest = max((i.nbytes for p in plans for i in p.items), default=0)
             record = write_file(self.storage, path, plans, checksum, part_names=names,
-                                zip_crc32=zip_crc32,
+                                zip_crc32=zip_crc32, share=share,
                                 stage=functools.partial(self._stager.stage, expected_bytes=largest))
             done: Future = Future()
             done.set_result(record)
             handle.files.append(done)
         else:
-            for plan in plans:
-                self._stager.stage_eager(i for i in plan.items if i.eager)
-                handle.unsubmitted.extend(i for i in plan.items if not i.eager)
-            handle.unwritten.append((path, plans, names))
-        return [plan.nbytes for plan in plans]
+            for mine in staged:
+                self._stager.stage_eager(i for i in mine if i.eager)
+                handle.unsubmitted.extend(i for i in mine if not i.eager)
+            handle.unwritten.append((path, plans, names, share))
+        return [sum(i.nbytes for i in mine) for mine in staged]
+
+    def _share_of(self, path: str, plan: FilePlan, replicas: Replicas, save_id: str) -> Share | None:
+        """This rank's share of a file its replicas all save (index -1: the others' shares
+        cover it all), or None where they do not split it, and the first replica writes it
+        whole: with zip CRCs, or when the replicas planned different archives (found by one
+        collective over them)."""
+        if self.config.zip_crc32:
+            return None
+        name = xxhash.xxh3_64_digest(os.path.basename(path).encode())
+        every = replicas.gather(name + layout_digest(plan))
+        if any(d[:8] != name for d in every):
+            raise AsyncCheckpointError(
+                f"save({path!r}, replicas=...): the replicas are saving different files (replica "
+                f"{replicas.rank} this one, replicas {[r for r, d in enumerate(every) if d[:8] != name]} "
+                "another): every replica must save the same file at the same point")
+        if any(d != every[0] for d in every):
+            if replicas.rank == 0 and not self._warned_replicas_differ:
+                self._warned_replicas_differ = True
+                logger.warning("async checkpoint: %s differs between its data-parallel "
+                               "replicas (rank-specific client state?): the first replica "
+                               "writes it alone (logged once)", path)
+            return None
+        # balanced as the file and the pool hold records: each on whole pages
+        cuts = split_items([aligned_size(i.nbytes) for i in plan.items], replicas.size)
+        if not cuts:
+            return None
+        return Share(index=replicas.rank if replicas.rank <= len(cuts) else -1, cuts=cuts,
+                     tmp=f"{path}.tmp.{save_id}")
 
     def end(self, *, commit: bool = True) -> CheckpointHandle:
         """Seal the open checkpoint; in sync mode, return only once it is committed.
@@ -346,10 +432,10 @@ class AsyncCheckpointer:
         # tensors before the next fence anyway), and no background thread competes with the
         # training thread for the GIL or a core while it is still inside the save (on 2 busy
         # cores, a writer opening its file and writing headers meanwhile made saves slower).
-        for path, plans, names in handle.unwritten:
+        for path, plans, names, share in handle.unwritten:
             handle.files.append(self._writers.submit(
                 write_file, self.storage, path, plans, self.config.checksum, part_names=names,
-                zip_crc32=self.config.zip_crc32))
+                zip_crc32=self.config.zip_crc32, share=share))
         handle.unwritten = []
         if handle.unsubmitted:
             self._stager.submit(handle.unsubmitted)

@@ -71,11 +71,16 @@ def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: st
                       checksum: str, files: Iterable[FileRecord]) -> None:
     """Called by every rank (writer or not) once all of its files for this save are durable."""
     storage.makedirs(os.path.join(ckpt_dir, META_DIR))
-    entries = {os.path.relpath(r.path, ckpt_dir): {"bytes": r.nbytes, checksum: r.checksum}
-               for r in files}
-    for r in files:  # a packed file: where each archive lies in it
-        if r.parts is not None:
-            entries[os.path.relpath(r.path, ckpt_dir)]["parts"] = {n: list(s) for n, s in r.parts.items()}
+    entries = {}
+    for r in files:
+        rel = os.path.relpath(r.path, ckpt_dir)
+        if r.segment is not None:  # a share of a file: its bytes, and where all shares went
+            entries[rel] = {"bytes": r.nbytes, "segments": [[*r.segment, r.checksum]],
+                            "tmp": os.path.relpath(r.tmp, ckpt_dir)}
+            continue
+        entries[rel] = {"bytes": r.nbytes, checksum: r.checksum}
+        if r.parts is not None:  # a packed file: where each archive lies in it
+            entries[rel]["parts"] = {n: list(s) for n, s in r.parts.items()}
     record = {"rank": rank, "save_id": save_id, "checksum": checksum, "files": entries}
     write_text_atomic(storage, _rank_record_path(ckpt_dir, rank, save_id), json.dumps(record, indent=1))
 
@@ -123,8 +128,13 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
     for r, p in paths.items():
         with open(p, encoding="utf-8") as f:
             record = json.load(f)
-        files.update(record["files"])
+        for rel, entry in record["files"].items():
+            if "segments" in entry and rel in files:  # another share of a file seen already
+                files[rel]["segments"] += entry["segments"]
+            else:
+                files[rel] = entry
         ranks[str(r)] = sorted(record["files"])
+    _join_shares(storage, ckpt_dir, files, tag)
     manifest = {"format": FORMAT, "tag": tag, "save_id": save_id, "world_size": world_size,
                 "checksum": checksum, "committed_at": time.time(), "files": files, "ranks": ranks}
     write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
@@ -132,6 +142,27 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
     if pointer is not None:
         write_text_atomic(storage, pointer.path, pointer.text)
     return manifest
+
+
+def _join_shares(storage: Storage, ckpt_dir: str, files: dict[str, dict], tag: str) -> None:
+    """Files written in shares by several ranks: check that the shares cover each file, end to
+    end, then rename it from its temporary name (what no rank could do alone: each knows only
+    that its own share is durable)."""
+    for rel, entry in sorted(files.items()):
+        if "segments" not in entry:
+            continue
+        entry["segments"].sort()
+        at = 0
+        for offset, length, _ in entry["segments"]:
+            if offset != at:
+                raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: {rel} "
+                                  f"has {'no share for' if offset > at else 'overlapping shares at'} "
+                                  f"bytes {min(at, offset)}-{max(at, offset)}")
+            at = offset + length
+        if at != entry["bytes"]:
+            raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: {rel} has no "
+                              f"share for bytes {at}-{entry['bytes']}")
+        storage.replace(os.path.join(ckpt_dir, entry.pop("tmp")), os.path.join(ckpt_dir, rel))
 
 
 #: Retention renames a checkpoint to this prefix + its name before deleting it: one atomic
@@ -235,15 +266,23 @@ def verify_file(path: str, manifest: dict | None = None) -> None:
     if algorithm not in HASHERS:
         raise IntegrityError(f"manifest of checkpoint {ckpt_dir!r} uses checksum {algorithm!r}, "
                              f"which this version cannot compute (it knows {', '.join(HASHERS)})")
-    try:
-        size, digest = hash_file(path, algorithm)
-    except OSError as exc:  # missing, unreadable: as bad as a wrong checksum
-        raise IntegrityError(f"{path}: listed in the manifest of checkpoint {ckpt_dir!r} but "
-                             f"cannot be read: {exc}") from exc
-    if size != entry["bytes"]:
-        raise IntegrityError(f"{path}: size {size} bytes, manifest says {entry['bytes']}: file truncated or replaced")
-    if algorithm != "none" and digest != entry[algorithm]:
-        raise IntegrityError(f"{path}: {algorithm} {digest} does not match manifest {entry[algorithm]}: file corrupted")
+    # [offset, length, checksum] of each part checksummed on its own: the whole file, or
+    # the share each rank wrote of a file written by several
+    segments = entry.get("segments") or [[0, None, entry.get(algorithm)]]
+    for offset, length, expected in segments:
+        try:
+            size, digest = hash_file(path, algorithm, offset, length)
+        except OSError as exc:  # missing, unreadable: as bad as a wrong checksum
+            raise IntegrityError(f"{path}: listed in the manifest of checkpoint {ckpt_dir!r} but "
+                                 f"cannot be read: {exc}") from exc
+        if size != (entry["bytes"] if length is None else length):
+            raise IntegrityError(f"{path}: {size} bytes{'' if length is None else f' at {offset}'}, "
+                                 f"manifest says {entry['bytes'] if length is None else length}: "
+                                 "file truncated or replaced")
+        if algorithm != "none" and digest != expected:
+            where = "" if length is None else f" (bytes {offset}-{offset + length})"
+            raise IntegrityError(f"{path}: {algorithm} {digest}{where} does not match manifest "
+                                 f"{expected}: file corrupted")
 
 
 def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,

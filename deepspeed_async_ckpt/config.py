@@ -73,6 +73,14 @@ class AsyncCheckpointConfig:
     of this engine (partial saves, saves in progress, other engines' output) are never
     removed."""
 
+    split_replicated_files: bool = True
+    """DeepSpeed without ZeRO-3: every data-parallel replica writes a share (about 1/N of the
+    bytes) of the model-states file, which each holds alike, instead of the first replica
+    writing all of it; the file is byte for byte the same. Needs the replicas to see one
+    filesystem (as the commit already does). Off with ``zip_crc32``, MoE or node-local
+    storage, and for a save whose file differs between replicas (rank-specific client state:
+    found at the save, which then falls back to the first replica)."""
+
     def __post_init__(self) -> None:
         _check_type("enabled", self.enabled, bool)
         _check_choice("mode", self.mode, MODES)
@@ -81,6 +89,7 @@ class AsyncCheckpointConfig:
         _check_type("zip_crc32", self.zip_crc32, bool)
         _check_type("direct_io", self.direct_io, bool)
         _check_type("verify_on_load", self.verify_on_load, bool)
+        _check_type("split_replicated_files", self.split_replicated_files, bool)
         _check_positive_number("host_buffer_gb", self.host_buffer_gb)
         _check_positive_number("commit_timeout_s", self.commit_timeout_s)
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:

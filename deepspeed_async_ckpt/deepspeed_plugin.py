@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
-from .checkpointer import AsyncCheckpointer
+from .checkpointer import AsyncCheckpointer, Replicas
 from .commit import Pointer
 from .config import CONFIG_KEY, AsyncCheckpointConfig
 from .storage import aligned_size
@@ -50,7 +50,8 @@ _DEEPSPEED_EAGER_KEYS = ("lr_scheduler", "data_sampler", "random_ltd", "ds_confi
 class AsyncCheckpointEngine(CheckpointEngine):
     """DeepSpeed's checkpoint-engine contract, delegating every stage to the core."""
 
-    def __init__(self, config_params: Any, async_config: AsyncCheckpointConfig) -> None:
+    def __init__(self, config_params: Any, async_config: AsyncCheckpointConfig, *,
+                 zero_stage: Any = None, has_moe_layers: bool = False) -> None:
         super().__init__(config_params)
         self.name = ENGINE_NAME
         initialized = dist.is_available() and dist.is_initialized()
@@ -58,6 +59,15 @@ class AsyncCheckpointEngine(CheckpointEngine):
             async_config,
             rank=dist.get_rank() if initialized else 0,
             world_size=dist.get_world_size() if initialized else 1)
+        # Every data-parallel replica saves the model-states file and writes a share of it
+        # (ZeRO-3 has one model-states file per rank; MoE's expert files follow other rules;
+        # node-local storage gives each node its own copy). Unknown stage: not split.
+        self._node_local = bool(getattr(config_params, "use_node_local_storage", False))
+        self.split = (async_config.split_replicated_files and not async_config.zip_crc32
+                      and zero_stage is not None and int(zero_stage) < 3 and not has_moe_layers
+                      and not self._node_local)
+        self._ds_engine: Any = None  # the DeepSpeedEngine saving now (begin_save .. end_save)
+        self._replicated: str | None = None  # that save's model-states file, held by every replica
         self._eager_keys: tuple[str, ...] = _DEEPSPEED_EAGER_KEYS
         self._reserved = False  # the host pool was sized after the first optimizer step
         self.reservation: threading.Thread | None = None
@@ -67,9 +77,24 @@ class AsyncCheckpointEngine(CheckpointEngine):
     def create(self, info: CheckpointCommitInfo) -> None:
         pointer = Pointer(os.path.join(info.save_dir, "latest"), info.tag) if info.save_latest else None
         self.checkpointer.begin(os.path.join(info.save_dir, info.tag), tag=info.tag, pointer=pointer)
+        self._replicated = None
+        ds = self._ds_engine
+        if ds is not None and not self._node_local and not ds.zero_optimization_partition_weights() \
+                and not getattr(ds, "has_moe_layers", False):
+            self._replicated = os.path.abspath(ds._get_ckpt_name(info.save_dir, info.tag))
 
     def save(self, state_dict: Any, path: str) -> None:
-        self.checkpointer.save(state_dict, path, eager_keys=self._eager_keys)
+        replicas = None
+        if self._replicated is not None and os.path.abspath(path) == self._replicated:
+            replicas = data_parallel_replicas()
+            if not self.split:
+                if replicas.rank != 0:  # DeepSpeed's rule: the first replica writes it
+                    return
+                replicas = None
+        self.checkpointer.save(state_dict, path, eager_keys=self._eager_keys, replicas=replicas)
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        return self.split or dp_rank == 0
 
     def load(self, path: str, map_location: Any = None) -> Any:
         return self.checkpointer.load(path, map_location=map_location)
@@ -90,10 +115,12 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self.checkpointer.close()
 
     # Our hooks, called by the patched DeepSpeedEngine methods ---------------------------
-    def begin_save(self, client_state: dict | None) -> None:
+    def begin_save(self, ds_engine: Any, client_state: dict | None) -> None:
+        self._ds_engine = ds_engine
         self._eager_keys = _DEEPSPEED_EAGER_KEYS + tuple(client_state or ())
 
     def end_save(self, ok: bool) -> None:
+        self._ds_engine = self._replicated = None
         if self.checkpointer.is_open:
             self.checkpointer.end(commit=ok)
 
@@ -105,7 +132,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
             return
         self._reserved = True
         try:
-            nbytes = checkpoint_bytes_estimate(ds_engine)
+            share = 1.0 / data_parallel_replicas().size if self.split else 1.0
+            nbytes = checkpoint_bytes_estimate(ds_engine, model_share=share)
         except Exception as exc:  # an optimizer we cannot walk: the first save allocates
             logger.warning("async checkpoint: not sizing the host pool ahead of the first save: "
                            "%s: %s", type(exc).__name__, exc)
@@ -113,44 +141,72 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self.reservation = self.checkpointer.reserve(nbytes)
 
 
-def checkpoint_bytes_estimate(ds_engine: Any) -> int:
-    """Host pool bytes this rank's DeepSpeed checkpoint needs, from the live state: module
-    parameters and buffers where this rank writes the model-states file, and the tensors of
-    the optimizer chain (``engine.optimizer`` and the wrapped ``.optimizer``s: their states
-    and parameter groups, which hold ZeRO's fp32 partitions) where it writes the optimizer
-    state (ZeRO files, or the model-states file without ZeRO). Each tensor view counts once,
-    rounded up to whole pages as the pool holds it. An estimate: it sizes the host pool ahead
-    of the first save, nothing else."""
-    seen: set[tuple] = set()
-    total = 0
+def data_parallel_replicas() -> Replicas:
+    """This rank among the data-parallel replicas of its model-states file: DeepSpeed's
+    (sequence-)data-parallel group, whose ranks ``is_data_parallel_writer`` is asked about."""
+    from deepspeed.utils import groups
 
-    def add(t: Any) -> None:
-        nonlocal total
+    return Replicas(rank=groups._get_sequence_data_parallel_rank(),
+                    size=groups._get_sequence_data_parallel_world_size(),
+                    group=groups._get_sequence_data_parallel_group())
+
+
+def checkpoint_bytes_estimate(ds_engine: Any, model_share: float = 1.0) -> int:
+    """Host pool bytes this rank's DeepSpeed checkpoint needs, from the live state: module
+    parameters and buffers where this rank writes the model-states file (``model_share`` of
+    them where the replicas split it, plus its largest tensor, since shares end between
+    tensors), and the tensors of the optimizer chain (``engine.optimizer`` and the wrapped
+    ``.optimizer``s: their states and parameter groups, which hold ZeRO's fp32 partitions)
+    where it writes the optimizer state (ZeRO files, or the model-states file without ZeRO;
+    also shared then). Each tensor view counts once, rounded up to whole pages as the pool
+    holds it. An estimate: it sizes the host pool ahead of the first save, nothing else."""
+    seen: set[tuple] = set()
+    sizes: dict[str, list[int]] = {"model": [], "zero": []}
+
+    def add(t: Any, part: str) -> None:
         if isinstance(t, torch.Tensor) and t.device.type != "meta":
             key = (t.data_ptr(), t.numel(), t.dtype)
             if key not in seen:
                 seen.add(key)
-                total += aligned_size(t.numel() * t.element_size())
+                sizes[part].append(aligned_size(t.numel() * t.element_size()))
 
     writes_model = getattr(ds_engine, "save_non_zero_checkpoint", True)
     zero = getattr(ds_engine, "zero_optimization", lambda: False)()
     module = getattr(ds_engine, "module", None)
     if writes_model and isinstance(module, torch.nn.Module):
         for t in itertools.chain(module.parameters(), module.buffers()):
-            add(t)
+            add(t, "model")
     if getattr(ds_engine, "save_zero_checkpoint", False) if zero else writes_model:
         opt, visited = getattr(ds_engine, "optimizer", None), set()
         while opt is not None and id(opt) not in visited:
             visited.add(id(opt))
             if isinstance(opt, torch.optim.Optimizer):
+                part = "zero" if zero else "model"  # without ZeRO: in the model-states file
                 for state in opt.state.values():
                     for value in state.values():
-                        add(value)
+                        add(value, part)
                 for group in opt.param_groups:
                     for p in group["params"]:
-                        add(p)
+                        add(p, part)
             opt = getattr(opt, "optimizer", None)
-    return total
+    model = sum(sizes["model"])
+    if model_share < 1.0:
+        model = min(model, int(model * model_share) + max(sizes["model"], default=0))
+    return model + sum(sizes["zero"])
+
+
+def use_checkpoint_engine(ds_engine: Any, checkpoint_engine: Any) -> None:
+    """Swap the checkpoint engine of a live ``DeepSpeedEngine`` (benchmarks and tests compare
+    engines in one process): sets ``save_non_zero_checkpoint`` from the new engine's
+    ``is_data_parallel_writer`` as ``deepspeed.initialize`` does, so that, e.g., DeepSpeed's
+    own engine is not handed the model states on every replica after this one."""
+    from deepspeed.utils import groups
+
+    ds_engine.checkpoint_engine = checkpoint_engine
+    if not ds_engine.zero_optimization_partition_weights():
+        rank = ds_engine.local_rank if ds_engine.use_node_local_storage() \
+            else groups._get_sequence_data_parallel_rank()
+        ds_engine.save_non_zero_checkpoint = bool(checkpoint_engine.is_data_parallel_writer(rank))
 
 
 def checkpoint_to_load(arguments: dict, latest: str = "latest") -> str | None:
@@ -194,12 +250,16 @@ def install() -> bool:
                       save=engine_cls.save_checkpoint,
                       load=engine_cls.load_checkpoint)
 
+    create_sig = inspect.signature(_ORIGINALS["create"])
+
     @functools.wraps(_ORIGINALS["create"])
     def create_checkpoint_engine(config_params=None, *args, **kwargs):
         cfg = parse_config(getattr(config_params, "_param_dict", None))
         if cfg is None:
             return _ORIGINALS["create"](config_params, *args, **kwargs)
-        return AsyncCheckpointEngine(config_params, cfg)
+        given = create_sig.bind_partial(config_params, *args, **kwargs).arguments
+        return AsyncCheckpointEngine(config_params, cfg, zero_stage=given.get("zero_stage", 0),
+                                     has_moe_layers=given.get("has_moe_layers", False))
 
     @functools.wraps(_ORIGINALS["step"])
     def _take_model_step(self, *args, **kwargs):
@@ -220,7 +280,7 @@ def install() -> bool:
         if not isinstance(engine, AsyncCheckpointEngine):
             return _ORIGINALS["save"](self, *args, **kwargs)
         bound = save_sig.bind(self, *args, **kwargs)
-        engine.begin_save(bound.arguments.get("client_state"))
+        engine.begin_save(self, bound.arguments.get("client_state"))
         ok = False
         try:
             result = _ORIGINALS["save"](self, *args, **kwargs)

@@ -10,11 +10,16 @@ renamed: a crash never leaves a half-written file under the final name.
 
 A file may also pack several archives back to back, each starting on a page (megatron-core's
 ``.distcp`` files hold many items, each a ``torch.save`` archive found by offset and length).
+
+And a file that several ranks hold alike (DeepSpeed's model states, on every data-parallel
+replica) may be written by all of them at once, each a :class:`Share`: a run of its records
+and the bytes around them, under one temporary name that the commit renames.
 """
 
 from __future__ import annotations
 
 import hashlib
+import mmap
 import os
 import sys
 import zlib
@@ -41,6 +46,47 @@ class FileRecord:
     checksum: str
     parts: dict[str, tuple[int, int]] | None = None
     """For a packed file: each archive's name -> (offset, length) in bytes."""
+    segment: tuple[int, int] | None = None
+    """For a share of a file: the (offset, length) this rank wrote, which ``checksum`` covers;
+    ``nbytes`` is the whole file's size."""
+    tmp: str | None = None
+    """For a share: the temporary name all the file's shares were written to (the commit
+    renames it to ``path`` once every share is durable)."""
+
+
+@dataclass(frozen=True)
+class Share:
+    """One rank's part of a file that ``len(cuts) + 1`` ranks write together, each planning
+    the same archive: share ``index`` holds the records from ``cuts[index - 1]`` (0 for the
+    first) up to ``cuts[index]`` (the end for the last), as item indices of the plan. In bytes,
+    a share runs from the start of its first record's data (0 for the first share, which thus
+    also writes the headers and the pickle) to the start of the next share's (the end of the
+    file for the last, which writes the zip directory): every boundary is on a page, so each
+    rank writes whole pages of its own, directly."""
+
+    index: int
+    cuts: tuple[int, ...]
+    tmp: str
+
+    def items(self, n_items: int) -> range:
+        """Indices of the plan's items (of ``n_items``) that this share writes."""
+        bounds = (0, *self.cuts, n_items)
+        return range(bounds[self.index], bounds[self.index + 1])
+
+
+def split_items(sizes: Sequence[int], shares: int) -> tuple[int, ...]:
+    """Cuts (see :class:`Share`) for at most ``shares`` contiguous runs of items of about equal
+    bytes: an item starts a new share when its middle lies past the next ``1/shares`` of the
+    total. Items of 0 bytes never start one (their data has no offset of its own). Fewer runs
+    come back when there are too few items to go round."""
+    total = sum(sizes)
+    cuts: list[int] = []
+    before = 0
+    for j, n in enumerate(sizes):
+        if j and n and len(cuts) < shares - 1 and before + n / 2 > total * (len(cuts) + 1) / shares:
+            cuts.append(j)
+        before += n
+    return tuple(cuts)
 
 
 class _Crc32:
@@ -94,11 +140,14 @@ class _ChecksumSink:
     Python between records.
     """
 
-    def __init__(self, f: BinaryIO, algorithm: str) -> None:
+    def __init__(self, f: BinaryIO, algorithm: str, window: tuple[int, int] | None = None) -> None:
         self._f = f
         self._write_stable = getattr(f, "write_stable", None)
         self.hasher = new_hasher(algorithm)
         self.nbytes = 0
+        """Bytes the archive writer produced so far: the offset of the next one in the file."""
+        self.window = window
+        """A share's [start, end) offsets: only those bytes are hashed and written to ``f``."""
         self.error: BaseException | None = None
         self.discard = False
         self.stable: tuple[int, int] | None = None
@@ -109,6 +158,19 @@ class _ChecksumSink:
         view = memoryview(data).cast("B")
         if self.discard:
             return len(view)
+        if self.window is not None:  # a share: what lies outside it is another rank's
+            start, end = self.nbytes, self.nbytes + len(view)
+            lo, hi = max(start, self.window[0]), min(end, self.window[1])
+            self.nbytes = end
+            if lo < hi:
+                self._write(view[lo - start:hi - start])
+            return len(view)
+        self._write(view)
+        if not self.discard:
+            self.nbytes += len(view)
+        return len(view)
+
+    def _write(self, view: memoryview) -> None:
         write = self._f.write
         if self._write_stable is not None and self.stable is not None and len(view):
             addr = buffer_address(view)
@@ -126,9 +188,6 @@ class _ChecksumSink:
                     part = part[n:]
         except BaseException as exc:
             self.error, self.discard = exc, True
-            return len(view)
-        self.nbytes += len(view)
-        return len(view)
 
     def check(self) -> None:
         if self.error is not None:
@@ -140,7 +199,8 @@ class _ChecksumSink:
 
 def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum: str, *,
                part_names: Sequence[str] | None = None, zip_crc32: bool = False,
-               stage: Callable[[TensorItem], None] | None = None) -> FileRecord:
+               stage: Callable[[TensorItem], None] | None = None,
+               share: Share | None = None) -> FileRecord:
     """Write ``plans`` to ``path``, one ``torch.save`` archive each, waiting for each record's
     host copy as it goes.
 
@@ -153,22 +213,39 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
     ``torch.serialization.set_crc32_options``), and ``checksum`` already covers every byte.
     ``stage``, when given, stages each item inline right before it is written (the synchronous
     mode). On any failure every remaining item is still released, so the pool never leaks.
+
+    With ``share`` (one plan, no zip CRC: the last share would need every record's bytes for
+    the zip directory's CRCs), only that share's bytes are written, to ``share.tmp``, and only
+    its items are waited for and released (the plan's other items are other ranks'); the file
+    is laid out first without any data, so every rank knows where each share starts. The
+    commit renames ``share.tmp`` once every share is durable.
     """
     if part_names is not None and len(part_names) != len(plans):
         raise ValueError(f"{path}: {len(plans)} archives but {len(part_names)} part names")
-    tmp = f"{path}.tmp.{os.getpid()}"
-    pending = [item for plan in plans for item in plan.items]
+    if share is not None and (len(plans) != 1 or zip_crc32):
+        raise ValueError(f"{path}: a share is one archive without zip CRCs")
+    tmp = share.tmp if share is not None else f"{path}.tmp.{os.getpid()}"
+    owned = share.items(len(plans[0].items)) if share is not None else None
+    pending = [item for plan in plans for item in plan.items] if owned is None else \
+        [plans[0].items[j] for j in owned]
     spans: list[tuple[int, int]] = []
     try:
-        f = storage.open_write(tmp)
-        sink = _ChecksumSink(f, checksum)
+        if share is None:
+            f = storage.open_write(tmp)
+            sink = _ChecksumSink(f, checksum)
+        else:
+            starts, size = _layout(plans[0])
+            bounds = (0, *(starts[j] for j in share.cuts), size)
+            window = (bounds[share.index], bounds[share.index + 1])
+            f = storage.open_write_at(tmp, window[0])
+            sink = _ChecksumSink(f, checksum, window)
         try:
             for plan in plans:
                 if sink.nbytes % DIRECT_ALIGN:  # the next archive starts on a page
                     sink.write(bytes(DIRECT_ALIGN - sink.nbytes % DIRECT_ALIGN))
                     sink.check()
                 start = sink.nbytes
-                _write_archive(sink, f, plan, pending, zip_crc32, stage)
+                _write_archive(sink, f, plan, pending, zip_crc32, stage, owned)
                 spans.append((start, sink.nbytes - start))
             storage.sync_file(f)
         except BaseException:
@@ -176,6 +253,12 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
             raise
         finally:
             f.close()
+        if share is not None:
+            if sink.nbytes != size:
+                raise PersistError(f"writing {path}: share {share.index} laid the file out as "
+                                   f"{sink.nbytes} bytes, its layout pass as {size}")
+            return FileRecord(path=path, nbytes=size, checksum=sink.hasher.hexdigest(),
+                              segment=(window[0], window[1] - window[0]), tmp=tmp)
         storage.replace(tmp, path)
         parts = None if part_names is None else dict(zip(part_names, spans))
         return FileRecord(path=path, nbytes=sink.nbytes, checksum=sink.hasher.hexdigest(), parts=parts)
@@ -194,16 +277,23 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
 
 
 def _write_archive(sink: _ChecksumSink, f: BinaryIO, plan: FilePlan, pending: list[TensorItem],
-                   zip_crc32: bool, stage: Callable[[TensorItem], None] | None) -> None:
+                   zip_crc32: bool, stage: Callable[[TensorItem], None] | None,
+                   owned: range | None = None) -> None:
     """One ``torch.save`` archive of ``plan`` into ``sink``; each item leaves ``pending`` (the
-    file's items not yet handed back) once written."""
+    file's items not yet handed back) once written. Items outside ``owned`` (when given) are
+    another share's: their records are laid out from a stand-in buffer, never read."""
     writer = None
+    phantom = None
     try:
         writer = torch._C.PyTorchFileWriter(sink, zip_crc32, DIRECT_ALIGN)
         for name, value in _header_records(plan.pickle_bytes):
             writer.write_record(name, value, len(value))
             sink.check()
-        for item in plan.items:
+        for j, item in enumerate(plan.items):
+            if owned is not None and j not in owned:
+                phantom = phantom if phantom is not None else _Phantom(plan)
+                writer.write_record(f"data/{item.key}", phantom.storage(item.nbytes), item.nbytes)
+                continue
             if stage is not None:
                 stage(item)
             host = item.wait_staged()
@@ -222,6 +312,62 @@ def _write_archive(sink: _ChecksumSink, f: BinaryIO, plan: FilePlan, pending: li
         raise
     finally:
         del writer
+
+
+class _Phantom:
+    """Stands in for the bytes of records this rank does not write: the archive writer needs
+    a buffer of each record's size to lay the file out, and hands it to the sink, which drops
+    it unread. An anonymous mapping of the largest record, never touched: no memory."""
+
+    def __init__(self, plan: FilePlan) -> None:
+        largest = max((i.nbytes for i in plan.items), default=0)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        self.base = torch.frombuffer(mmap.mmap(-1, max(largest, 1), flags=flags), dtype=torch.uint8)
+
+    def storage(self, nbytes: int):
+        return self.base.untyped_storage()[0:nbytes]
+
+
+class _Counter:
+    """The sink of a layout pass: counts bytes, and notes where the write of ``expect`` (a
+    record's stand-in data: address, length) starts."""
+
+    def __init__(self) -> None:
+        self.nbytes = 0
+        self.expect: tuple[int, int] | None = None
+        self.found: int | None = None
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        if self.expect is not None and len(view) == self.expect[1] \
+                and buffer_address(view) == self.expect[0]:
+            self.found = self.nbytes
+        self.nbytes += len(view)
+        return len(view)
+
+    def flush(self) -> None:
+        pass
+
+
+def _layout(plan: FilePlan) -> tuple[list[int | None], int]:
+    """Where each item's data starts in ``plan``'s archive (None for 0 bytes), and its size:
+    the archive written with stand-in data into a sink that only counts (no zip CRCs)."""
+    counter, phantom, starts = _Counter(), _Phantom(plan), []
+    writer = torch._C.PyTorchFileWriter(counter, False, DIRECT_ALIGN)
+    try:
+        for name, value in _header_records(plan.pickle_bytes):
+            writer.write_record(name, value, len(value))
+        for item in plan.items:
+            counter.expect, counter.found = (phantom.base.data_ptr(), item.nbytes), None
+            writer.write_record(f"data/{item.key}", phantom.storage(item.nbytes), item.nbytes)
+            starts.append(counter.found if item.nbytes else None)
+        counter.expect = None
+        writer.write_end_of_file()
+    finally:
+        del writer
+    if any(s is None or s % DIRECT_ALIGN for s, i in zip(starts, plan.items) if i.nbytes):
+        raise PersistError(f"{plan.items[0].what}: records not laid out on pages: {starts}")
+    return starts, counter.nbytes
 
 
 def _release_when_written(f: BinaryIO, item: TensorItem) -> None:
@@ -243,17 +389,22 @@ def _header_records(pickle_bytes: bytes) -> list[tuple[str, bytes | str]]:
             (".storage_alignment", str(DIRECT_ALIGN)), ("byteorder", sys.byteorder)]
 
 
-def hash_file(path: str, algorithm: str) -> tuple[int, str]:
-    """(size in bytes, checksum) of a file on storage, read in 8 MiB chunks."""
+def hash_file(path: str, algorithm: str, offset: int = 0, length: int | None = None) -> tuple[int, str]:
+    """(size in bytes, checksum) of a file on storage, read in 8 MiB chunks; with ``offset``
+    and ``length``, of those bytes only (the size is then how many of them there were)."""
     hasher = new_hasher(algorithm)
     size = 0
+    left = length
     with open(path, "rb", buffering=0) as f:
+        f.seek(offset)
         buf = bytearray(_READ_CHUNK)
         view = memoryview(buf)
-        while True:
-            n = f.readinto(buf)
+        while left is None or left > 0:
+            n = f.readinto(view if left is None or left >= len(buf) else view[:left])
             if not n:
                 break
             hasher.update(view[:n])
             size += n
+            if left is not None:
+                left -= n
     return size, hasher.hexdigest()

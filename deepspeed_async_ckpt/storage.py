@@ -1,7 +1,7 @@
 """The storage seam: the few filesystem operations the persist and commit stages use.
 
 ``LocalStorage`` is the default (a POSIX path, local or a shared mount). Tests inject faults by
-subclassing it; a remote backend would implement the same six methods.
+subclassing it; a remote backend would implement the same seven methods.
 """
 
 from __future__ import annotations
@@ -22,6 +22,10 @@ from typing import BinaryIO, Protocol
 class Storage(Protocol):
     def open_write(self, path: str) -> BinaryIO:
         """A new unbuffered binary file at ``path`` (truncated if present)."""
+
+    def open_write_at(self, path: str, offset: int) -> BinaryIO:
+        """``path`` (created if absent, never truncated) for writing from ``offset`` on: one
+        rank's share of a file that several ranks write at once, each its own byte range."""
 
     def sync_file(self, f: BinaryIO) -> None:
         """Make what was written to ``f`` durable."""
@@ -62,6 +66,22 @@ class LocalStorage:
                 return DirectFile(fd, path)
         f = open(path, "wb", buffering=0)
         return WriteBehindFile(f) if self.fsync and _sync_file_range is not None else f
+
+    def open_write_at(self, path: str, offset: int) -> BinaryIO:
+        if offset % DIRECT_ALIGN:  # every share starts on a page (a record's data)
+            raise ValueError(f"{path}: shares start on a page, got offset {offset}")
+        flags = os.O_WRONLY | os.O_CREAT
+        if self.fsync and self.direct_io and _O_DIRECT:
+            try:
+                fd = os.open(path, flags | _O_DIRECT, 0o666)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL:
+                    raise
+            else:
+                return DirectFile(fd, path, start=offset)
+        f = open(os.open(path, flags, 0o666), "wb", buffering=0, closefd=True)
+        f.seek(offset)
+        return WriteBehindFile(f, start=offset) if self.fsync and _sync_file_range is not None else f
 
     def sync_file(self, f: BinaryIO) -> None:
         finish = getattr(f, "finish", None)  # DirectFile: its staged tail is not written yet
@@ -122,13 +142,14 @@ class WriteBehindFile:
     2.5-4x slower). ``fsync`` still provides the durability guarantee.
     """
 
-    def __init__(self, f: BinaryIO, chunk_bytes: int = 64 << 20, window_bytes: int = 256 << 20) -> None:
+    def __init__(self, f: BinaryIO, chunk_bytes: int = 64 << 20, window_bytes: int = 256 << 20,
+                 start: int = 0) -> None:
         self._f = f
         self.name = f.name
         self._fd = f.fileno()
         self._chunk, self._window = chunk_bytes, window_bytes
-        self._offset = 0  # bytes written so far
-        self._started = 0  # writeback was started for [0, _started)
+        self._offset = start  # where the next byte goes (``f`` is positioned there)
+        self._started = start  # writeback was started for [start, _started)
         self._inflight: list[tuple[int, int]] = []  # (offset, length) not yet waited for
 
     def write(self, data) -> int:
@@ -240,6 +261,10 @@ class DirectFile:
     :meth:`finish` writes the last stage, its last page padded, waits for every write and cuts
     the file to its real size. If the filesystem refuses a direct write (EINVAL), the file falls
     back to ordinary writes.
+
+    ``start`` (a page) is where the first byte goes: one rank's share of a file that several
+    ranks write (:meth:`LocalStorage.open_write_at`). A share other than the last ends on a
+    page, so it is never padded, and the file is never cut where another rank writes after it.
     """
 
     _STAGE = 8 << 20
@@ -247,10 +272,10 @@ class DirectFile:
     _SMALL = 1 << 20
     _MAX_STAGES = 4
 
-    def __init__(self, fd: int, path: str) -> None:
+    def __init__(self, fd: int, path: str, start: int = 0) -> None:
         self.name = path
         self._fd = fd
-        self._size = 0  # bytes written or staged: the file's logical size
+        self._size = start  # where the next byte goes: the end of what was written or staged
         self._stage = host_buffer(self._STAGE)
         self._staged = 0  # bytes in the stage; they belong at [_size - _staged, _size)
         self._stages = [self._stage]
@@ -322,10 +347,12 @@ class DirectFile:
             raise first
 
     def finish(self) -> None:
-        """Write what is staged (its last page padded) and cut the file to its real size."""
+        """Write what is staged (its last page padded) and cut the padding off again."""
+        padded = self._size % DIRECT_ALIGN
         self._submit_stage(pad=True)
         self.flush()
-        os.ftruncate(self._fd, self._size)
+        if padded:
+            os.ftruncate(self._fd, self._size)
 
     def _submit(self, parts: list[memoryview], offset: int) -> Future:
         """Queue one write of ``parts``, contiguous in the file from ``offset``."""

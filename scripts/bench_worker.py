@@ -171,13 +171,21 @@ class Adapter:
         return {}
 
 
+def use_checkpoint_engine(ds_engine, ckpt_engine) -> None:
+    """Swap engines as ``deepspeed.initialize`` would have built them (which replicas save the
+    model states follows the engine): see the plugin's ``use_checkpoint_engine``."""
+    from deepspeed_async_ckpt.deepspeed_plugin import use_checkpoint_engine as use
+
+    use(ds_engine, ckpt_engine)
+
+
 class DeepSpeedAdapter(Adapter):
     """Any DeepSpeed ``CheckpointEngine``, saved through ``engine.save_checkpoint``."""
 
     def __init__(self, name: str, trainer: Trainer, ckpt_engine, *, durable: bool, note: str = "") -> None:
         self.name, self.trainer, self.ckpt_engine = name, trainer, ckpt_engine
         self.durable, self.note = durable, note
-        trainer.engine.checkpoint_engine = ckpt_engine
+        use_checkpoint_engine(trainer.engine, ckpt_engine)
 
     def save(self, save_dir: str, tag: str) -> Any:
         self.trainer.engine.save_checkpoint(save_dir, tag=tag)
@@ -496,7 +504,8 @@ def main(argv=None) -> int:
     builders: dict[str, Callable[[], Adapter]] = {
         "async": lambda: AsyncAdapter("async", trainer, async_engine),
         "sync": lambda: AsyncAdapter("sync", trainer, AsyncCheckpointEngine(
-            engine._config, AsyncCheckpointConfig(enabled=True, mode="sync"))),
+            engine._config, AsyncCheckpointConfig(enabled=True, mode="sync"),
+            zero_stage=args.zero_stage)),
         "ds_torch": lambda: DeepSpeedAdapter("ds_torch", trainer, TorchCheckpointEngine(engine._config),
                                              durable=False, note="torch.save, no fsync"),
         "dcp_async": lambda: DCPAdapter(trainer, dcp_pg, partitioned=args.zero_stage > 0),
@@ -518,13 +527,15 @@ def main(argv=None) -> int:
         async_engine = None
         out["engines"]["ds_decoupled"] = run_decoupled(args, trainer, rank, root)
         phases["ds_decoupled"], t_phase = now() - t_phase, now()
-    # what this rank writes in a checkpoint (without ZeRO, rank 0 writes everything)
-    mine = (out["module_bytes"] if rank == 0 else 0) + \
-        (out["optim_bytes"] if args.zero_stage > 0 or rank == 0 else 0)
+    # what this rank writes in a checkpoint with this engine: its share of the model-states
+    # file, which the replicas split (without ZeRO it holds the optimizer state too), and its
+    # ZeRO optimizer file
+    model_file = out["module_bytes"] + (0 if args.zero_stage > 0 else out["optim_bytes"])
+    mine = model_file // dist.get_world_size() + (out["optim_bytes"] if args.zero_stage > 0 else 0)
     out["bare_write"] = bare_write(trainer, root, rank, mine, args.k)
     phases["bare_write"], t_phase = now() - t_phase, now()
     out["baseline"].append(trainer.window(args.k))
-    engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
+    use_checkpoint_engine(engine, TorchCheckpointEngine(engine._config))
     async_engine = None
     engine.destroy()
     out["loadavg_end"] = os.getloadavg()
@@ -587,7 +598,8 @@ def deepspeed_floor(trainer: Trainer, root: str, rank: int, reps: int = 3) -> fl
             pass
 
     eng = trainer.engine
-    kept, eng.checkpoint_engine = eng.checkpoint_engine, NullEngine(eng._config)
+    kept = eng.checkpoint_engine
+    use_checkpoint_engine(eng, NullEngine(eng._config))
     times = []
     try:
         for i in range(reps):
@@ -595,7 +607,7 @@ def deepspeed_floor(trainer: Trainer, root: str, rank: int, reps: int = 3) -> fl
             eng.save_checkpoint(os.path.join(root, "floor"), tag=f"floor{i}")
             times.append(now() - t0)
     finally:
-        eng.checkpoint_engine = kept
+        use_checkpoint_engine(eng, kept)
         dist.barrier()
         if rank == 0:
             shutil.rmtree(os.path.join(root, "floor"), ignore_errors=True)
@@ -635,7 +647,7 @@ def run_decoupled(args, trainer: Trainer, rank: int, root: str) -> dict:
     finally:
         from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 
-        trainer.engine.checkpoint_engine = TorchCheckpointEngine(trainer.engine._config)
+        use_checkpoint_engine(trainer.engine, TorchCheckpointEngine(trainer.engine._config))
         tiny.destroy()  # stops the writer process
     res["note"] = (f"default config fails: {default_error}; runs with writer={working['writer']}, "
                    f"env {working['env']}; " + adapter.note)

@@ -4,9 +4,11 @@ async, kill mid-persist, corruption, engine selection and auto-activation."""
 import glob
 import json
 import os
+import struct
 import subprocess
 import sys
 import sysconfig
+import zipfile
 
 import pytest
 import torch
@@ -32,6 +34,21 @@ def run_ranks(env, nproc, *args, expect_ok=True, timeout=300):
     if expect_ok:
         assert codes == [0] * nproc, f"rank exit codes {codes} for {args}"
     return codes
+
+
+def record_bytes_within(path, start, end) -> int:
+    """Bytes of the tensor records of the ``torch.save`` archive at ``path`` whose data starts
+    in [start, end) (read from the zip's own headers)."""
+    total = 0
+    with zipfile.ZipFile(path) as z, open(path, "rb") as f:
+        for info in z.infolist():
+            if "/data/" not in info.filename or not info.file_size:
+                continue
+            f.seek(info.header_offset)
+            name_len, extra_len = struct.unpack("<HH", f.read(30)[26:30])
+            if start <= info.header_offset + 30 + name_len + extra_len < end:
+                total += info.file_size
+    return total
 
 
 def storage_bytes(obj) -> int:
@@ -74,9 +91,11 @@ def test_async_checkpoint_equals_torch_engine_and_sync_mode(tmp_path, repo_env, 
         # every tensor and value equals what TorchCheckpointEngine wrote at the same step,
         # although training went on mutating them right after save_checkpoint returned
         assert_same(torch.load(ours, weights_only=False), torch.load(ref, weights_only=False), name)
-        # the synchronous mode is the same pipeline run inline: byte-identical files
-        with open(ours, "rb") as a, open(os.path.join(out, "sync", "global_step3", name), "rb") as b:
-            assert a.read() == b.read(), f"{name}: sync and async files differ"
+        # the synchronous mode is the same pipeline run inline, and the replicas' shares make
+        # the file the first replica writes alone: byte-identical files
+        for other in ("sync", "whole"):
+            with open(ours, "rb") as a, open(os.path.join(out, other, "global_step3", name), "rb") as b:
+                assert a.read() == b.read(), f"{name}: {other} and async files differ"
     for variant in ("async", "sync"):
         with open(os.path.join(out, variant, "latest")) as f:
             assert f.read() == "global_step3"
@@ -84,22 +103,46 @@ def test_async_checkpoint_equals_torch_engine_and_sync_mode(tmp_path, repo_env, 
         manifest = verify_checkpoint(os.path.join(out, variant, "global_step3"))
         assert sorted(manifest["files"]) == sorted(os.path.basename(p) for p in torch_files)
 
-    # Only what a rank writes is staged; each rank's bytes equal the tensors of its own files.
-    manifest = json.load(open(os.path.join(out, "async", "global_step3", ".async_ckpt", "manifest.json")))
+    # Only what a rank writes is staged; each rank's bytes equal the tensors of its own files,
+    # and of its share of the model-states file, which every data-parallel replica holds and
+    # writes a share of (without ZeRO-3 and pipeline stages, here: every rank is a replica).
+    ckpt = os.path.join(out, "async", "global_step3")
+    manifest = json.load(open(os.path.join(ckpt, ".async_ckpt", "manifest.json")))
+    split = not pp and zero < 3
+    model_file = os.path.join(ckpt, "mp_rank_00_model_states.pt")
+    shares = {}  # rank -> tensor bytes of its share of the model-states file
     for rank in range(nproc):
         stats = json.load(open(os.path.join(out, f"stats_rank{rank}.json")))
         own = manifest["ranks"][str(rank)]
-        expected = sum(storage_bytes(torch.load(os.path.join(out, "async", "global_step3", f),
-                                                weights_only=False)) for f in own)
+        record, = glob.glob(os.path.join(ckpt, ".async_ckpt", f"rank_{rank:05d}.*.json"))
+        expected = 0
+        for name, entry in json.load(open(record))["files"].items():
+            if "segments" in entry:
+                (offset, length, _), = entry["segments"]
+                shares[rank] = record_bytes_within(os.path.join(ckpt, name), offset, offset + length)
+                expected += shares[rank]
+            else:
+                expected += storage_bytes(torch.load(os.path.join(ckpt, name), weights_only=False))
         assert stats["staged_bytes"] == stats["planned_bytes"] == expected, (rank, stats, own)
+        if not pp and zero < 3:  # (else a model-states file per rank or pipeline stage)
+            assert ("mp_rank_00_model_states.pt" in own) == (split or rank == 0), (rank, own)
+    if split:  # one share per rank, each with records, together the file end to end
+        assert sorted(shares) == list(range(nproc)) and all(shares.values()), shares
+        assert sum(shares.values()) == storage_bytes(torch.load(model_file, weights_only=False))
+        segments = manifest["files"]["mp_rank_00_model_states.pt"]["segments"]
+        assert len(segments) == nproc and segments[0][0] == 0
+        assert all(a[0] + a[1] == b[0] for a, b in zip(segments, segments[1:]))
+        assert segments[-1][0] + segments[-1][1] == os.path.getsize(model_file)
+    else:
+        assert not shares, shares
+    for rank in range(nproc):
+        stats = json.load(open(os.path.join(out, f"stats_rank{rank}.json")))
         assert stats["pool_peak"] <= stats["pool_capacity"]
         # The pool was sized from the live state after the first step and faulted in then:
         # the first save allocated nothing, and the estimate did not reserve much more.
         assert stats["pool_allocations"] == stats["allocations_before_save"], (rank, stats)
         needed = stats["pool_bytes_needed"]
         assert needed <= stats["reserved_bytes"] <= 1.5 * needed, (rank, stats)
-        if rank != 0 and not pp and zero < 3:  # under ZeRO-3 each rank owns a model partition
-            assert not any("model_states" in f for f in own), f"rank {rank} wrote model states: {own}"
 
     # A fresh run restores exactly the same engine state from each variant.
     partial = int(zero == 1)

@@ -1,8 +1,9 @@
 """One rank of the DeepSpeed multi-process tests (started by scripts/launch.py).
 
 Phases:
-  save    train, then at one step save three ways (this engine async, this engine sync,
-          DeepSpeed's TorchCheckpointEngine), keep training (mutating every tensor), destroy.
+  save    train, then at one step save four ways (this engine async, sync, and async with
+          the model states written whole by the first replica; DeepSpeed's
+          TorchCheckpointEngine), keep training (mutating every tensor), destroy.
   load    in a fresh process, load each saved variant and dump the restored engine state.
   kill    save and commit twice (keep_last=1), then SIGKILL one rank in the middle of the
           next persist.
@@ -80,7 +81,7 @@ def train(engine, args, steps, start=0):
 def phase_save(args):
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
-    from deepspeed_async_ckpt.deepspeed_plugin import AsyncCheckpointEngine
+    from deepspeed_async_ckpt.deepspeed_plugin import AsyncCheckpointEngine, use_checkpoint_engine
     config = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05, "writer_threads": 2})
     engine = init(args, config)
     ours = engine.checkpoint_engine
@@ -93,12 +94,19 @@ def phase_save(args):
     reserved = {"reserved_bytes": pool.held_bytes, "allocations_before_save": pool.allocations}
     engine.save_checkpoint(os.path.join(args.out, "async"))
     # The same pipeline run inline, and DeepSpeed's own engine, at the very same state.
-    engine.checkpoint_engine = AsyncCheckpointEngine(engine._config, AsyncCheckpointConfig(enabled=True, mode="sync"))
+    use_checkpoint_engine(engine, AsyncCheckpointEngine(
+        engine._config, AsyncCheckpointConfig(enabled=True, mode="sync"), zero_stage=args.zero_stage))
     engine.save_checkpoint(os.path.join(args.out, "sync"))
     engine.checkpoint_engine.cleanup()
-    engine.checkpoint_engine = TorchCheckpointEngine(engine._config)
+    # And without the replicas' shares: the first replica writes the model states whole.
+    use_checkpoint_engine(engine, AsyncCheckpointEngine(
+        engine._config, AsyncCheckpointConfig(enabled=True, split_replicated_files=False),
+        zero_stage=args.zero_stage))
+    engine.save_checkpoint(os.path.join(args.out, "whole"))
+    engine.checkpoint_engine.cleanup()
+    use_checkpoint_engine(engine, TorchCheckpointEngine(engine._config))  # the first replica only
     engine.save_checkpoint(os.path.join(args.out, "torch"))
-    engine.checkpoint_engine = ours
+    use_checkpoint_engine(engine, ours)
     train(engine, args, 2, start=3)  # mutates every parameter and optimizer tensor
     handle = ours.checkpointer.history[0]
     stats = {"rank": torch.distributed.get_rank(), "staged_bytes": ours.checkpointer.staged_bytes,
@@ -118,8 +126,8 @@ def count_hashed_bytes():
 
     counter, hash_file = {"bytes": 0}, commit.hash_file
 
-    def counting(path, algorithm):
-        size, digest = hash_file(path, algorithm)
+    def counting(path, algorithm, *args):
+        size, digest = hash_file(path, algorithm, *args)
         counter["bytes"] += size
         return size, digest
 
@@ -263,7 +271,7 @@ def fill_disk(ckpt):
     storage = ckpt.storage
     original = storage.open_write
 
-    def open_write_disk_full(path):
+    def open_write_disk_full(path):  # a share of the model states (open_write_at) is spared
         f = original(path)
         if path.endswith(".pt.tmp." + str(os.getpid())):
             def full(method, budget=[4096]):
