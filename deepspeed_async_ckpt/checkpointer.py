@@ -344,7 +344,7 @@ class AsyncCheckpointer:
         self.storage.makedirs(os.path.dirname(path))
         checksum, zip_crc32 = self.config.checksum, self.config.zip_crc32
         if not self.config.is_async:
-            largest = max((i.nbytes for p in plans for i in p.items), default=0)
+            largest = max((i.nbytes for mine in staged for i in mine), default=0)
             record = write_file(self.storage, path, plans, checksum, part_names=names,
                                 zip_crc32=zip_crc32, share=share,
                                 stage=functools.partial(self._stager.stage, expected_bytes=largest))

@@ -158,16 +158,14 @@ class _ChecksumSink:
         view = memoryview(data).cast("B")
         if self.discard:
             return len(view)
-        if self.window is not None:  # a share: what lies outside it is another rank's
-            start, end = self.nbytes, self.nbytes + len(view)
-            lo, hi = max(start, self.window[0]), min(end, self.window[1])
-            self.nbytes = end
+        start = self.nbytes
+        self.nbytes += len(view)
+        if self.window is None:
+            self._write(view)
+        else:  # a share: what lies outside it is another rank's
+            lo, hi = max(start, self.window[0]), min(self.nbytes, self.window[1])
             if lo < hi:
                 self._write(view[lo - start:hi - start])
-            return len(view)
-        self._write(view)
-        if not self.discard:
-            self.nbytes += len(view)
         return len(view)
 
     def _write(self, view: memoryview) -> None:

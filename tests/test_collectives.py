@@ -41,3 +41,93 @@ def test_exchange_gives_rank0_value_and_every_error_to_every_rank(tmp_path):
     for rank in range(WORLD):
         with open(tmp_path / f"rank{rank}.txt", encoding="utf-8") as f:
             assert eval(f.read()) == expected, f"rank {rank}"
+
+
+def _replica_state(rank: int, differ: bool = False) -> dict:
+    import torch
+
+    torch.manual_seed(0)  # the same tensors on every replica
+    return {"module": {f"w{i}": torch.randn(64 * (i + 1), 64) for i in range(6)},
+            "bias": torch.randn(7), "empty": torch.empty(0), "steps": 5,
+            "client": rank if differ else 0}
+
+
+def _replicas_rank(rank: int, init: str, out: str) -> None:
+    import torch
+
+    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, Replicas
+    from deepspeed_async_ckpt.commit import Pointer
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from deepspeed_async_ckpt.errors import AsyncCheckpointError
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
+    replicas = Replicas(rank=rank, size=WORLD)
+    staged = {}
+    for tag, mode, differ in (("same", "async", False), ("sync", "sync", False), ("differ", "async", True)):
+        ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, host_buffer_gb=0.05),
+                               rank=rank, world_size=WORLD)
+        d = os.path.join(out, tag)
+        ck.begin(d, tag=tag, pointer=Pointer(os.path.join(out, f"latest_{tag}"), tag))
+        staged[tag] = ck.save(_replica_state(rank, differ), os.path.join(d, "model.pt"), replicas=replicas)
+        ck.save({"own": torch.full((10,), float(rank))}, os.path.join(d, f"rank{rank}.pt"))
+        ck.end()
+        ck.close()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=rank, world_size=WORLD)
+    ck.begin(os.path.join(out, "names"), tag="names")
+    try:  # replicas that save different files: an error on every replica, not a silent drop
+        ck.save(_replica_state(rank), os.path.join(out, "names", f"m{rank % 2}.pt"), replicas=replicas)
+        staged["names"] = "no error"
+    except AsyncCheckpointError as exc:
+        staged["names"] = str(exc)
+    ck.end(commit=False)
+    ck.close()
+    dist.destroy_process_group()
+    with open(os.path.join(out, f"staged{rank}.txt"), "w", encoding="utf-8") as f:
+        f.write(repr(staged))
+
+
+def test_replicas_write_one_share_each_of_the_same_file(tmp_path):
+    """Three replicas of one state each stage and write a share of its file; the file is byte
+    for byte what one rank writes alone, the manifest checks each share, and a file that
+    differs between replicas is written whole by the first one."""
+    import pytest
+    import torch
+
+    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.commit import read_manifest, verify_checkpoint, verify_file
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from deepspeed_async_ckpt.errors import IntegrityError
+
+    init = f"file://{tmp_path / 'store'}"
+    mp.spawn(_replicas_rank, args=(init, str(tmp_path)), nprocs=WORLD, join=True)
+    staged = [eval((tmp_path / f"staged{r}.txt").read_text(encoding="utf-8")) for r in range(WORLD)]
+    alone = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, split_replicated_files=False))
+    alone.begin(str(tmp_path / "alone"), tag="alone")
+    total = alone.save(_replica_state(0), str(tmp_path / "alone" / "model.pt"))
+    alone.end()
+    alone.close()
+    reference = (tmp_path / "alone" / "model.pt").read_bytes()
+    for tag in ("same", "sync"):
+        assert (tmp_path / tag / "model.pt").read_bytes() == reference, tag
+        # each replica staged only its share, about a third, and together every record once
+        assert sum(s[tag] for s in staged) == total
+        assert all(0.2 * total < s[tag] < 0.5 * total for s in staged), [s[tag] for s in staged]
+        manifest = verify_checkpoint(str(tmp_path / tag))
+        entry = manifest["files"]["model.pt"]
+        assert [s[0] for s in entry["segments"]][0] == 0 and len(entry["segments"]) == WORLD
+        assert sorted(manifest["files"]) == ["model.pt"] + [f"rank{r}.pt" for r in range(WORLD)]
+        assert not list((tmp_path / tag).glob("model.pt.tmp.*"))
+    # the first replica's file, written by it alone, when the replicas' states differ
+    assert [s["differ"] for s in staged] == [total, 0, 0]
+    assert torch.load(tmp_path / "differ" / "model.pt", weights_only=False)["client"] == 0
+    assert "segments" not in read_manifest(str(tmp_path / "differ"))["files"]["model.pt"]
+    for s in staged:
+        assert "replicas are saving different files" in s["names"], s["names"]
+    # a flipped byte in the middle share is found, and named with its byte range
+    offset, length, _ = read_manifest(str(tmp_path / "same"))["files"]["model.pt"]["segments"][1]
+    path = tmp_path / "same" / "model.pt"
+    data = bytearray(path.read_bytes())
+    data[offset + length // 2] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match=rf"model.pt: xxh128 \w+ \(bytes {offset}-{offset + length}\).*corrupted"):
+        verify_file(str(path))

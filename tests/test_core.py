@@ -1051,3 +1051,37 @@ def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path):
         with pytest.raises((CommitError, PersistError)):
             ck.wait()
         ck.close()
+
+
+def test_split_items_balances_contiguous_runs_and_never_cuts_at_empty_records():
+    from deepspeed_async_ckpt.persist import split_items
+
+    assert split_items([10] * 8, 2) == (4,)
+    assert split_items([10] * 9, 3) == (3, 6)
+    assert split_items([100, 1, 1, 100], 2) == (2,)  # 101 and 101 bytes
+    assert split_items([1, 0, 0, 1], 2) == (3,)  # not at the records of 0 bytes
+    assert split_items([5, 5], 4) == (1,)  # fewer shares than replicas: as many as items allow
+    assert split_items([7], 3) == ()
+    assert split_items([], 2) == ()
+
+
+def test_commit_refuses_a_file_whose_shares_leave_a_gap_and_keeps_the_pointer(tmp_path):
+    from deepspeed_async_ckpt.commit import commit, write_rank_record
+    from deepspeed_async_ckpt.persist import FileRecord
+
+    storage = LocalStorage()
+    d = str(tmp_path / "t2")
+    (tmp_path / "latest").write_text("t1")
+    path, tmp = os.path.join(d, "model.pt"), os.path.join(d, "model.pt.tmp.x")
+    os.makedirs(d)
+    open(tmp, "wb").close()
+    # ranks 0 and 2 wrote their shares; rank 1's share (bytes 4096-8192) is not in its record
+    shares = {0: (0, 4096), 1: None, 2: (8192, 100)}
+    for rank, segment in shares.items():
+        files = [] if segment is None else [FileRecord(path, 8292, "ab", segment=segment, tmp=tmp)]
+        write_rank_record(storage, d, rank=rank, save_id="s", checksum="xxh128", files=files)
+    with pytest.raises(CommitError, match=r"model.pt has no share for bytes 4096-8192"):
+        commit(storage, d, tag="t2", save_id="s", world_size=3, checksum="xxh128", timeout_s=5,
+               pointer=Pointer(str(tmp_path / "latest"), "t2"))
+    assert (tmp_path / "latest").read_text() == "t1"
+    assert not os.path.exists(path) and not (tmp_path / "t2" / META_DIR / "manifest.json").exists()
