@@ -450,10 +450,11 @@ def summarize(ranks: list[dict], storage: dict, load: "ForeignLoad | None" = Non
         writers = [b for b in bare if b["bytes"] and b.get("write_s")]
         bare_window = max(b["window"]["window_s"] for b in bare)
         pair = _paired([b["paired_baseline"] for b in bare])
-        step["bare_write"] = {
+        write_s = max((b["write_s"] for b in writers), default=None)
+        step["bare_write"] = {  # all writing ranks together, as persist counts the engines
             "bytes": sum(b["bytes"] for b in writers),
-            "write_s": max((b["write_s"] for b in writers), default=None),
-            "gbps": min((b["gbps"] for b in writers), default=None),
+            "write_s": write_s,
+            "gbps": sum(b["bytes"] for b in writers) / write_s / 1e9 if write_s else None,
             "overhead": (bare_window - pair["window_s"]) / pair["window_s"],
             "next_step_extra_s": max(b["window"]["steps"][0]["step_s"] for b in bare) - pair["step_s"],
         }
