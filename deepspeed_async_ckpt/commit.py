@@ -251,9 +251,10 @@ def read_manifest(ckpt_dir: str) -> dict:
                              "it is partial; load the checkpoint its pointer names") from None
 
 
-def verify_file(path: str, manifest: dict | None = None) -> None:
+def verify_file(path: str, manifest: dict | None = None, segment: int | None = None) -> None:
     """Check one file against the committed manifest of its checkpoint; raises IntegrityError
-    naming the file. Files outside any checkpoint of ours are not checked."""
+    naming the file. Files outside any checkpoint of ours are not checked. ``segment``: check
+    only that share of a file the replicas wrote in shares (and the file's size)."""
     ckpt_dir = find_checkpoint_dir(path)
     if ckpt_dir is None:
         return
@@ -267,20 +268,24 @@ def verify_file(path: str, manifest: dict | None = None) -> None:
         raise IntegrityError(f"manifest of checkpoint {ckpt_dir!r} uses checksum {algorithm!r}, "
                              f"which this version cannot compute (it knows {', '.join(HASHERS)})")
     # [offset, length, checksum] of each part checksummed on its own: the whole file, or
-    # the share each rank wrote of a file written by several
+    # each share of a file the replicas wrote in shares
     segments = entry.get("segments") or [[0, None, entry.get(algorithm)]]
-    for offset, length, expected in segments:
-        try:
-            size, digest = hash_file(path, algorithm, offset, length)
-        except OSError as exc:  # missing, unreadable: as bad as a wrong checksum
-            raise IntegrityError(f"{path}: listed in the manifest of checkpoint {ckpt_dir!r} but "
-                                 f"cannot be read: {exc}") from exc
-        if size != (entry["bytes"] if length is None else length):
-            raise IntegrityError(f"{path}: {size} bytes{'' if length is None else f' at {offset}'}, "
-                                 f"manifest says {entry['bytes'] if length is None else length}: "
-                                 "file truncated or replaced")
+    if segment is not None:
+        segments = [segments[segment]]
+    try:
+        size = os.path.getsize(path)
+        if size == entry["bytes"]:
+            hashed = [hash_file(path, algorithm, offset, length) for offset, length, _ in segments]
+    except OSError as exc:  # missing, unreadable: as bad as a wrong checksum
+        raise IntegrityError(f"{path}: listed in the manifest of checkpoint {ckpt_dir!r} but "
+                             f"cannot be read: {exc}") from exc
+    if size != entry["bytes"]:
+        raise IntegrityError(f"{path}: size {size} bytes, manifest says {entry['bytes']}: file truncated or replaced")
+    for (offset, length, expected), (n, digest) in zip(segments, hashed):
+        where = "" if length is None else f" (bytes {offset}-{offset + length})"
+        if n != (size if length is None else length):  # changed while it was read
+            raise IntegrityError(f"{path}: read {n} bytes{where}, expected {length or size}: file truncated")
         if algorithm != "none" and digest != expected:
-            where = "" if length is None else f" (bytes {offset}-{offset + length})"
             raise IntegrityError(f"{path}: {algorithm} {digest}{where} does not match manifest "
                                  f"{expected}: file corrupted")
 
@@ -289,11 +294,15 @@ def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
                       manifest: dict | None = None) -> dict:
     """Verify the files of a committed checkpoint (against ``manifest`` if already read);
     returns its manifest. With ``world_size`` ranks each verifying its share, rank ``r``
-    checks files ``r, r + world_size, ...`` of the manifest (sorted), so that together they
-    read every file once."""
+    checks the units ``r, r + world_size, ...`` of the manifest, a unit being a file or one
+    share of a file the replicas wrote in shares (so the largest file, which every replica
+    loads, is read by as many ranks as wrote it), and together they read every byte once."""
     manifest = manifest or read_manifest(ckpt_dir)
-    for rel in sorted(manifest["files"])[rank::world_size]:
-        verify_file(os.path.join(ckpt_dir, rel), manifest)
+    units = [(rel, i if "segments" in entry else None)
+             for rel, entry in sorted(manifest["files"].items())
+             for i in range(len(entry.get("segments", [None])))]
+    for rel, segment in units[rank::world_size]:
+        verify_file(os.path.join(ckpt_dir, rel), manifest, segment)
     return manifest
 
 
