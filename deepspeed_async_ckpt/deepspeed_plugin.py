@@ -13,6 +13,10 @@ DeepSpeed 0.19.8):
   before the optimizer step: the only point where training waits for outstanding copies.
   After the first step (when the optimizer state exists) the host pool is sized from this
   rank's share of the state and faulted in, in the background, ahead of the first save.
+- ``is_data_parallel_writer`` says yes for every data-parallel replica (without ZeRO-3, MoE or
+  node-local storage), so each is handed the model-states file and writes a share of it
+  (:class:`~.checkpointer.Replicas`); with ``split_replicated_files`` off, only the first
+  replica writes it, as DeepSpeed's own engine does.
 - ``save_checkpoint`` is wrapped to seal the checkpoint when DeepSpeed's save returns and to
   freeze ``client_state`` eagerly; ``load_checkpoint`` first waits for pending saves on every
   rank and, if a save failed on any rank, refuses on every rank (rather than leaving the other
