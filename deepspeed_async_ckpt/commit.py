@@ -94,7 +94,25 @@ _POLL_MAX_S = 0.05
 
 def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
            checksum: str, timeout_s: float, pointer: Pointer | None) -> dict:
-    """Rank 0: wait for every rank's record, write the manifest, then move the pointer."""
+    """Rank 0: wait for every rank's record, write the manifest, then move the pointer. If
+    the commit fails, the files the replicas were writing in shares are removed (a rank's
+    own temporary files are removed by that rank)."""
+    try:
+        return _commit(storage, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
+                       checksum=checksum, timeout_s=timeout_s, pointer=pointer)
+    except CommitError:
+        suffix = f".tmp.{save_id}"
+        for name in os.listdir(ckpt_dir):
+            if name.endswith(suffix):
+                try:
+                    os.unlink(os.path.join(ckpt_dir, name))
+                except OSError:
+                    pass
+        raise
+
+
+def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
+            checksum: str, timeout_s: float, pointer: Pointer | None) -> dict:
     deadline = time.monotonic() + timeout_s
     meta = os.path.join(ckpt_dir, META_DIR)
     paths = {r: _rank_record_path(ckpt_dir, r, save_id) for r in range(world_size)}

@@ -262,7 +262,7 @@ def install() -> bool:
         if cfg is None:
             return _ORIGINALS["create"](config_params, *args, **kwargs)
         given = create_sig.bind_partial(config_params, *args, **kwargs).arguments
-        return AsyncCheckpointEngine(config_params, cfg, zero_stage=given.get("zero_stage", 0),
+        return AsyncCheckpointEngine(config_params, cfg, zero_stage=given.get("zero_stage"),
                                      has_moe_layers=given.get("has_moe_layers", False))
 
     @functools.wraps(_ORIGINALS["step"])

@@ -1072,7 +1072,7 @@ def test_commit_refuses_a_file_whose_shares_leave_a_gap_and_keeps_the_pointer(tm
     storage = LocalStorage()
     d = str(tmp_path / "t2")
     (tmp_path / "latest").write_text("t1")
-    path, tmp = os.path.join(d, "model.pt"), os.path.join(d, "model.pt.tmp.x")
+    path, tmp = os.path.join(d, "model.pt"), os.path.join(d, "model.pt.tmp.s")  # save id "s"
     os.makedirs(d)
     open(tmp, "wb").close()
     # ranks 0 and 2 wrote their shares; rank 1's share (bytes 4096-8192) is not in its record
@@ -1085,3 +1085,4 @@ def test_commit_refuses_a_file_whose_shares_leave_a_gap_and_keeps_the_pointer(tm
                pointer=Pointer(str(tmp_path / "latest"), "t2"))
     assert (tmp_path / "latest").read_text() == "t1"
     assert not os.path.exists(path) and not (tmp_path / "t2" / META_DIR / "manifest.json").exists()
+    assert not os.path.exists(tmp)  # the shares' temporary file went with the commit
