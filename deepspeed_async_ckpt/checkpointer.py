@@ -104,6 +104,14 @@ def by_rank(errors: dict[int, str]) -> str:
     return "; ".join(f"{r}: {m}" for r, m in sorted(errors.items()))
 
 
+def _collective_device(group: Any = None) -> torch.device:
+    """Where a collective's tensors go: the current CUDA device under NCCL, else the CPU."""
+    import torch.distributed as dist
+
+    return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
+        else torch.device("cpu")
+
+
 def exchange_across_ranks(value: str, error: str | None) -> tuple[str, dict[int, str]]:
     """Collective: rank 0's ``value``, and every rank's error message (rank -> message) so that
     a failure on one rank is raised on all of them instead of leaving the others waiting in the
@@ -117,8 +125,7 @@ def exchange_across_ranks(value: str, error: str | None) -> tuple[str, dict[int,
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value, ({0: error} if error else {})
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" \
-        else torch.device("cpu")
+    device = _collective_device()
     # [ranks that failed, length of rank 0's value (-1: too long), its bytes...]; a sum over
     # ranks in which only rank 0 contributes the value
     msg = torch.zeros(2 + _EXCHANGE_VALUE_BYTES, dtype=torch.int32)
@@ -156,10 +163,7 @@ class Replicas:
         replica order. One all-gather of a few bytes per replica, on the training thread."""
         import torch.distributed as dist
 
-        backend = dist.get_backend(self.group)
-        device = torch.device("cuda", torch.cuda.current_device()) if backend == "nccl" \
-            else torch.device("cpu")
-        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(device)
+        mine = torch.frombuffer(bytearray(digest), dtype=torch.uint8).to(_collective_device(self.group))
         every = [torch.empty_like(mine) for _ in range(self.size)]
         dist.all_gather(every, mine, group=self.group)
         return [bytes(t.cpu().tolist()) for t in every]
