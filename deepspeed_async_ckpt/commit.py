@@ -41,15 +41,18 @@ class Pointer:
     text: str
 
 
-def write_text_atomic(storage: Storage, path: str, text: str) -> None:
-    """Replace ``path`` with ``text``: temp file, fsync, rename, fsync of the directory."""
+def write_text_atomic(storage: Storage, path: str, text: str, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``text``: temp file, fsync, rename, fsync of the directory.
+    ``durable=False``: temp file and rename only, for what others must see whole but a crash
+    may lose (a rank's record: see :func:`write_rank_record`)."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with storage.open_write(tmp) as f:
+    with storage.open_write(tmp, durable=durable) as f:
         data = text.encode()
         while data:
             data = data[f.write(data):]
-        storage.sync_file(f)
-    storage.replace(tmp, path)
+        if durable:
+            storage.sync_file(f)
+    storage.replace(tmp, path, durable=durable)
 
 
 def _rank_record_path(ckpt_dir: str, rank: int, save_id: str) -> str:
@@ -64,12 +67,17 @@ def write_rank_failure(storage: Storage, ckpt_dir: str, *, rank: int, save_id: s
     """Called by a rank whose part of a save failed, so rank 0 abandons the commit at once
     instead of waiting ``commit_timeout_s`` for a record that will never come."""
     storage.makedirs(os.path.join(ckpt_dir, META_DIR))
-    write_text_atomic(storage, _failure_record_path(ckpt_dir, rank, save_id), message)
+    write_text_atomic(storage, _failure_record_path(ckpt_dir, rank, save_id), message, durable=False)
 
 
 def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: str,
                       checksum: str, files: Iterable[FileRecord]) -> None:
-    """Called by every rank (writer or not) once all of its files for this save are durable."""
+    """Called by every rank (writer or not) once all of its files for this save are durable.
+
+    The record is published (written whole, then renamed into place) but not fsynced: rank 0
+    copies every record into the manifest, which is made durable before the pointer moves, so
+    a record a crash loses belongs to a save that was not committed anyway. Two fsyncs fewer
+    on every rank's way to the commit (1.7 -> 0.1 ms for this step on this VM's disk)."""
     storage.makedirs(os.path.join(ckpt_dir, META_DIR))
     entries = {}
     for r in files:
@@ -82,14 +90,25 @@ def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: st
         if r.parts is not None:  # a packed file: where each archive lies in it
             entries[rel]["parts"] = {n: list(s) for n, s in r.parts.items()}
     record = {"rank": rank, "save_id": save_id, "checksum": checksum, "files": entries}
-    write_text_atomic(storage, _rank_record_path(ckpt_dir, rank, save_id), json.dumps(record, indent=1))
+    write_text_atomic(storage, _rank_record_path(ckpt_dir, rank, save_id), json.dumps(record, indent=1),
+                      durable=False)
 
 
-#: Rank 0 polls for the ranks' records at once, then after waits of ``_POLL_FIRST_S``, twice
-#: as long each time, up to ``_POLL_MAX_S``. Each poll is one directory listing whatever the
-#: world size, so a short cap costs little and the commit follows the last rank closely.
-_POLL_FIRST_S = 0.005
+#: Rank 0 polls for the ranks' records at once, then again after a wait of 1/16 of the time it
+#: has waited so far, at least ``_POLL_MIN_S`` and at most ``_POLL_MAX_S``: the commit comes
+#: at most about 6% (and 1 ms) after the last rank's record, or ``_POLL_MAX_S`` once it has
+#: waited 0.8 s. Each poll is one directory listing whatever the world size: about 16 polls
+#: per doubling of the wait, 20 a second after that. (Until session 11 the wait doubled from
+#: 5 ms to 50 ms each time: the commit came 13-56 ms after the last of 2 ranks.)
+_POLL_MIN_S = 0.001
+_POLL_FRACTION = 1 / 16
 _POLL_MAX_S = 0.05
+
+
+def poll_delay(waited_s: float) -> float:
+    """How long rank 0 sleeps before its next look for the ranks' records, having waited
+    ``waited_s`` seconds for them so far."""
+    return min(_POLL_MAX_S, max(_POLL_MIN_S, waited_s * _POLL_FRACTION))
 
 
 def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
@@ -113,14 +132,14 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
 
 def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
             checksum: str, timeout_s: float, pointer: Pointer | None) -> dict:
-    deadline = time.monotonic() + timeout_s
+    start = time.monotonic()
+    deadline = start + timeout_s
     meta = os.path.join(ckpt_dir, META_DIR)
     paths = {r: _rank_record_path(ckpt_dir, r, save_id) for r in range(world_size)}
     # What each rank leaves in ``meta``: its record, or a failure record (names built once).
     done = {r: os.path.basename(p) for r, p in paths.items()}
     failure = {r: os.path.basename(_failure_record_path(ckpt_dir, r, save_id)) for r in paths}
     missing = sorted(paths)
-    delay = _POLL_FIRST_S
     while True:
         try:
             names = set(storage.listdir(meta))
@@ -139,8 +158,7 @@ def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_si
             raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank(s) "
                               f"{_ranges(missing)} did not finish persisting within "
                               f"{timeout_s:.0f} s (async_checkpoint.commit_timeout_s)")
-        time.sleep(delay)
-        delay = min(delay * 2, _POLL_MAX_S)
+        time.sleep(poll_delay(time.monotonic() - start))
     files: dict[str, dict] = {}
     ranks: dict[str, list[str]] = {}
     for r, p in paths.items():

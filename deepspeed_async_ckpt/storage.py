@@ -20,8 +20,9 @@ from typing import BinaryIO, Protocol
 
 
 class Storage(Protocol):
-    def open_write(self, path: str) -> BinaryIO:
-        """A new unbuffered binary file at ``path`` (truncated if present)."""
+    def open_write(self, path: str, *, durable: bool = True) -> BinaryIO:
+        """A new unbuffered binary file at ``path`` (truncated if present). ``durable=False``:
+        a small file that others must see once closed, never synced (a rank's record)."""
 
     def open_write_at(self, path: str, offset: int) -> BinaryIO:
         """``path`` (created if absent, never truncated) for writing from ``offset`` on: one
@@ -30,8 +31,9 @@ class Storage(Protocol):
     def sync_file(self, f: BinaryIO) -> None:
         """Make what was written to ``f`` durable."""
 
-    def replace(self, src: str, dst: str) -> None:
-        """Atomically rename ``src`` to ``dst`` and make the rename durable."""
+    def replace(self, src: str, dst: str, *, durable: bool = True) -> None:
+        """Atomically rename ``src`` to ``dst`` and (unless ``durable=False``: others need only
+        see it) make the rename durable."""
 
     def makedirs(self, path: str) -> None:
         ...
@@ -55,7 +57,9 @@ class LocalStorage:
         self.fsync = fsync
         self.direct_io = direct_io
 
-    def open_write(self, path: str) -> BinaryIO:
+    def open_write(self, path: str, *, durable: bool = True) -> BinaryIO:
+        if not durable:
+            return open(path, "wb", buffering=0)
         if self.fsync and self.direct_io and _O_DIRECT:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o666)
@@ -92,9 +96,9 @@ class LocalStorage:
             if isinstance(f, WriteBehindFile):  # clean now: drop the rest from the page cache
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
 
-    def replace(self, src: str, dst: str) -> None:
+    def replace(self, src: str, dst: str, *, durable: bool = True) -> None:
         os.replace(src, dst)
-        if self.fsync:
+        if self.fsync and durable:
             _fsync_dir(os.path.dirname(os.path.abspath(dst)))
 
     def makedirs(self, path: str) -> None:

@@ -511,8 +511,8 @@ class FailingStorage(LocalStorage):
         super().__init__(fsync=True)
         self.budget = budget
 
-    def open_write(self, path):
-        f = super().open_write(path)
+    def open_write(self, path, **kw):
+        f = super().open_write(path, **kw)
         storage = self
 
         class W:
@@ -779,7 +779,85 @@ def test_commit_follows_the_last_rank_closely_with_one_listing_per_poll(tmp_path
     thread.join()
     assert (tmp_path / "latest").read_text() == "t1"
     assert late < 0.2, f"committed {late:.3f} s after the last rank's record"
-    assert 2 <= Counting.listings < 60, Counting.listings  # one per poll, not one per rank
+    # one per poll (at most 108 polls in 1.2 s: see the virtual-clock test below), not one
+    # per rank per poll (64 each)
+    assert 2 <= Counting.listings <= 108, Counting.listings
+
+
+@pytest.mark.parametrize("last_at", [0.004, 0.05, 0.2, 0.6, 3.0])
+def test_commit_comes_within_a_sixteenth_of_the_wait_after_the_last_record(tmp_path, monkeypatch, last_at):
+    """Rank 0 looks for the ranks' records again after 1/16 of the time it has waited so far
+    (1 ms at least, 50 ms at most), so the commit follows a rank that finished shortly after
+    it closely, without polling faster once the wait is long. On a virtual clock, so the
+    bound is exact: with the backoff before (5 ms doubling to 50 ms), the record of a rank
+    finishing 0.2 s after rank 0 was seen 25 ms late (12 ms allowed here)."""
+    from deepspeed_async_ckpt import commit as commit_mod
+
+    class Clock:  # commit's time module: sleeping advances it
+        now = 0.0
+
+        def monotonic(self):
+            return self.now
+
+        def sleep(self, seconds):
+            self.now += seconds
+
+        time = staticmethod(time.time)
+
+    clock, d = Clock(), str(tmp_path / "t1")
+    monkeypatch.setattr(commit_mod, "time", clock)
+    seen = {}
+
+    class LateRank(LocalStorage):
+        def listdir(self, path):
+            seen["listings"] = seen.get("listings", 0) + 1
+            if clock.now >= last_at and "at" not in seen:
+                commit_mod.write_rank_record(self, d, rank=1, save_id="s", checksum="xxh128", files=[])
+                seen["at"] = clock.now
+            return super().listdir(path)
+
+    storage = LateRank(fsync=False)
+    commit_mod.write_rank_record(storage, d, rank=0, save_id="s", checksum="xxh128", files=[])
+    commit_mod.commit(storage, d, tag="t1", save_id="s", world_size=2, checksum="xxh128",
+                      timeout_s=60, pointer=Pointer(str(tmp_path / "latest"), "t1"))
+    assert (tmp_path / "latest").read_text() == "t1"
+    late = seen["at"] - last_at
+    assert late <= min(0.05, max(0.001, last_at / 16)) + 1e-9, f"seen {late * 1e3:.1f} ms late"
+    # 16 polls of 1 ms, about 16 per doubling of the wait up to 0.8 s, then 20 a second
+    assert seen["listings"] <= 100 + 20 * max(0.0, last_at - 0.8), seen["listings"]
+
+
+def test_commit_order_data_then_record_then_manifest_then_pointer(tmp_path):
+    """What the pointer's atomicity rests on, in the order the disk sees it: every data file
+    fsynced and renamed durably, then the rank's record published (renamed, not synced: a
+    record a crash loses belongs to a save never committed), then the manifest fsynced and
+    renamed durably, and only then the pointer (fsynced, renamed durably)."""
+    events = []
+
+    class Spy(LocalStorage):
+        def sync_file(self, f):
+            events.append(("sync", os.path.basename(getattr(f, "name", None) or getattr(f, "path", ""))))
+            super().sync_file(f)
+
+        def replace(self, src, dst, *, durable=True):
+            events.append(("replace", os.path.basename(dst), durable))
+            super().replace(src, dst, durable=durable)
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=Spy())
+    save_one(ck, str(tmp_path), sample_state())
+    ck.wait()
+    ck.close()
+    replaced = [e[1] for e in events if e[0] == "replace"]
+    record = next(n for n in replaced if n.startswith("rank_00000."))
+    assert replaced == ["model.pt", record, "manifest.json", "latest"], events
+    assert ("replace", "model.pt", True) in events and ("replace", record, False) in events
+    assert ("replace", "manifest.json", True) in events and ("replace", "latest", True) in events
+    synced = [e[1] for e in events if e[0] == "sync"]
+    assert len(synced) == 3 and not any(n.startswith("rank_") for n in synced), events
+    # each durable file synced before its rename
+    for name in ("model.pt", "manifest.json", "latest"):
+        sync_at = next(i for i, e in enumerate(events) if e[0] == "sync" and e[1].startswith(name))
+        assert sync_at < events.index(("replace", name, True)), events
 
 
 def test_packed_file_holds_one_torch_save_archive_per_part_at_page_offsets(tmp_path):
