@@ -28,6 +28,7 @@ import time
 import uuid
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
@@ -58,7 +59,7 @@ class CheckpointHandle:
     """One checkpoint of one rank, with named wait points: staged, persisted, committed.
 
     "Committed" means: on rank 0, the manifest and pointer are durable; on other ranks, this
-    rank's own record is durable (its part of the commit).
+    rank's files are durable and its record is published (its part of the commit).
     """
 
     def __init__(self, ckpt_dir: str, tag: str, save_id: str, pointer: Pointer | None) -> None:
@@ -75,7 +76,8 @@ class CheckpointHandle:
         self.fence_wait_s = 0.0
         """Time the training loop spent blocked at fences waiting for this save's copies."""
         self.retired: list[str] = []
-        """Older checkpoints that retention (``keep_last``) removed after this one committed."""
+        """Older checkpoints that retention (``keep_last``) removed after this one committed
+        (filled in the background, after the commit: see :meth:`AsyncCheckpointer.wait`)."""
         self.times: dict[str, float] = {"begin": time.perf_counter()}
         self._persisted = threading.Event()
         self._committed = threading.Event()
@@ -246,6 +248,8 @@ class AsyncCheckpointer:
         self._dirs_lock = threading.Lock()  # retention vs. saves announcing their directories
         self._verified: dict[str, str] = {}  # checkpoint dir -> save id, checked by verify_all_ranks
         self._warned_replicas_differ = False
+        self._retirer: ThreadPoolExecutor | None = None  # retention, started on first use
+        self._retiring: collections.deque[Future] = collections.deque()
         self._inflight: collections.deque[CheckpointHandle] = collections.deque()
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
@@ -446,7 +450,8 @@ class AsyncCheckpointer:
             handle.unsubmitted = []
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every sealed checkpoint is committed; raise a background error if any."""
+        """Block until every sealed checkpoint is committed and the retention its commit
+        started (``keep_last``) is done; raise a background error if any."""
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
@@ -456,6 +461,20 @@ class AsyncCheckpointer:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not handle.wait_committed(left):
                 raise CommitError(f"checkpoint {handle.tag!r} not committed within {timeout} s")
+        while True:
+            with self._lock:
+                retiring = self._retiring[0] if self._retiring else None
+            if retiring is None:
+                break
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                retiring.result(left)  # retire_older logs its OSErrors; anything else is a bug
+            except FutureTimeout:
+                raise AsyncCheckpointError(f"removing older checkpoints (keep_last) did not "
+                                           f"finish within {timeout} s") from None
+            with self._lock:
+                if self._retiring and self._retiring[0] is retiring:
+                    self._retiring.popleft()
         self.raise_background_error()
 
     def raise_background_error(self) -> None:
@@ -538,6 +557,25 @@ class AsyncCheckpointer:
                            "(keep_last=%d) failed: %s", handle.ckpt_dir, keep_last, exc)
         return handle.retired
 
+    def retire_older_later(self, handle: CheckpointHandle, *, keep_last: int | None = None,
+                           keep: Callable[[str], bool] | None = None) -> Future:
+        """:meth:`retire_older` on this checkpointer's retention thread, one call at a time:
+        removing a checkpoint can take as long as saving it (about 0.2 s per GiB on this VM's
+        ext4, mounted with online discard), and neither the next commit nor a sync save should
+        wait for that. :meth:`wait` and :meth:`close` wait for it. Once closed, it runs here."""
+        with self._lock:
+            if self._closed:
+                done: Future = Future()
+                done.set_result(self.retire_older(handle, keep_last=keep_last, keep=keep))
+                return done
+            if self._retirer is None:
+                self._retirer = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-retirer")
+            while self._retiring and self._retiring[0].done() and not self._retiring[0].exception():
+                self._retiring.popleft()  # nobody called wait() meanwhile
+            future = self._retirer.submit(self.retire_older, handle, keep_last=keep_last, keep=keep)
+            self._retiring.append(future)
+        return future
+
     # ------------------------------------------------------------------ load path
     def verify_all_ranks(self, ckpt_dir: str, *, action: str = "load") -> None:
         """Collective: check a checkpoint of this engine before any rank loads from it, each
@@ -600,6 +638,10 @@ class AsyncCheckpointer:
             self._commits.put(None)
             self._committer.join(timeout=60)
             self._writers.shutdown(wait=True)
+            with self._lock:
+                retirer = self._retirer
+            if retirer is not None:
+                retirer.shutdown(wait=True)
             self._stager.close()
             cancel_flush_at_exit(self._at_exit)
 
@@ -667,8 +709,8 @@ class AsyncCheckpointer:
                        world_size=self.world_size, checksum=cfg.checksum,
                        timeout_s=cfg.commit_timeout_s, pointer=handle.pointer)
             handle.times["committed"] = time.perf_counter()
-            if self.rank == 0 and handle.pointer is not None:
-                self.retire_older(handle)
+            if self.rank == 0 and handle.pointer is not None and self.config.keep_last:
+                self.retire_older_later(handle)
         except BaseException as exc:
             handle.error = exc
             with self._lock:

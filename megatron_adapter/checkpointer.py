@@ -229,11 +229,11 @@ class MegatronCheckpointer:
         """Collective: block until every save so far is committed and the tracker moved; raise
         on every rank if any rank's background work failed."""
         error = None
+        self._wait_finalized(None)  # each waits for its commit; retention is queued after it
         try:
-            self.engine.wait(timeout)
+            self.engine.wait(timeout)  # the commits, then that retention
         except BaseException as exc:
             error = exc
-        self._wait_finalized(None)
         self._agree_no_error(error or self._take_finalize_error())
 
     # ------------------------------------------------------------------ load path
@@ -291,17 +291,19 @@ class MegatronCheckpointer:
 
     def _retire_older(self, handle: CheckpointHandle) -> None:
         """Retention: the config's ``keep_last``, and Megatron-LM's ``--save-retain-interval``
-        (keep every ``retain_interval``-th iteration and the newest checkpoint, remove the rest)."""
+        (keep every ``retain_interval``-th iteration and the newest checkpoint, remove the rest),
+        on the engine's retention thread (a sync save does not wait for the removal)."""
         interval = self.retain_interval
         if interval is None:
-            self.engine.retire_older(handle)
+            if self.config.keep_last:
+                self.engine.retire_older_later(handle)
             return
 
         def on_interval(name: str) -> bool:
             match = _ITERATION_DIR.fullmatch(name)
             return match is not None and int(match[1]) % interval == 0
 
-        self.engine.retire_older(handle, keep_last=max(self.config.keep_last, 1), keep=on_interval)
+        self.engine.retire_older_later(handle, keep_last=max(self.config.keep_last, 1), keep=on_interval)
 
     def _submit_finalize(self, ckpt_dir: str, fn: Callable[[], None]) -> None:
         fut: Future = Future()

@@ -992,6 +992,42 @@ def test_keep_last_failure_to_remove_keeps_the_commit_and_retries_next_time(tmp_
     verify_checkpoint(str(tmp_path / "s2"))
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_keep_last_removes_on_its_own_thread_so_saves_and_commits_do_not_wait(tmp_path, mode):
+    """Deleting a checkpoint can take as long as saving it (0.2 s per GiB on this VM's ext4,
+    mounted with online discard). Retention runs on its own thread: with the deletion of s0
+    held, the sync save of s1 returns and the next checkpoint, s2, commits; ``wait()`` then
+    waits for the deletions, in order (s0, then s1 once s2 is committed)."""
+    entered, release = threading.Event(), threading.Event()
+
+    class HeldDeletion(LocalStorage):
+        def remove_tree(self, path):
+            entered.set()
+            release.wait(10)  # before: the save or the next commit sat here, 10 s
+            super().remove_tree(path)
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, keep_last=1, host_buffer_gb=0.01),
+                           storage=HeldDeletion())
+    root = str(tmp_path)
+    save_one(ck, root, sample_state(), tag="s0")
+    ck.fence()
+    ck.wait()
+    handles = []
+    for tag in ("s1", "s2"):
+        handles.append(save_one(ck, root, sample_state(), tag=tag))
+        ck.fence()
+        assert handles[-1].wait_committed(5), f"{tag} not committed while s0 was being deleted"
+        assert (tmp_path / "latest").read_text() == tag
+        assert entered.wait(5) and (tmp_path / ".async_ckpt_removing.s0").is_dir()  # still held
+    assert not release.is_set()
+    release.set()
+    ck.wait()
+    ck.close()
+    assert [h.retired for h in handles] == [["s0"], ["s1"]]
+    assert sorted(os.listdir(root)) == ["latest", "s2"]
+    verify_checkpoint(str(tmp_path / "s2"))
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned pool and copy stream")
 def test_cuda_pinned_pool_and_copy_stream_overlap(tmp_path):
