@@ -563,18 +563,18 @@ class AsyncCheckpointer:
         removing a checkpoint can take as long as saving it (about 0.2 s per GiB on this VM's
         ext4, mounted with online discard), and neither the next commit nor a sync save should
         wait for that. :meth:`wait` and :meth:`close` wait for it. Once closed, it runs here."""
-        with self._lock:
-            if self._closed:
-                done: Future = Future()
-                done.set_result(self.retire_older(handle, keep_last=keep_last, keep=keep))
-                return done
-            if self._retirer is None:
-                self._retirer = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-retirer")
-            while self._retiring and self._retiring[0].done() and not self._retiring[0].exception():
-                self._retiring.popleft()  # nobody called wait() meanwhile
-            future = self._retirer.submit(self.retire_older, handle, keep_last=keep_last, keep=keep)
-            self._retiring.append(future)
-        return future
+        with self._lock:  # close() sets _closed before it takes the lock to stop the thread
+            if not self._closed:
+                if self._retirer is None:
+                    self._retirer = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-retirer")
+                while self._retiring and self._retiring[0].done() and not self._retiring[0].exception():
+                    self._retiring.popleft()  # nobody called wait() meanwhile
+                future = self._retirer.submit(self.retire_older, handle, keep_last=keep_last, keep=keep)
+                self._retiring.append(future)
+                return future
+        done: Future = Future()  # closed: here, outside the lock (retire_older takes it)
+        done.set_result(self.retire_older(handle, keep_last=keep_last, keep=keep))
+        return done
 
     # ------------------------------------------------------------------ load path
     def verify_all_ranks(self, ckpt_dir: str, *, action: str = "load") -> None:

@@ -1028,6 +1028,23 @@ def test_keep_last_removes_on_its_own_thread_so_saves_and_commits_do_not_wait(tm
     verify_checkpoint(str(tmp_path / "s2"))
 
 
+def test_retention_queued_after_close_runs_in_the_caller(tmp_path):
+    """Megatron's finalizer may queue retention after the engine closed: it runs at once, in
+    the calling thread (no thread to hand it to, and no deadlock on the engine's lock)."""
+    ck = make()
+    handles = []
+    for tag in ("a", "b"):
+        handles.append(save_one(ck, str(tmp_path), sample_state(), tag=tag))
+        ck.wait()
+    ck.close()
+    result = {}
+    thread = threading.Thread(target=lambda: result.update(f=ck.retire_older_later(handles[1], keep_last=1)))
+    thread.start()
+    thread.join(10)
+    assert not thread.is_alive(), "retire_older_later deadlocked on a closed checkpointer"
+    assert result["f"].result(0) == ["a"] and sorted(os.listdir(tmp_path)) == ["b", "latest"]
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: pinned pool and copy stream")
 def test_cuda_pinned_pool_and_copy_stream_overlap(tmp_path):
