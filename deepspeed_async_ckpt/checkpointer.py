@@ -246,7 +246,8 @@ class AsyncCheckpointer:
         self._current: CheckpointHandle | None = None
         self._beginning: str | None = None  # directory of a begin() still agreeing its save id
         self._dirs_lock = threading.Lock()  # retention vs. saves announcing their directories
-        self._verified: dict[str, str] = {}  # checkpoint dir -> save id, checked by verify_all_ranks
+        # checkpoint dir -> (save id, which of its files), checked by verify_all_ranks
+        self._verified: dict[str, tuple[str, Callable[[str], bool] | None]] = {}
         self._warned_replicas_differ = False
         self._retirer: ThreadPoolExecutor | None = None  # retention, started on first use
         self._retiring: collections.deque[Future] = collections.deque()
@@ -577,7 +578,8 @@ class AsyncCheckpointer:
         return done
 
     # ------------------------------------------------------------------ load path
-    def verify_all_ranks(self, ckpt_dir: str, *, action: str = "load") -> None:
+    def verify_all_ranks(self, ckpt_dir: str, *, action: str = "load",
+                         include: Callable[[str], bool] | None = None) -> None:
         """Collective: check a checkpoint of this engine before any rank loads from it, each
         rank hashing a disjoint share of its files (rank ``r``: files ``r, r + world_size, ...``
         of the manifest), and raise on every rank if any file is bad or the checkpoint was
@@ -586,14 +588,16 @@ class AsyncCheckpointer:
         checking each file on every rank that loads it reads a file all ranks load (DeepSpeed's
         model states) once per rank. :meth:`load` then skips the files of this checkpoint. A
         directory without this engine's records (another engine's checkpoint) passes as it is.
+        ``include``: only the files (by path within the checkpoint) it accepts, those the load
+        will read; :meth:`load` still checks any other file it is asked for.
         """
         ckpt_dir = os.path.abspath(ckpt_dir)
         error: Exception | None = None
         save_id = None
         try:
             if os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
-                save_id = verify_checkpoint(ckpt_dir, rank=self.rank,
-                                            world_size=self.world_size)["save_id"]
+                save_id = verify_checkpoint(ckpt_dir, rank=self.rank, world_size=self.world_size,
+                                            include=include)["save_id"]
         except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
             error = exc
         detail = None if error is None else f"{type(error).__name__}: {error}"
@@ -604,7 +608,7 @@ class AsyncCheckpointer:
             raise IntegrityError(f"{action} refused on every rank, because of rank(s) "
                                  f"{by_rank(failed)}")
         if save_id is not None:
-            self._verified[ckpt_dir] = save_id
+            self._verified[ckpt_dir] = (save_id, include)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """``torch.load`` after checking the file against its checkpoint's committed manifest
@@ -619,8 +623,11 @@ class AsyncCheckpointer:
         ckpt_dir = find_checkpoint_dir(os.path.abspath(path))
         if ckpt_dir is None or ckpt_dir not in self._verified:
             return False
+        save_id, include = self._verified[ckpt_dir]
+        if include is not None and not include(os.path.relpath(os.path.abspath(path), ckpt_dir)):
+            return False  # left out of that check: not read by the load it was made for
         try:  # the same commit, not one written over it since
-            return read_manifest(ckpt_dir)["save_id"] == self._verified[ckpt_dir]
+            return read_manifest(ckpt_dir)["save_id"] == save_id
         except IntegrityError:
             return False
 

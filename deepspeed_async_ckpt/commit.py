@@ -327,15 +327,18 @@ def verify_file(path: str, manifest: dict | None = None, segment: int | None = N
 
 
 def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
-                      manifest: dict | None = None) -> dict:
+                      manifest: dict | None = None,
+                      include: Callable[[str], bool] | None = None) -> dict:
     """Verify the files of a committed checkpoint (against ``manifest`` if already read);
     returns its manifest. With ``world_size`` ranks each verifying its share, rank ``r``
     checks the units ``r, r + world_size, ...`` of the manifest, a unit being a file or one
     share of a file the replicas wrote in shares (so the largest file, which every replica
-    loads, is read by as many ranks as wrote it), and together they read every byte once."""
+    loads, is read by as many ranks as wrote it), and together they read every byte once.
+    ``include``: check only the files (by path within the checkpoint) it accepts, those a
+    partial load reads."""
     manifest = manifest or read_manifest(ckpt_dir)
     units = [(rel, i if "segments" in entry else None)
-             for rel, entry in sorted(manifest["files"].items())
+             for rel, entry in sorted(manifest["files"].items()) if include is None or include(rel)
              for i in range(len(entry.get("segments", [None])))]
     for rel, segment in units[rank::world_size]:
         verify_file(os.path.join(ckpt_dir, rel), manifest, segment)

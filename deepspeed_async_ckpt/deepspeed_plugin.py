@@ -32,7 +32,7 @@ import logging
 import os
 import sys
 import threading
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -229,6 +229,28 @@ def checkpoint_to_load(arguments: dict, latest: str = "latest") -> str | None:
     return os.path.join(load_dir, str(tag))
 
 
+def files_read_by_load(ds_engine: Any, arguments: dict) -> Callable[[str], bool] | None:
+    """Which files of a checkpoint ``load_checkpoint`` will read, as DeepSpeed decides it
+    (``DeepSpeedEngine.load_checkpoint``): under ZeRO, the optimizer files
+    (``*optim_states.pt``) only when optimizer states are loaded (or for a universal
+    checkpoint, or MoE under ZeRO-3). A fine-tuning load with ``load_optimizer_states=False``
+    then hashes the model states (2 bytes per parameter in bf16) and not the optimizer's
+    12. None: every file (without ZeRO the model-states file holds the optimizer state too)."""
+    def asks(name: str) -> bool:
+        method = getattr(ds_engine, name, None)
+        return bool(method()) if callable(method) else True  # unknown: as if it read them
+
+    zero = getattr(ds_engine, "zero_optimization", None)
+    if not callable(zero) or not zero() or asks("zero_nvme_offload_optimizer"):
+        return None
+    optimizer = arguments.get("load_optimizer_states", True) and not arguments.get("load_module_only", False)
+    universal = getattr(ds_engine, "load_universal_checkpoint", lambda: False)()
+    moe_zero3 = getattr(ds_engine, "has_moe_layers", False) and asks("zero_optimization_partition_weights")
+    if optimizer or universal or moe_zero3:
+        return None
+    return lambda rel: not os.path.basename(rel).endswith("optim_states.pt")
+
+
 def parse_config(param_dict: dict | None) -> AsyncCheckpointConfig | None:
     """The validated config, or None when the key is absent or disabled."""
     raw = (param_dict or {}).get(CONFIG_KEY)
@@ -302,10 +324,11 @@ def install() -> bool:
             engine.checkpointer.wait_all_ranks(action="load_checkpoint")
             if engine.checkpointer.config.verify_on_load:
                 universal = getattr(self, "load_universal_checkpoint", lambda: False)()
-                ckpt_dir = checkpoint_to_load(load_sig.bind(self, *args, **kwargs).arguments,
-                                              "latest_universal" if universal else "latest")
-                if ckpt_dir is not None:  # every file checked once, across the ranks
-                    engine.checkpointer.verify_all_ranks(ckpt_dir, action="load_checkpoint")
+                arguments = load_sig.bind(self, *args, **kwargs).arguments
+                ckpt_dir = checkpoint_to_load(arguments, "latest_universal" if universal else "latest")
+                if ckpt_dir is not None:  # every file it reads checked once, across the ranks
+                    engine.checkpointer.verify_all_ranks(ckpt_dir, action="load_checkpoint",
+                                                         include=files_read_by_load(self, arguments))
         return _ORIGINALS["load"](self, *args, **kwargs)
 
     ds_engine.create_checkpoint_engine = create_checkpoint_engine

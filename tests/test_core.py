@@ -726,6 +726,38 @@ def test_verify_all_ranks_always_reaches_the_exchange_and_load_then_skips_the_fi
     ck.close()
 
 
+def test_verify_all_ranks_for_a_partial_load_checks_only_its_files_and_load_checks_the_rest(tmp_path):
+    """A load that reads only some files (DeepSpeed's ``load_optimizer_states=False`` under
+    ZeRO) hashes only those; a file left out is still checked if it is loaded after all."""
+    from deepspeed_async_ckpt import commit as commit_mod
+
+    ck, d = make(), str(tmp_path / "t1")
+    ck.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
+    ck.save(sample_state(), os.path.join(d, "model_states.pt"))
+    ck.save(sample_state(), os.path.join(d, "zero_pp_rank_0_optim_states.pt"))
+    ck.end()
+    ck.wait()
+    optim = os.path.join(d, "zero_pp_rank_0_optim_states.pt")
+    with open(optim, "r+b") as f:  # a flipped byte where only the optimizer's load would look
+        f.seek(os.path.getsize(optim) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    hashed, hash_file = [], commit_mod.hash_file
+    commit_mod.hash_file = lambda path, *a: hashed.append(os.path.basename(path)) or hash_file(path, *a)
+    try:
+        ck.verify_all_ranks(d, include=lambda rel: not rel.endswith("optim_states.pt"))
+    finally:
+        commit_mod.hash_file = hash_file
+    assert hashed == ["model_states.pt"]
+    assert ck.load(os.path.join(d, "model_states.pt"))["global_steps"] == 5
+    with pytest.raises(IntegrityError, match="zero_pp_rank_0_optim_states.pt"):
+        ck.load(optim)
+    with pytest.raises(IntegrityError, match="refused on every rank"):
+        ck.verify_all_ranks(d)  # the full check finds it
+    ck.close()
+
+
 def test_uncommitted_checkpoint_is_refused(tmp_path):
     ck = make()
     save_one(ck, str(tmp_path), sample_state())

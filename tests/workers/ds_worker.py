@@ -143,6 +143,7 @@ def phase_load(args):
         fresh = {"optimizer": engine.optimizer.state_dict(), "lr_scheduler": engine.lr_scheduler.state_dict()}
         engine.load_checkpoint(os.path.join(args.out, "async"), load_optimizer_states=False,
                                load_lr_scheduler_states=False)
+        hashed["partial"] = counter["bytes"]  # the files this load reads, not the optimizer's
         torch.save({"module": engine.module.state_dict(), "fresh": fresh,
                     "optimizer": engine.optimizer.state_dict(), "lr_scheduler": engine.lr_scheduler.state_dict()},
                    os.path.join(args.out, f"dump_partial_rank{rank}.pt"))
