@@ -41,17 +41,12 @@ class Pointer:
     text: str
 
 
-def write_text_atomic(storage: Storage, path: str, text: str, *, durable: bool = True) -> None:
-    """Replace ``path`` with ``text``: temp file, fsync, rename, fsync of the directory.
-    ``durable=False``: temp file and rename only, for what others must see whole but a crash
-    may lose (a rank's record: see :func:`write_rank_record`)."""
+def write_text_atomic(storage: Storage, path: str, text: str | bytes, *, durable: bool = True) -> None:
+    """Replace ``path`` with ``text`` (or bytes): temp file, fsync, rename, fsync of the
+    directory. ``durable=False``: temp file and rename only, for what others must see whole but
+    a crash may lose (a rank's record: see :func:`write_rank_record`)."""
     tmp = f"{path}.tmp.{os.getpid()}"
-    with storage.open_write(tmp, durable=durable) as f:
-        data = text.encode()
-        while data:
-            data = data[f.write(data):]
-        if durable:
-            storage.sync_file(f)
+    storage.write_small(tmp, text.encode() if isinstance(text, str) else text, durable=durable)
     storage.replace(tmp, path, durable=durable)
 
 

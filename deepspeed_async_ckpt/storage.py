@@ -20,9 +20,13 @@ from typing import BinaryIO, Protocol
 
 
 class Storage(Protocol):
-    def open_write(self, path: str, *, durable: bool = True) -> BinaryIO:
-        """A new unbuffered binary file at ``path`` (truncated if present). ``durable=False``:
-        a small file that others must see once closed, never synced (a rank's record)."""
+    def open_write(self, path: str) -> BinaryIO:
+        """A new unbuffered binary file at ``path`` (truncated if present)."""
+
+    def write_small(self, path: str, data: bytes, *, durable: bool = True) -> None:
+        """A new small file at ``path`` (a record, the manifest, a pointer) holding ``data``,
+        written whole and, unless ``durable=False`` (others need only see it once closed),
+        made durable."""
 
     def open_write_at(self, path: str, offset: int) -> BinaryIO:
         """``path`` (created if absent, never truncated) for writing from ``offset`` on: one
@@ -57,9 +61,7 @@ class LocalStorage:
         self.fsync = fsync
         self.direct_io = direct_io
 
-    def open_write(self, path: str, *, durable: bool = True) -> BinaryIO:
-        if not durable:
-            return open(path, "wb", buffering=0)
+    def open_write(self, path: str) -> BinaryIO:
         if self.fsync and self.direct_io and _O_DIRECT:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o666)
@@ -86,6 +88,15 @@ class LocalStorage:
         f = open(os.open(path, flags, 0o666), "wb", buffering=0, closefd=True)
         f.seek(offset)
         return WriteBehindFile(f, start=offset) if self.fsync and _sync_file_range is not None else f
+
+    def write_small(self, path: str, data: bytes, *, durable: bool = True) -> None:
+        # Buffered, never direct: direct I/O would pad it to a page, then truncate it back
+        # (a 2 kB manifest: 1.3 ms against 0.55 ms with its fsync on this VM's disk).
+        with open(path, "wb") as f:
+            f.write(data)
+            if self.fsync and durable:
+                f.flush()
+                os.fsync(f.fileno())
 
     def sync_file(self, f: BinaryIO) -> None:
         finish = getattr(f, "finish", None)  # DirectFile: its staged tail is not written yet

@@ -201,7 +201,7 @@ def write_markers(storage: Storage, ckpt_dir: str, index: GlobalIndex) -> None:
     metadata = index.metadata
     metadata.storage_data = storage_data
     metadata.version = CURRENT_DCP_VERSION
-    write_bytes_atomic(storage, os.path.join(ckpt_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
+    write_text_atomic(storage, os.path.join(ckpt_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
     write_text_atomic(storage, os.path.join(ckpt_dir, CONFIG_FILE),
                       json.dumps(asdict(CheckpointingConfig(BACKEND, BACKEND_VERSION))))
 
@@ -214,13 +214,3 @@ def remove_markers(ckpt_dir: str) -> None:
         except FileNotFoundError:
             pass
 
-
-def write_bytes_atomic(storage: Storage, path: str, data: bytes) -> None:
-    # The engine's write_text_atomic, for bytes (DCP's .metadata is a raw pickle).
-    tmp = f"{path}.tmp.{os.getpid()}"
-    with storage.open_write(tmp) as f:
-        view = memoryview(data)
-        while view:
-            view = view[f.write(view):]
-        storage.sync_file(f)
-    storage.replace(tmp, path)

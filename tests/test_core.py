@@ -511,8 +511,8 @@ class FailingStorage(LocalStorage):
         super().__init__(fsync=True)
         self.budget = budget
 
-    def open_write(self, path, **kw):
-        f = super().open_write(path, **kw)
+    def open_write(self, path):
+        f = super().open_write(path)
         storage = self
 
         class W:
@@ -870,6 +870,11 @@ def test_commit_order_data_then_record_then_manifest_then_pointer(tmp_path):
         def sync_file(self, f):
             events.append(("sync", os.path.basename(getattr(f, "name", None) or getattr(f, "path", ""))))
             super().sync_file(f)
+
+        def write_small(self, path, data, *, durable=True):  # records, manifest, pointer
+            if durable:
+                events.append(("sync", os.path.basename(path)))
+            super().write_small(path, data, durable=durable)
 
         def replace(self, src, dst, *, durable=True):
             events.append(("replace", os.path.basename(dst), durable))

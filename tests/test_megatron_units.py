@@ -138,7 +138,7 @@ def test_tracker_and_directory_names(tmp_path):
 
 def test_markers_are_written_atomically_and_removed(tmp_path):
     path = str(tmp_path / torch_dist.DCP_METADATA_FILE)
-    torch_dist.write_bytes_atomic(LocalStorage(fsync=True), path, b"\x00\xffbytes")
+    torch_dist.write_text_atomic(LocalStorage(fsync=True), path, b"\x00\xffbytes")
     assert open(path, "rb").read() == b"\x00\xffbytes"
     assert os.listdir(tmp_path) == [torch_dist.DCP_METADATA_FILE]  # no temporary left behind
     torch_dist.remove_markers(str(tmp_path))

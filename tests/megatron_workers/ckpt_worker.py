@@ -172,9 +172,9 @@ class SlowStorage(LocalStorage):
     then wait for writes to free room, and are still outstanding when the next optimizer step
     comes. The fence must hold that step back, or the checkpoint holds post-step values."""
 
-    def open_write(self, path: str, **kw):
+    def open_write(self, path: str):
         time.sleep(0.01)
-        return super().open_write(path, **kw)
+        return super().open_write(path)
 
 
 #: Room for the largest shard of the test model (16 KiB at TP=1) and little more: a rank's

@@ -21,11 +21,11 @@ class KillMidPersist(LocalStorage):
         super().__init__(fsync=True)
         self.ckpt_dir_name = ckpt_dir_name
 
-    def open_write(self, path: str, **kw):
+    def open_write(self, path: str):
         if os.path.basename(os.path.dirname(path)) == self.ckpt_dir_name \
                 and os.path.basename(path).startswith("__"):
             os.kill(os.getpid(), signal.SIGKILL)
-        return super().open_write(path, **kw)
+        return super().open_write(path)
 
 
 if __name__ == "__main__":

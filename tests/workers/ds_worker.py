@@ -272,8 +272,8 @@ def fill_disk(ckpt):
     storage = ckpt.storage
     original = storage.open_write
 
-    def open_write_disk_full(path, **kw):  # a share of the model states (open_write_at) is spared
-        f = original(path, **kw)
+    def open_write_disk_full(path):  # a share of the model states (open_write_at) is spared
+        f = original(path)
         if path.endswith(".pt.tmp." + str(os.getpid())):
             def full(method, budget=[4096]):
                 def write(data):
