@@ -213,4 +213,3 @@ def remove_markers(ckpt_dir: str) -> None:
             os.unlink(os.path.join(ckpt_dir, name))
         except FileNotFoundError:
             pass
-
