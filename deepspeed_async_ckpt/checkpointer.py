@@ -35,9 +35,9 @@ from typing import Any, Callable, Iterable
 import torch
 import xxhash
 
-from .commit import (META_DIR, Pointer, commit, find_checkpoint_dir, read_manifest,
-                     retire_checkpoints, uncommit, verify_checkpoint, verify_file,
-                     write_rank_failure, write_rank_record)
+from .commit import (META_DIR, Pointer, commit, find_checkpoint_dir, finish_replacements,
+                     read_manifest, remove_trash, replace_checkpoint, retire_checkpoints,
+                     staging_dir, verify_checkpoint, verify_file, write_rank_failure, write_rank_record)
 from .config import AsyncCheckpointConfig
 from .errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
 from .persist import FileRecord, Share, split_items, write_file
@@ -62,8 +62,13 @@ class CheckpointHandle:
     rank's files are durable and its record is published (its part of the commit).
     """
 
-    def __init__(self, ckpt_dir: str, tag: str, save_id: str, pointer: Pointer | None) -> None:
+    def __init__(self, ckpt_dir: str, tag: str, save_id: str, pointer: Pointer | None,
+                 write_dir: str | None = None, swap_at_commit: bool = True) -> None:
         self.ckpt_dir, self.tag, self.save_id, self.pointer = ckpt_dir, tag, save_id, pointer
+        self.write_dir = write_dir or ckpt_dir
+        self.swap_at_commit = swap_at_commit
+        """Where this save's files go: ``ckpt_dir``, or, when that already held files, a
+        staging directory beside it that the commit swaps in (see :meth:`AsyncCheckpointer.begin`)."""
         self.items: list[TensorItem] = []
         self.unsubmitted: list[TensorItem] = []
         """Lazy items of an open save, queued for the copier when it is sealed."""
@@ -73,6 +78,8 @@ class CheckpointHandle:
         self.nbytes = 0
         self.error: BaseException | None = None
         self.abandoned = False
+        self.failure: str | None = None
+        """Why a sync save's file failed on this rank (rank 0's commit error quotes it)."""
         self.fence_wait_s = 0.0
         """Time the training loop spent blocked at fences waiting for this save's copies."""
         self.retired: list[str] = []
@@ -99,6 +106,17 @@ class CheckpointHandle:
 
 
 _EXCHANGE_VALUE_BYTES = 64
+_STAGED = "+staged"  # appended by rank 0 to the save id it sends when the save is staged
+
+
+def _holds_files(path: str) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is not None
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:  # cannot tell: stage, so that nothing there is overwritten
+        return True
 
 
 def by_rank(errors: dict[int, str]) -> str:
@@ -260,9 +278,18 @@ class AsyncCheckpointer:
         flush_at_exit(self._at_exit)
 
     # ------------------------------------------------------------------ save path
-    def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None) -> CheckpointHandle:
+    def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
+              swap_at_commit: bool = True) -> CheckpointHandle:
         """Start a checkpoint (collective: every rank). If a previous save failed on any rank,
-        raises on every rank (the failing one gets its own error) and starts nothing."""
+        raises on every rank (the failing one gets its own error) and starts nothing.
+
+        If ``ckpt_dir`` already holds files (the checkpoint the pointer names, saved again
+        under the same tag, say) or a save of it is still in flight, this save's files go to a
+        staging directory beside it (``handle.write_dir``) and the commit swaps it in
+        (:func:`~.commit.replace_checkpoint`): the old checkpoint stays whole and loadable
+        until the new one is committed. ``swap_at_commit=False``: rank 0 calls
+        :meth:`swap_in` itself once the commit is done (the Megatron adapter, whose marker
+        files come after the commit)."""
         self._check_open()
         if self._current is not None:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
@@ -273,17 +300,26 @@ class AsyncCheckpointer:
             self._beginning = ckpt_dir  # retention leaves it alone (see retire_older)
         try:
             local = self._take_background_error()
-            save_id, failed = self._exchange(uuid.uuid4().hex[:16], None if local is None else
+            save_id = uuid.uuid4().hex[:16]
+            if self.rank == 0:  # decided by rank 0 alone, before any rank can write: staged?
+                try:  # never raise before the exchange: the other ranks would wait in it
+                    self.recover(os.path.dirname(ckpt_dir))
+                except OSError as exc:
+                    logger.warning("async checkpoint: cleaning up %s failed: %s",
+                                   os.path.dirname(ckpt_dir), exc)
+                if self._busy(ckpt_dir) or _holds_files(ckpt_dir):
+                    save_id += _STAGED
+            save_id, failed = self._exchange(save_id, None if local is None else
                                              f"{type(local).__name__}: {local}")
             if local is not None:
                 raise _reraise(local)
             if failed:
                 raise CommitError("a previous checkpoint failed and was not committed (the last "
                                   "committed one is intact) on rank(s) " + by_rank(failed))
-            if self.rank == 0:
-                self._wait_for_dir(ckpt_dir)
-                uncommit(ckpt_dir)  # only now: a save that fails to start must not lose a commit
-            self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer)
+            save_id, staged, _ = save_id.partition(_STAGED)
+            write_dir = staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
+            self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
+                                             swap_at_commit)
         finally:
             with self._dirs_lock:
                 self._beginning = None
@@ -325,6 +361,10 @@ class AsyncCheckpointer:
         if handle is None:
             raise AsyncCheckpointError(f"save({path!r}) outside begin()/end()")
         path = os.path.abspath(path)
+        if handle.write_dir != handle.ckpt_dir:  # staged: the same name in the staging directory
+            rel = os.path.relpath(path, handle.ckpt_dir)
+            if not rel.startswith(os.pardir):
+                path = os.path.join(handle.write_dir, rel)
         plans = []
         for state in states:
             lazy = tensor_ids(state)
@@ -354,9 +394,13 @@ class AsyncCheckpointer:
         checksum, zip_crc32 = self.config.checksum, self.config.zip_crc32
         if not self.config.is_async:
             largest = max((i.nbytes for mine in staged for i in mine), default=0)
-            record = write_file(self.storage, path, plans, checksum, part_names=names,
-                                zip_crc32=zip_crc32, share=share,
-                                stage=functools.partial(self._stager.stage, expected_bytes=largest))
+            try:
+                record = write_file(self.storage, path, plans, checksum, part_names=names,
+                                    zip_crc32=zip_crc32, share=share,
+                                    stage=functools.partial(self._stager.stage, expected_bytes=largest))
+            except BaseException as exc:  # for rank 0's error, once the caller abandons the save
+                handle.failure = f"{type(exc).__name__}: {exc}"
+                raise
             done: Future = Future()
             done.set_result(record)
             handle.files.append(done)
@@ -484,7 +528,8 @@ class AsyncCheckpointer:
         if exc is not None:
             raise _reraise(exc)
 
-    def wait_all_ranks(self, timeout: float | None = None, *, action: str = "wait_all_ranks()") -> None:
+    def wait_all_ranks(self, timeout: float | None = None, *, action: str = "wait_all_ranks()",
+                       recover: str | None = None) -> None:
         """Collective :meth:`wait` (every rank): call it before a step that must start on all
         ranks or on none, e.g. a framework's ``load_checkpoint``, whose collectives would hang
         if a background error stopped only the rank that has it.
@@ -497,10 +542,15 @@ class AsyncCheckpointer:
         checkpoint (the one ``latest`` names) is intact. Every background error recorded so far
         is consumed, so calling again proceeds. Without a process group (a single process) the
         exchange is a no-op: this is :meth:`wait`, raising with the same message.
+
+        ``recover``: a save directory about to be loaded from; rank 0 first finishes there what
+        a crash cut short (:meth:`recover`), so every rank then finds the checkpoint in place.
         """
         local: Exception | None = None
         try:
             self.wait(timeout)  # raises (and consumes) the first background error
+            if recover is not None and self.rank == 0:
+                self.recover(recover)
         except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
             local = exc
         later = 0
@@ -564,18 +614,55 @@ class AsyncCheckpointer:
         removing a checkpoint can take as long as saving it (about 0.2 s per GiB on this VM's
         ext4, mounted with online discard), and neither the next commit nor a sync save should
         wait for that. :meth:`wait` and :meth:`close` wait for it. Once closed, it runs here."""
+        return self._later(self.retire_older, handle, keep_last=keep_last, keep=keep)
+
+    def _later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """``fn(*args, **kwargs)`` on the retention thread, after what was queued there before
+        (every deletion runs there, one at a time); here once closed."""
         with self._lock:  # close() sets _closed before it takes the lock to stop the thread
             if not self._closed:
                 if self._retirer is None:
                     self._retirer = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-retirer")
                 while self._retiring and self._retiring[0].done() and not self._retiring[0].exception():
                     self._retiring.popleft()  # nobody called wait() meanwhile
-                future = self._retirer.submit(self.retire_older, handle, keep_last=keep_last, keep=keep)
+                future = self._retirer.submit(fn, *args, **kwargs)
                 self._retiring.append(future)
                 return future
-        done: Future = Future()  # closed: here, outside the lock (retire_older takes it)
-        done.set_result(self.retire_older(handle, keep_last=keep_last, keep=keep))
+        done: Future = Future()  # closed: here, outside the lock (fn may take it)
+        done.set_result(fn(*args, **kwargs))
         return done
+
+    def swap_in(self, handle: CheckpointHandle) -> None:
+        """Rank 0, for a save begun with ``swap_at_commit=False``, once it is committed and
+        the caller's own files are in ``handle.write_dir``: replace ``handle.ckpt_dir`` with
+        it (nothing to do when the save was not staged)."""
+        if handle.write_dir == handle.ckpt_dir:
+            return
+        replace_checkpoint(self.storage, handle.write_dir, handle.ckpt_dir, save_id=handle.save_id)
+        self._later(self._remove_trash, os.path.dirname(handle.ckpt_dir))
+
+    def recover(self, save_dir: str) -> list[str]:
+        """Rank 0, before saving into or loading from ``save_dir`` (``begin`` calls it): finish
+        a replacement of a checkpoint that a crash cut short, and queue the removal of staging
+        directories that never committed (see :func:`~.commit.finish_replacements`). Returns
+        the names of the checkpoints it put back in place."""
+        save_dir = os.path.abspath(save_dir)
+        with self._lock:
+            busy = {h.write_dir for h in self._inflight}
+        rolled, trash = finish_replacements(self.storage, save_dir, busy)
+        if rolled:
+            logger.warning("async checkpoint: finished replacing %s in %s (the process saving it "
+                           "stopped between its two renames)", ", ".join(rolled), save_dir)
+        if trash:
+            self._later(self._remove_trash, save_dir)
+        return rolled
+
+    def _remove_trash(self, save_dir: str) -> None:
+        try:
+            remove_trash(self.storage, save_dir)
+        except OSError as exc:
+            logger.warning("async checkpoint: removing replaced or abandoned checkpoints in %s "
+                           "failed (tried again after the next commit): %s", save_dir, exc)
 
     # ------------------------------------------------------------------ load path
     def verify_all_ranks(self, ckpt_dir: str, *, action: str = "load",
@@ -678,12 +765,16 @@ class AsyncCheckpointer:
         if self._closed:
             raise AsyncCheckpointError("the checkpointer is closed")
 
-    def _wait_for_dir(self, ckpt_dir: str) -> None:
-        # Re-saving into a directory that is still being committed would race with it.
+    def _busy(self, ckpt_dir: str) -> bool:
         with self._lock:
-            busy = [h for h in self._inflight if h.ckpt_dir == ckpt_dir]
-        for h in busy:
-            h.wait_committed()
+            return any(h.ckpt_dir == ckpt_dir for h in self._inflight)
+
+    def _report_failure(self, handle: CheckpointHandle, message: str) -> None:
+        try:
+            write_rank_failure(self.storage, handle.write_dir, rank=self.rank,
+                               save_id=handle.save_id, message=message)
+        except OSError:
+            pass  # rank 0 then times out after commit_timeout_s
 
     # ------------------------------------------------------------------ background commit
     def _commit_loop(self) -> None:
@@ -704,18 +795,25 @@ class AsyncCheckpointer:
                     first_error = first_error or exc
             if first_error is not None:
                 raise first_error
-            if handle.abandoned:
+            if handle.abandoned:  # the framework's save raised here: rank 0 must not wait for
+                if self.rank != 0:  # this rank's record until commit_timeout_s
+                    self._report_failure(handle, handle.failure or "the save raised on this rank "
+                                                                   "before it was sealed")
                 return
             handle.times["persisted"] = time.perf_counter()
             handle._persisted.set()
             cfg = self.config
-            write_rank_record(self.storage, handle.ckpt_dir, rank=self.rank, save_id=handle.save_id,
+            swap = handle.write_dir != handle.ckpt_dir and handle.swap_at_commit
+            write_rank_record(self.storage, handle.write_dir, rank=self.rank, save_id=handle.save_id,
                               checksum=cfg.checksum, files=records)
             if self.rank == 0:
-                commit(self.storage, handle.ckpt_dir, tag=handle.tag, save_id=handle.save_id,
+                commit(self.storage, handle.write_dir, tag=handle.tag, save_id=handle.save_id,
                        world_size=self.world_size, checksum=cfg.checksum,
-                       timeout_s=cfg.commit_timeout_s, pointer=handle.pointer)
+                       timeout_s=cfg.commit_timeout_s, pointer=handle.pointer,
+                       replaces=handle.ckpt_dir if swap else None)
             handle.times["committed"] = time.perf_counter()
+            if self.rank == 0 and swap:  # the checkpoint it replaced: deleted in the background
+                self._later(self._remove_trash, os.path.dirname(handle.ckpt_dir))
             if self.rank == 0 and handle.pointer is not None and self.config.keep_last:
                 self.retire_older_later(handle)
         except BaseException as exc:
@@ -723,11 +821,7 @@ class AsyncCheckpointer:
             with self._lock:
                 self._errors.append(exc)
             if not handle._persisted.is_set():  # this rank's own part failed: tell rank 0
-                try:
-                    write_rank_failure(self.storage, handle.ckpt_dir, rank=self.rank,
-                                       save_id=handle.save_id, message=f"{type(exc).__name__}: {exc}")
-                except OSError:
-                    pass  # rank 0 then times out after commit_timeout_s
+                self._report_failure(handle, f"{type(exc).__name__}: {exc}")
         finally:
             with self._lock:
                 if handle in self._inflight:

@@ -73,8 +73,10 @@ def _add_list_parser(sub) -> None:
                                    "first: this engine's committed checkpoints (commit time, files, "
                                    "bytes, ranks; the one the pointer names marked), its partial "
                                    "ones (a save in progress, or one a crash or failure cut "
-                                   "short: never loaded, never removed by keep_last), and other "
-                                   "directories. Reads manifests only; `verify` checks the bytes.")
+                                   "short: never loaded, never removed by keep_last), staged ones "
+                                   "(a checkpoint saved again, written beside it until its commit "
+                                   "swaps it in), and other directories. Reads manifests only; "
+                                   "`verify` checks the bytes.")
     p.add_argument("save_dir", help="e.g. ckpt (holding global_step*/ or iter_*/ directories)")
     p.add_argument("--json", action="store_true", help="one JSON list instead of a table")
     p.set_defaults(func=_cmd_list)
@@ -84,7 +86,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     import datetime
     import os
 
-    from .commit import META_DIR, REMOVING_PREFIX, read_manifest
+    from .commit import META_DIR, REMOVING_PREFIX, STAGING_PREFIX, read_manifest
     from .errors import IntegrityError
 
     save_dir = args.save_dir
@@ -99,6 +101,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         row = {"name": name, "state": "other", "pointer": name == pointed}
         if name.startswith(REMOVING_PREFIX):
             row["state"] = "being removed"
+        elif name.startswith(STAGING_PREFIX):
+            row.update(state="staged", replaces=name[len(STAGING_PREFIX):].partition(".")[2])
         elif os.path.isdir(os.path.join(path, META_DIR)):
             try:
                 manifest = read_manifest(path)
@@ -110,7 +114,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
                            files=len(manifest["files"]), world_size=manifest["world_size"],
                            bytes=sum(e["bytes"] for e in manifest["files"].values()))
         rows.append(row)
-    order = {"committed": 0, "partial": 1, "being removed": 2, "other": 3}
+    order = {"committed": 0, "partial": 1, "staged": 2, "being removed": 3, "other": 4}
     rows.sort(key=lambda r: (order[r["state"]], -r.get("committed_at", 0), r["name"]))
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -119,7 +123,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for r in rows:
         when = datetime.datetime.fromtimestamp(r["committed_at"], datetime.timezone.utc) \
             .strftime("%Y-%m-%d %H:%M:%S") if "committed_at" in r else "-"
-        detail = f"{r['rank_records']} rank record(s)" if r["state"] == "partial" else ""
+        detail = f"{r['rank_records']} rank record(s)" if r["state"] == "partial" else \
+            f"replaces {r['replaces']}" if r["state"] == "staged" else ""
         table.append((r["name"], r["state"], when, str(r.get("files", "-")),
                       _bytes_text(r["bytes"]) if "bytes" in r else "-",
                       str(r.get("world_size", "-")), "<- pointer" if r["pointer"] else detail))

@@ -12,6 +12,13 @@ any moment therefore leaves the pointer on the previous, complete checkpoint. Re
 exchanged through the checkpoint directory itself (which rank 0 must see, as DeepSpeed's own
 ``latest`` already assumes), so no collective ever runs on a background thread.
 
+A save into a directory that already holds files (the tag or iteration the pointer names, saved
+again) is written beside it, into ``.async_ckpt_staging.<save_id>.<name>``, and the commit swaps
+it in: ``renameat2(RENAME_EXCHANGE)`` where the filesystem has it, else two renames that
+:func:`finish_replacements` completes after a crash between them. Until that swap the old
+checkpoint is untouched, so a crash or a failed save leaves it loadable. See
+:func:`replace_checkpoint`.
+
 Retention (``keep_last``) runs after the pointer moved: see :func:`retire_checkpoints`.
 """
 
@@ -107,26 +114,37 @@ def poll_delay(waited_s: float) -> float:
 
 
 def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
-           checksum: str, timeout_s: float, pointer: Pointer | None) -> dict:
-    """Rank 0: wait for every rank's record, write the manifest, then move the pointer. If
-    the commit fails, the files the replicas were writing in shares are removed (a rank's
-    own temporary files are removed by that rank)."""
+           checksum: str, timeout_s: float, pointer: Pointer | None,
+           replaces: str | None = None) -> dict:
+    """Rank 0: wait for every rank's record, write the manifest, swap ``ckpt_dir`` in for
+    ``replaces`` if given (a staging directory, see :func:`replace_checkpoint`), then move the
+    pointer. If the commit fails, the files the replicas were writing in shares are removed (a
+    rank's own temporary files are removed by that rank)."""
     try:
-        return _commit(storage, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
-                       checksum=checksum, timeout_s=timeout_s, pointer=pointer)
+        manifest = _commit(storage, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
+                           checksum=checksum, timeout_s=timeout_s)
     except CommitError:
         suffix = f".tmp.{save_id}"
-        for name in os.listdir(ckpt_dir):
+        try:
+            names = os.listdir(ckpt_dir)
+        except FileNotFoundError:  # staged, and no rank got as far as writing anything
+            names = []
+        for name in names:
             if name.endswith(suffix):
                 try:
                     os.unlink(os.path.join(ckpt_dir, name))
                 except OSError:
                     pass
         raise
+    if replaces is not None:
+        replace_checkpoint(storage, ckpt_dir, replaces, save_id=save_id)
+    if pointer is not None:
+        write_text_atomic(storage, pointer.path, pointer.text)
+    return manifest
 
 
 def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
-            checksum: str, timeout_s: float, pointer: Pointer | None) -> dict:
+            checksum: str, timeout_s: float) -> dict:
     start = time.monotonic()
     deadline = start + timeout_s
     meta = os.path.join(ckpt_dir, META_DIR)
@@ -170,8 +188,6 @@ def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_si
                 "checksum": checksum, "committed_at": time.time(), "files": files, "ranks": ranks}
     write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
                       json.dumps(manifest, indent=1, sort_keys=True))
-    if pointer is not None:
-        write_text_atomic(storage, pointer.path, pointer.text)
     return manifest
 
 
@@ -199,6 +215,112 @@ def _join_shares(storage: Storage, ckpt_dir: str, files: dict[str, dict], tag: s
 #: Retention renames a checkpoint to this prefix + its name before deleting it: one atomic
 #: rename, after which it is no longer a checkpoint (nor where a new save would write).
 REMOVING_PREFIX = ".async_ckpt_removing."
+
+
+#: A save into a directory that holds files writes into this prefix + ``<save_id>.<name>``
+#: beside it; the commit swaps it in (:func:`replace_checkpoint`).
+STAGING_PREFIX = ".async_ckpt_staging."
+
+
+def staging_dir(ckpt_dir: str, save_id: str) -> str:
+    """Where a save of ``ckpt_dir`` that must not touch it before its commit writes instead."""
+    parent, name = os.path.split(os.path.abspath(ckpt_dir))
+    return os.path.join(parent, f"{STAGING_PREFIX}{save_id}.{name}")
+
+
+def replaced_trash(ckpt_dir: str, save_id: str) -> str:
+    """Where :func:`replace_checkpoint` moves the checkpoint it replaced, to be deleted."""
+    parent, name = os.path.split(os.path.abspath(ckpt_dir))
+    return os.path.join(parent, f"{REMOVING_PREFIX}{name}.{save_id}")
+
+
+def replace_checkpoint(storage: Storage, staged: str, target: str, *, save_id: str) -> None:
+    """Rank 0, once the manifest in ``staged`` is durable: make it ``target``, atomically.
+
+    First, whatever ``target`` holds that the new save did not write (a file some other code
+    put there, another rank count's files) is linked into ``staged``, so the result is what
+    writing over ``target`` in place would have left, as DeepSpeed's own engine does. Then one
+    ``renameat2(RENAME_EXCHANGE)`` swaps the two (fsynced) and the old one is renamed to
+    :func:`replaced_trash`. Where the filesystem cannot exchange (NFS, say), ``target`` is
+    renamed to the trash and ``staged`` to ``target``: a crash between the two leaves
+    ``target`` missing and ``staged`` committed, which :func:`finish_replacements` renames
+    into place (before a load, and before the next save)."""
+    if os.path.isdir(target):
+        _carry_over(storage, target, staged, top=True)
+    trash = replaced_trash(target, save_id)
+    if storage.exchange(staged, target):
+        storage.replace(staged, trash, durable=False)  # if lost: a stale staging dir, swept
+        return
+    try:
+        storage.replace(target, trash, durable=False)
+    except FileNotFoundError:
+        pass  # removed meanwhile (by hand): nothing to replace
+    storage.replace(staged, target)
+
+
+def _carry_over(storage: Storage, old: str, new: str, *, top: bool) -> None:
+    for entry in os.scandir(old):
+        if top and entry.name == META_DIR:
+            continue
+        dst = os.path.join(new, entry.name)
+        if entry.is_dir(follow_symlinks=False):
+            if not os.path.lexists(dst):
+                storage.makedirs(dst)
+            if os.path.isdir(dst):
+                _carry_over(storage, entry.path, dst, top=False)
+        elif not os.path.lexists(dst):
+            storage.link(entry.path, dst)
+
+
+def finish_replacements(storage: Storage, save_dir: str, busy: set[str]) -> tuple[list[str], bool]:
+    """Rank 0, before a save into ``save_dir`` and before a load from it: complete what a crash
+    cut short. A staging directory whose target is missing and whose manifest is committed was
+    between :func:`replace_checkpoint`'s two renames: it is renamed into place. Every other
+    staging directory not in ``busy`` (saves of this process still in flight) is left over
+    from a save that never committed: it is renamed for deletion. Returns the target names
+    rolled forward, and whether anything awaits :func:`remove_trash`."""
+    rolled: list[str] = []
+    try:
+        names = storage.listdir(save_dir)
+    except FileNotFoundError:
+        return rolled, False
+    trash = False
+    for name in names:
+        trash = trash or name.startswith(REMOVING_PREFIX)
+        if not name.startswith(STAGING_PREFIX):
+            continue
+        path = os.path.join(save_dir, name)
+        if path in busy:
+            continue
+        save_id, _, target_name = name[len(STAGING_PREFIX):].partition(".")
+        target = os.path.join(save_dir, target_name)
+        if target_name and not os.path.lexists(target) and _is_committed(path):
+            storage.replace(path, target)
+            rolled.append(target_name)
+        else:
+            storage.replace(path, os.path.join(save_dir, f"{REMOVING_PREFIX}{save_id}.{target_name}"),
+                            durable=False)
+            trash = True
+    return rolled, trash
+
+
+def _is_committed(ckpt_dir: str) -> bool:
+    try:
+        read_manifest(ckpt_dir)
+    except (IntegrityError, OSError, ValueError):
+        return False
+    return True
+
+
+def remove_trash(storage: Storage, save_dir: str) -> list[str]:
+    """Delete what retention and :func:`replace_checkpoint` renamed for deletion under
+    ``save_dir`` (:data:`REMOVING_PREFIX`), including deletions a crash cut short."""
+    removed = []
+    for name in storage.listdir(save_dir):
+        if name.startswith(REMOVING_PREFIX):
+            storage.remove_tree(os.path.join(save_dir, name))
+            removed.append(name)
+    return removed
 
 
 def committed_checkpoints(save_dir: str) -> list[str]:
@@ -236,9 +358,7 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
     cut short is finished by the next call.
     """
     save_dir = os.path.abspath(save_dir)
-    for name in storage.listdir(save_dir):  # removals a crash cut short
-        if name.startswith(REMOVING_PREFIX):
-            storage.remove_tree(os.path.join(save_dir, name))
+    remove_trash(storage, save_dir)  # removals a crash cut short
     removed = []
     for name in committed_checkpoints(save_dir)[keep_last:]:
         if keep is not None and keep(name):
@@ -252,14 +372,6 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
         storage.remove_tree(trash)
         removed.append(name)
     return removed
-
-
-def uncommit(ckpt_dir: str) -> None:
-    """Rank 0, before a directory is saved again: it must not look committed meanwhile."""
-    try:
-        os.unlink(os.path.join(ckpt_dir, META_DIR, MANIFEST))
-    except FileNotFoundError:
-        pass
 
 
 def find_checkpoint_dir(path: str) -> str | None:

@@ -319,12 +319,13 @@ def install() -> bool:
     def load_checkpoint(self, *args, **kwargs):
         engine = getattr(self, "checkpoint_engine", None)
         if isinstance(engine, AsyncCheckpointEngine):
+            arguments = load_sig.bind(self, *args, **kwargs).arguments
             # `latest` must reflect every save issued so far; collective, so that a failed save
             # stops the load on every rank, not only on the one whose background write failed.
-            engine.checkpointer.wait_all_ranks(action="load_checkpoint")
+            engine.checkpointer.wait_all_ranks(action="load_checkpoint",
+                                               recover=arguments.get("load_dir"))
             if engine.checkpointer.config.verify_on_load:
                 universal = getattr(self, "load_universal_checkpoint", lambda: False)()
-                arguments = load_sig.bind(self, *args, **kwargs).arguments
                 ckpt_dir = checkpoint_to_load(arguments, "latest_universal" if universal else "latest")
                 if ckpt_dir is not None:  # every file it reads checked once, across the ranks
                     engine.checkpointer.verify_all_ranks(ckpt_dir, action="load_checkpoint",

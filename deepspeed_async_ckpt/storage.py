@@ -1,7 +1,7 @@
 """The storage seam: the few filesystem operations the persist and commit stages use.
 
 ``LocalStorage`` is the default (a POSIX path, local or a shared mount). Tests inject faults by
-subclassing it; a remote backend would implement the same seven methods.
+subclassing it; a remote backend would implement the same nine methods.
 """
 
 from __future__ import annotations
@@ -38,6 +38,14 @@ class Storage(Protocol):
     def replace(self, src: str, dst: str, *, durable: bool = True) -> None:
         """Atomically rename ``src`` to ``dst`` and (unless ``durable=False``: others need only
         see it) make the rename durable."""
+
+    def exchange(self, a: str, b: str) -> bool:
+        """Atomically swap directories ``a`` and ``b`` and make it durable; False (nothing
+        done) where the filesystem cannot (then two renames do it, see
+        :func:`~.commit.replace_checkpoint`)."""
+
+    def link(self, src: str, dst: str) -> None:
+        """Make file ``src`` also appear at ``dst`` (a hard link, or a copy where links fail)."""
 
     def makedirs(self, path: str) -> None:
         ...
@@ -112,6 +120,29 @@ class LocalStorage:
         if self.fsync and durable:
             _fsync_dir(os.path.dirname(os.path.abspath(dst)))
 
+    def exchange(self, a: str, b: str) -> bool:
+        if _renameat2 is None:
+            return False
+        if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE):
+            err = ctypes.get_errno()
+            if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+                return False  # e.g. NFS, or a kernel before 3.15
+            raise OSError(err, f"renameat2(RENAME_EXCHANGE): {os.strerror(err)}", a, None, b)
+        if self.fsync:
+            _fsync_dir(os.path.dirname(os.path.abspath(b)))
+        return True
+
+    def link(self, src: str, dst: str) -> None:
+        try:
+            os.link(src, dst)
+        except OSError as exc:  # a filesystem without hard links: copy (and flush) instead
+            if exc.errno not in (errno.EPERM, errno.EOPNOTSUPP, errno.ENOTSUP, errno.EXDEV, errno.EMLINK):
+                raise
+            shutil.copy2(src, dst)
+            if self.fsync:
+                with open(dst, "rb+") as f:
+                    os.fsync(f.fileno())
+
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
 
@@ -143,6 +174,22 @@ def _load_sync_file_range():
 
 
 _sync_file_range = _load_sync_file_range()
+
+
+def _load_renameat2():
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2  # glibc 2.28+
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_renameat2 = _load_renameat2()
+_AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # from <fcntl.h> and <linux/fs.h>
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4  # SYNC_FILE_RANGE_* from <fcntl.h>
 
 

@@ -147,10 +147,9 @@ class MegatronCheckpointer:
 
         ckpt_dir = os.path.abspath(checkpoint_dir(save_dir, iteration))
         record = SaveRecord(iteration=iteration, ckpt_dir=ckpt_dir)
-        if self.rank == 0:
-            self._wait_finalized(ckpt_dir)
-            torch_dist.remove_markers(ckpt_dir)
-        handle = self.engine.begin(ckpt_dir, tag=str(iteration))
+        # A directory that holds a checkpoint (the tracker's iteration saved again) is
+        # replaced once this save is finalized: staged beside it, swapped in by _finalize.
+        handle = self.engine.begin(ckpt_dir, tag=str(iteration), swap_at_commit=False)
         error: BaseException | None = None
         try:
             if self.rank == 0:
@@ -225,13 +224,17 @@ class MegatronCheckpointer:
         """Call right before ``optimizer.step()``: waits only for copies still outstanding."""
         self.engine.fence()
 
-    def wait(self, timeout: float | None = None) -> None:
+    def wait(self, timeout: float | None = None, *, recover: str | None = None) -> None:
         """Collective: block until every save so far is committed and the tracker moved; raise
-        on every rank if any rank's background work failed."""
+        on every rank if any rank's background work failed. ``recover``: a save directory about
+        to be loaded from, where rank 0 first finishes what a crash cut short (the engine's
+        ``recover``: a re-saved iteration between its two renames)."""
         error = None
         self._wait_finalized(None)  # each waits for its commit; retention is queued after it
         try:
             self.engine.wait(timeout)  # the commits, then that retention
+            if recover is not None and self.rank == 0:
+                self.engine.recover(recover)
         except BaseException as exc:
             error = exc
         self._agree_no_error(error or self._take_finalize_error())
@@ -244,7 +247,7 @@ class MegatronCheckpointer:
         load as they are."""
         from megatron.core import dist_checkpointing
 
-        self.wait()
+        self.wait(recover=os.path.dirname(os.path.abspath(ckpt_dir)))
         if self.config.verify_on_load:
             verify_checkpoint_dir(ckpt_dir, rank=self.rank, world_size=self.world_size)
         return dist_checkpointing.load(sharded_state_dict, ckpt_dir, **load_kwargs)
@@ -284,7 +287,8 @@ class MegatronCheckpointer:
         handle.wait_committed()
         if handle.error is not None or handle.abandoned:
             return  # the engine reports its own failure; the tracker stays put
-        torch_dist.write_markers(self.engine.storage, handle.ckpt_dir, index)
+        torch_dist.write_markers(self.engine.storage, handle.write_dir, index)
+        self.engine.swap_in(handle)  # a re-saved iteration: the old one stayed whole until now
         write_text_atomic(self.engine.storage, tracker, text)
         handle.times["finalized"] = time.perf_counter()
         self._retire_older(handle)  # only once the tracker names the new one

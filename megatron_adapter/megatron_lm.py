@@ -146,8 +146,8 @@ def load_checkpoint(*args, **kwargs):
     margs = get_args()
     engine = _engine(margs)
     if engine is not None:
-        engine.wait()
         load_dir = getattr(margs, kwargs.get("load_arg", "load"), None)
+        engine.wait(recover=load_dir)
         try:
             iteration = getattr(margs, "ckpt_step", None) or (read_tracker(load_dir) if load_dir else None)
         except IntegrityError:  # "release": not a checkpoint this engine writes

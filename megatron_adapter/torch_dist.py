@@ -204,12 +204,3 @@ def write_markers(storage: Storage, ckpt_dir: str, index: GlobalIndex) -> None:
     write_text_atomic(storage, os.path.join(ckpt_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
     write_text_atomic(storage, os.path.join(ckpt_dir, CONFIG_FILE),
                       json.dumps(asdict(CheckpointingConfig(BACKEND, BACKEND_VERSION))))
-
-
-def remove_markers(ckpt_dir: str) -> None:
-    """Rank 0, before a directory is saved again: it must not look complete meanwhile."""
-    for name in MARKER_FILES:
-        try:
-            os.unlink(os.path.join(ckpt_dir, name))
-        except FileNotFoundError:
-            pass

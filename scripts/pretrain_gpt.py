@@ -320,6 +320,8 @@ def load_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, sch
     states are then not restored, as in Megatron-LM."""
     from megatron.core import dist_checkpointing, tensor_parallel
 
+    if ckpt is not None:  # collective; rank 0 finishes a re-save a crash cut short
+        ckpt.wait(recover=args.load)
     iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(args.load)
     if iteration is None:
         return 0

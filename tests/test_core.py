@@ -3,6 +3,7 @@
 import errno
 import hashlib
 import os
+import shutil
 import threading
 import time
 import zlib
@@ -518,7 +519,7 @@ class FailingStorage(LocalStorage):
         class W:
             def write(self, data, write=f.write):
                 storage.budget -= len(memoryview(data).cast("B"))
-                if storage.budget < 0 and ".async_ckpt" not in path and not path.endswith(("latest.tmp." + str(os.getpid()),)):
+                if storage.budget < 0 and f"/{META_DIR}/" not in path and not path.endswith(("latest.tmp." + str(os.getpid()),)):
                     raise OSError(errno.ENOSPC, "No space left on device")
                 return write(data)
 
@@ -756,6 +757,166 @@ def test_verify_all_ranks_for_a_partial_load_checks_only_its_files_and_load_chec
     with pytest.raises(IntegrityError, match="refused on every rank"):
         ck.verify_all_ranks(d)  # the full check finds it
     ck.close()
+
+
+class NoExchangeStorage(FailingStorage):
+    """A filesystem without ``renameat2(RENAME_EXCHANGE)`` (NFS, say): two renames instead."""
+
+    def exchange(self, a, b):
+        return False
+
+
+class Crash(BaseException):
+    """Stands for the process dying at this point (nothing after it runs)."""
+
+
+def _steps(path):
+    return torch.load(path, weights_only=False)["global_steps"]
+
+
+def save_like_deepspeed(ck, root, state, tag):
+    """``save_one`` as the DeepSpeed plugin runs it: a save that raises is ended uncommitted."""
+    d = os.path.join(root, tag)
+    handle = ck.begin(d, tag=tag, pointer=Pointer(os.path.join(root, "latest"), tag))
+    ok = False
+    try:
+        ck.save(state, os.path.join(d, "model.pt"))
+        ok = True
+    finally:
+        ck.end(commit=ok)
+    return handle
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("storage_cls", [FailingStorage, NoExchangeStorage], ids=["exchange", "renames"])
+def test_resaving_the_pointers_checkpoint_keeps_it_whole_until_the_new_one_commits(tmp_path, mode, storage_cls):
+    """The tag `latest` names, saved again: a failed save leaves it loadable (until session 12
+    the re-save removed its manifest first: nothing loadable was left); a good one replaces it
+    whole, with what the new save did not write (a file of the user's) carried over."""
+    root = str(tmp_path)
+    storage = storage_cls(budget=10**9)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, host_buffer_gb=0.01), storage=storage)
+    save_one(ck, root, sample_state(), tag="t")
+    ck.fence()
+    ck.wait()
+    (tmp_path / "t" / "notes.txt").write_text("the user's")
+    state = sample_state()
+    state["global_steps"] = 9
+    storage.budget = 1000  # runs out of space mid-file
+    with pytest.raises(PersistError, match="No space left"):
+        handle = save_like_deepspeed(ck, root, state, tag="t")
+        assert handle.write_dir == os.path.join(root, ".async_ckpt_staging." + handle.save_id + ".t")
+        ck.fence()
+        ck.wait()
+    assert (tmp_path / "latest").read_text() == "t"
+    verify_checkpoint(str(tmp_path / "t"))
+    assert _steps(tmp_path / "t" / "model.pt") == 5
+    storage.budget = 10**9
+    handle = save_one(ck, root, state, tag="t")
+    ck.fence()
+    ck.wait()  # also the deletions: the old checkpoint, the failed save's staging directory
+    assert handle.committed and handle.write_dir != handle.ckpt_dir
+    assert sorted(os.listdir(root)) == ["latest", "t"]
+    verify_checkpoint(str(tmp_path / "t"))
+    assert _steps(tmp_path / "t" / "model.pt") == 9
+    assert (tmp_path / "t" / "notes.txt").read_text() == "the user's"
+    assert read_manifest(str(tmp_path / "t"))["save_id"] == handle.save_id
+    ck.close()
+
+
+def test_a_crash_between_the_two_renames_is_finished_before_the_next_load_or_save(tmp_path):
+    """Without an atomic exchange, the old checkpoint is renamed away, then the new one into
+    place: a crash in between leaves the name missing and the new one committed beside it.
+    The next process's rank 0 renames it into place before it loads or saves."""
+    root = str(tmp_path)
+    ck = make(mode="sync")
+    save_one(ck, root, sample_state(), tag="t")
+    ck.close()
+
+    class CrashBeforeSecondRename(NoExchangeStorage):
+        def replace(self, src, dst, *, durable=True):
+            if os.path.basename(src).startswith(".async_ckpt_staging."):
+                raise Crash()
+            return super().replace(src, dst, durable=durable)
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01),
+                           storage=CrashBeforeSecondRename(budget=10**9))
+    state = sample_state()
+    state["global_steps"] = 9
+    with pytest.raises(PersistError) as e:  # in a real crash, nothing would be raised at all
+        save_one(ck, root, state, tag="t")
+    assert isinstance(e.value.__cause__, Crash)
+    assert not (tmp_path / "t").exists()  # between the renames
+    ck._closed = True  # the process is gone: nothing of its own runs any more
+    staged_name = next(n for n in os.listdir(root) if n.startswith(".async_ckpt_staging."))
+    shutil.copytree(tmp_path / staged_name, tmp_path / "staged")
+
+    for way in ("load", "save"):
+        if way == "save":  # the same state again, now found by the next save's begin
+            shutil.rmtree(tmp_path / "t")
+            shutil.copytree(tmp_path / "staged", tmp_path / staged_name)
+        fresh = make()
+        if way == "load":
+            fresh.wait_all_ranks(action="load", recover=root)
+        else:
+            save_one(fresh, root, sample_state(), tag="u")
+        fresh.wait()
+        fresh.close()
+        verify_checkpoint(str(tmp_path / "t"))
+        assert _steps(tmp_path / "t" / "model.pt") == 9
+        left = sorted(n for n in os.listdir(root) if n != "staged")
+        assert left == (["latest", "t"] if way == "load" else ["latest", "t", "u"])
+
+
+def test_staging_left_by_a_crash_before_the_swap_is_removed_and_the_old_checkpoint_kept(tmp_path):
+    root = str(tmp_path)
+    ck = make()
+    save_one(ck, root, sample_state(), tag="t")
+    ck.wait()
+    ck.close()
+    # a re-save killed while writing, and one killed after its manifest but before the swap
+    (tmp_path / ".async_ckpt_staging.0123456789abcdef.t" / META_DIR).mkdir(parents=True)
+    (tmp_path / ".async_ckpt_staging.0123456789abcdef.t" / "model.pt").write_bytes(b"partial")
+    shutil.copytree(tmp_path / "t", tmp_path / ".async_ckpt_staging.fedcba9876543210.t")
+    fresh = make()
+    save_one(fresh, root, sample_state(), tag="u")
+    fresh.wait()
+    fresh.close()
+    assert sorted(os.listdir(root)) == ["latest", "t", "u"]
+    verify_checkpoint(str(tmp_path / "t"))
+
+
+def test_saving_again_a_directory_whose_save_is_in_flight_does_not_wait_for_it(tmp_path, monkeypatch):
+    """The second save of one directory no longer waits in begin() for the first to commit:
+    it is staged, and swapped in after the first commit, in order."""
+    import deepspeed_async_ckpt.checkpointer as checkpointer
+
+    real = checkpointer.write_file
+
+    def slow_write_file(*args, **kwargs):
+        time.sleep(0.5)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(checkpointer, "write_file", slow_write_file)
+    root = str(tmp_path)
+    ck = make()
+    first = save_one(ck, root, sample_state(), tag="t")
+    ck.fence()
+    state = sample_state()
+    state["global_steps"] = 9
+    t0 = time.perf_counter()
+    second = save_one(ck, root, state, tag="t")
+    begun_in = time.perf_counter() - t0
+    assert not first.committed and second.write_dir != second.ckpt_dir
+    assert begun_in < 0.25, begun_in
+    ck.fence()
+    ck.wait()
+    ck.close()
+    assert first.committed and second.committed
+    assert first.times["committed"] < second.times["committed"]
+    assert sorted(os.listdir(root)) == ["latest", "t"]
+    assert _steps(tmp_path / "t" / "model.pt") == 9
+    verify_checkpoint(str(tmp_path / "t"))
 
 
 def test_uncommitted_checkpoint_is_refused(tmp_path):
@@ -1220,6 +1381,33 @@ def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path):
             ck.wait()
         ck.close()
 
+
+def test_a_save_abandoned_on_one_rank_fails_rank0s_commit_at_once_with_its_error(tmp_path):
+    """A sync save whose write raises: the framework ends it uncommitted (``end(commit=False)``).
+    Until session 12 that rank wrote nothing, and rank 0 waited ``commit_timeout_s`` for its
+    record (a 4-rank Megatron save with one disk full hung for 600 s)."""
+    r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync"), rank=1, world_size=2,
+                           storage=FailingStorage(budget=1000), exchange=lambda v, e: ("same-id", {}))
+    r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, commit_timeout_s=300), rank=0, world_size=2,
+                           exchange=lambda v, e: ("same-id", {}))
+    d = str(tmp_path / "t1")
+    h0 = r0.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
+    r0.save({"module": {"w": torch.ones(10)}}, os.path.join(d, "rank0.pt"))
+    r0.end()
+    r1.begin(d, tag="t1")
+    with pytest.raises(PersistError, match="No space left"):
+        r1.save(sample_state(), os.path.join(d, "rank1.pt"))
+    r1.end(commit=False)  # as the DeepSpeed plugin and the Megatron adapter do
+    t0 = time.monotonic()
+    assert h0.wait_committed(60)
+    assert time.monotonic() - t0 < 30  # not the 300 s commit timeout
+    assert isinstance(h0.error, CommitError) and "rank(s) 1 failed to persist" in str(h0.error)
+    assert "No space left" in str(h0.error)
+    assert not (tmp_path / "latest").exists()
+    r1.close()
+    with pytest.raises(CommitError):
+        r0.wait()
+    r0.close()
 
 def test_split_items_balances_contiguous_runs_and_never_cuts_at_empty_records():
     from deepspeed_async_ckpt.persist import split_items

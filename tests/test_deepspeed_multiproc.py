@@ -202,6 +202,32 @@ def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
     assert state["global_steps"] == 2
 
 
+def test_sigkill_while_resaving_the_tag_latest_names_keeps_that_checkpoint(tmp_path, repo_env):
+    """The same tag saved again (a final save at the step of the last periodic one, a save on
+    preemption): the re-save goes to a staging directory, so the checkpoint `latest` names
+    stays whole until the new one is committed. Until session 12, the re-save removed its
+    manifest first, and a crash (or a failed write) left nothing loadable."""
+    out = str(tmp_path)
+    codes = run_ranks(repo_env, 2, "kill", "--out", out, "--kill-rank", "0", "--resave", "1",
+                      expect_ok=False)
+    assert codes[0] == -9, f"rank 0 should have died by SIGKILL, exit codes {codes}"
+    ckpt = os.path.join(out, "ckpt")
+    with open(os.path.join(ckpt, "latest")) as f:
+        assert f.read() == "global_step2"
+    names = sorted(os.listdir(ckpt))
+    staging = [n for n in names if n.startswith(".async_ckpt_staging.")]
+    assert len(staging) == 1 and staging[0].endswith(".global_step2"), names  # the killed re-save
+    from deepspeed_async_ckpt.commit import verify_checkpoint
+    verify_checkpoint(os.path.join(ckpt, "global_step2"))
+    os.rename(ckpt, os.path.join(out, "killed"))
+    run_ranks(repo_env, 2, "load", "--out", out, "--variants", "killed")
+    for rank in (0, 1):  # the state saved at step 2, not the re-save's (step 4)
+        state = torch.load(os.path.join(out, f"dump_killed_rank{rank}.pt"), weights_only=False)
+        assert state["global_steps"] == 2
+    # the load's rank 0 removed the abandoned staging directory
+    assert not [n for n in os.listdir(os.path.join(out, "killed")) if n.startswith(".async_ckpt")]
+
+
 def test_disk_full_on_one_rank_raises_on_every_rank_at_next_save(tmp_path, repo_env):
     out = str(tmp_path)
     run_ranks(repo_env, 2, "diskfull", "--out", out, "--kill-rank", "1")

@@ -63,8 +63,8 @@ def save_run(tmp_path_factory, env, tp: int, pp: int, *extra: str) -> str:
 
 @pytest.fixture(scope="module")
 def saved_tp2_pp2(tmp_path_factory, env):
-    """TP=2, PP=2, DP=1; also megatron-core interop both ways."""
-    return save_run(tmp_path_factory, env, 2, 2, "--interop")
+    """TP=2, PP=2, DP=1; also megatron-core interop both ways, and one iteration saved again."""
+    return save_run(tmp_path_factory, env, 2, 2, "--interop", "--resave")
 
 
 @pytest.fixture(scope="module")
@@ -99,13 +99,13 @@ def records(out: str) -> dict[int, dict]:
     return infos(out, "records")
 
 
-def assert_same_per_rank(out: str, name: str) -> None:
-    """``name`` holds, on every rank, exactly the shards of the reference taken at save time:
+def assert_same_per_rank(out: str, name: str, reference: str = "reference") -> None:
+    """``name`` holds, on every rank, exactly the shards of ``reference``, taken at save time:
     the model and optimizer state after the load, and the model tensors as read from the
     checkpoint (fp32 weights are overwritten by the optimizer's main weights on load, so only
     the latter shows a torn model tensor)."""
     for suffix in ("", ".model"):
-        ref, got = dumps(out, "reference" + suffix), dumps(out, name + suffix)
+        ref, got = dumps(out, reference + suffix), dumps(out, name + suffix)
         for r in range(NPROC):
             assert got[r].keys() == ref[r].keys(), f"rank {r}: {name}{suffix} holds other shards"
             bad = [k for k in ref[r] if not torch.equal(ref[r][k], got[r][k])]
@@ -113,7 +113,7 @@ def assert_same_per_rank(out: str, name: str) -> None:
                              f"{len(bad)} of {len(ref[r])} shards, e.g. {bad[:3]}")
         assert sum(len(ref[r]) for r in ref) > (100 if not suffix else 40)
     assert {i["adam_steps"][0] for i in infos(out, name).values()} == \
-        {i["adam_steps"][0] for i in infos(out, "reference").values()}
+        {i["adam_steps"][0] for i in infos(out, reference).values()}
 
 
 def is_main(replica_id) -> bool:
@@ -242,6 +242,23 @@ def test_committed_checkpoint_verifies_and_tracker_names_it(saved_tp2_pp2):
         f.write(data)
     with pytest.raises(IntegrityError, match=os.path.basename(victim)):
         verify_checkpoint_dir(ckpt_dir)
+
+
+def test_resaving_the_trackers_iteration_keeps_it_whole_until_the_new_one_is_finalized(saved_tp2_pp2):
+    """One iteration saved again with another state: the save that failed (rank 1's disk full)
+    left the checkpoint the tracker names as it was (until session 12 its markers were removed
+    first: nothing loadable was left); the next one replaced it whole. No staging directory or
+    replaced checkpoint is left behind."""
+    out = saved_tp2_pp2
+    assert all("No space left" in (i["failed"] or "") for i in infos(out, "resave_second").values())
+    assert_same_per_rank(out, "resave_failed_reload", reference="resave_first")
+    assert_same_per_rank(out, "resaved_reload", reference="resave_second")
+    assert {i["adam_steps"][0] for i in infos(out, "resave_first").values()} != \
+        {i["adam_steps"][0] for i in infos(out, "resave_second").values()}  # two different states
+    save_dir = os.path.join(out, "ckpt_resave")
+    iteration = read_tracker(save_dir)
+    assert sorted(os.listdir(save_dir)) == [f"iter_{iteration:07d}", "latest_checkpointed_iteration.txt"]
+    verify_checkpoint_dir(os.path.join(save_dir, f"iter_{iteration:07d}"))
 
 
 def test_interop_megatron_loads_ours(saved_tp2_pp2):

@@ -136,14 +136,11 @@ def test_tracker_and_directory_names(tmp_path):
         read_tracker(str(tmp_path))
 
 
-def test_markers_are_written_atomically_and_removed(tmp_path):
+def test_markers_are_written_atomically(tmp_path):
     path = str(tmp_path / torch_dist.DCP_METADATA_FILE)
     torch_dist.write_text_atomic(LocalStorage(fsync=True), path, b"\x00\xffbytes")
     assert open(path, "rb").read() == b"\x00\xffbytes"
     assert os.listdir(tmp_path) == [torch_dist.DCP_METADATA_FILE]  # no temporary left behind
-    torch_dist.remove_markers(str(tmp_path))
-    torch_dist.remove_markers(str(tmp_path))  # idempotent
-    assert os.listdir(tmp_path) == []
     assert torch_dist.distcp_name(3, 12) == "__3_12.distcp"
 
 

@@ -16,8 +16,10 @@ The test process compares them; this file asserts nothing itself.
 from __future__ import annotations
 
 import argparse
+import errno
 import json
 import os
+import shutil
 import sys
 import time
 
@@ -177,6 +179,56 @@ class SlowStorage(LocalStorage):
         return super().open_write(path)
 
 
+class DiskFullOnRank(LocalStorage):
+    """``rank``'s disk is full: opening a tensor file fails there with ENOSPC."""
+
+    def __init__(self, rank: int) -> None:
+        super().__init__(fsync=False)
+        self.rank = rank
+
+    def open_write(self, path: str):
+        if dist.get_rank() == self.rank and ".distcp" in os.path.basename(path):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return super().open_write(path)
+
+
+def run_resave(r: Rank, out: str) -> None:
+    """The tracker's iteration saved again with another state: first while one rank's disk is
+    full (the save fails on every rank; a copy of the directory is taken then), then for real.
+    Both copies are loaded at the end."""
+    save_dir, iteration = os.path.join(out, "ckpt_resave"), r.iteration
+    first = MegatronCheckpointer(engine_config("sync"))
+    first.save(r.state(), save_dir, iteration, content_metadata=r.metadata)
+    first.close()
+    r.dump(out, "resave_first")
+    r.train_step()
+    failing = MegatronCheckpointer(engine_config("sync"), storage=DiskFullOnRank(1))
+    failed = None
+    try:
+        failing.save(r.state(), save_dir, iteration, content_metadata=r.metadata)
+    except Exception as exc:  # raised on every rank
+        failed = f"{type(exc).__name__}: {exc}"
+    try:
+        failing.close()
+    except Exception:
+        pass  # the same failure, reported again
+    if r.rank == 0:
+        shutil.copytree(save_dir, os.path.join(out, "ckpt_resave_failed"))
+    dist.barrier()
+    r.dump(out, "resave_second", extra={"failed": failed})
+    good = MegatronCheckpointer(engine_config("async"))
+    record = good.save(r.state(), save_dir, iteration, content_metadata=r.metadata)
+    r.train_step([good])  # the async copies must come before this step changes the weights
+    good.close()
+    reader = MegatronCheckpointer(engine_config("async"))
+    read = r.load_into_model(record.ckpt_dir, reader.load)
+    r.dump(out, "resaved_reload", read=read)
+    failed_dir = os.path.join(out, "ckpt_resave_failed", os.path.basename(record.ckpt_dir))
+    read = r.load_into_model(failed_dir, reader.load)
+    r.dump(out, "resave_failed_reload", read=read)
+    reader.close()
+
+
 #: Room for the largest shard of the test model (16 KiB at TP=1) and little more: a rank's
 #: checkpoint (about 250 KiB) goes through it a shard or two at a time.
 TINY_POOL_GB = 16 * 1024 / 1024**3
@@ -264,10 +316,14 @@ def main() -> int:
     p.add_argument("--name", default="resharded")
     p.add_argument("--interop", action="store_true",
                    help="also reload with megatron-core's loader and save with its own save")
+    p.add_argument("--resave", action="store_true",
+                   help="also save one iteration again, failing first (see run_resave)")
     a = p.parse_args()
     r = Rank(a.tp, a.pp)
     if a.action == "save":
         run_save(r, a.out, a.steps, a.interop)
+        if a.resave:
+            run_resave(r, a.out)
     else:
         run_load(r, a.out, a.ckpt, a.name)
     dist.barrier()

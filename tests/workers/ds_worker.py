@@ -6,7 +6,7 @@ Phases:
           TorchCheckpointEngine), keep training (mutating every tensor), destroy.
   load    in a fresh process, load each saved variant and dump the restored engine state.
   kill    save and commit twice (keep_last=1), then SIGKILL one rank in the middle of the
-          next persist.
+          next persist (with --resave, of the tag `latest` names, saved again two steps on).
   diskfull  one rank's disk fills mid-persist; the next save raises on every rank, then recovers.
   diskfull-load  the same failure, then load_checkpoint: refused on every rank, a retry loads.
   exit    save, train one more step, and return without destroy(): interpreter exit commits.
@@ -187,7 +187,8 @@ def phase_kill(args):
 
         persist._ChecksumSink.write = write_then_die
     train(engine, args, 2, start=2)
-    engine.save_checkpoint(save_dir)  # global_step4: one rank dies while persisting it
+    # global_step4 (or, --resave, global_step2 again): one rank dies while persisting it
+    engine.save_checkpoint(save_dir, tag="global_step2" if args.resave else None)
     engine.checkpoint_engine.checkpointer.wait()
     raise SystemExit("unreachable: a rank should have been killed mid-persist")
 
@@ -384,6 +385,7 @@ def main():
     p.add_argument("--variants", default="async,sync,torch")
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--partial", type=int, default=0)
+    p.add_argument("--resave", type=int, default=0)
     args = p.parse_args()
     {"save": phase_save, "load": phase_load, "kill": phase_kill, "exit": phase_exit,
      "sigterm": phase_sigterm,
