@@ -1354,39 +1354,14 @@ def test_error_on_one_rank_is_raised_on_every_rank_without_a_hang(tmp_path):
     ck.close()
 
 
-def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path):
-    import time
-
-    storage = FailingStorage(budget=1000)
-    # rank 1 of 2, sharing the directory with rank 0 below
-    r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=1, world_size=2, storage=storage,
-                           exchange=lambda v, e: ("same-id", {}))
-    r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, commit_timeout_s=300), rank=0, world_size=2,
-                           exchange=lambda v, e: ("same-id", {}))
-    d = str(tmp_path / "t1")
-    h0 = r0.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
-    r0.save({"module": {"w": torch.ones(10)}}, os.path.join(d, "rank0.pt"))
-    r0.end()
-    r1.begin(d, tag="t1")
-    r1.save(sample_state(), os.path.join(d, "rank1.pt"))
-    r1.end()
-    t0 = time.monotonic()
-    assert h0.wait_committed(60)
-    assert time.monotonic() - t0 < 30  # not the 300 s commit timeout
-    assert isinstance(h0.error, CommitError) and "rank(s) 1 failed to persist" in str(h0.error)
-    assert "No space left" in str(h0.error)
-    assert not (tmp_path / "latest").exists()
-    for ck in (r0, r1):
-        with pytest.raises((CommitError, PersistError)):
-            ck.wait()
-        ck.close()
-
-
-def test_a_save_abandoned_on_one_rank_fails_rank0s_commit_at_once_with_its_error(tmp_path):
-    """A sync save whose write raises: the framework ends it uncommitted (``end(commit=False)``).
-    Until session 12 that rank wrote nothing, and rank 0 waited ``commit_timeout_s`` for its
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path, mode):
+    """Rank 1's write fails: in the background (async), or inside its save, which the framework
+    then ends uncommitted (sync: ``end(commit=False)``, as the DeepSpeed plugin and the
+    Megatron adapter do). Either way rank 0's commit fails at once, quoting rank 1's error.
+    Until session 12 a sync rank wrote nothing, and rank 0 waited ``commit_timeout_s`` for its
     record (a 4-rank Megatron save with one disk full hung for 600 s)."""
-    r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync"), rank=1, world_size=2,
+    r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode), rank=1, world_size=2,
                            storage=FailingStorage(budget=1000), exchange=lambda v, e: ("same-id", {}))
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, commit_timeout_s=300), rank=0, world_size=2,
                            exchange=lambda v, e: ("same-id", {}))
@@ -1395,19 +1370,24 @@ def test_a_save_abandoned_on_one_rank_fails_rank0s_commit_at_once_with_its_error
     r0.save({"module": {"w": torch.ones(10)}}, os.path.join(d, "rank0.pt"))
     r0.end()
     r1.begin(d, tag="t1")
-    with pytest.raises(PersistError, match="No space left"):
+    if mode == "async":
         r1.save(sample_state(), os.path.join(d, "rank1.pt"))
-    r1.end(commit=False)  # as the DeepSpeed plugin and the Megatron adapter do
+        r1.end()
+    else:
+        with pytest.raises(PersistError, match="No space left"):
+            r1.save(sample_state(), os.path.join(d, "rank1.pt"))
+        r1.end(commit=False)
     t0 = time.monotonic()
     assert h0.wait_committed(60)
     assert time.monotonic() - t0 < 30  # not the 300 s commit timeout
     assert isinstance(h0.error, CommitError) and "rank(s) 1 failed to persist" in str(h0.error)
     assert "No space left" in str(h0.error)
     assert not (tmp_path / "latest").exists()
-    r1.close()
-    with pytest.raises(CommitError):
-        r0.wait()
+    for ck in (r0, r1) if mode == "async" else (r0,):  # sync: rank 1 raised it already
+        with pytest.raises((CommitError, PersistError)):
+            ck.wait()
     r0.close()
+    r1.close()
 
 def test_split_items_balances_contiguous_runs_and_never_cuts_at_empty_records():
     from deepspeed_async_ckpt.persist import split_items
