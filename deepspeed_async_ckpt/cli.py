@@ -160,8 +160,14 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     target = _pointer_target(path) if os.path.isdir(path) else None
     if target is not None:
         path = os.path.join(path, target)
+    note = ""
     if not os.path.isdir(path):
-        raise CliError(f"no checkpoint directory at {path!r}")
+        staged = _staged_replacement(path)
+        if staged is None:
+            raise CliError(f"no checkpoint directory at {path!r}")
+        note = (f" (committed at {staged!r}: a save of it stopped between its two renames; the "
+                "next load_checkpoint or save_checkpoint renames it into place)")
+        path = staged
     try:
         manifest = verify_checkpoint(path)
     except IntegrityError as e:
@@ -169,8 +175,26 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         return 1
     total = sum(entry["bytes"] for entry in manifest["files"].values())
     print(f"OK: {path}: tag {manifest['tag']}, {len(manifest['files'])} files, {total} bytes, "
-          f"{manifest['world_size']} ranks, {manifest['checksum']} verified")
+          f"{manifest['world_size']} ranks, {manifest['checksum']} verified{note}")
     return 0
+
+
+def _staged_replacement(path: str) -> str | None:
+    """A committed staging directory meant to become ``path``, where ``path`` is missing."""
+    import os
+
+    from .commit import META_DIR, MANIFEST, STAGING_PREFIX
+
+    parent, name = os.path.split(os.path.abspath(path))
+    try:
+        names = os.listdir(parent)
+    except FileNotFoundError:
+        return None
+    for n in names:
+        if n.startswith(STAGING_PREFIX) and n[len(STAGING_PREFIX):].partition(".")[2] == name \
+                and os.path.isfile(os.path.join(parent, n, META_DIR, MANIFEST)):
+            return os.path.join(parent, n)
+    return None
 
 
 def _params_arg(text: str) -> int:

@@ -824,7 +824,7 @@ def test_resaving_the_pointers_checkpoint_keeps_it_whole_until_the_new_one_commi
     ck.close()
 
 
-def test_a_crash_between_the_two_renames_is_finished_before_the_next_load_or_save(tmp_path):
+def test_a_crash_between_the_two_renames_is_finished_before_the_next_load_or_save(tmp_path, capsys):
     """Without an atomic exchange, the old checkpoint is renamed away, then the new one into
     place: a crash in between leaves the name missing and the new one committed beside it.
     The next process's rank 0 renames it into place before it loads or saves."""
@@ -849,6 +849,9 @@ def test_a_crash_between_the_two_renames_is_finished_before_the_next_load_or_sav
     assert not (tmp_path / "t").exists()  # between the renames
     ck._closed = True  # the process is gone: nothing of its own runs any more
     staged_name = next(n for n in os.listdir(root) if n.startswith(".async_ckpt_staging."))
+    from deepspeed_async_ckpt.cli import main
+    assert main(["verify", root]) == 0  # the pointer's checkpoint, where it waits
+    assert "stopped between its two renames" in capsys.readouterr().out
     shutil.copytree(tmp_path / staged_name, tmp_path / "staged")
 
     for way in ("load", "save"):
