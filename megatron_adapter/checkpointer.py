@@ -130,7 +130,7 @@ class MegatronCheckpointer:
     # ------------------------------------------------------------------ save path
     def save(self, state_dict: dict, save_dir: str, iteration: int, *,
              content_metadata: dict | None = None, validate_access_integrity: bool = True,
-             ) -> SaveRecord:
+             preprocess_common: Callable[[dict], dict] | None = None) -> SaveRecord:
         """Save (collective). Async mode: returns once the files are planned and the eager part
         is copied. Sync mode: returns once the checkpoint is committed and the tracker moved.
         A failure of a previous save is raised here, on every rank, before anything starts."""
@@ -141,7 +141,8 @@ class MegatronCheckpointer:
         if content_metadata is not None:
             # As dist_checkpointing.save stores it (process groups dropped), for load to read.
             state_dict["content_metadata"] = _clean_metadata_for_serialization(content_metadata)
-        sharded_part, common, _ = self._preprocess_and_elect(state_dict, validate_access_integrity)
+        sharded_part, common, _ = self._preprocess_and_elect(state_dict, validate_access_integrity,
+                                                             preprocess_common)
         plan = torch_dist.plan_save(sharded_part, rank=self.rank, world_size=self.world_size,
                                     max_files=self.config.writer_threads)
 
@@ -207,15 +208,18 @@ class MegatronCheckpointer:
         return nbytes
 
     def _preprocess_and_elect(self, state_dict: dict, validate_access_integrity: bool,
+                              preprocess_common: Callable[[dict], dict] | None = None,
                               ) -> tuple[dict, dict, list]:
         """What ``save`` and ``reserve`` both start from (collective): megatron-core's save
         preprocessing, then the writer election over its ShardedTensors. Returns the sharded
-        part, the common part, and the sharded part's values (tensors and objects)."""
+        part, the common part, and the sharded part's values (tensors and objects).
+        ``preprocess_common``: what the ranks' common parts are compared after, when the
+        access integrity is validated (Megatron-LM drops per-rank values from ``args``)."""
         from megatron.core.dist_checkpointing.dict_utils import nested_values
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
-        sharded_part, common = save_preprocess(state_dict, validate_access_integrity)
+        sharded_part, common = save_preprocess(state_dict, validate_access_integrity, preprocess_common)
         values = list(nested_values(sharded_part))
         elect_writers([v for v in values if isinstance(v, ShardedTensor)], self.writers, replica_group())
         return sharded_part, common, values

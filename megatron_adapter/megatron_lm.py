@@ -20,12 +20,15 @@ What :func:`install` hooks (module attributes of ``megatron.training``):
   ``--async-ckpt-config``, a persistent ``torch_dist`` save builds the state dict with
   Megatron-LM's own ``generate_state_dict`` and hands it to :class:`MegatronCheckpointer`; the
   tracker is then written by the engine, once every rank persisted. The optimizer's ``step`` gets
-  the engine's fence. Other saves (non-persistent, other formats, no flag) run unchanged.
+  the engine's fence. The dataloader state (``--dataloader-save``) is saved as Megatron-LM
+  saves it. Other saves run unchanged: non-persistent ones, other formats, no flag, and saves
+  given their own process groups, ranks or RNG key prefix, or of a ModelOpt-converted model
+  (whose extra state Megatron-LM writes itself).
 - ``load_checkpoint``: waits for pending saves and checks the checkpoint against its manifest
   first; the load itself is Megatron-LM's (the format is megatron's ``torch_dist``).
 - ``maybe_finalize_async_save(blocking=True)``: also flushes the engine.
 
-Do not combine with Megatron-LM's ``--async-save``: saves no longer go through its queue.
+Not with Megatron-LM's ``--async-save`` (saves would bypass its queue): the engine refuses it.
 Routed saves keep ``--save-retain-interval`` (the engine removes the checkpoints it would, once
 the tracker moved) and skip Megatron-LM's other save-time side effects (fault-tolerance and
 one-logger callbacks, W&B artifact logging).
@@ -40,7 +43,7 @@ import runpy
 import sys
 from typing import Any, Callable
 
-from deepspeed_async_ckpt.errors import IntegrityError
+from deepspeed_async_ckpt.errors import ConfigError, IntegrityError
 
 from .arguments import add_arguments, config_from_args
 from .checkpointer import MegatronCheckpointer, checkpoint_dir, read_tracker, verify_checkpoint_dir
@@ -67,6 +70,10 @@ def engine_enabled(args: Any) -> bool:
 def _engine(args: Any) -> MegatronCheckpointer | None:
     if not engine_enabled(args):
         return None
+    if getattr(args, "async_save", False):
+        raise ConfigError("--async-ckpt/--async-ckpt-config and Megatron-LM's --async-save both "
+                          "save in the background: use one (routed saves would bypass "
+                          "--async-save's queue)")
     if _STATE["engine"] is None:
         cfg = config_from_args(args)
         if not cfg.enabled:
@@ -97,10 +104,39 @@ def _fence_optimizer(optimizer: Any, engine: MegatronCheckpointer) -> None:
     optimizer._async_ckpt_fenced = True
 
 
-def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
-                    num_floating_point_operations_so_far, checkpointing_context=None,
-                    *args, **kwargs):
-    """Megatron-LM's ``save_checkpoint`` signature; routes persistent torch_dist saves."""
+#: ``save_checkpoint`` arguments a routed save cannot honour (process groups and ranks other than
+#: Megatron-LM's global ones, an RNG key prefix): a save given any of them runs unchanged.
+_NOT_ROUTED_WITH = ("pipeline_rank", "expert_rank", "tensor_rank", "pipeline_parallel",
+                    "expert_parallel", "tp_group", "pp_group", "dp_cp_group", "dp_group",
+                    "expt_dp_group", "rng_state_key_prefix")
+
+
+def routed(arguments: dict, ckpt_format: str) -> bool:
+    """Whether a ``save_checkpoint`` call with these (bound, explicitly passed) arguments goes
+    to the engine: a persistent, non-release ``torch_dist`` save without arguments of
+    :data:`_NOT_ROUTED_WITH` and of a model without ModelOpt state."""
+    if arguments.get("non_persistent_ckpt") or arguments.get("release") or ckpt_format != "torch_dist":
+        return False
+    if any(arguments.get(k) not in (None, "") for k in _NOT_ROUTED_WITH):
+        return False
+    return not has_modelopt_state(arguments.get("model"))
+
+
+def has_modelopt_state(model: Any) -> bool:
+    """True for a model NVIDIA ModelOpt converted (quantized, pruned, ...): Megatron-LM saves its
+    ModelOpt state into the checkpoint itself (``save_sharded_modelopt_state``)."""
+    try:
+        import modelopt.torch.opt as mto
+    except ImportError:
+        return False
+    from megatron.core.utils import unwrap_model
+
+    models = model if isinstance(model, (list, tuple)) else [model]
+    return any(m is not None and mto.ModeloptStateManager.is_converted(unwrap_model(m)) for m in models)
+
+
+def save_checkpoint(*args, **kwargs):
+    """Megatron-LM's ``save_checkpoint``; routes persistent torch_dist saves (see :func:`routed`)."""
     from megatron.core import mpu
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
     from megatron.core.rerun_state_machine import get_rerun_state_machine
@@ -110,12 +146,12 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
 
     margs = get_args()
     engine = _engine(margs)
-    if engine is None or kwargs.get("non_persistent_ckpt") or margs.ckpt_format != "torch_dist" \
-            or kwargs.get("release"):
-        return _ORIGINALS["save"](iteration, model, optimizer, opt_param_scheduler,
-                                  num_floating_point_operations_so_far, checkpointing_context,
-                                  *args, **kwargs)
-    model = unwrap_model(model)
+    arguments = inspect.signature(_ORIGINALS["save"]).bind(*args, **kwargs).arguments
+    if engine is None or not routed(arguments, margs.ckpt_format):
+        return _ORIGINALS["save"](*args, **kwargs)
+    iteration, optimizer = arguments["iteration"], arguments["optimizer"]
+    opt_param_scheduler = arguments["opt_param_scheduler"]
+    model = unwrap_model(arguments["model"])
     if "ckpt_format" in inspect.signature(mlm.get_rng_state).parameters:
         rng_state = _call(mlm.get_rng_state, ckpt_format=margs.ckpt_format,
                           tp_group=mpu.get_tensor_model_parallel_group(),
@@ -123,17 +159,23 @@ def save_checkpoint(iteration, model, optimizer, opt_param_scheduler,
     else:  # older Megatron-LM: get_rng_state(use_dist_ckpt)
         rng_state = _call(mlm.get_rng_state, use_dist_ckpt=True)
     metadata = _call(mlm._build_sharded_state_dict_metadata, margs)
+    data_iterator = arguments.get("train_data_iterator")
     rerun_state = _call(get_rerun_state_machine().state_dict,
-                        data_iterator=kwargs.get("train_data_iterator"), ckpt_format=margs.ckpt_format)
+                        data_iterator=data_iterator, ckpt_format=margs.ckpt_format)
     state_dict = _call(mlm.generate_state_dict, margs, model, optimizer, opt_param_scheduler,
                        rng_state, iteration=iteration, optim_sd_kwargs=dict(metadata=metadata),
                        model_sd_kwargs=dict(metadata=metadata), rerun_state=rerun_state)
-    state_dict["num_floating_point_operations_so_far"] = num_floating_point_operations_so_far
+    state_dict["num_floating_point_operations_so_far"] = arguments["num_floating_point_operations_so_far"]
     validate = _STATE["saves"] == 0 or not getattr(margs, "ckpt_assume_constant_structure", False)
     engine.save(state_dict, margs.save, iteration,
                 content_metadata=_clean_metadata_for_serialization(metadata),
-                validate_access_integrity=validate)
+                validate_access_integrity=validate,
+                preprocess_common=arguments.get("preprocess_common_state_dict_fn"))
     _STATE["saves"] += 1
+    save_dataloader_state = getattr(mlm, "maybe_save_dataloader_state", None)
+    if save_dataloader_state is not None:  # Energon's state, beside the checkpoint, as Megatron-LM does
+        _call(save_dataloader_state, model=model, train_iterator=data_iterator, iteration=iteration,
+              dataloader_save_path=getattr(margs, "dataloader_save", None))
     _fence_optimizer(optimizer, engine)
 
 
@@ -146,7 +188,8 @@ def load_checkpoint(*args, **kwargs):
     margs = get_args()
     engine = _engine(margs)
     if engine is not None:
-        load_dir = getattr(margs, kwargs.get("load_arg", "load"), None)
+        load_arg = inspect.signature(_ORIGINALS["load"]).bind(*args, **kwargs).arguments.get("load_arg", "load")
+        load_dir = getattr(margs, load_arg, None)
         engine.wait(recover=load_dir)
         try:
             iteration = getattr(margs, "ckpt_step", None) or (read_tracker(load_dir) if load_dir else None)

@@ -79,6 +79,40 @@ def test_megatron_lm_extra_args_provider_chains():
     assert args.their_flag == 3 and args.async_ckpt and args.async_ckpt_writers == "replica"
 
 
+def test_megatron_lm_routes_only_saves_the_engine_can_honour(monkeypatch):
+    import types
+
+    from megatron_adapter.megatron_lm import has_modelopt_state, routed
+
+    plain = {"iteration": 3, "model": [object()], "optimizer": None}
+    assert routed(plain, "torch_dist")
+    assert routed(dict(plain, rng_state_key_prefix="", tp_group=None), "torch_dist")  # defaults
+    assert not routed(plain, "torch")
+    for unroutable in ({"non_persistent_ckpt": True}, {"release": True}, {"pipeline_rank": 0},
+                       {"tp_group": object()}, {"dp_cp_group": object()}, {"rng_state_key_prefix": "ema."}):
+        assert not routed(dict(plain, **unroutable), "torch_dist"), unroutable
+    assert not has_modelopt_state(plain["model"])  # ModelOpt is not installed here
+    converted = object()
+    opt = types.ModuleType("modelopt.torch.opt")
+    opt.ModeloptStateManager = types.SimpleNamespace(is_converted=lambda m: m is converted)
+    for name, module in (("modelopt", types.ModuleType("modelopt")),
+                         ("modelopt.torch", types.ModuleType("modelopt.torch")), ("modelopt.torch.opt", opt)):
+        monkeypatch.setitem(sys.modules, name, module)
+    sys.modules["modelopt"].torch = sys.modules["modelopt.torch"]
+    sys.modules["modelopt.torch"].opt = opt
+    assert routed(plain, "torch_dist")
+    assert not routed(dict(plain, model=[converted]), "torch_dist")  # Megatron-LM saves its state
+
+
+def test_megatron_lm_refuses_async_save_together_with_the_engine():
+    from megatron_adapter.megatron_lm import _engine
+
+    args = parse("--async-ckpt")
+    args.async_save = True
+    with pytest.raises(ConfigError, match="--async-save"):
+        _engine(args)
+
+
 # ---------------------------------------------------------------------------------- election
 def _tensor(key, offset, shape, replica_id):
     import torch
