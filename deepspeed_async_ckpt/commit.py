@@ -29,10 +29,10 @@ import os
 import threading
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Sequence
 
 from .errors import CommitError, IntegrityError
-from .persist import HASHERS, FileRecord, hash_file
+from .persist import HASHERS, FileRecord, hash_ranges
 from .storage import Storage
 
 META_DIR = ".async_ckpt"
@@ -88,9 +88,11 @@ def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: st
             entries[rel] = {"bytes": r.nbytes, "segments": [[*r.segment, r.checksum]],
                             "tmp": os.path.relpath(r.tmp, ckpt_dir)}
             continue
+        if r.parts is not None:  # a packed file: where each archive lies, and its checksum
+            entries[rel] = {"bytes": r.nbytes, "parts": {n: list(s) for n, s in r.parts.items()},
+                            "segments": [list(s) for s in r.part_checksums]}
+            continue
         entries[rel] = {"bytes": r.nbytes, checksum: r.checksum}
-        if r.parts is not None:  # a packed file: where each archive lies in it
-            entries[rel]["parts"] = {n: list(s) for n, s in r.parts.items()}
     record = {"rank": rank, "save_id": save_id, "checksum": checksum, "files": entries}
     write_text_atomic(storage, _rank_record_path(ckpt_dir, rank, save_id), json.dumps(record, indent=1),
                       durable=False)
@@ -100,7 +102,7 @@ def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: st
 #: has waited so far, at least ``_POLL_MIN_S`` and at most ``_POLL_MAX_S``: the commit comes
 #: at most about 6% (and 1 ms) after the last rank's record, or ``_POLL_MAX_S`` once it has
 #: waited 0.8 s. Each poll is one directory listing whatever the world size: about 16 polls
-#: per doubling of the wait, 20 a second after that. (Until session 11 the wait doubled from
+#: per doubling of the wait, 20 a second after that. (Earlier versions doubled the wait from
 #: 5 ms to 50 ms each time: the commit came 13-56 ms after the last of 2 ranks.)
 _POLL_MIN_S = 0.001
 _POLL_FRACTION = 1 / 16
@@ -196,7 +198,7 @@ def _join_shares(storage: Storage, ckpt_dir: str, files: dict[str, dict], tag: s
     end, then rename it from its temporary name (what no rank could do alone: each knows only
     that its own share is durable)."""
     for rel, entry in sorted(files.items()):
-        if "segments" not in entry:
+        if "tmp" not in entry:  # written whole by one rank
             continue
         entry["segments"].sort()
         at = 0
@@ -394,10 +396,11 @@ def read_manifest(ckpt_dir: str) -> dict:
                              "it is partial; load the checkpoint its pointer names") from None
 
 
-def verify_file(path: str, manifest: dict | None = None, segment: int | None = None) -> None:
+def verify_file(path: str, manifest: dict | None = None, segment: int | Sequence[int] | None = None) -> None:
     """Check one file against the committed manifest of its checkpoint; raises IntegrityError
     naming the file. Files outside any checkpoint of ours are not checked. ``segment``: check
-    only that share of a file the replicas wrote in shares (and the file's size)."""
+    only that segment, or those, of a file checksummed in segments (a file the replicas wrote
+    in shares, a packed file's archives), and the file's size."""
     ckpt_dir = find_checkpoint_dir(path)
     if ckpt_dir is None:
         return
@@ -410,15 +413,15 @@ def verify_file(path: str, manifest: dict | None = None, segment: int | None = N
     if algorithm not in HASHERS:
         raise IntegrityError(f"manifest of checkpoint {ckpt_dir!r} uses checksum {algorithm!r}, "
                              f"which this version cannot compute (it knows {', '.join(HASHERS)})")
-    # [offset, length, checksum] of each part checksummed on its own: the whole file, or
-    # each share of a file the replicas wrote in shares
+    # [offset, length, checksum] of each part checksummed on its own: the whole file, each
+    # share of a file the replicas wrote in shares, or each archive of a packed file
     segments = entry.get("segments") or [[0, None, entry.get(algorithm)]]
     if segment is not None:
-        segments = [segments[segment]]
+        segments = [segments[i] for i in ([segment] if isinstance(segment, int) else segment)]
     try:
         size = os.path.getsize(path)
         if size == entry["bytes"]:
-            hashed = [hash_file(path, algorithm, offset, length) for offset, length, _ in segments]
+            hashed = hash_ranges(path, algorithm, [(offset, length) for offset, length, _ in segments])
     except OSError as exc:  # missing, unreadable: as bad as a wrong checksum
         raise IntegrityError(f"{path}: listed in the manifest of checkpoint {ckpt_dir!r} but "
                              f"cannot be read: {exc}") from exc
@@ -435,18 +438,31 @@ def verify_file(path: str, manifest: dict | None = None, segment: int | None = N
 
 def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
                       manifest: dict | None = None,
-                      include: Callable[[str], bool] | None = None) -> dict:
+                      include: Callable[[str], bool] | None = None,
+                      reads: Callable[[str], Iterable[tuple[int, int]] | None] | None = None) -> dict:
     """Verify the files of a committed checkpoint (against ``manifest`` if already read);
     returns its manifest. With ``world_size`` ranks each verifying its share, rank ``r``
     checks the units ``r, r + world_size, ...`` of the manifest, a unit being a file or one
     share of a file the replicas wrote in shares (so the largest file, which every replica
     loads, is read by as many ranks as wrote it), and together they read every byte once.
     ``include``: check only the files (by path within the checkpoint) it accepts, those a
-    partial load reads."""
+    partial load reads. ``reads``: the (offset, length) ranges a load reads in a file, None
+    for all of it; of a packed file, only the archives holding those are checked."""
     manifest = manifest or read_manifest(ckpt_dir)
-    units = [(rel, i if "segments" in entry else None)
-             for rel, entry in sorted(manifest["files"].items()) if include is None or include(rel)
-             for i in range(len(entry.get("segments", [None])))]
+    units: list[tuple[str, int | list[int] | None]] = []
+    for rel, entry in sorted(manifest["files"].items()):
+        if include is not None and not include(rel):
+            continue
+        if "parts" in entry and "segments" in entry:  # packed: one unit, the archives read
+            # (older manifests have one checksum per packed file, checked whole below)
+            wanted = None if reads is None else reads(rel)
+            chosen = [i for i, (offset, length, _) in enumerate(entry["segments"])
+                      if wanted is None or any(o < offset + length and offset < o + n for o, n in wanted)]
+            if chosen:
+                units.append((rel, chosen))
+        else:
+            units += [(rel, i if "segments" in entry else None)
+                      for i in range(len(entry.get("segments", [None])))]
     for rel, segment in units[rank::world_size]:
         verify_file(os.path.join(ckpt_dir, rel), manifest, segment)
     return manifest

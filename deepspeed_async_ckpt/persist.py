@@ -46,6 +46,10 @@ class FileRecord:
     checksum: str
     parts: dict[str, tuple[int, int]] | None = None
     """For a packed file: each archive's name -> (offset, length) in bytes."""
+    part_checksums: tuple[tuple[int, int, str], ...] | None = None
+    """For a packed file, instead of ``checksum``: (offset, length, checksum) of each archive
+    with the padding before it, in file order, end to end; a load that reads some archives
+    only (megatron-core's, without the optimizer state) checks only those."""
     segment: tuple[int, int] | None = None
     """For a share of a file: the (offset, length) this rank wrote, which ``checksum`` covers;
     ``nbytes`` is the whole file's size."""
@@ -227,6 +231,7 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
     pending = [item for plan in plans for item in plan.items] if owned is None else \
         [plans[0].items[j] for j in owned]
     spans: list[tuple[int, int]] = []
+    sums: list[tuple[int, int, str]] = []  # a packed file's checksums, one per archive
     try:
         if share is None:
             f = storage.open_write(tmp)
@@ -245,6 +250,10 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
                 start = sink.nbytes
                 _write_archive(sink, f, plan, pending, zip_crc32, stage, owned)
                 spans.append((start, sink.nbytes - start))
+                if part_names is not None:  # this archive's bytes (and padding) hashed alone
+                    done = sums[-1][0] + sums[-1][1] if sums else 0
+                    sums.append((done, sink.nbytes - done, sink.hasher.hexdigest()))
+                    sink.hasher = new_hasher(checksum)
             storage.sync_file(f)
         except BaseException:
             sink.discard = True
@@ -258,8 +267,10 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
             return FileRecord(path=path, nbytes=size, checksum=sink.hasher.hexdigest(),
                               segment=(window[0], window[1] - window[0]), tmp=tmp)
         storage.replace(tmp, path)
-        parts = None if part_names is None else dict(zip(part_names, spans))
-        return FileRecord(path=path, nbytes=sink.nbytes, checksum=sink.hasher.hexdigest(), parts=parts)
+        if part_names is not None:
+            return FileRecord(path=path, nbytes=sink.nbytes, checksum="",
+                              parts=dict(zip(part_names, spans)), part_checksums=tuple(sums))
+        return FileRecord(path=path, nbytes=sink.nbytes, checksum=sink.hasher.hexdigest())
     except BaseException as exc:
         for item in pending:
             if stage is not None:
@@ -387,22 +398,26 @@ def _header_records(pickle_bytes: bytes) -> list[tuple[str, bytes | str]]:
             (".storage_alignment", str(DIRECT_ALIGN)), ("byteorder", sys.byteorder)]
 
 
-def hash_file(path: str, algorithm: str, offset: int = 0, length: int | None = None) -> tuple[int, str]:
-    """(size in bytes, checksum) of a file on storage, read in 8 MiB chunks; with ``offset``
-    and ``length``, of those bytes only (the size is then how many of them there were)."""
-    hasher = new_hasher(algorithm)
-    size = 0
-    left = length
+def hash_ranges(path: str, algorithm: str, ranges: Sequence[tuple[int, int | None]]) -> list[tuple[int, str]]:
+    """(size in bytes, checksum) of each (offset, length) of ``ranges`` of a file on storage
+    (length None: to the end; the size is how many bytes there were), read in 8 MiB chunks,
+    the file opened once."""
+    out = []
+    buf = bytearray(_READ_CHUNK)
+    view = memoryview(buf)
     with open(path, "rb", buffering=0) as f:
-        f.seek(offset)
-        buf = bytearray(_READ_CHUNK)
-        view = memoryview(buf)
-        while left is None or left > 0:
-            n = f.readinto(view if left is None or left >= len(buf) else view[:left])
-            if not n:
-                break
-            hasher.update(view[:n])
-            size += n
-            if left is not None:
-                left -= n
-    return size, hasher.hexdigest()
+        for offset, length in ranges:
+            hasher = new_hasher(algorithm)
+            size = 0
+            left = length
+            f.seek(offset)
+            while left is None or left > 0:
+                n = f.readinto(view if left is None or left >= len(buf) else view[:left])
+                if not n:
+                    break
+                hasher.update(view[:n])
+                size += n
+                if left is not None:
+                    left -= n
+            out.append((size, hasher.hexdigest()))
+    return out

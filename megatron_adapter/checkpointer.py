@@ -253,7 +253,8 @@ class MegatronCheckpointer:
 
         self.wait(recover=os.path.dirname(os.path.abspath(ckpt_dir)))
         if self.config.verify_on_load:
-            verify_checkpoint_dir(ckpt_dir, rank=self.rank, world_size=self.world_size)
+            verify_checkpoint_dir(ckpt_dir, rank=self.rank, world_size=self.world_size,
+                                  request=sharded_state_dict)
         return dist_checkpointing.load(sharded_state_dict, ckpt_dir, **load_kwargs)
 
     # ------------------------------------------------------------------ lifecycle
@@ -366,11 +367,22 @@ class MegatronCheckpointer:
             raise CommitError("checkpoint failed on rank(s) " + by_rank(failed))
 
 
-def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1) -> None:
+def _reads_of_load(ckpt_dir: str, request: dict) -> Callable[[str], list[tuple[int, int]] | None]:
+    """For ``verify_checkpoint``: of a .distcp file, the items the load can read; of any other
+    file (``common.pt``), all of it."""
+    by_file = torch_dist.reads_of_load(ckpt_dir, request)
+    return lambda rel: by_file.get(rel, []) if rel.endswith(".distcp") else None
+
+
+def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
+                          request: dict | None = None) -> None:
     """Collective when ``world_size > 1``. For a checkpoint this engine wrote: it must be
     committed and finalized, and every file must match the manifest; rank ``r`` hashes files
-    ``r, r + world_size, ...``. A checkpoint megatron-core wrote itself (``metadata.json``, no
-    engine records) is accepted as it is; a directory that is neither raises."""
+    ``r, r + world_size, ...``. With the sharded state dict a load will ``request``, only the
+    items it can read are hashed (see :func:`~.torch_dist.reads_of_load`: without the
+    optimizer state, none of its bytes). A checkpoint megatron-core wrote itself
+    (``metadata.json``, no engine records) is accepted as it is; a directory that is neither
+    raises."""
     error = None
     try:
         if not os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
@@ -384,7 +396,8 @@ def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1) 
             if missing:
                 raise IntegrityError(f"checkpoint {ckpt_dir!r} was persisted but never finalized "
                                      f"({', '.join(missing)} missing): load the one the tracker names")
-            verify_checkpoint(ckpt_dir, rank=rank, world_size=world_size, manifest=manifest)
+            verify_checkpoint(ckpt_dir, rank=rank, world_size=world_size, manifest=manifest,
+                              reads=None if request is None else _reads_of_load(ckpt_dir, request))
     except IntegrityError as exc:
         error = str(exc)
     except Exception as exc:  # any kind: a rank that skipped the all-gather would hang the rest

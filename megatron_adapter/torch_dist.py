@@ -204,3 +204,25 @@ def write_markers(storage: Storage, ckpt_dir: str, index: GlobalIndex) -> None:
     write_text_atomic(storage, os.path.join(ckpt_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
     write_text_atomic(storage, os.path.join(ckpt_dir, CONFIG_FILE),
                       json.dumps(asdict(CheckpointingConfig(BACKEND, BACKEND_VERSION))))
+
+
+def reads_of_load(ckpt_dir: str, sharded_state_dict: dict) -> dict[str, list[tuple[int, int]]]:
+    """Where a load of ``sharded_state_dict`` from ``ckpt_dir`` can read: .distcp file ->
+    (offset, length) of every item whose key (torch DCP's fqn: the sharded key) starts with the
+    same top-level name (``decoder``, ``embedding``, ``optimizer``, ``rng_state``, ...) as one
+    of the request's keys, from ``.metadata``. A load without the optimizer state reads no
+    ``optimizer.*`` item. Coarser than the exact items on purpose: a key the request derives
+    (a factory's, a resharded one) keeps its top-level name."""
+    from megatron.core.dist_checkpointing.dict_utils import nested_values
+
+    def top(key: str) -> str:
+        return re.split(r"[./]", key, maxsplit=1)[0]
+
+    wanted = {top(v.key) for v in nested_values(sharded_state_dict) if isinstance(getattr(v, "key", None), str)}
+    with open(os.path.join(ckpt_dir, DCP_METADATA_FILE), "rb") as f:
+        metadata = pickle.load(f)
+    reads: dict[str, list[tuple[int, int]]] = {}
+    for index, info in metadata.storage_data.items():
+        if top(index.fqn) in wanted:
+            reads.setdefault(info.relative_path, []).append((info.offset, info.length))
+    return reads

@@ -612,6 +612,56 @@ def test_disk_full_surfaces_at_next_save_and_previous_checkpoint_survives(tmp_pa
     ck.close()
 
 
+def test_packed_file_is_checksummed_per_archive_and_a_partial_load_checks_only_what_it_reads(tmp_path):
+    """Each archive of a packed file (with the padding before it) has its own checksum, the
+    segments covering the file end to end: a load that reads some archives (megatron-core's
+    without the optimizer state) hashes only those, and a flipped byte elsewhere is found by
+    the full check, naming its range. Earlier versions gave a packed file one checksum, so such
+    a load hashed every optimizer byte too."""
+    from deepspeed_async_ckpt import commit as commit_mod
+
+    torch.manual_seed(2)
+    parts = [(str(k), torch.randn(2000 + 500 * k)) for k in range(4)]
+    ck = make()
+    d = tmp_path / "c"
+    ck.begin(str(d), tag="c")
+    ck.save_packed(str(d / "__0_0.distcp"), parts)
+    ck.end()
+    ck.wait()
+    ck.close()
+    entry = read_manifest(str(d))["files"]["__0_0.distcp"]
+    segments, spans = entry["segments"], [entry["parts"][name] for name, _ in parts]
+    assert [s[0] for s in segments] == [0] + [o + n for o, n, _ in segments[:-1]]  # end to end
+    assert segments[-1][0] + segments[-1][1] == entry["bytes"] == os.path.getsize(d / "__0_0.distcp")
+    assert all(s[0] <= o and o + n == s[0] + s[1] for s, (o, n) in zip(segments, spans))
+    data = (d / "__0_0.distcp").read_bytes()
+    assert segments[1][2] == xxhash.xxh3_128_hexdigest(data[segments[1][0]:segments[1][0] + segments[1][1]])
+    with open(d / "__0_0.distcp", "r+b") as f:  # a flipped byte in archive "3"
+        f.seek(spans[3][0] + spans[3][1] // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+    hashed, hash_ranges = [], commit_mod.hash_ranges
+    commit_mod.hash_ranges = lambda path, alg, ranges: hashed.extend(ranges) or hash_ranges(path, alg, ranges)
+    try:
+        reads = {"__0_0.distcp": [(spans[0][0] + 10, 100), tuple(spans[2])]}  # in archives 0 and 2
+        verify_checkpoint(str(d), reads=reads.get)
+        assert hashed == [tuple(segments[0][:2]), tuple(segments[2][:2])]
+        with pytest.raises(IntegrityError, match=f"bytes {segments[3][0]}-{entry['bytes']}.*corrupted"):
+            verify_checkpoint(str(d))
+        with pytest.raises(IntegrityError, match="corrupted"):
+            verify_checkpoint(str(d), reads=lambda rel: [tuple(spans[3])])
+        # a manifest of an earlier version (one checksum per packed file) is checked whole
+        manifest = read_manifest(str(d))
+        del manifest["files"]["__0_0.distcp"]["segments"]
+        manifest["files"]["__0_0.distcp"]["xxh128"] = xxhash.xxh3_128_hexdigest(data)
+        hashed.clear()
+        with pytest.raises(IntegrityError, match="corrupted"):  # the flip in archive 3, found
+            verify_checkpoint(str(d), manifest=manifest, reads=reads.get)
+        assert hashed == [(0, None)]
+    finally:
+        commit_mod.hash_ranges = hash_ranges
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_disk_full_inside_a_packed_file_releases_every_buffer_and_commits_nothing(tmp_path, mode):
     """A write failing in the second of four archives of a packed file: the save fails naming
@@ -705,8 +755,8 @@ def test_verify_all_ranks_always_reaches_the_exchange_and_load_then_skips_the_fi
     save_one(ck, str(tmp_path), sample_state())
     ck.wait()
     hashed = []
-    real_hash_file = commit_module.hash_file
-    commit_module.hash_file = lambda path, *args: hashed.append(path) or real_hash_file(path, *args)
+    real_hash_ranges = commit_module.hash_ranges
+    commit_module.hash_ranges = lambda path, *args: hashed.append(path) or real_hash_ranges(path, *args)
     try:
         calls.clear()
         ck.verify_all_ranks(str(tmp_path / "t1"))
@@ -723,7 +773,7 @@ def test_verify_all_ranks_always_reaches_the_exchange_and_load_then_skips_the_fi
             ck.verify_all_ranks(str(tmp_path / "t1"))
         assert len(calls) == 1 and "model.pt" in calls[0]
     finally:
-        commit_module.hash_file = real_hash_file
+        commit_module.hash_ranges = real_hash_ranges
     ck.close()
 
 
@@ -744,12 +794,12 @@ def test_verify_all_ranks_for_a_partial_load_checks_only_its_files_and_load_chec
         byte = f.read(1)
         f.seek(-1, os.SEEK_CUR)
         f.write(bytes([byte[0] ^ 1]))
-    hashed, hash_file = [], commit_mod.hash_file
-    commit_mod.hash_file = lambda path, *a: hashed.append(os.path.basename(path)) or hash_file(path, *a)
+    hashed, hash_ranges = [], commit_mod.hash_ranges
+    commit_mod.hash_ranges = lambda path, *a: hashed.append(os.path.basename(path)) or hash_ranges(path, *a)
     try:
         ck.verify_all_ranks(d, include=lambda rel: not rel.endswith("optim_states.pt"))
     finally:
-        commit_mod.hash_file = hash_file
+        commit_mod.hash_ranges = hash_ranges
     assert hashed == ["model_states.pt"]
     assert ck.load(os.path.join(d, "model_states.pt"))["global_steps"] == 5
     with pytest.raises(IntegrityError, match="zero_pp_rank_0_optim_states.pt"):
@@ -790,8 +840,8 @@ def save_like_deepspeed(ck, root, state, tag):
 @pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("storage_cls", [FailingStorage, NoExchangeStorage], ids=["exchange", "renames"])
 def test_resaving_the_pointers_checkpoint_keeps_it_whole_until_the_new_one_commits(tmp_path, mode, storage_cls):
-    """The tag `latest` names, saved again: a failed save leaves it loadable (until session 12
-    the re-save removed its manifest first: nothing loadable was left); a good one replaces it
+    """The tag `latest` names, saved again: a failed save leaves it loadable (earlier versions'
+    re-save removed its manifest first: nothing loadable was left); a good one replaces it
     whole, with what the new save did not write (a file of the user's) carried over."""
     root = str(tmp_path)
     storage = storage_cls(budget=10**9)
@@ -1362,7 +1412,7 @@ def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path, m
     """Rank 1's write fails: in the background (async), or inside its save, which the framework
     then ends uncommitted (sync: ``end(commit=False)``, as the DeepSpeed plugin and the
     Megatron adapter do). Either way rank 0's commit fails at once, quoting rank 1's error.
-    Until session 12 a sync rank wrote nothing, and rank 0 waited ``commit_timeout_s`` for its
+    Earlier versions' sync ranks wrote nothing, and rank 0 waited ``commit_timeout_s`` for its
     record (a 4-rank Megatron save with one disk full hung for 600 s)."""
     r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode), rank=1, world_size=2,
                            storage=FailingStorage(budget=1000), exchange=lambda v, e: ("same-id", {}))

@@ -205,7 +205,7 @@ def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
 def test_sigkill_while_resaving_the_tag_latest_names_keeps_that_checkpoint(tmp_path, repo_env):
     """The same tag saved again (a final save at the step of the last periodic one, a save on
     preemption): the re-save goes to a staging directory, so the checkpoint `latest` names
-    stays whole until the new one is committed. Until session 12, the re-save removed its
+    stays whole until the new one is committed. Earlier versions' re-save removed its
     manifest first, and a crash (or a failed write) left nothing loadable."""
     out = str(tmp_path)
     codes = run_ranks(repo_env, 2, "kill", "--out", out, "--kill-rank", "0", "--resave", "1",

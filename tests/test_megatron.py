@@ -246,7 +246,7 @@ def test_committed_checkpoint_verifies_and_tracker_names_it(saved_tp2_pp2):
 
 def test_resaving_the_trackers_iteration_keeps_it_whole_until_the_new_one_is_finalized(saved_tp2_pp2):
     """One iteration saved again with another state: the save that failed (rank 1's disk full)
-    left the checkpoint the tracker names as it was (until session 12 its markers were removed
+    left the checkpoint the tracker names as it was (earlier versions removed its markers
     first: nothing loadable was left); the next one replaced it whole. No staging directory or
     replaced checkpoint is left behind."""
     out = saved_tp2_pp2
@@ -259,6 +259,30 @@ def test_resaving_the_trackers_iteration_keeps_it_whole_until_the_new_one_is_fin
     iteration = read_tracker(save_dir)
     assert sorted(os.listdir(save_dir)) == [f"iter_{iteration:07d}", "latest_checkpointed_iteration.txt"]
     verify_checkpoint_dir(os.path.join(save_dir, f"iter_{iteration:07d}"))
+
+
+def test_a_load_without_the_optimizer_hashes_none_of_its_bytes(saved_tp2_pp2):
+    """Verification before a load hashes what that load can read, each byte once across the
+    ranks: everything for a full load; without the optimizer state (a fine-tuning start), the
+    archives of the other items and ``common.pt`` only. Earlier versions gave a .distcp file one
+    checksum, so that load hashed every optimizer byte too."""
+    import pickle
+
+    out = saved_tp2_pp2
+    hashed = infos(out, "hashed")
+    ckpt_dir = records(out)[0]["balanced"]["ckpt_dir"]
+    files = read_manifest(ckpt_dir)["files"]
+    with open(os.path.join(ckpt_dir, ".metadata"), "rb") as f:
+        storage = pickle.load(f).storage_data
+    not_optimizer = {(i.relative_path, i.offset) for index, i in storage.items()
+                     if not index.fqn.startswith("optimizer.")}
+    expected = files["common.pt"]["bytes"] + sum(
+        length for name, entry in files.items() if name.endswith(".distcp")
+        for offset, length, _ in entry["segments"]
+        if any(name == n and offset <= o < offset + length for n, o in not_optimizer))
+    assert sum(h["full"] for h in hashed.values()) == sum(e["bytes"] for e in files.values())
+    assert sum(h["without_optimizer"] for h in hashed.values()) == expected
+    assert expected < sum(e["bytes"] for e in files.values()) / 2
 
 
 def test_interop_megatron_loads_ours(saved_tp2_pp2):

@@ -285,6 +285,38 @@ def run_save(r: Rank, out: str, steps: int, interop: bool) -> None:
         read = r.load_into_model(theirs, reader.load)
         r.dump(out, "megatron_reloaded_by_ours", read=read)
     reader.close()
+    hashed = hashed_bytes_of_loads(r, records["balanced"]["ckpt_dir"])
+    with open(os.path.join(out, f"hashed.rank{r.rank}.json"), "w", encoding="utf-8") as f:
+        json.dump(hashed, f)
+
+
+def hashed_bytes_of_loads(r: Rank, ckpt_dir: str) -> dict[str, int]:
+    """Bytes this rank hashes to verify ``ckpt_dir`` before a load of everything, and before a
+    load without the optimizer state (``--no-load-optim``, a fine-tuning start)."""
+    import deepspeed_async_ckpt.commit as commit
+
+    real, hashed = commit.hash_ranges, {}
+
+    def counting(path, algorithm, ranges):
+        result = real(path, algorithm, ranges)
+        hashed[name] += sum(n for n, _ in result)
+        return result
+
+    commit.hash_ranges = counting
+    reader = MegatronCheckpointer(engine_config("async"))
+    try:
+        for name, with_optim in (("full", True), ("without_optimizer", False)):
+            hashed[name] = 0
+            request = pretrain_gpt.state_dict_for(r.args, r.gpt, r.optimizer, r.scheduler, r.iteration,
+                                                  metadata=r.metadata, is_loading=True, with_optim=with_optim)
+            for key in ("opt_param_scheduler", "args", "iteration", "checkpoint_version",
+                        "num_floating_point_operations_so_far"):
+                request.pop(key, None)
+            reader.load(request, ckpt_dir)
+    finally:
+        commit.hash_ranges = real
+        reader.close()
+    return hashed
 
 
 def _fork_result_queue() -> None:

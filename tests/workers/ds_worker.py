@@ -124,14 +124,14 @@ def count_hashed_bytes():
     """Bytes this rank hashes to verify checkpoint files on load, in ``counter["bytes"]``."""
     import deepspeed_async_ckpt.commit as commit
 
-    counter, hash_file = {"bytes": 0}, commit.hash_file
+    counter, hash_ranges = {"bytes": 0}, commit.hash_ranges
 
-    def counting(path, algorithm, *args):
-        size, digest = hash_file(path, algorithm, *args)
-        counter["bytes"] += size
-        return size, digest
+    def counting(path, algorithm, ranges):
+        hashed = hash_ranges(path, algorithm, ranges)
+        counter["bytes"] += sum(size for size, _ in hashed)
+        return hashed
 
-    commit.hash_file = counting
+    commit.hash_ranges = counting
     return counter
 
 
