@@ -37,7 +37,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 import torch
 import torch.distributed as dist
@@ -367,24 +367,39 @@ class MegatronCheckpointer:
             raise CommitError("checkpoint failed on rank(s) " + by_rank(failed))
 
 
-def _reads_of_load(ckpt_dir: str, request: dict) -> Callable[[str], list[tuple[int, int]] | None]:
+#: What :func:`verify_checkpoint_dir` can be told a load skips, by its top-level names.
+SKIPPABLE = {"optimizer": torch_dist.is_optimizer_name, "rng_state": lambda name: name == "rng_state"}
+
+
+def _reads_of_load(ckpt_dir: str, wanted: Callable[[str], bool]) -> Callable[[str], list[tuple[int, int]] | None]:
     """For ``verify_checkpoint``: of a .distcp file, the items the load can read; of any other
     file (``common.pt``), all of it."""
-    by_file = torch_dist.reads_of_load(ckpt_dir, request)
+    by_file = torch_dist.reads_of_load(ckpt_dir, wanted)
     return lambda rel: by_file.get(rel, []) if rel.endswith(".distcp") else None
 
 
 def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
-                          request: dict | None = None) -> None:
+                          request: dict | None = None, skip: Iterable[str] = ()) -> None:
     """Collective when ``world_size > 1``. For a checkpoint this engine wrote: it must be
     committed and finalized, and every file must match the manifest; rank ``r`` hashes files
     ``r, r + world_size, ...``. With the sharded state dict a load will ``request``, only the
     items it can read are hashed (see :func:`~.torch_dist.reads_of_load`: without the
-    optimizer state, none of its bytes). A checkpoint megatron-core wrote itself
-    (``metadata.json``, no engine records) is accepted as it is; a directory that is neither
-    raises."""
+    optimizer state, none of its bytes); or, where the caller knows only what the load leaves
+    out (Megatron-LM's ``--no-load-optim``, ``--finetune``), all but the items of ``skip``
+    (names of :data:`SKIPPABLE`). A checkpoint megatron-core wrote itself (``metadata.json``,
+    no engine records) is accepted as it is; a directory that is neither raises."""
+    skip = tuple(skip)
+    unknown = [name for name in skip if name not in SKIPPABLE]
+    if unknown:  # the same on every rank: raised before the collective
+        raise ValueError(f"verify_checkpoint_dir: cannot skip {', '.join(map(repr, unknown))} "
+                         f"(knows {', '.join(map(repr, SKIPPABLE))})")
     error = None
     try:
+        wanted: Callable[[str], bool] | None = None
+        if request is not None:
+            wanted = torch_dist.requested_names(request).__contains__
+        elif skip:
+            wanted = lambda name: not any(SKIPPABLE[s](name) for s in skip)  # noqa: E731
         if not os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
             if not os.path.exists(os.path.join(ckpt_dir, torch_dist.CONFIG_FILE)):
                 raise IntegrityError(f"{ckpt_dir!r} is not a complete checkpoint: neither this "
@@ -397,7 +412,7 @@ def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
                 raise IntegrityError(f"checkpoint {ckpt_dir!r} was persisted but never finalized "
                                      f"({', '.join(missing)} missing): load the one the tracker names")
             verify_checkpoint(ckpt_dir, rank=rank, world_size=world_size, manifest=manifest,
-                              reads=None if request is None else _reads_of_load(ckpt_dir, request))
+                              reads=None if wanted is None else _reads_of_load(ckpt_dir, wanted))
     except IntegrityError as exc:
         error = str(exc)
     except Exception as exc:  # any kind: a rank that skipped the all-gather would hang the rest

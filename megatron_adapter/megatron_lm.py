@@ -179,9 +179,23 @@ def save_checkpoint(*args, **kwargs):
     _fence_optimizer(optimizer, engine)
 
 
+def skipped_by_load(arguments: Any) -> tuple[str, ...]:
+    """What Megatron-LM's ``load_checkpoint`` leaves out of its request, by its arguments:
+    the optimizer state under ``--finetune`` or ``--no-load-optim``, the RNG state under
+    ``--finetune`` or ``--no-load-rng``; verification skips those bytes too."""
+    finetune = bool(getattr(arguments, "finetune", False))
+    skip = []
+    if finetune or getattr(arguments, "no_load_optim", False):
+        skip.append("optimizer")
+    if finetune or getattr(arguments, "no_load_rng", False):
+        skip.append("rng_state")
+    return tuple(skip)
+
+
 def load_checkpoint(*args, **kwargs):
     """Megatron-LM's ``load_checkpoint``, after pending saves landed and the checkpoint the
-    tracker (or ``--ckpt-step``) names was checked against its manifest."""
+    tracker (or ``--ckpt-step``) names was checked against its manifest (what the load reads
+    of it: :func:`skipped_by_load`)."""
     import torch.distributed as dist
     from megatron.training import get_args
 
@@ -197,7 +211,7 @@ def load_checkpoint(*args, **kwargs):
             iteration = None
         if iteration is not None and engine.config.verify_on_load:
             verify_checkpoint_dir(checkpoint_dir(load_dir, iteration), rank=dist.get_rank(),
-                                  world_size=dist.get_world_size())
+                                  world_size=dist.get_world_size(), skip=skipped_by_load(margs))
     return _ORIGINALS["load"](*args, **kwargs)
 
 

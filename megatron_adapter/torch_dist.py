@@ -39,7 +39,7 @@ import os
 import pickle
 import re
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
@@ -206,23 +206,35 @@ def write_markers(storage: Storage, ckpt_dir: str, index: GlobalIndex) -> None:
                       json.dumps(asdict(CheckpointingConfig(BACKEND, BACKEND_VERSION))))
 
 
-def reads_of_load(ckpt_dir: str, sharded_state_dict: dict) -> dict[str, list[tuple[int, int]]]:
-    """Where a load of ``sharded_state_dict`` from ``ckpt_dir`` can read: .distcp file ->
-    (offset, length) of every item whose key (torch DCP's fqn: the sharded key) starts with the
-    same top-level name (``decoder``, ``embedding``, ``optimizer``, ``rng_state``, ...) as one
-    of the request's keys, from ``.metadata``. A load without the optimizer state reads no
-    ``optimizer.*`` item. Coarser than the exact items on purpose: a key the request derives
-    (a factory's, a resharded one) keeps its top-level name."""
+def top_name(key: str) -> str:
+    """The top-level name of a sharded key (torch DCP's fqn): ``decoder``, ``embedding``,
+    ``optimizer``, ``chained_0`` (one of several chained optimizers), ``rng_state``, ..."""
+    return re.split(r"[./]", key, maxsplit=1)[0]
+
+
+def is_optimizer_name(name: str) -> bool:
+    """Whether a top-level name is the optimizer state's (megatron-core's optimizers key theirs
+    ``optimizer.*``, or ``chained_<i>.optimizer.*`` under a ChainedOptimizer)."""
+    return name == "optimizer" or re.fullmatch(r"chained_\d+", name) is not None
+
+
+def requested_names(sharded_state_dict: dict) -> set[str]:
+    """The top-level names of the sharded keys a load requests."""
     from megatron.core.dist_checkpointing.dict_utils import nested_values
 
-    def top(key: str) -> str:
-        return re.split(r"[./]", key, maxsplit=1)[0]
+    return {top_name(v.key) for v in nested_values(sharded_state_dict) if isinstance(getattr(v, "key", None), str)}
 
-    wanted = {top(v.key) for v in nested_values(sharded_state_dict) if isinstance(getattr(v, "key", None), str)}
+
+def reads_of_load(ckpt_dir: str, wanted: Callable[[str], bool]) -> dict[str, list[tuple[int, int]]]:
+    """Where a load from ``ckpt_dir`` can read: .distcp file -> (offset, length) of every item
+    whose top-level name ``wanted`` accepts (:func:`requested_names` of the load's sharded state
+    dict, say), from ``.metadata``. A load without the optimizer state reads no ``optimizer.*``
+    item. Coarser than the exact items on purpose: a key the request derives (a factory's, a
+    resharded one) keeps its top-level name."""
     with open(os.path.join(ckpt_dir, DCP_METADATA_FILE), "rb") as f:
         metadata = pickle.load(f)
     reads: dict[str, list[tuple[int, int]]] = {}
     for index, info in metadata.storage_data.items():
-        if top(index.fqn) in wanted:
+        if wanted(top_name(index.fqn)):
             reads.setdefault(info.relative_path, []).append((info.offset, info.length))
     return reads

@@ -186,6 +186,30 @@ def test_verify_accepts_megatron_checkpoints_and_rejects_partial_ones(tmp_path):
     (tmp_path / ".async_ckpt").mkdir()
     with pytest.raises(IntegrityError, match="never committed"):
         verify_checkpoint_dir(str(tmp_path))
+    with pytest.raises(ValueError, match="cannot skip 'model'"):
+        verify_checkpoint_dir(str(tmp_path), skip=("optimizer", "model"))
+
+
+def test_megatron_lm_loads_skip_what_its_flags_leave_out():
+    """Megatron-LM builds its load request itself; the hook tells verification what its
+    flags leave out, and which top-level names those are (chained optimizers' included)."""
+    from megatron_adapter.checkpointer import SKIPPABLE
+    from megatron_adapter.megatron_lm import skipped_by_load
+
+    def args(**flags):
+        return argparse.Namespace(**{"finetune": False, "no_load_optim": False, "no_load_rng": False, **flags})
+
+    assert skipped_by_load(args()) == ()
+    assert skipped_by_load(args(no_load_optim=True)) == ("optimizer",)
+    assert skipped_by_load(args(no_load_rng=True)) == ("rng_state",)
+    assert skipped_by_load(args(finetune=True)) == ("optimizer", "rng_state")
+    assert skipped_by_load(argparse.Namespace()) == ()  # a Megatron-LM without these flags
+    names = ["optimizer", "chained_0", "chained_12", "decoder", "embedding", "rng_state", "chained"]
+    assert [n for n in names if SKIPPABLE["optimizer"](n)] == ["optimizer", "chained_0", "chained_12"]
+    assert [n for n in names if SKIPPABLE["rng_state"](n)] == ["rng_state"]
+    assert [torch_dist.top_name(k) for k in ("optimizer.state.exp_avg.decoder.x", "chained_1.optimizer.a",
+                                             "decoder/layers.0", "rng_state")] == \
+        ["optimizer", "chained_1", "decoder", "rng_state"]
 
 
 # ---------------------------------------------------------------------------------- CPU shim

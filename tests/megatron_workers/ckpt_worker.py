@@ -34,7 +34,7 @@ import pretrain_gpt  # noqa: E402
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig  # noqa: E402
 from deepspeed_async_ckpt.storage import LocalStorage  # noqa: E402
 from megatron_adapter import compat  # noqa: E402
-from megatron_adapter.checkpointer import MegatronCheckpointer  # noqa: E402
+from megatron_adapter.checkpointer import MegatronCheckpointer, verify_checkpoint_dir  # noqa: E402
 
 
 def model_args(tp: int, pp: int) -> argparse.Namespace:
@@ -291,8 +291,9 @@ def run_save(r: Rank, out: str, steps: int, interop: bool) -> None:
 
 
 def hashed_bytes_of_loads(r: Rank, ckpt_dir: str) -> dict[str, int]:
-    """Bytes this rank hashes to verify ``ckpt_dir`` before a load of everything, and before a
-    load without the optimizer state (``--no-load-optim``, a fine-tuning start)."""
+    """Bytes this rank hashes to verify ``ckpt_dir`` before a load of everything, before a
+    load without the optimizer state (``--no-load-optim``, a fine-tuning start), and told only
+    to skip the optimizer state (the Megatron-LM hook, which never sees the request)."""
     import deepspeed_async_ckpt.commit as commit
 
     real, hashed = commit.hash_ranges, {}
@@ -313,6 +314,9 @@ def hashed_bytes_of_loads(r: Rank, ckpt_dir: str) -> dict[str, int]:
                         "num_floating_point_operations_so_far"):
                 request.pop(key, None)
             reader.load(request, ckpt_dir)
+        name = "skip_optimizer"  # as the Megatron-LM hook verifies under --no-load-optim
+        hashed[name] = 0
+        verify_checkpoint_dir(ckpt_dir, rank=r.rank, world_size=dist.get_world_size(), skip=("optimizer",))
     finally:
         commit.hash_ranges = real
         reader.close()
