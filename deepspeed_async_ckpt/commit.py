@@ -261,6 +261,10 @@ def replace_checkpoint(storage: Storage, staged: str, target: str, *, save_id: s
 
 
 def _carry_over(storage: Storage, old: str, new: str, *, top: bool) -> None:
+    """Link into ``new`` what ``old`` holds and ``new`` lacks (DeepSpeed's ``zero_to_fp32.py``,
+    which it copies into the checkpoint's directory, not the staging one), durably: once the
+    exchange is durable, the old directory is deleted."""
+    changed = False
     for entry in os.scandir(old):
         if top and entry.name == META_DIR:
             continue
@@ -268,10 +272,14 @@ def _carry_over(storage: Storage, old: str, new: str, *, top: bool) -> None:
         if entry.is_dir(follow_symlinks=False):
             if not os.path.lexists(dst):
                 storage.makedirs(dst)
+                changed = True
             if os.path.isdir(dst):
                 _carry_over(storage, entry.path, dst, top=False)
         elif not os.path.lexists(dst):
             storage.link(entry.path, dst)
+            changed = True
+    if changed:
+        storage.sync_dir(new)
 
 
 def finish_replacements(storage: Storage, save_dir: str, busy: set[str]) -> tuple[list[str], bool]:

@@ -1,7 +1,7 @@
 """The storage seam: the few filesystem operations the persist and commit stages use.
 
 ``LocalStorage`` is the default (a POSIX path, local or a shared mount). Tests inject faults by
-subclassing it; a remote backend would implement the same nine methods.
+subclassing it; a remote backend would implement the same ten methods.
 """
 
 from __future__ import annotations
@@ -49,6 +49,9 @@ class Storage(Protocol):
 
     def makedirs(self, path: str) -> None:
         ...
+
+    def sync_dir(self, path: str) -> None:
+        """Make the entries of directory ``path`` (links, directories made in it) durable."""
 
     def listdir(self, path: str) -> list[str]:
         """Names in directory ``path`` (rank 0 polls the checkpoint's records with one call)."""
@@ -145,6 +148,10 @@ class LocalStorage:
 
     def makedirs(self, path: str) -> None:
         os.makedirs(path, exist_ok=True)
+
+    def sync_dir(self, path: str) -> None:
+        if self.fsync:
+            _fsync_dir(path)
 
     def listdir(self, path: str) -> list[str]:
         return os.listdir(path)
