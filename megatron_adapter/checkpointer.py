@@ -383,7 +383,7 @@ def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
     """Collective when ``world_size > 1``. For a checkpoint this engine wrote: it must be
     committed and finalized, and every file must match the manifest; rank ``r`` hashes files
     ``r, r + world_size, ...``. With the sharded state dict a load will ``request``, only the
-    items it can read are hashed (see :func:`~.torch_dist.reads_of_load`: without the
+    items some rank's load can read are hashed (the ranks' requests differ: pipeline stages) (see :func:`~.torch_dist.reads_of_load`: without the
     optimizer state, none of its bytes); or, where the caller knows only what the load leaves
     out (Megatron-LM's ``--no-load-optim``, ``--finetune``), all but the items of ``skip``
     (names of :data:`SKIPPABLE`). A checkpoint megatron-core wrote itself (``metadata.json``,
@@ -394,29 +394,29 @@ def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
         raise ValueError(f"verify_checkpoint_dir: cannot skip {', '.join(map(repr, unknown))} "
                          f"(knows {', '.join(map(repr, SKIPPABLE))})")
     error = None
-    try:
-        wanted: Callable[[str], bool] | None = None
-        if request is not None:
-            wanted = torch_dist.requested_names(request).__contains__
-        elif skip:
-            wanted = lambda name: not any(SKIPPABLE[s](name) for s in skip)  # noqa: E731
-        if not os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
-            if not os.path.exists(os.path.join(ckpt_dir, torch_dist.CONFIG_FILE)):
-                raise IntegrityError(f"{ckpt_dir!r} is not a complete checkpoint: neither this "
-                                     f"engine's manifest nor megatron's {torch_dist.CONFIG_FILE}")
-        else:
-            manifest = read_manifest(ckpt_dir)
-            missing = [n for n in torch_dist.MARKER_FILES
-                       if not os.path.exists(os.path.join(ckpt_dir, n))]
-            if missing:
-                raise IntegrityError(f"checkpoint {ckpt_dir!r} was persisted but never finalized "
-                                     f"({', '.join(missing)} missing): load the one the tracker names")
-            verify_checkpoint(ckpt_dir, rank=rank, world_size=world_size, manifest=manifest,
-                              reads=None if wanted is None else _reads_of_load(ckpt_dir, wanted))
-    except IntegrityError as exc:
-        error = str(exc)
-    except Exception as exc:  # any kind: a rank that skipped the all-gather would hang the rest
-        error = f"{type(exc).__name__}: {exc}"
+    wanted: Callable[[str], bool] | None = None
+    if request is not None:
+        # Ranks request different parts (pipeline stages, say) but split the files between
+        # them: each checks, in the files it was given, what any rank reads.
+        names: list[str] | None = None
+        try:
+            names = sorted(torch_dist.requested_names(request))
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        every = [names]
+        if world_size > 1:
+            every = [None] * world_size
+            dist.all_gather_object(every, names)
+        wanted = set().union(*(n for n in every if n is not None)).__contains__
+    elif skip:
+        wanted = lambda name: not any(SKIPPABLE[s](name) for s in skip)  # noqa: E731
+    if error is None:
+        try:
+            _verify_here(ckpt_dir, rank, world_size, wanted)
+        except IntegrityError as exc:
+            error = str(exc)
+        except Exception as exc:  # any kind: a rank that skipped the all-gather would hang the rest
+            error = f"{type(exc).__name__}: {exc}"
     errors = [error]
     if world_size > 1:
         errors = [None] * world_size
@@ -424,3 +424,19 @@ def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
     errors = [e for e in errors if e]
     if errors:
         raise IntegrityError("; ".join(dict.fromkeys(errors)))
+
+
+def _verify_here(ckpt_dir: str, rank: int, world_size: int, wanted: Callable[[str], bool] | None) -> None:
+    """This rank's part of :func:`verify_checkpoint_dir`."""
+    if not os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
+        if not os.path.exists(os.path.join(ckpt_dir, torch_dist.CONFIG_FILE)):
+            raise IntegrityError(f"{ckpt_dir!r} is not a complete checkpoint: neither this "
+                                 f"engine's manifest nor megatron's {torch_dist.CONFIG_FILE}")
+        return
+    manifest = read_manifest(ckpt_dir)
+    missing = [n for n in torch_dist.MARKER_FILES if not os.path.exists(os.path.join(ckpt_dir, n))]
+    if missing:
+        raise IntegrityError(f"checkpoint {ckpt_dir!r} was persisted but never finalized "
+                             f"({', '.join(missing)} missing): load the one the tracker names")
+    verify_checkpoint(ckpt_dir, rank=rank, world_size=world_size, manifest=manifest,
+                      reads=None if wanted is None else _reads_of_load(ckpt_dir, wanted))

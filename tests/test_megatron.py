@@ -265,7 +265,8 @@ def test_a_load_without_the_optimizer_hashes_none_of_its_bytes(saved_tp2_pp2):
     """Verification before a load hashes what that load can read, each byte once across the
     ranks: everything for a full load; without the optimizer state (a fine-tuning start), the
     archives of the other items and ``common.pt`` only, whether the verification is given the
-    load's request or told to skip the optimizer state. Earlier versions gave a .distcp file one
+    load's request or told to skip the optimizer state, and also where the ranks request
+    different parts (each archive any of them reads, once). Earlier versions gave a .distcp file one
     checksum, so that load hashed every optimizer byte too."""
     import pickle
 
@@ -284,6 +285,7 @@ def test_a_load_without_the_optimizer_hashes_none_of_its_bytes(saved_tp2_pp2):
     assert sum(h["full"] for h in hashed.values()) == sum(e["bytes"] for e in files.values())
     assert sum(h["without_optimizer"] for h in hashed.values()) == expected
     assert sum(h["skip_optimizer"] for h in hashed.values()) == expected  # the Megatron-LM hook's way
+    assert sum(h["per_rank"] for h in hashed.values()) == expected  # what any rank reads, once
     assert expected < sum(e["bytes"] for e in files.values()) / 2
 
 

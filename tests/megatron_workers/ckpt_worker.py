@@ -292,8 +292,9 @@ def run_save(r: Rank, out: str, steps: int, interop: bool) -> None:
 
 def hashed_bytes_of_loads(r: Rank, ckpt_dir: str) -> dict[str, int]:
     """Bytes this rank hashes to verify ``ckpt_dir`` before a load of everything, before a
-    load without the optimizer state (``--no-load-optim``, a fine-tuning start), and told only
-    to skip the optimizer state (the Megatron-LM hook, which never sees the request)."""
+    load without the optimizer state (``--no-load-optim``, a fine-tuning start), before one
+    where the ranks request different parts, and told only to skip the optimizer state (the
+    Megatron-LM hook, which never sees the request)."""
     import deepspeed_async_ckpt.commit as commit
 
     real, hashed = commit.hash_ranges, {}
@@ -314,6 +315,17 @@ def hashed_bytes_of_loads(r: Rank, ckpt_dir: str) -> dict[str, int]:
                         "num_floating_point_operations_so_far"):
                 request.pop(key, None)
             reader.load(request, ckpt_dir)
+        # ranks requesting different parts (pipeline stages do: only the first holds the
+        # embedding, only the last an untied output layer; each stage its own layers): here
+        # only rank 0 requests the decoder's layers, which every file holds; whatever any rank
+        # reads must still be hashed, once
+        name = "per_rank"
+        hashed[name] = 0
+        request = pretrain_gpt.state_dict_for(r.args, r.gpt, r.optimizer, r.scheduler, r.iteration,
+                                              metadata=r.metadata, is_loading=True, with_optim=False)
+        if r.rank != 0:
+            request["model"] = {k: v for k, v in request["model"].items() if not k.startswith("decoder.")}
+        verify_checkpoint_dir(ckpt_dir, rank=r.rank, world_size=dist.get_world_size(), request=request)
         name = "skip_optimizer"  # as the Megatron-LM hook verifies under --no-load-optim
         hashed[name] = 0
         verify_checkpoint_dir(ckpt_dir, rank=r.rank, world_size=dist.get_world_size(), skip=("optimizer",))
