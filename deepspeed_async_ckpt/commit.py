@@ -261,9 +261,9 @@ def replace_checkpoint(storage: Storage, staged: str, target: str, *, save_id: s
 
 
 def _carry_over(storage: Storage, old: str, new: str, *, top: bool) -> None:
-    """Link into ``new`` what ``old`` holds and ``new`` lacks (DeepSpeed's ``zero_to_fp32.py``,
-    which it copies into the checkpoint's directory, not the staging one), durably: once the
-    exchange is durable, the old directory is deleted."""
+    """Link into ``new`` what ``old`` holds and ``new`` lacks (files the training script put
+    into the checkpoint's directory: a tokenizer, a config), durably: once the exchange is
+    durable, the old directory is deleted."""
     changed = False
     for entry in os.scandir(old):
         if top and entry.name == META_DIR:

@@ -875,10 +875,10 @@ def test_resaving_the_pointers_checkpoint_keeps_it_whole_until_the_new_one_commi
 
 
 def test_files_carried_over_into_a_resave_are_durable_before_the_swap(tmp_path):
-    """What the re-save did not write (DeepSpeed's ``zero_to_fp32.py``, copied into the
-    checkpoint's own directory) is linked into the staged one, and those directories'
-    entries are made durable before the exchange: once it is, the old directory is deleted,
-    and a crash must not lose the file with it."""
+    """What the re-save did not write (a file the training script put into the checkpoint's
+    own directory, one in a subdirectory) is linked into the staged one, and those
+    directories' entries are made durable before the exchange: once it is, the old directory
+    is deleted, and a crash must not lose the files with it."""
     root = str(tmp_path)
     log = []
 
@@ -898,7 +898,7 @@ def test_files_carried_over_into_a_resave_are_durable_before_the_swap(tmp_path):
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01),
                            storage=Recording(budget=10**9))
     save_one(ck, root, sample_state(), tag="t")
-    (tmp_path / "t" / "zero_to_fp32.py").write_text("script")
+    (tmp_path / "t" / "tokenizer.json").write_text("{}")
     (tmp_path / "t" / "extra").mkdir()
     (tmp_path / "t" / "extra" / "notes.txt").write_text("the user's")
     log.clear()
@@ -906,12 +906,12 @@ def test_files_carried_over_into_a_resave_are_durable_before_the_swap(tmp_path):
     staged = os.path.relpath(handle.write_dir, root)
     links = [e for e in log if e[0] == "link"]
     assert sorted(links) == [("link", os.path.join(staged, "extra", "notes.txt")),
-                             ("link", os.path.join(staged, "zero_to_fp32.py"))]
+                             ("link", os.path.join(staged, "tokenizer.json"))]
     swap = log.index(("exchange",))
     synced = [e[1] for e in log[:swap] if e[0] == "sync_dir"]
     assert os.path.join(staged, "extra") in synced and staged in synced
     assert all(log.index(link) < swap for link in links)
-    assert (tmp_path / "t" / "zero_to_fp32.py").read_text() == "script"
+    assert (tmp_path / "t" / "tokenizer.json").read_text() == "{}"
     assert (tmp_path / "t" / "extra" / "notes.txt").read_text() == "the user's"
     ck.close()
 
