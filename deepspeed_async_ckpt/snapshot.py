@@ -22,6 +22,7 @@ from __future__ import annotations
 import collections
 import gc
 import io
+import logging
 import pickle
 import queue
 import threading
@@ -34,22 +35,62 @@ from .errors import SnapshotError
 from .storage import DIRECT_ALIGN, aligned_size, host_buffer  # every buffer starts on a page: O_DIRECT can write it
 
 
+log = logging.getLogger(__name__)
+
+
+def _page_lock(memory: torch.Tensor, device: int) -> None:
+    """Page-lock ``memory`` for asynchronous copies from CUDA device ``device``
+    (``cudaHostRegister``, portable to every context); raises ``RuntimeError`` on failure."""
+    with torch.cuda.device(device):  # a thread without a device would make a context on GPU 0
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), 1))
+
+
+def _page_unlock(memory: torch.Tensor, device: int) -> None:
+    with torch.cuda.device(device):
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(memory.data_ptr()))
+
+
+def _torch_pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # starts on a page
+
+
 class _Block:
     """One contiguous host allocation, carved into buffers in ring (FIFO) order.
 
     Records are staged in file order and written, then released, in the same order, so a ring
     reuses the block with no fragmentation: the oldest live buffer is the next to come back.
     Out-of-order releases (several writer threads) only delay the reuse of their space.
+
+    The memory is always a :func:`~.storage.host_buffer` mapping (page-aligned, so O_DIRECT
+    can write it; huge pages). With ``pin_device`` (a CUDA device index) it is page-locked in
+    place with ``cudaHostRegister``, as torch's own DCP stager does, rather than taken from
+    torch's pinned allocator, which rounds every block up to a power of two (a 5 GiB block
+    would pin 8 GiB) and caches a freed block instead of unpinning it (so a replaced block
+    would stay pinned beside its successor): the pool's bound would not bound pinned memory.
     """
 
-    def __init__(self, nbytes: int, pin: bool) -> None:
-        if pin:  # page-locked memory from CUDA's host allocator starts on a page
-            self.memory = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-        else:  # a mapping starts on a page (torch's CPU allocator aligns to 64), huge pages
-            self.memory = torch.frombuffer(host_buffer(nbytes), dtype=torch.uint8)
+    def __init__(self, nbytes: int, pin_device: int | None) -> None:
+        self.memory = torch.frombuffer(host_buffer(nbytes), dtype=torch.uint8)
+        self.pinned_on: int | None = None
+        """The CUDA device the memory is registered with; None if not registered."""
+        if pin_device is not None:
+            try:
+                _page_lock(self.memory, pin_device)
+                self.pinned_on = pin_device
+            except RuntimeError as exc:  # still pinned, as before, only less exactly
+                log.warning("cudaHostRegister of %d bytes failed (%s); the staging block comes "
+                            "from torch's pinned allocator instead (rounded up to a power of two)",
+                            nbytes, exc)
+                self.memory = _torch_pinned(nbytes)
         self.size = nbytes
         self._live: collections.deque[list] = collections.deque()  # [start, end, released]
         self._head = 0  # where the next buffer starts
+
+    def free(self) -> None:
+        """Unpin an idle block the pool drops (the mapping goes with its last reference)."""
+        if self.pinned_on is not None:
+            _page_unlock(self.memory, self.pinned_on)
+            self.pinned_on = None
 
     @property
     def idle(self) -> bool:
@@ -88,12 +129,15 @@ class HostBufferPool:
     faulted in while training runs. :meth:`reserve` does the same for the first save, ahead of
     it, in a background thread. ``acquire`` blocks while the pool is full (backpressure).
     An idle block too small for a new buffer is freed and replaced. Pinned when ``pin`` is
-    true (CUDA present).
+    true (CUDA present), for copies from ``device`` (default: the current CUDA device), and
+    pinned exactly: at most ``capacity_bytes`` are page-locked at any time (see :class:`_Block`).
     """
 
-    def __init__(self, capacity_bytes: int, pin: bool) -> None:
+    def __init__(self, capacity_bytes: int, pin: bool, device: int | None = None) -> None:
         self.capacity_bytes = int(capacity_bytes)
         self.pin = pin
+        # Blocks may be made on a background thread, whose CUDA device is not the trainer's.
+        self._pin_device = (torch.cuda.current_device() if device is None else device) if pin else None
         self._cond = threading.Condition()
         self._blocks: list[_Block] = []
         self._live: dict[int, tuple[_Block, list]] = {}  # buffer data_ptr -> its block entry
@@ -135,10 +179,14 @@ class HostBufferPool:
                         self._live[buf.data_ptr()] = (block, entry)
                         return buf
                 # An idle block that could not take the buffer is too small for it: free it.
+                for block in self._blocks:
+                    if block.idle:
+                        block.free()
                 self._blocks = [b for b in self._blocks if not b.idle]
                 room = self.capacity_bytes - self.held_bytes
                 if room >= n:
-                    self._add_block(_Block(min(room, max(n, aligned_size(expected_bytes))), self.pin))
+                    self._add_block(_Block(min(room, max(n, aligned_size(expected_bytes))),
+                                           self._pin_device))
                     continue
                 if not wait:
                     return None
@@ -166,7 +214,7 @@ class HostBufferPool:
     def _fault_in(self, nbytes: int) -> None:
         block = None
         try:
-            block = _Block(nbytes, self.pin)  # pinned memory is faulted in by pinning it
+            block = _Block(nbytes, self._pin_device)  # pinning faults the pages in
             if not self.pin:
                 block.memory[::DIRECT_ALIGN].zero_()  # one write per page; drops the GIL
         except BaseException as exc:  # e.g. out of memory: the first save allocates as before

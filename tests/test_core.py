@@ -311,6 +311,57 @@ def test_reserve_faults_the_pool_in_ahead_of_the_first_save(tmp_path, monkeypatc
     broken.release(buf)
 
 
+def test_pinned_pool_pins_exactly_its_blocks_and_unpins_what_it_drops(monkeypatch, caplog):
+    """With CUDA, the pool page-locks its own mappings (``cudaHostRegister``, faked here) instead
+    of taking torch's pinned allocator's blocks, which are rounded up to a power of two and kept
+    pinned after they are freed: the pinned bytes are the blocks' bytes exactly, on the pool's
+    device, never more than the capacity, and a replaced block is unpinned before the next."""
+    from deepspeed_async_ckpt import snapshot
+    from deepspeed_async_ckpt.storage import host_buffer
+
+    page = 4096
+    pinned: dict[int, tuple[int, int]] = {}  # address -> (bytes, device)
+    most = [0]
+
+    def lock(memory, device):
+        assert memory.data_ptr() % page == 0 and memory.data_ptr() not in pinned
+        pinned[memory.data_ptr()] = (memory.numel(), device)
+        most[0] = max(most[0], sum(n for n, _ in pinned.values()))
+
+    def unlock(memory, device):
+        assert pinned.pop(memory.data_ptr()) == (memory.numel(), device)
+
+    monkeypatch.setattr(snapshot, "_page_lock", lock)
+    monkeypatch.setattr(snapshot, "_page_unlock", unlock)
+    pool = HostBufferPool(100 * page, pin=True, device=3)
+    a = pool.acquire(5 * page, "a", expected_bytes=31 * page)  # torch's allocator: 32 pages
+    assert list(pinned.values()) == [(31 * page, 3)]
+    pool.release(a)
+    b = pool.acquire(60 * page, "b", expected_bytes=70 * page)  # the idle block is too small
+    assert list(pinned.values()) == [(70 * page, 3)]  # torch's: 128 pages, and 32 still cached
+    assert most[0] == 70 * page <= pool.capacity_bytes
+    assert pool.allocations == 2 and pool.held_bytes == 70 * page
+    pool.release(b)
+    # the reservation pins on the pool's device too (it runs on its own thread)
+    reserved = HostBufferPool(100 * page, pin=True, device=1)
+    reserved.reserve(10 * page).join()
+    assert reserved.reserve_error is None and sorted(pinned.values()) == [(10 * page, 1), (70 * page, 3)]
+    # where registering fails, the block still comes pinned, from torch's allocator, said once
+    monkeypatch.setattr(snapshot, "_page_lock", lambda memory, device: (_ for _ in ()).throw(
+        RuntimeError("CUDA error: out of memory")))
+    fallback = []
+    monkeypatch.setattr(snapshot, "_torch_pinned", lambda n: fallback.append(n) or torch.frombuffer(
+        host_buffer(n), dtype=torch.uint8))
+    other = HostBufferPool(100 * page, pin=True, device=0)
+    with caplog.at_level("WARNING", logger="deepspeed_async_ckpt.snapshot"):
+        c = other.acquire(3 * page, "c")
+    assert fallback == [3 * page] and c.numel() == 3 * page
+    assert "cudaHostRegister of 12288 bytes failed (CUDA error: out of memory)" in caplog.text
+    other.release(c)
+    other.acquire(50 * page, "d")  # replacing a block that was never registered unpins nothing
+    assert sorted(pinned.values()) == [(10 * page, 1), (70 * page, 3)]
+
+
 def _mapping_of(address: int, smaps: str = "/proc/self/smaps") -> dict | None:
     """The ``smaps`` fields (kB) of the mapping that holds ``address``, or None."""
     import re
@@ -1360,7 +1411,29 @@ def test_cuda_pinned_pool_and_copy_stream_overlap(tmp_path):
     for k, v in expected.items():
         assert torch.equal(loaded["module"][k], v)
     assert loaded["module"]["p0"].device.type == "cpu"
+    block = ck.pool._blocks[0]  # our own mapping, page-locked in place on this device
+    assert block.pinned_on == torch.cuda.current_device() and block.memory.is_pinned()
     ck.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: cudaHostRegister")
+def test_cuda_pool_pins_blocks_exactly_and_unpins_dropped_ones():
+    pool = HostBufferPool(64 << 20, pin=True)
+    a = pool.acquire(4 << 20, "a", expected_bytes=5 << 20)
+    first = pool._blocks[0]
+    assert first.memory.numel() == 5 << 20 and first.memory.is_pinned()
+    src = torch.randn(1 << 20, device="cuda")
+    a.view(torch.float32).copy_(src, non_blocking=True)  # asynchronous into registered memory
+    torch.cuda.synchronize()
+    assert torch.equal(a.view(torch.float32), src.cpu())
+    pool.release(a)
+    b = pool.acquire(20 << 20, "b")  # the idle block is too small: unpinned and replaced
+    assert not first.memory.is_pinned() and pool._blocks[0].memory.is_pinned()
+    pool.release(b)
+    reserved = HostBufferPool(8 << 20, pin=True)
+    reserved.reserve(8 << 20).join()  # registered on the reserve thread, on this device
+    assert reserved.reserve_error is None and reserved._blocks[0].memory.is_pinned()
 
 
 def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
