@@ -363,7 +363,7 @@ class AsyncCheckpointer:
         path = os.path.abspath(path)
         if handle.write_dir != handle.ckpt_dir:  # staged: the same name in the staging directory
             rel = os.path.relpath(path, handle.ckpt_dir)
-            if not rel.startswith(os.pardir):
+            if rel != os.pardir and not rel.startswith(os.pardir + os.sep):  # inside it
                 path = os.path.join(handle.write_dir, rel)
         plans = []
         for state in states:
@@ -550,7 +550,7 @@ class AsyncCheckpointer:
         try:
             self.wait(timeout)  # raises (and consumes) the first background error
             if recover is not None and self.rank == 0:
-                self.recover(recover)
+                self.recover(recover, sweep=False)
         except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
             local = exc
         later = 0
@@ -641,15 +641,16 @@ class AsyncCheckpointer:
         replace_checkpoint(self.storage, handle.write_dir, handle.ckpt_dir, save_id=handle.save_id)
         self._later(self._remove_trash, os.path.dirname(handle.ckpt_dir))
 
-    def recover(self, save_dir: str) -> list[str]:
+    def recover(self, save_dir: str, *, sweep: bool = True) -> list[str]:
         """Rank 0, before saving into or loading from ``save_dir`` (``begin`` calls it): finish
-        a replacement of a checkpoint that a crash cut short, and queue the removal of staging
-        directories that never committed (see :func:`~.commit.finish_replacements`). Returns
-        the names of the checkpoints it put back in place."""
+        a replacement of a checkpoint that a crash cut short, and, with ``sweep`` (saves only:
+        a load may read another job's directory while that job saves), queue the removal of
+        staging directories that never committed (see :func:`~.commit.finish_replacements`).
+        Returns the names of the checkpoints it put back in place."""
         save_dir = os.path.abspath(save_dir)
         with self._lock:
             busy = {h.write_dir for h in self._inflight}
-        rolled, trash = finish_replacements(self.storage, save_dir, busy)
+        rolled, trash = finish_replacements(self.storage, save_dir, busy, sweep=sweep)
         if rolled:
             logger.warning("async checkpoint: finished replacing %s in %s (the process saving it "
                            "stopped between its two renames)", ", ".join(rolled), save_dir)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -247,6 +248,9 @@ def replace_checkpoint(storage: Storage, staged: str, target: str, *, save_id: s
     renamed to the trash and ``staged`` to ``target``: a crash between the two leaves
     ``target`` missing and ``staged`` committed, which :func:`finish_replacements` renames
     into place (before a load, and before the next save)."""
+    if not os.path.lexists(target):  # removed meanwhile: nothing to swap with (an exchange
+        storage.replace(staged, target)  # needs both names, and would fail with ENOENT)
+        return
     if os.path.isdir(target):
         _carry_over(storage, target, staged, top=True)
     trash = replaced_trash(target, save_id)
@@ -256,17 +260,22 @@ def replace_checkpoint(storage: Storage, staged: str, target: str, *, save_id: s
     try:
         storage.replace(target, trash, durable=False)
     except FileNotFoundError:
-        pass  # removed meanwhile (by hand): nothing to replace
+        pass  # removed between the check above and here
     storage.replace(staged, target)
+
+
+#: A temporary file of this engine's (``<name>.tmp.<save_id or pid>``): what a crashed or failed
+#: save left behind, never carried into the checkpoint that replaces its directory.
+_TEMPORARY = re.compile(r"\.tmp\.[0-9a-f]+$")
 
 
 def _carry_over(storage: Storage, old: str, new: str, *, top: bool) -> None:
     """Link into ``new`` what ``old`` holds and ``new`` lacks (files the training script put
     into the checkpoint's directory: a tokenizer, a config), durably: once the exchange is
-    durable, the old directory is deleted."""
+    durable, the old directory is deleted. This engine's own temporary files are left out."""
     changed = False
     for entry in os.scandir(old):
-        if top and entry.name == META_DIR:
+        if (top and entry.name == META_DIR) or _TEMPORARY.search(entry.name):
             continue
         dst = os.path.join(new, entry.name)
         if entry.is_dir(follow_symlinks=False):
@@ -282,13 +291,15 @@ def _carry_over(storage: Storage, old: str, new: str, *, top: bool) -> None:
         storage.sync_dir(new)
 
 
-def finish_replacements(storage: Storage, save_dir: str, busy: set[str]) -> tuple[list[str], bool]:
+def finish_replacements(storage: Storage, save_dir: str, busy: set[str], *,
+                        sweep: bool = True) -> tuple[list[str], bool]:
     """Rank 0, before a save into ``save_dir`` and before a load from it: complete what a crash
     cut short. A staging directory whose target is missing and whose manifest is committed was
-    between :func:`replace_checkpoint`'s two renames: it is renamed into place. Every other
-    staging directory not in ``busy`` (saves of this process still in flight) is left over
-    from a save that never committed: it is renamed for deletion. Returns the target names
-    rolled forward, and whether anything awaits :func:`remove_trash`."""
+    between :func:`replace_checkpoint`'s two renames: it is renamed into place. With
+    ``sweep`` (before a save), every other staging directory not in ``busy`` (saves of this
+    process still in flight) is left over from a save that never committed: it is renamed for
+    deletion. A load does not sweep: the directory may be another job's, saving right now
+    (what is already renamed for deletion is nobody's any more). Returns the target names rolled forward, and whether anything awaits :func:`remove_trash`."""
     rolled: list[str] = []
     try:
         names = storage.listdir(save_dir)
@@ -307,7 +318,7 @@ def finish_replacements(storage: Storage, save_dir: str, busy: set[str]) -> tupl
         if target_name and not os.path.lexists(target) and _is_committed(path):
             storage.replace(path, target)
             rolled.append(target_name)
-        else:
+        elif sweep:
             storage.replace(path, os.path.join(save_dir, f"{REMOVING_PREFIX}{save_id}.{target_name}"),
                             durable=False)
             trash = True

@@ -238,7 +238,7 @@ class MegatronCheckpointer:
         try:
             self.engine.wait(timeout)  # the commits, then that retention
             if recover is not None and self.rank == 0:
-                self.engine.recover(recover)
+                self.engine.recover(recover, sweep=False)
         except BaseException as exc:
             error = exc
         self._agree_no_error(error or self._take_finalize_error())

@@ -952,6 +952,9 @@ def test_files_carried_over_into_a_resave_are_durable_before_the_swap(tmp_path):
     (tmp_path / "t" / "tokenizer.json").write_text("{}")
     (tmp_path / "t" / "extra").mkdir()
     (tmp_path / "t" / "extra" / "notes.txt").write_text("the user's")
+    # what a crashed save left (its own temporary files) is not carried into the new one
+    (tmp_path / "t" / "model.pt.tmp.4d2").write_bytes(b"x")
+    (tmp_path / "t" / "extra" / "optim.pt.tmp.0123456789abcdef").write_bytes(b"x")
     log.clear()
     handle = save_one(ck, root, sample_state(), tag="t")
     staged = os.path.relpath(handle.write_dir, root)
@@ -964,6 +967,7 @@ def test_files_carried_over_into_a_resave_are_durable_before_the_swap(tmp_path):
     assert all(log.index(link) < swap for link in links)
     assert (tmp_path / "t" / "tokenizer.json").read_text() == "{}"
     assert (tmp_path / "t" / "extra" / "notes.txt").read_text() == "the user's"
+    assert sorted(os.listdir(tmp_path / "t" / "extra")) == ["notes.txt"]
     ck.close()
 
 
@@ -1024,12 +1028,49 @@ def test_staging_left_by_a_crash_before_the_swap_is_removed_and_the_old_checkpoi
     (tmp_path / ".async_ckpt_staging.0123456789abcdef.t" / META_DIR).mkdir(parents=True)
     (tmp_path / ".async_ckpt_staging.0123456789abcdef.t" / "model.pt").write_bytes(b"partial")
     shutil.copytree(tmp_path / "t", tmp_path / ".async_ckpt_staging.fedcba9876543210.t")
+    before = sorted(os.listdir(root))
     fresh = make()
+    # a load leaves them: the directory may be another job's (a trainer re-saving the tag
+    # while an evaluation job loads it), whose staging directory is not abandoned at all
+    fresh.wait_all_ranks(action="load", recover=root)
+    fresh.wait()
+    assert sorted(os.listdir(root)) == before
     save_one(fresh, root, sample_state(), tag="u")
     fresh.wait()
     fresh.close()
     assert sorted(os.listdir(root)) == ["latest", "t", "u"]
     verify_checkpoint(str(tmp_path / "t"))
+
+
+def test_replacing_a_directory_removed_meanwhile_renames_the_staged_one_into_place(tmp_path):
+    """An exchange needs both names: with the target gone (removed by hand, or a staged save
+    whose earlier save never made the directory), the staged checkpoint is renamed into place."""
+    from deepspeed_async_ckpt.commit import replace_checkpoint
+
+    staged = tmp_path / ".async_ckpt_staging.ab.t"
+    staged.mkdir()
+    (staged / "model.pt").write_bytes(b"new")
+    replace_checkpoint(LocalStorage(fsync=True), str(staged), str(tmp_path / "t"), save_id="ab")
+    assert sorted(os.listdir(tmp_path)) == ["t"] and (tmp_path / "t" / "model.pt").read_bytes() == b"new"
+
+
+def test_a_file_whose_name_starts_with_two_dots_is_staged_like_any_other(tmp_path):
+    """``..model.pt`` inside the checkpoint is not outside it: a re-save writes it into the
+    staging directory, not into the checkpoint being replaced."""
+    root = str(tmp_path)
+    ck = make(mode="sync")
+    for steps in (5, 9):
+        d = os.path.join(root, "t")
+        ck.begin(d, tag="t", pointer=Pointer(os.path.join(root, "latest"), "t"))
+        state = sample_state()
+        state["global_steps"] = steps
+        ck.save(state, os.path.join(d, "..model.pt"))
+        ck.end()
+    ck.wait()
+    ck.close()
+    assert sorted(os.listdir(root)) == ["latest", "t"]
+    verify_checkpoint(str(tmp_path / "t"))
+    assert _steps(tmp_path / "t" / "..model.pt") == 9
 
 
 def test_saving_again_a_directory_whose_save_is_in_flight_does_not_wait_for_it(tmp_path, monkeypatch):
