@@ -270,6 +270,10 @@ class AsyncCheckpointer:
         self._retirer: ThreadPoolExecutor | None = None  # retention, started on first use
         self._retiring: collections.deque[Future] = collections.deque()
         self._inflight: collections.deque[CheckpointHandle] = collections.deque()
+        self._unswapped: set[CheckpointHandle] = set()
+        """Rank 0: staged saves begun with ``swap_at_commit=False``, not yet through
+        :meth:`swap_in`. Committed or not, their staging directory is not abandoned and
+        their target not to be retired (:meth:`_pending`)."""
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -320,6 +324,9 @@ class AsyncCheckpointer:
             write_dir = staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
             self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
                                              swap_at_commit)
+            if staged and not swap_at_commit and self.rank == 0:
+                with self._lock:
+                    self._unswapped.add(self._current)
         finally:
             with self._dirs_lock:
                 self._beginning = None
@@ -590,8 +597,7 @@ class AsyncCheckpointer:
             return []
 
         def protected() -> set[str]:  # called with self._dirs_lock held
-            with self._lock:
-                busy = {h.ckpt_dir for h in self._inflight}
+            busy = {h.ckpt_dir for h in self._pending()}
             current = self._current
             return busy | {d for d in (self._beginning, current and current.ckpt_dir,
                                        handle.ckpt_dir) if d}
@@ -636,10 +642,20 @@ class AsyncCheckpointer:
         """Rank 0, for a save begun with ``swap_at_commit=False``, once it is committed and
         the caller's own files are in ``handle.write_dir``: replace ``handle.ckpt_dir`` with
         it (nothing to do when the save was not staged)."""
-        if handle.write_dir == handle.ckpt_dir:
-            return
-        replace_checkpoint(self.storage, handle.write_dir, handle.ckpt_dir, save_id=handle.save_id)
-        self._later(self._remove_trash, os.path.dirname(handle.ckpt_dir))
+        try:
+            if handle.write_dir == handle.ckpt_dir:
+                return
+            replace_checkpoint(self.storage, handle.write_dir, handle.ckpt_dir, save_id=handle.save_id)
+            self._later(self._remove_trash, os.path.dirname(handle.ckpt_dir))
+        finally:
+            with self._lock:
+                self._unswapped.discard(handle)
+
+    def _pending(self) -> list[CheckpointHandle]:
+        """Saves whose directories are in use: in flight, or committed and awaiting
+        :meth:`swap_in`."""
+        with self._lock:
+            return [*self._inflight, *self._unswapped]
 
     def recover(self, save_dir: str, *, sweep: bool = True) -> list[str]:
         """Rank 0, before saving into or loading from ``save_dir`` (``begin`` calls it): finish
@@ -648,8 +664,7 @@ class AsyncCheckpointer:
         staging directories that never committed (see :func:`~.commit.finish_replacements`).
         Returns the names of the checkpoints it put back in place."""
         save_dir = os.path.abspath(save_dir)
-        with self._lock:
-            busy = {h.write_dir for h in self._inflight}
+        busy = {h.write_dir for h in self._pending()}
         rolled, trash = finish_replacements(self.storage, save_dir, busy, sweep=sweep)
         if rolled:
             logger.warning("async checkpoint: finished replacing %s in %s (the process saving it "
@@ -767,8 +782,7 @@ class AsyncCheckpointer:
             raise AsyncCheckpointError("the checkpointer is closed")
 
     def _busy(self, ckpt_dir: str) -> bool:
-        with self._lock:
-            return any(h.ckpt_dir == ckpt_dir for h in self._inflight)
+        return any(h.ckpt_dir == ckpt_dir for h in self._pending())
 
     def _report_failure(self, handle: CheckpointHandle, message: str) -> None:
         try:
@@ -827,5 +841,7 @@ class AsyncCheckpointer:
             with self._lock:
                 if handle in self._inflight:
                     self._inflight.remove(handle)
+                if handle.error is not None or handle.abandoned:
+                    self._unswapped.discard(handle)  # never swapped in: its staging is abandoned
             handle._persisted.set()
             handle._committed.set()

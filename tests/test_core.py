@@ -1073,6 +1073,36 @@ def test_a_file_whose_name_starts_with_two_dots_is_staged_like_any_other(tmp_pat
     assert _steps(tmp_path / "t" / "..model.pt") == 9
 
 
+def test_a_committed_staged_save_awaiting_its_swap_is_neither_swept_nor_retired(tmp_path):
+    """The Megatron adapter swaps a re-saved iteration in itself, after its marker files
+    (``swap_at_commit=False``). Between the commit and that swap, the next save's clean-up
+    must not take the committed staging directory for an abandoned one, nor retention the
+    directory it replaces."""
+    root = str(tmp_path)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=1))
+    save_one(ck, root, sample_state(), tag="t")
+    ck.wait()
+    state = sample_state()
+    state["global_steps"] = 9
+    d = os.path.join(root, "t")
+    handle = ck.begin(d, tag="t", swap_at_commit=False)
+    ck.save(state, os.path.join(d, "model.pt"))
+    ck.end()
+    ck.fence()
+    handle.wait_committed()
+    assert handle.committed and os.path.isdir(handle.write_dir)
+    save_one(ck, root, sample_state(), tag="u")  # its begin() recovers, its commit retires
+    ck.fence()
+    ck.wait()
+    assert os.path.isdir(handle.write_dir) and os.path.isdir(d)
+    ck.swap_in(handle)
+    ck.wait()
+    ck.close()
+    assert sorted(os.listdir(root)) == ["latest", "t", "u"]
+    verify_checkpoint(d)
+    assert _steps(tmp_path / "t" / "model.pt") == 9
+
+
 def test_saving_again_a_directory_whose_save_is_in_flight_does_not_wait_for_it(tmp_path, monkeypatch):
     """The second save of one directory no longer waits in begin() for the first to commit:
     it is staged, and swapped in after the first commit, in order."""
