@@ -299,7 +299,8 @@ def finish_replacements(storage: Storage, save_dir: str, busy: set[str], *,
     ``sweep`` (before a save), every other staging directory not in ``busy`` (saves of this
     process still in flight) is left over from a save that never committed: it is renamed for
     deletion. A load does not sweep: the directory may be another job's, saving right now
-    (what is already renamed for deletion is nobody's any more). Returns the target names rolled forward, and whether anything awaits :func:`remove_trash`."""
+    (what is already renamed for deletion is nobody's any more). Returns the target names
+    rolled forward, and whether anything awaits :func:`remove_trash`."""
     rolled: list[str] = []
     try:
         names = storage.listdir(save_dir)
