@@ -656,6 +656,6 @@ def run_decoupled(args, trainer: Trainer, rank: int, root: str) -> dict:
 
 if __name__ == "__main__":  # the decoupled engine spawns a child that re-imports this file
     code = main()
-    if torch.distributed.is_initialized():  # gloo's threads left to interpreter exit abort it
-        torch.distributed.destroy_process_group()  # now and then (see scripts/ds_train.py)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()  # as torch asks (see README, "CPU and CI")
     sys.exit(code)
