@@ -42,7 +42,7 @@ from .config import AsyncCheckpointConfig
 from .errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
 from .persist import FileRecord, Share, split_items, write_file
 from .snapshot import FilePlan, HostBufferPool, Stager, TensorItem, plan_file, tensor_ids
-from .storage import LocalStorage, Storage, aligned_size
+from .storage import LocalStorage, Storage, aligned_size, temporary_path
 
 logger = logging.getLogger(__name__)
 
@@ -444,7 +444,7 @@ class AsyncCheckpointer:
         if not cuts:
             return None
         return Share(index=replicas.rank if replicas.rank <= len(cuts) else -1, cuts=cuts,
-                     tmp=f"{path}.tmp.{save_id}")
+                     tmp=temporary_path(path, save_id))
 
     def end(self, *, commit: bool = True) -> CheckpointHandle:
         """Seal the open checkpoint; in sync mode, return only once it is committed.

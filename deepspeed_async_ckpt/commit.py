@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import threading
 import time
 from dataclasses import dataclass
@@ -34,7 +33,7 @@ from typing import Callable, Iterable, Sequence
 
 from .errors import CommitError, IntegrityError
 from .persist import HASHERS, FileRecord, hash_ranges
-from .storage import Storage
+from .storage import Storage, is_temporary, temporary_path
 
 META_DIR = ".async_ckpt"
 MANIFEST = "manifest.json"
@@ -53,7 +52,7 @@ def write_text_atomic(storage: Storage, path: str, text: str | bytes, *, durable
     """Replace ``path`` with ``text`` (or bytes): temp file, fsync, rename, fsync of the
     directory. ``durable=False``: temp file and rename only, for what others must see whole but
     a crash may lose (a rank's record: see :func:`write_rank_record`)."""
-    tmp = f"{path}.tmp.{os.getpid()}"
+    tmp = temporary_path(path, os.getpid())
     storage.write_small(tmp, text.encode() if isinstance(text, str) else text, durable=durable)
     storage.replace(tmp, path, durable=durable)
 
@@ -127,7 +126,7 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
         manifest = _commit(storage, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
                            checksum=checksum, timeout_s=timeout_s)
     except CommitError:
-        suffix = f".tmp.{save_id}"
+        suffix = temporary_path("", save_id)
         try:
             names = os.listdir(ckpt_dir)
         except FileNotFoundError:  # staged, and no rank got as far as writing anything
@@ -264,18 +263,13 @@ def replace_checkpoint(storage: Storage, staged: str, target: str, *, save_id: s
     storage.replace(staged, target)
 
 
-#: A temporary file of this engine's (``<name>.tmp.<save_id or pid>``): what a crashed or failed
-#: save left behind, never carried into the checkpoint that replaces its directory.
-_TEMPORARY = re.compile(r"\.tmp\.[0-9a-f]+$")
-
-
 def _carry_over(storage: Storage, old: str, new: str, *, top: bool) -> None:
     """Link into ``new`` what ``old`` holds and ``new`` lacks (files the training script put
     into the checkpoint's directory: a tokenizer, a config), durably: once the exchange is
     durable, the old directory is deleted. This engine's own temporary files are left out."""
     changed = False
     for entry in os.scandir(old):
-        if (top and entry.name == META_DIR) or _TEMPORARY.search(entry.name):
+        if (top and entry.name == META_DIR) or is_temporary(entry.name):
             continue
         dst = os.path.join(new, entry.name)
         if entry.is_dir(follow_symlinks=False):

@@ -31,7 +31,7 @@ import xxhash
 
 from .errors import PersistError
 from .snapshot import FilePlan, TensorItem
-from .storage import DIRECT_ALIGN, Storage, buffer_address
+from .storage import DIRECT_ALIGN, Storage, buffer_address, temporary_path
 
 _READ_CHUNK = 8 * 1024 * 1024
 _PART = 8 * 1024 * 1024
@@ -226,7 +226,7 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
         raise ValueError(f"{path}: {len(plans)} archives but {len(part_names)} part names")
     if share is not None and (len(plans) != 1 or zip_crc32):
         raise ValueError(f"{path}: a share is one archive without zip CRCs")
-    tmp = share.tmp if share is not None else f"{path}.tmp.{os.getpid()}"
+    tmp = share.tmp if share is not None else temporary_path(path, os.getpid())
     owned = share.items(len(plans[0].items)) if share is not None else None
     pending = [item for plan in plans for item in plan.items] if owned is None else \
         [plans[0].items[j] for j in owned]

@@ -12,11 +12,27 @@ import errno
 import fcntl
 import mmap
 import os
+import re
 import shutil
 import sys
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import BinaryIO, Protocol
+
+
+#: The engine writes every file under a temporary name, ``<path>.tmp.<owner>`` (a save's id, or
+#: the writing process's pid), and renames it to ``path`` once whole: what a crashed or failed
+#: save leaves behind has such a name.
+_TEMPORARY = re.compile(r"\.tmp\.[0-9a-f]+$")
+
+
+def temporary_path(path: str, owner: str | int) -> str:
+    """Where ``path`` is written before its rename (see ``_TEMPORARY``)."""
+    return f"{path}.tmp.{owner}"
+
+
+def is_temporary(name: str) -> bool:
+    return _TEMPORARY.search(name) is not None
 
 
 class Storage(Protocol):
