@@ -651,6 +651,13 @@ class AsyncCheckpointer:
             with self._lock:
                 self._unswapped.discard(handle)
 
+    def abandon_swap(self, handle: CheckpointHandle) -> None:
+        """Rank 0, for a save begun with ``swap_at_commit=False`` that the caller will not
+        :meth:`swap_in` (its own files failed): the checkpoint it would have replaced stays,
+        and the next save sweeps its staging directory."""
+        with self._lock:
+            self._unswapped.discard(handle)
+
     def _pending(self) -> list[CheckpointHandle]:
         """Saves whose directories are in use: in flight, or committed and awaiting
         :meth:`swap_in`."""

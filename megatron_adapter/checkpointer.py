@@ -292,7 +292,11 @@ class MegatronCheckpointer:
         handle.wait_committed()
         if handle.error is not None or handle.abandoned:
             return  # the engine reports its own failure; the tracker stays put
-        torch_dist.write_markers(self.engine.storage, handle.write_dir, index)
+        try:
+            torch_dist.write_markers(self.engine.storage, handle.write_dir, index)
+        except BaseException:  # the iteration it re-saves, if any, stays; its staging is swept
+            self.engine.abandon_swap(handle)
+            raise
         self.engine.swap_in(handle)  # a re-saved iteration: the old one stayed whole until now
         write_text_atomic(self.engine.storage, tracker, text)
         handle.times["finalized"] = time.perf_counter()

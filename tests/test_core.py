@@ -1103,6 +1103,32 @@ def test_a_committed_staged_save_awaiting_its_swap_is_neither_swept_nor_retired(
     assert _steps(tmp_path / "t" / "model.pt") == 9
 
 
+def test_a_staged_save_whose_swap_is_abandoned_is_swept_and_the_old_one_stays(tmp_path):
+    """The Megatron adapter abandons the swap when its marker files fail after the commit:
+    the old checkpoint stays in place, and the next save sweeps the staging directory (it
+    was kept only while a swap could still come)."""
+    root = str(tmp_path)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    save_one(ck, root, sample_state(), tag="t")
+    ck.wait()
+    state = sample_state()
+    state["global_steps"] = 9
+    d = os.path.join(root, "t")
+    handle = ck.begin(d, tag="t", swap_at_commit=False)
+    ck.save(state, os.path.join(d, "model.pt"))
+    ck.end()
+    ck.fence()
+    handle.wait_committed()
+    assert handle.committed and os.path.isdir(handle.write_dir)
+    ck.abandon_swap(handle)
+    save_one(ck, root, sample_state(), tag="u")  # its begin() sweeps the staging directory
+    ck.wait()
+    ck.close()
+    assert sorted(os.listdir(root)) == ["latest", "t", "u"]
+    verify_checkpoint(d)
+    assert _steps(tmp_path / "t" / "model.pt") == sample_state()["global_steps"] != 9
+
+
 def test_saving_again_a_directory_whose_save_is_in_flight_does_not_wait_for_it(tmp_path, monkeypatch):
     """The second save of one directory no longer waits in begin() for the first to commit:
     it is staged, and swapped in after the first commit, in order."""

@@ -178,6 +178,31 @@ def test_markers_are_written_atomically(tmp_path):
     assert torch_dist.distcp_name(3, 12) == "__3_12.distcp"
 
 
+def test_finalizer_abandons_the_swap_when_its_markers_fail(tmp_path, monkeypatch):
+    """A re-saved iteration is staged and swapped in by the finalizer after its marker files.
+    If those fail, the engine must stop protecting the staging directory (else it stays until
+    the process ends), and the tracker and the old directory stay put."""
+    from types import SimpleNamespace
+
+    from megatron_adapter.checkpointer import MegatronCheckpointer
+
+    calls = []
+    handle = SimpleNamespace(error=None, abandoned=False, write_dir=str(tmp_path / "staged"),
+                             wait_committed=lambda: None, times={})
+    engine = SimpleNamespace(storage=LocalStorage(), abandon_swap=lambda h: calls.append(("abandon", h)),
+                             swap_in=lambda h: calls.append(("swap", h)))
+
+    def fail(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(torch_dist, "write_markers", fail)
+    tracker = str(tmp_path / "latest_checkpointed_iteration.txt")
+    with pytest.raises(OSError, match="No space left"):
+        MegatronCheckpointer._finalize(SimpleNamespace(engine=engine), handle, None, tracker, "7")
+    assert calls == [("abandon", handle)]
+    assert not os.path.exists(tracker)
+
+
 def test_verify_accepts_megatron_checkpoints_and_rejects_partial_ones(tmp_path):
     with pytest.raises(IntegrityError, match="not a complete checkpoint"):
         verify_checkpoint_dir(str(tmp_path))
