@@ -41,7 +41,8 @@ from .commit import (META_DIR, Pointer, commit, find_checkpoint_dir, finish_repl
 from .config import AsyncCheckpointConfig
 from .errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
 from .persist import FileRecord, Share, split_items, write_file
-from .snapshot import FilePlan, HostBufferPool, Stager, TensorItem, plan_file, tensor_ids
+from .snapshot import (FilePlan, HostBufferPool, Stager, TensorItem, plan_file, storage_addresses,
+                       tensor_ids)
 from .storage import LocalStorage, Storage, aligned_size, temporary_path
 
 logger = logging.getLogger(__name__)
@@ -190,9 +191,17 @@ class Replicas:
 
 
 def layout_digest(plan: FilePlan) -> bytes:
-    """What a file's archive is laid out from: its pickle and record sizes (xxh128)."""
+    """What replicas must agree on to write a file in shares (xxh128): what its archive is
+    laid out from (the pickle, the record sizes) and the values of its eager records. Those
+    hold what the loop changes outside the optimizer step, which data-parallel replicas need
+    not agree on (BatchNorm's running statistics follow each replica's own batches); the
+    other records are weights and optimizer state, the same on every replica."""
     h = xxhash.xxh3_128(plan.pickle_bytes)
     h.update(b"".join(i.nbytes.to_bytes(8, "little") for i in plan.items))
+    for item in plan.items:
+        if item.eager and item.nbytes:
+            src = item.src.detach().resolve_conj().resolve_neg().reshape(-1).contiguous()
+            h.update(src.view(torch.uint8).cpu().numpy())
     return h.digest()
 
 
@@ -333,13 +342,15 @@ class AsyncCheckpointer:
         return self._current
 
     def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = (),
-             replicas: Replicas | None = None) -> int:
+             eager_tensors: Iterable[torch.Tensor] = (), replicas: Replicas | None = None) -> int:
         """Add one file to the open checkpoint: ``state`` as ``torch.save`` would write it.
 
         Python values are frozen before this returns. Tensors are copied lazily, before the
-        next :meth:`fence`, except those reachable under ``state[k]`` for ``k`` in
-        ``eager_keys`` (state the loop may mutate outside the optimizer step), which are copied
-        now. Returns the tensor bytes this file stages (what it costs the host pool).
+        next :meth:`fence`, except what the loop may change outside the optimizer step, which
+        is copied now: tensors reachable under ``state[k]`` for ``k`` in ``eager_keys``, and
+        tensors viewing the memory of any of ``eager_tensors`` (a model's buffers: a forward
+        updates BatchNorm's running statistics). Returns the tensor bytes this file stages
+        (what it costs the host pool).
 
         ``replicas``: every rank of that group calls ``save`` for this ``path`` at this point
         (collective). If they all planned the same archive (the same pickle and record sizes:
@@ -349,21 +360,24 @@ class AsyncCheckpointer:
         ``zip_crc32`` (the zip directory's CRCs need every record), the first replica writes
         it alone and the others nothing.
         """
-        return self._add_file(path, [state], None, eager_keys, replicas)[0]
+        return self._add_file(path, [state], None, eager_keys, eager_tensors, replicas)[0]
 
-    def save_packed(self, path: str, parts: Iterable[tuple[str, Any]]) -> list[int]:
+    def save_packed(self, path: str, parts: Iterable[tuple[str, Any]], *,
+                    eager_tensors: Iterable[torch.Tensor] = ()) -> list[int]:
         """Add one file holding several ``torch.save`` archives back to back, one per
         ``(name, state)`` of ``parts``, each starting on a page. The committed manifest gives
         each name's offset and length (``files[<path in the checkpoint>]["parts"][name]``), so
         a reader can ``torch.load`` a view of just those bytes (what megatron-core's
-        ``.distcp`` files are). All tensors are copied lazily. Returns the tensor bytes each
-        part stages.
+        ``.distcp`` files are). Tensors are copied lazily, except those viewing the memory of
+        any of ``eager_tensors`` (see :meth:`save`). Returns the tensor bytes each part stages.
         """
         parts = list(parts)
-        return self._add_file(path, [state for _, state in parts], [name for name, _ in parts], ())
+        return self._add_file(path, [state for _, state in parts], [name for name, _ in parts], (),
+                              eager_tensors)
 
     def _add_file(self, path: str, states: list[Any], names: list[str] | None,
-                  eager_keys: Iterable[str], replicas: Replicas | None = None) -> list[int]:
+                  eager_keys: Iterable[str], eager_tensors: Iterable[torch.Tensor] = (),
+                  replicas: Replicas | None = None) -> list[int]:
         handle = self._current
         if handle is None:
             raise AsyncCheckpointError(f"save({path!r}) outside begin()/end()")
@@ -373,8 +387,9 @@ class AsyncCheckpointer:
             if rel != os.pardir and not rel.startswith(os.pardir + os.sep):  # inside it
                 path = os.path.join(handle.write_dir, rel)
         plans = []
+        eager_storages = storage_addresses(eager_tensors)
         for state in states:
-            lazy = tensor_ids(state)
+            lazy = tensor_ids(state, except_storages=eager_storages)
             if isinstance(state, dict):
                 for k in eager_keys:
                     if k in state:
@@ -436,8 +451,9 @@ class AsyncCheckpointer:
             if replicas.rank == 0 and not self._warned_replicas_differ:
                 self._warned_replicas_differ = True
                 logger.warning("async checkpoint: %s differs between its data-parallel "
-                               "replicas (rank-specific client state?): the first replica "
-                               "writes it alone (logged once)", path)
+                               "replicas (buffers such as BatchNorm's statistics, or "
+                               "rank-specific client state): the first replica writes it "
+                               "alone, as DeepSpeed's own engine does (logged once)", path)
             return None
         # balanced as the file and the pool hold records: each on whole pages
         cuts = split_items([aligned_size(i.nbytes) for i in plan.items], replicas.size)

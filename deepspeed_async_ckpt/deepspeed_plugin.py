@@ -73,6 +73,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._ds_engine: Any = None  # the DeepSpeedEngine saving now (begin_save .. end_save)
         self._replicated: str | None = None  # that save's model-states file, held by every replica
         self._eager_keys: tuple[str, ...] = _DEEPSPEED_EAGER_KEYS
+        self._buffers: list[torch.Tensor] = []  # the model's: a forward may update them
         self._reserved = False  # the host pool was sized after the first optimizer step
         self.reservation: threading.Thread | None = None
         """The thread faulting the host pool in after the first optimizer step, if any."""
@@ -95,7 +96,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
                 if replicas.rank != 0:  # DeepSpeed's rule: the first replica writes it
                     return
                 replicas = None
-        self.checkpointer.save(state_dict, path, eager_keys=self._eager_keys, replicas=replicas)
+        self.checkpointer.save(state_dict, path, eager_keys=self._eager_keys,
+                               eager_tensors=self._buffers, replicas=replicas)
 
     def is_data_parallel_writer(self, dp_rank: int) -> bool:
         return self.split or dp_rank == 0
@@ -122,9 +124,14 @@ class AsyncCheckpointEngine(CheckpointEngine):
     def begin_save(self, ds_engine: Any, client_state: dict | None) -> None:
         self._ds_engine = ds_engine
         self._eager_keys = _DEEPSPEED_EAGER_KEYS + tuple(client_state or ())
+        # Buffers change outside the optimizer step, in the forward that follows the save
+        # (BatchNorm's running statistics), so the copier may not get to them first.
+        module = getattr(ds_engine, "module", None)
+        self._buffers = list(module.buffers()) if isinstance(module, torch.nn.Module) else []
 
     def end_save(self, ok: bool) -> None:
         self._ds_engine = self._replicated = None
+        self._buffers = []
         if self.checkpointer.is_open:
             self.checkpointer.end(commit=ok)
 

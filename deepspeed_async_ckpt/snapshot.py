@@ -421,19 +421,27 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-def tensor_ids(obj: Any) -> set[int]:
-    """``id()`` of every tensor reachable through dicts, lists and tuples of ``obj``."""
+def tensor_ids(obj: Any, *, except_storages: set[int] = frozenset()) -> set[int]:
+    """``id()`` of every tensor reachable through dicts, lists and tuples of ``obj``, except
+    tensors whose memory is in ``except_storages`` (storage addresses, see
+    :func:`storage_addresses`)."""
     found: set[int] = set()
     stack = [obj]
     while stack:
         o = stack.pop()
         if isinstance(o, torch.Tensor):
-            found.add(id(o))
+            if not except_storages or o.untyped_storage().data_ptr() not in except_storages:
+                found.add(id(o))
         elif isinstance(o, dict):
             stack.extend(o.values())
         elif isinstance(o, (list, tuple)):
             stack.extend(o)
     return found
+
+
+def storage_addresses(tensors: Iterable[torch.Tensor]) -> set[int]:
+    """The addresses of the storages behind ``tensors`` (any view of one has the same)."""
+    return {p for t in tensors if (p := t.untyped_storage().data_ptr())}
 
 
 class Stager:

@@ -11,7 +11,7 @@ Call order, on every rank::
         if iteration == first:
             ckpt.reserve(state_dict)      # optional: the host pool faulted in before the 1st save
         if iteration % save_interval == 0:
-            ckpt.save(state_dict, save_dir, iteration)   # returns once planned (async mode)
+            ckpt.save(state_dict, save_dir, iteration, model=model)  # returns once planned
     ckpt.close()                      # flush: the last checkpoint committed, tracker moved
 
 ``state_dict`` is what megatron-core's ``dist_checkpointing.save`` takes: ``ShardedTensor``s
@@ -37,7 +37,7 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable
+from typing import Any, Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
@@ -130,10 +130,15 @@ class MegatronCheckpointer:
     # ------------------------------------------------------------------ save path
     def save(self, state_dict: dict, save_dir: str, iteration: int, *,
              content_metadata: dict | None = None, validate_access_integrity: bool = True,
-             preprocess_common: Callable[[dict], dict] | None = None) -> SaveRecord:
+             preprocess_common: Callable[[dict], dict] | None = None,
+             model: torch.nn.Module | Sequence[torch.nn.Module] | None = None) -> SaveRecord:
         """Save (collective). Async mode: returns once the files are planned and the eager part
         is copied. Sync mode: returns once the checkpoint is committed and the tracker moved.
-        A failure of a previous save is raised here, on every rank, before anything starts."""
+        A failure of a previous save is raised here, on every rank, before anything starts.
+
+        ``model`` (a module or the list of model chunks): its buffers are copied before this
+        returns, not before the next fence, since the loop changes them before it (MoE's
+        expert bias in ``finalize_model_grads``, BatchNorm's statistics in a forward)."""
         from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
         t0 = time.perf_counter()
@@ -146,6 +151,8 @@ class MegatronCheckpointer:
         plan = torch_dist.plan_save(sharded_part, rank=self.rank, world_size=self.world_size,
                                     max_files=self.config.writer_threads)
 
+        chunks = [] if model is None else list(model) if isinstance(model, Sequence) else [model]
+        buffers = [b for chunk in chunks for b in chunk.buffers()]
         ckpt_dir = os.path.abspath(checkpoint_dir(save_dir, iteration))
         record = SaveRecord(iteration=iteration, ckpt_dir=ckpt_dir)
         # A directory that holds a checkpoint (the tracker's iteration saved again) is
@@ -160,7 +167,8 @@ class MegatronCheckpointer:
                                      "offset": None, "bytes": staged})
             for relpath, jobs in plan.files().items():
                 staged = self.engine.save_packed(os.path.join(ckpt_dir, relpath),
-                                                 [(job.part, job.data) for job in jobs])
+                                                 [(job.part, job.data) for job in jobs],
+                                                 eager_tensors=buffers)
                 record.files += [{"path": relpath, "part": job.part, "key": job.key,
                                   "offset": job.offset, "bytes": n} for job, n in zip(jobs, staged)]
         except BaseException as exc:

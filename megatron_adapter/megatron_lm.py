@@ -170,7 +170,7 @@ def save_checkpoint(*args, **kwargs):
     engine.save(state_dict, margs.save, iteration,
                 content_metadata=_clean_metadata_for_serialization(metadata),
                 validate_access_integrity=validate,
-                preprocess_common=arguments.get("preprocess_common_state_dict_fn"))
+                preprocess_common=arguments.get("preprocess_common_state_dict_fn"), model=model)
     _STATE["saves"] += 1
     save_dataloader_state = getattr(mlm, "maybe_save_dataloader_state", None)
     if save_dataloader_state is not None:  # Energon's state, beside the checkpoint, as Megatron-LM does

@@ -297,7 +297,7 @@ def save_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, sch
                            with_optim=not args.no_save_optim)
     if ckpt is not None:
         return ckpt.save(state, args.save, iteration, content_metadata=metadata,
-                         validate_access_integrity=validate)
+                         validate_access_integrity=validate, model=gpt)
     # "enabled": false: megatron-core's own synchronous save, then the tracker, as Megatron-LM.
     from megatron.core import dist_checkpointing
 

@@ -2,6 +2,7 @@
 
 import errno
 import hashlib
+import io
 import os
 import shutil
 import threading
@@ -149,6 +150,50 @@ def test_fence_copies_from_the_back_while_a_slow_copier_works_from_the_front(tmp
     assert not timed_out, "the fence left every copy to the copier"
     assert ck._stager.fence_copied_bytes == others
     assert_same(torch.load(tmp_path / "t1" / "model.pt", weights_only=True), expected)
+
+
+def test_eager_tensors_are_copied_at_save_with_every_view_of_their_memory(tmp_path, monkeypatch):
+    """``eager_tensors`` (a model's buffers) are copied before ``save``/``save_packed`` return,
+    and so is any saved tensor viewing their memory (a state dict holds detached views); the
+    others wait for the copier, held here until the fence, so they have the fence's values."""
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    real_copy, release = Stager._copy, threading.Event()
+
+    def copy(self, item, ready=None):
+        if threading.current_thread().name == "async-ckpt-copier":
+            release.wait(10)
+        return real_copy(self, item, ready)
+
+    monkeypatch.setattr(Stager, "_copy", copy)
+    bn = torch.nn.BatchNorm1d(8)
+    bn.running_mean.copy_(torch.arange(8.0))
+    weight = torch.zeros(8)
+    state = {"module": {k: v.detach() for k, v in bn.state_dict().items()}, "w": weight}
+    ck = make()
+    d = tmp_path / "t"
+    ck.begin(str(d), tag="t")
+    ck.save(state, str(d / "model.pt"), eager_tensors=list(bn.buffers()))
+    ck.save_packed(str(d / "packed.distcp"), [("mean", {"m": bn.running_mean[2:6]}), ("w", {"w": weight})],
+                   eager_tensors=list(bn.buffers()))
+    ck.end()
+    with torch.no_grad():  # the forward after the save: BatchNorm updates its statistics
+        bn.running_mean.add_(100)
+        bn.num_batches_tracked.add_(1)
+        weight.add_(1)  # changed before the fence, so the lazy copy takes it
+    release.set()
+    ck.fence()
+    ck.wait()
+    ck.close()
+    saved = torch.load(d / "model.pt", weights_only=True)
+    assert torch.equal(saved["module"]["running_mean"], torch.arange(8.0))
+    assert int(saved["module"]["num_batches_tracked"]) == 0
+    assert torch.equal(saved["w"], torch.ones(8))
+    parts = read_manifest(str(d))["files"]["packed.distcp"]["parts"]
+    data = (d / "packed.distcp").read_bytes()
+    offset, length = parts["mean"]
+    assert torch.equal(torch.load(io.BytesIO(data[offset:offset + length]), weights_only=True)["m"],
+                       torch.arange(2.0, 6.0))
 
 
 def test_pool_smaller_than_state_streams_and_buffers_are_reused(tmp_path):

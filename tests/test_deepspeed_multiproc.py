@@ -183,6 +183,20 @@ def test_async_checkpoint_equals_torch_engine_and_sync_mode(tmp_path, repo_env, 
         assert_same(dict(ours), dict(theirs), "zero_to_fp32")
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_buffers_a_forward_updates_are_saved_as_they_were_at_save_time(tmp_path, repo_env, zero):
+    """BatchNorm's running statistics change in the forward after ``save_checkpoint``, before
+    the fence that guards the optimizer step. With the copier held until that fence, a lazy
+    copy would take the next step's statistics (as it did before they were copied eagerly).
+    The replicas' statistics differ (each sees its own batches): the model-states file holds
+    the first replica's, as DeepSpeed's engine writes it, not a mix of the replicas' shares."""
+    run_ranks(repo_env, 2, "buffers", "--out", tmp_path, "--zero-stage", zero)
+    result = json.loads((tmp_path / "buffers.json").read_text())
+    assert result.pop("changed_since"), "the forward after the save did not change the statistics"
+    assert sorted(result) == ["1.num_batches_tracked", "1.running_mean", "1.running_var"]
+    assert all(result.values()), result
+
+
 def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
     out = str(tmp_path)
     codes = run_ranks(repo_env, 2, "kill", "--out", out, "--kill-rank", "1", expect_ok=False)

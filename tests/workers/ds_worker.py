@@ -12,10 +12,13 @@ Phases:
   exit    save, train one more step, and return without destroy(): interpreter exit commits.
   sigterm each rank gets SIGTERM; its handler's flag makes the loop save and return (committed).
   engines check which checkpoint engine DeepSpeed builds for several configs.
+  buffers save a model with BatchNorm while the copier is held until the fence: the next
+          forward changes its running statistics first; the file must have the saved ones.
 The test module reads what they write under --out and asserts on it.
 """
 
 import argparse
+import glob
 import json
 import os
 import signal
@@ -354,6 +357,45 @@ def phase_diskfull_load(args):
         json.dump(result, f)
 
 
+def phase_buffers(args):
+    import deepspeed
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    real_copy, real_fence, release = Stager._copy, Stager.fence, __import__("threading").Event()
+
+    def copy(self, item, ready=None):  # the copier starts only once the training thread fences
+        if __import__("threading").current_thread().name == "async-ckpt-copier":
+            release.wait(60)
+        return real_copy(self, item, ready)
+
+    def fence(self):
+        release.set()
+        return real_fence(self)
+
+    Stager._copy, Stager.fence = copy, fence
+    deepspeed.init_distributed(dist_backend=BACKEND)
+    torch.manual_seed(1234)
+    model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Linear(HIDDEN, HIDDEN))
+    config = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05})
+    engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
+    train(engine, args, 2)
+    release.clear()
+    engine.save_checkpoint(args.out, tag="t")
+    bn = model[1]
+    at_save = {f"1.{k}": v.detach().clone() for k, v in bn.named_buffers()}
+    train(engine, args, 1, start=2)  # its forward updates the statistics, then the fence
+    engine.checkpoint_engine.checkpointer.wait()
+    result = {}
+    if torch.distributed.get_rank() == 0:
+        saved = torch.load(sorted(glob.glob(os.path.join(args.out, "t", "*model_states.pt")))[0],
+                           weights_only=False)["module"]  # rank 0's (ZeRO-3: one per rank)
+        result = {k: torch.equal(saved[k], v) for k, v in at_save.items()}
+        result["changed_since"] = not torch.equal(bn.running_mean, at_save["1.running_mean"])
+        with open(os.path.join(args.out, "buffers.json"), "w") as f:
+            json.dump(result, f)
+    engine.destroy()
+
+
 def phase_engines(args):
     import deepspeed
     from deepspeed_async_ckpt.errors import ConfigError
@@ -377,7 +419,7 @@ def phase_engines(args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("phase", choices=["save", "load", "kill", "exit", "sigterm", "engines", "diskfull",
-                                     "diskfull-load"])
+                                     "diskfull-load", "buffers"])
     p.add_argument("--out", required=True)
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
@@ -389,9 +431,9 @@ def main():
     args = p.parse_args()
     {"save": phase_save, "load": phase_load, "kill": phase_kill, "exit": phase_exit,
      "sigterm": phase_sigterm,
-     "engines": phase_engines,
+     "engines": phase_engines, "buffers": phase_buffers,
      "diskfull": phase_diskfull, "diskfull-load": phase_diskfull_load}[args.phase](args)
-    if args.phase in ("save", "load", "diskfull", "diskfull-load", "engines"):
+    if args.phase in ("save", "load", "diskfull", "diskfull-load", "engines", "buffers"):
         # These end with engine.destroy(): everything is committed and written. Skip the
         # interpreter's finalization, where a gloo worker thread still releasing a ZeRO-3
         # all-gather's tensors takes the GIL and aborts the rank ("terminate called without an
