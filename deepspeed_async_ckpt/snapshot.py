@@ -571,13 +571,13 @@ class Stager:
             if not item._issued and self._copy_one_from_the_back():
                 continue
             item._wait_issued()
+            with self._lock:  # done with it, failed or not: an error is raised once
+                if self._pending and self._pending[0] is item:
+                    self._pending.popleft()
             if item.error is not None:
                 raise SnapshotError(f"staging {item.what} failed: {item.error}") from item.error
             if item._cuda_event is not None:
                 torch.cuda.current_stream().wait_event(item._cuda_event)
-            with self._lock:
-                if self._pending and self._pending[0] is item:
-                    self._pending.popleft()
 
     def _copy_one_from_the_back(self) -> bool:
         """Copy the last queued item that has its buffer and that no thread has taken; False if

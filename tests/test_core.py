@@ -223,6 +223,24 @@ def test_tensor_larger_than_pool_is_a_clear_error(tmp_path):
     ck.close()
 
 
+def test_a_staging_error_is_raised_by_one_fence_and_the_next_save_goes_on(tmp_path):
+    """The failed record stayed at the head of the fence's queue before: every later fence,
+    so every optimizer step, raised the same old error, after later saves had committed."""
+    ck = make(gb=64 * 1024 / 1024**3)
+    save_one(ck, str(tmp_path), {"w": torch.zeros(32 * 1024)}, tag="big", eager=())  # 128 KiB
+    with pytest.raises(SnapshotError, match="big/model.pt"):
+        ck.fence()
+    with pytest.raises(PersistError):
+        ck.wait()
+    for step in range(2):
+        save_one(ck, str(tmp_path), {"w": torch.full((16,), float(step))}, tag=f"t{step}", eager=())
+        ck.fence()
+    ck.wait()
+    ck.close()
+    assert_same(torch.load(tmp_path / "t1" / "model.pt"), {"w": torch.ones(16)})
+    assert (tmp_path / "latest").read_text() == "t1"
+
+
 def test_pool_blocks_until_release():
     page = 4096
     pool = HostBufferPool(10 * page, pin=False)
