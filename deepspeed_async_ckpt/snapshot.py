@@ -343,8 +343,9 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
 
     def storage_ref(t: torch.Tensor) -> _StorageRef:
         ptr = t.untyped_storage().data_ptr()
-        view_key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device) \
-            if ptr else (id(t),)
+        # a conjugate or negative view reads the same memory as other values: its own record
+        view_key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device,
+                    t.is_conj(), t.is_neg()) if ptr else (id(t),)
         eager = id(t) not in lazy_tensor_ids
         if view_key in by_view:
             ref, item = by_view[view_key]
@@ -389,7 +390,13 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
                             (o.data, o.requires_grad, hooks, state))
                 return (torch._utils._rebuild_parameter, (o.data, o.requires_grad, hooks))
             if type(o) is torch.Tensor:
-                return tensor_reduce(o)
+                if not o.__dict__:
+                    return tensor_reduce(o)
+                # Python attributes (ZeRO-3 sets ds_id on its flat fp32 groups): kept, as
+                # torch.save keeps them
+                func, args = tensor_reduce(o)
+                return (torch._tensor._rebuild_from_type_v2,
+                        (func, torch.Tensor, args, torch._utils._get_obj_state(o)))
             if isinstance(o, torch.Tensor):
                 raise SnapshotError(f"{what}: cannot snapshot tensor subclass {type(o).__name__}")
             return NotImplemented

@@ -62,6 +62,29 @@ def test_round_trip_matches_torch_save_and_loads_weights_only(tmp_path):
     ck.close()
 
 
+def test_conjugate_and_negative_views_and_tensor_attributes_load_as_torch_saves_them(tmp_path):
+    """``c`` and ``c.conj()`` share memory but not values: each gets its own record (they shared
+    one, so both loaded as ``c``). A tensor's Python attributes (ZeRO-3's ``ds_id`` on its flat
+    fp32 groups) are kept, as ``torch.save`` keeps them (they were dropped)."""
+    c = torch.tensor([1 + 2j, 3 - 4j])
+    x = torch.tensor([1.0, 3.0])
+    flat = torch.arange(6.0)
+    flat.ds_id = "0_3"
+    state = {"c": c, "c_conj": c.conj(), "x": x, "x_neg": torch._neg_view(x), "flat": [flat]}
+    for mode in ("async", "sync"):
+        ck = make(mode)
+        save_one(ck, str(tmp_path / mode), state, eager=())
+        ck.fence()
+        ck.wait()
+        ck.close()
+        ours = torch.load(tmp_path / mode / "t1" / "model.pt", weights_only=True)
+        assert_same({k: v.resolve_conj().resolve_neg() for k, v in ours.items() if k != "flat"},
+                    {k: v.resolve_conj().resolve_neg() for k, v in state.items() if k != "flat"})
+        assert torch.equal(ours["c_conj"], torch.tensor([1 - 2j, 3 + 4j]))
+        assert torch.equal(ours["x_neg"], torch.tensor([-1.0, -3.0]))
+        assert torch.equal(ours["flat"][0], flat) and vars(ours["flat"][0]) == {"ds_id": "0_3"}
+
+
 def test_sync_and_async_modes_write_identical_files(tmp_path):
     state = sample_state()
     for mode in ("async", "sync"):
