@@ -416,10 +416,11 @@ class AsyncCheckpointer:
         checksum, zip_crc32 = self.config.checksum, self.config.zip_crc32
         if not self.config.is_async:
             largest = max((i.nbytes for mine in staged for i in mine), default=0)
+            stage = functools.partial(self._stager.stage, ready=self._stager.ready_event(),
+                                      expected_bytes=largest)  # with CUDA: after queued kernels
             try:
                 record = write_file(self.storage, path, plans, checksum, part_names=names,
-                                    zip_crc32=zip_crc32, share=share,
-                                    stage=functools.partial(self._stager.stage, expected_bytes=largest))
+                                    zip_crc32=zip_crc32, share=share, stage=stage)
             except BaseException as exc:  # for rank 0's error, once the caller abandons the save
                 handle.failure = f"{type(exc).__name__}: {exc}"
                 raise

@@ -479,13 +479,19 @@ class Stager:
         self._thread = threading.Thread(target=self._run, name="async-ckpt-copier", daemon=True)
         self._thread.start()
 
+    def ready_event(self) -> Any:
+        """With CUDA, an event recorded on the current (training) stream: copies on the copy
+        stream wait for it, so they see the values as of now, with every kernel queued before
+        it done, not as of when the copy stream gets to them. None without CUDA."""
+        if not self.use_cuda:
+            return None
+        ready = torch.cuda.Event()
+        ready.record()
+        return ready
+
     def submit(self, items: Iterable[TensorItem]) -> None:
         """Queue lazy items for the background copier (called on the training thread)."""
-        ready = None
-        if self.use_cuda:
-            # The copy stream must see the values as of now, not as of when it gets to them.
-            ready = torch.cuda.Event()
-            ready.record()
+        ready = self.ready_event()
         items = list(items)
         with self._lock:
             self._pending.extend(items)

@@ -1600,6 +1600,30 @@ def test_cuda_pinned_pool_and_copy_stream_overlap(tmp_path):
 
 
 @pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: copy stream")
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_cuda_copies_see_kernels_queued_before_the_save(tmp_path, mode):
+    """The copy stream waits for what the training stream queued before the save: here a
+    long chain of matmuls and then the write of the saved tensor. The sync mode copied
+    without that wait (its items were staged with no ready event)."""
+    dev = torch.device("cuda")
+    saved = torch.zeros(16 << 20, device=dev)  # 64 MiB
+    x = torch.randn(4096, 4096, device=dev)
+    torch.cuda.synchronize()
+    for _ in range(30):  # about 100 ms of queued work on an H100
+        x = x @ x
+        x = x / x.norm()
+    saved.add_(1.0 + 0.0 * x[0, 0])  # runs after all of them
+    ck = make(mode, gb=1)
+    save_one(ck, str(tmp_path), {"module": {"w": saved}}, eager=())
+    ck.fence()
+    ck.wait()
+    ck.close()
+    loaded = torch.load(tmp_path / "t1" / "model.pt", map_location="cpu")
+    assert torch.equal(loaded["module"]["w"], torch.ones(16 << 20))
+
+
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: cudaHostRegister")
 def test_cuda_pool_pins_blocks_exactly_and_unpins_dropped_ones():
     pool = HostBufferPool(64 << 20, pin=True)
