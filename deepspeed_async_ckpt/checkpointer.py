@@ -35,9 +35,10 @@ from typing import Any, Callable, Iterable
 import torch
 import xxhash
 
-from .commit import (META_DIR, Pointer, commit, find_checkpoint_dir, finish_replacements,
-                     read_manifest, remove_trash, replace_checkpoint, retire_checkpoints,
-                     staging_dir, verify_checkpoint, verify_file, write_rank_failure, write_rank_record)
+from .commit import (META_DIR, Pointer, check_checkpoint_dir, commit, find_checkpoint_dir,
+                     finish_replacements, read_manifest, remove_trash, replace_checkpoint,
+                     retire_checkpoints, staging_dir, verify_checkpoint, verify_file,
+                     write_rank_failure, write_rank_record)
 from .config import AsyncCheckpointConfig
 from .errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
 from .persist import FileRecord, Share, split_items, write_file
@@ -307,7 +308,7 @@ class AsyncCheckpointer:
         if self._current is not None:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
                                        "still open: call end() first")
-        ckpt_dir = os.path.abspath(ckpt_dir)
+        ckpt_dir = check_checkpoint_dir(ckpt_dir, pointer)
         self._verified.pop(ckpt_dir, None)  # being saved again: its files will change
         with self._dirs_lock:  # before the exchange, so before any rank writes into it
             self._beginning = ckpt_dir  # retention leaves it alone (see retire_older)

@@ -85,6 +85,29 @@ def test_conjugate_and_negative_views_and_tensor_attributes_load_as_torch_saves_
         assert torch.equal(ours["flat"][0], flat) and vars(ours["flat"][0]) == {"ds_id": "0_3"}
 
 
+@pytest.mark.parametrize("tag", ["", ".", "..", "a/b", ".async_ckpt_staging.x"])
+def test_a_tag_that_is_not_one_plain_name_is_refused_and_nothing_is_touched(tmp_path, tag):
+    """DeepSpeed takes ``save_checkpoint(save_dir, tag="")``: the checkpoint directory was then
+    ``save_dir`` itself, swapped in over everything in it, and ``keep_last`` ran on the
+    directory above and removed other runs' directories there."""
+    runs = tmp_path / "runs"
+    ck = make(keep_last=1)
+    for run in ("a", "b"):
+        save_one(ck, str(runs / run), sample_state(), tag="s1")
+    ck.wait()
+    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+    save_dir = str(runs / "b")
+    with pytest.raises(ValueError, match="checkpoint directory .*(cannot name a checkpoint|must sit beside it)"):
+        ck.begin(os.path.join(save_dir, tag), tag=tag, pointer=Pointer(os.path.join(save_dir, "latest"), tag))
+    assert not ck.is_open
+    save_one(ck, save_dir, sample_state(), tag="s2")  # the next save works, retention as before
+    ck.wait()
+    ck.close()
+    assert sorted(os.listdir(runs)) == ["a", "b"] and sorted(os.listdir(runs / "b")) == ["latest", "s2"]
+    assert sorted(os.listdir(runs / "a")) == ["latest", "s1"]
+    assert len(before) > 4
+
+
 def test_sync_and_async_modes_write_identical_files(tmp_path):
     state = sample_state()
     for mode in ("async", "sync"):
