@@ -25,6 +25,7 @@ Retention (``keep_last``) runs after the pointer moved: see :func:`retire_checkp
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -34,6 +35,8 @@ from typing import Callable, Iterable, Sequence
 from .errors import CommitError, IntegrityError
 from .persist import HASHERS, FileRecord, hash_ranges
 from .storage import Storage, is_temporary, temporary_path
+
+logger = logging.getLogger(__name__)
 
 META_DIR = ".async_ckpt"
 MANIFEST = "manifest.json"
@@ -349,11 +352,19 @@ def _is_committed(ckpt_dir: str) -> bool:
 
 def remove_trash(storage: Storage, save_dir: str) -> list[str]:
     """Delete what retention and :func:`replace_checkpoint` renamed for deletion under
-    ``save_dir`` (:data:`REMOVING_PREFIX`), including deletions a crash cut short."""
+    ``save_dir`` (:data:`REMOVING_PREFIX`), including deletions a crash cut short. An entry
+    that cannot be deleted is logged and left for the next call; the others still go (one
+    such entry stopped every later retention before)."""
     removed = []
     for name in storage.listdir(save_dir):
         if name.startswith(REMOVING_PREFIX):
-            storage.remove_tree(os.path.join(save_dir, name))
+            path = os.path.join(save_dir, name)
+            try:
+                storage.remove_tree(path)
+            except OSError as exc:
+                logger.warning("async checkpoint: deleting %s failed (tried again after the "
+                               "next commit): %s", path, exc)
+                continue
             removed.append(name)
     return removed
 
@@ -403,9 +414,17 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
             if path in protected():
                 continue
             trash = os.path.join(save_dir, REMOVING_PREFIX + name)
-            storage.replace(path, trash)
-        storage.remove_tree(trash)
-        removed.append(name)
+            try:
+                storage.replace(path, trash)
+            except OSError as exc:  # this one stays; the others still go
+                logger.warning("async checkpoint: retiring %s failed: %s", path, exc)
+                continue
+        removed.append(name)  # no longer a checkpoint, deleted or not
+        try:
+            storage.remove_tree(trash)
+        except OSError as exc:
+            logger.warning("async checkpoint: deleting %s failed (tried again after the next "
+                           "commit): %s", trash, exc)
     return removed
 
 

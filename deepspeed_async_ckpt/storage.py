@@ -73,7 +73,8 @@ class Storage(Protocol):
         """Names in directory ``path`` (rank 0 polls the checkpoint's records with one call)."""
 
     def remove_tree(self, path: str) -> None:
-        """Delete directory ``path`` and everything under it (retention)."""
+        """Delete directory ``path`` and everything under it (retention); a symbolic link or
+        a file at ``path`` is unlinked."""
 
 
 class LocalStorage:
@@ -173,7 +174,10 @@ class LocalStorage:
         return os.listdir(path)
 
     def remove_tree(self, path: str) -> None:
-        shutil.rmtree(path)
+        if os.path.islink(path) or not os.path.isdir(path):  # a tag that was a symlink, say
+            os.unlink(path)
+        else:
+            shutil.rmtree(path)
 
 
 def _fsync_dir(path: str) -> None:

@@ -14,7 +14,7 @@ import torch
 import xxhash
 
 from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
-from deepspeed_async_ckpt.commit import META_DIR, Pointer, read_manifest, verify_checkpoint
+from deepspeed_async_ckpt.commit import META_DIR, REMOVING_PREFIX, Pointer, read_manifest, verify_checkpoint
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError, PersistError, SnapshotError
 from deepspeed_async_ckpt.snapshot import HostBufferPool
@@ -1514,32 +1514,58 @@ def test_keep_last_never_takes_a_directory_from_under_a_save_being_begun(tmp_pat
 
 
 def test_keep_last_failure_to_remove_keeps_the_commit_and_retries_next_time(tmp_path, caplog):
+    """One entry that cannot be deleted is logged, naming it, and does not hold up the
+    others: it stopped every later retention before (``remove_trash`` raised on it first)."""
     class Undeletable(LocalStorage):
-        fail = True
+        fail = {"s0"}
 
         def remove_tree(self, path):
-            if Undeletable.fail:
+            if any(path.endswith(REMOVING_PREFIX + name) for name in Undeletable.fail):
                 raise PermissionError(errno.EACCES, "Permission denied", path)
             super().remove_tree(path)
 
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, keep_last=1, host_buffer_gb=0.01),
                            storage=Undeletable())
     root = str(tmp_path)
-    for tag in ("s0", "s1"):
+    for tag in ("s0", "s1", "s2"):
         save_one(ck, root, sample_state(), tag=tag)
-        ck.wait()  # raises nothing: the commit of s1 stands
-    assert (tmp_path / "latest").read_text() == "s1"
-    assert "removing older checkpoints (keep_last=1) failed" in caplog.text
+        ck.wait()  # raises nothing: the commits stand
+    assert (tmp_path / "latest").read_text() == "s2"
+    assert f"deleting {os.path.join(root, REMOVING_PREFIX + 's0')} failed" in caplog.text
     assert "Permission denied" in caplog.text
-    # s0 was renamed away (it is no longer a checkpoint) but could not be deleted
-    assert sorted(os.listdir(root)) == [".async_ckpt_removing.s0", "latest", "s1"]
-    Undeletable.fail = False
-    handle = save_one(ck, root, sample_state(), tag="s2")
+    # s0 was renamed away (it is no longer a checkpoint) but could not be deleted; s1 went
+    assert sorted(os.listdir(root)) == [REMOVING_PREFIX + "s0", "latest", "s2"]
+    Undeletable.fail = set()
+    handle = save_one(ck, root, sample_state(), tag="s3")
     ck.wait()
     ck.close()
-    assert handle.retired == ["s1"]
-    assert sorted(os.listdir(root)) == ["latest", "s2"]
-    verify_checkpoint(str(tmp_path / "s2"))
+    assert handle.retired == ["s2"]
+    assert sorted(os.listdir(root)) == ["latest", "s3"]
+    verify_checkpoint(str(tmp_path / "s3"))
+
+
+def test_a_tag_that_was_a_symbolic_link_is_replaced_and_retention_goes_on(tmp_path):
+    """``best -> global_step2``, saved again: the new checkpoint replaces the link (the one it
+    pointed at is untouched), and the link, moved away, is unlinked: ``rmtree`` refused it,
+    and that one entry stopped all later retention."""
+    root = str(tmp_path)
+    ck = make(keep_last=2)
+    for i in range(3):
+        save_one(ck, root, sample_state(), tag=f"global_step{i}")
+        ck.wait()
+    os.symlink("global_step2", os.path.join(root, "best"))
+    state = sample_state()
+    state["global_steps"] = 99
+    save_one(ck, root, state, tag="best")
+    ck.wait()
+    assert not os.path.islink(os.path.join(root, "best"))
+    assert _steps(tmp_path / "best" / "model.pt") == 99
+    assert _steps(tmp_path / "global_step2" / "model.pt") == 5
+    for i in range(3, 6):
+        save_one(ck, root, sample_state(), tag=f"global_step{i}")
+        ck.wait()
+    ck.close()
+    assert sorted(os.listdir(root)) == ["global_step4", "global_step5", "latest"]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
