@@ -743,21 +743,41 @@ class AsyncCheckpointer:
         (unless :meth:`verify_all_ranks` checked that checkpoint, as it still is)."""
         if self._inflight:
             self.wait()
-        if self.config.verify_on_load and not self._was_verified(path):
-            verify_file(path)
-        return torch.load(path, map_location=map_location, weights_only=False)
+        verified = self._verified_check(path)
+        if verified is None:
+            if self.config.verify_on_load:
+                verify_file(path)
+            return torch.load(path, map_location=map_location, weights_only=False)
+        self._check_still(verified, path)  # before: not verified against another commit
+        state = torch.load(path, map_location=map_location, weights_only=False)
+        self._check_still(verified, path)  # after: not read from the one that replaced it
+        return state
 
-    def _was_verified(self, path: str) -> bool:
+    def _verified_check(self, path: str) -> tuple[str, str] | None:
+        """``(checkpoint directory, save id)`` of the check by :meth:`verify_all_ranks` that
+        covers ``path``, if any."""
         ckpt_dir = find_checkpoint_dir(os.path.abspath(path))
         if ckpt_dir is None or ckpt_dir not in self._verified:
-            return False
+            return None
         save_id, include = self._verified[ckpt_dir]
         if include is not None and not include(os.path.relpath(os.path.abspath(path), ckpt_dir)):
-            return False  # left out of that check: not read by the load it was made for
-        try:  # the same commit, not one written over it since
-            return read_manifest(ckpt_dir)["save_id"] == save_id
-        except IntegrityError:
-            return False
+            return None  # left out of that check: not read by the load it was made for
+        return ckpt_dir, save_id
+
+    @staticmethod
+    def _check_still(verified: tuple[str, str], path: str) -> None:
+        """The checkpoint a load verified is still the one there: a save of the same tag (the
+        trainer, while an evaluation job loads) may have replaced it since, and the files this
+        load read before came from the old one."""
+        ckpt_dir, save_id = verified
+        try:
+            now = read_manifest(ckpt_dir).get("save_id")
+        except (IntegrityError, OSError) as exc:
+            now = f"unreadable ({exc})"
+        if now != save_id:
+            raise IntegrityError(f"checkpoint {ckpt_dir!r} was saved again while it was being "
+                                 f"loaded (save {save_id} verified, now {now}), before "
+                                 f"{os.path.relpath(path, ckpt_dir)} was read: load it again")
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -1238,6 +1238,35 @@ def test_a_staged_save_whose_swap_is_abandoned_is_swept_and_the_old_one_stays(tm
     assert _steps(tmp_path / "t" / "model.pt") == sample_state()["global_steps"] != 9
 
 
+def test_a_load_of_a_tag_saved_again_meanwhile_is_refused_not_mixed(tmp_path):
+    """An evaluation job verifies tag "last" and reads its files one by one (DeepSpeed: model
+    states, then optimizer states) while the trainer saves "last" again. The files read after
+    the swap came from the new save: one load returned step 100's model and step 200's
+    optimizer. Now the load raises, naming the checkpoint, and a new load gets step 200."""
+    root = str(tmp_path)
+    d = os.path.join(root, "last")
+
+    def save_tag(ck, step):
+        ck.begin(d, tag="last", pointer=Pointer(os.path.join(root, "latest"), "last"))
+        ck.save({"step": step}, os.path.join(d, "model_states.pt"))
+        ck.save({"step": step, "m": torch.full((8,), float(step))}, os.path.join(d, "optim_states.pt"))
+        ck.end()
+        ck.wait()
+
+    trainer, loader = make("sync"), make("sync")
+    save_tag(trainer, 100)
+    loader.verify_all_ranks(d)
+    assert loader.load(os.path.join(d, "model_states.pt"))["step"] == 100
+    save_tag(trainer, 200)
+    with pytest.raises(IntegrityError, match=r"last' was saved again while it was being loaded.*"
+                                             r"optim_states\.pt"):
+        loader.load(os.path.join(d, "optim_states.pt"))
+    loader.verify_all_ranks(d)  # loading again
+    assert [loader.load(os.path.join(d, f))["step"] for f in ("model_states.pt", "optim_states.pt")] == [200, 200]
+    trainer.close()
+    loader.close()
+
+
 def test_saving_again_a_directory_whose_save_is_in_flight_does_not_wait_for_it(tmp_path, monkeypatch):
     """The second save of one directory no longer waits in begin() for the first to commit:
     it is staged, and swapped in after the first commit, in order."""
