@@ -61,9 +61,13 @@ def _pointer_target(save_dir: str) -> str | None:
     import os
 
     for pointer, fmt in _POINTERS:
-        if os.path.isfile(os.path.join(save_dir, pointer)):
-            with open(os.path.join(save_dir, pointer), encoding="utf-8") as f:
-                return fmt.format(f.read().strip())
+        path = os.path.join(save_dir, pointer)
+        if os.path.isfile(path):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    return fmt.format(f.read().strip())
+            except (OSError, ValueError) as exc:
+                raise CliError(f"cannot read the pointer {path!r}: {exc}") from None
     return None
 
 
@@ -86,7 +90,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     import datetime
     import os
 
-    from .commit import META_DIR, REMOVING_PREFIX, STAGING_PREFIX, read_manifest
+    from .commit import MANIFEST, META_DIR, REMOVING_PREFIX, STAGING_PREFIX, read_manifest
     from .errors import IntegrityError
 
     save_dir = args.save_dir
@@ -106,15 +110,18 @@ def _cmd_list(args: argparse.Namespace) -> int:
         elif os.path.isdir(os.path.join(path, META_DIR)):
             try:
                 manifest = read_manifest(path)
-            except (IntegrityError, OSError, ValueError, KeyError):  # no (readable) manifest
+            except (IntegrityError, OSError) as exc:  # no manifest, or a damaged one
                 records = [n for n in os.listdir(os.path.join(path, META_DIR)) if n.startswith("rank_")]
-                row.update(state="partial", rank_records=len(records))
+                if os.path.exists(os.path.join(path, META_DIR, MANIFEST)):
+                    row.update(state="damaged", problem=str(exc))
+                else:
+                    row.update(state="partial", rank_records=len(records))
             else:
                 row.update(state="committed", committed_at=manifest["committed_at"],
                            files=len(manifest["files"]), world_size=manifest["world_size"],
                            bytes=sum(e["bytes"] for e in manifest["files"].values()))
         rows.append(row)
-    order = {"committed": 0, "partial": 1, "staged": 2, "being removed": 3, "other": 4}
+    order = {"committed": 0, "damaged": 1, "partial": 2, "staged": 3, "being removed": 4, "other": 5}
     rows.sort(key=lambda r: (order[r["state"]], -r.get("committed_at", 0), r["name"]))
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -124,7 +131,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         when = datetime.datetime.fromtimestamp(r["committed_at"], datetime.timezone.utc) \
             .strftime("%Y-%m-%d %H:%M:%S") if "committed_at" in r else "-"
         detail = f"{r['rank_records']} rank record(s)" if r["state"] == "partial" else \
-            f"replaces {r['replaces']}" if r["state"] == "staged" else ""
+            f"replaces {r['replaces']}" if r["state"] == "staged" else \
+            "manifest unreadable: see `verify`" if r["state"] == "damaged" else ""
         table.append((r["name"], r["state"], when, str(r.get("files", "-")),
                       _bytes_text(r["bytes"]) if "bytes" in r else "-",
                       str(r.get("world_size", "-")), "<- pointer" if r["pointer"] else detail))

@@ -439,13 +439,40 @@ def find_checkpoint_dir(path: str) -> str | None:
 
 
 def read_manifest(ckpt_dir: str) -> dict:
+    """The committed manifest of ``ckpt_dir``; ``IntegrityError`` naming it if there is none
+    or it is damaged (a truncated copy, say: not JSON, or without the fields a commit writes)."""
     path = os.path.join(ckpt_dir, META_DIR, MANIFEST)
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            manifest = json.load(f)
     except FileNotFoundError:
         raise IntegrityError(f"checkpoint {ckpt_dir!r} was never committed (no {META_DIR}/{MANIFEST}): "
                              "it is partial; load the checkpoint its pointer names") from None
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise IntegrityError(f"checkpoint {ckpt_dir!r}: its manifest {path} is damaged: {exc}") from None
+    problem = _manifest_problem(manifest)
+    if problem:
+        raise IntegrityError(f"checkpoint {ckpt_dir!r}: its manifest {path} is damaged: {problem}")
+    return manifest
+
+
+#: What every committed manifest holds (see :func:`_commit`), and of which type.
+_MANIFEST_FIELDS = {"format": str, "tag": str, "save_id": str, "world_size": int, "checksum": str,
+                    "committed_at": (int, float), "files": dict}
+
+
+def _manifest_problem(manifest: object) -> str | None:
+    if not isinstance(manifest, dict):
+        return f"a {type(manifest).__name__}, not an object"
+    for key, kind in _MANIFEST_FIELDS.items():
+        if not isinstance(manifest.get(key), kind):
+            return f"{key!r} missing or of the wrong type"
+    for rel, entry in manifest["files"].items():
+        if os.path.isabs(rel) or os.pardir in rel.split("/"):
+            return f"file {rel!r} is outside the checkpoint"
+        if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
+            return f"file {rel!r} has no size"
+    return None
 
 
 def verify_file(path: str, manifest: dict | None = None, segment: int | Sequence[int] | None = None) -> None:

@@ -3,6 +3,7 @@
 import errno
 import hashlib
 import io
+import json
 import os
 import shutil
 import threading
@@ -1736,6 +1737,49 @@ def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "t1")]) == 1
     assert "model.pt" in capsys.readouterr().err
     assert main(["verify", str(tmp_path / "nope")]) == 2
+
+
+@pytest.mark.parametrize("damage,problem", [
+    (lambda text: text[:len(text) // 2], "Unterminated|Expecting"),  # a truncated copy
+    (lambda text: "[]", "a list, not an object"),
+    (lambda text: text.replace('"files"', '"filez"'), "'files' missing"),
+    (lambda text: text.replace('"bytes"', '"size"'), "file 'model.pt' has no size"),
+    (lambda text: text.replace('"model.pt"', '"../../x"'), "outside the checkpoint"),
+    (lambda text: "\udcff", "codec can.t decode"),  # not UTF-8
+])
+def test_a_damaged_manifest_is_an_integrity_error_naming_it(tmp_path, capsys, damage, problem):
+    """Before, a truncated manifest gave a bare JSONDecodeError (KeyError, TypeError) from a
+    load, and tracebacks from ``verify`` and ``list``."""
+    from deepspeed_async_ckpt.cli import main
+
+    ck = make()
+    save_one(ck, str(tmp_path), sample_state())
+    ck.close()
+    manifest = tmp_path / "t1" / META_DIR / "manifest.json"
+    manifest.write_text(damage(manifest.read_text()), errors="surrogateescape")
+    with pytest.raises(IntegrityError, match=f"t1'.*manifest {manifest} is damaged: .*({problem})"):
+        read_manifest(str(tmp_path / "t1"))
+    loader = make()
+    with pytest.raises(IntegrityError, match="is damaged"):
+        loader.verify_all_ranks(str(tmp_path / "t1"))
+    with pytest.raises(IntegrityError, match="is damaged"):
+        loader.load(str(tmp_path / "t1" / "model.pt"))
+    loader.close()
+    assert main(["verify", str(tmp_path)]) == 1
+    assert "CORRUPT:" in capsys.readouterr().err
+    assert main(["list", str(tmp_path), "--json"]) == 0
+    rows = json.loads(capsys.readouterr().out)
+    assert rows[0]["name"] == "t1" and rows[0]["state"] == "damaged", rows
+
+
+def test_an_unreadable_pointer_is_a_cli_error(tmp_path, capsys):
+    from deepspeed_async_ckpt.cli import main
+
+    (tmp_path / "iter_0000001").mkdir()
+    (tmp_path / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe")
+    for command in ("verify", "list"):
+        assert main([command, str(tmp_path)]) == 2
+        assert "cannot read the pointer" in capsys.readouterr().err
 
 
 def test_list_cli_shows_committed_newest_first_partial_and_other(tmp_path, capsys):
