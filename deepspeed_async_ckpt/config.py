@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass
 from typing import Any, Mapping
@@ -91,6 +92,9 @@ class AsyncCheckpointConfig:
         _check_type("verify_on_load", self.verify_on_load, bool)
         _check_type("split_replicated_files", self.split_replicated_files, bool)
         _check_positive_number("host_buffer_gb", self.host_buffer_gb)
+        if not math.isfinite(self.host_buffer_gb):  # a bound: infinity is no bound
+            raise ConfigError(f"{CONFIG_KEY}.host_buffer_gb must be a finite number > 0, "
+                              f"got {self.host_buffer_gb!r}")
         _check_positive_number("commit_timeout_s", self.commit_timeout_s)
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ConfigError(f"{CONFIG_KEY}.keep_last must be an integer >= 0 (0 keeps every "

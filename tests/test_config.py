@@ -26,6 +26,7 @@ def test_unknown_key_is_named_with_allowed_keys():
     ("checksum", "md5", "'xxh128', 'crc32', 'sha256', 'none'"),
     ("host_buffer_gb", 0, "> 0"),
     ("host_buffer_gb", "8", "> 0"),
+    ("host_buffer_gb", float("inf"), "finite"),  # accepted before; the engine then overflowed
     ("writer_threads", 0, "[1, 64]"),
     ("writer_threads", 2.5, "[1, 64]"),
     ("enabled", "yes", "true or false"),
