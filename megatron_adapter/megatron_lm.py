@@ -43,6 +43,7 @@ import runpy
 import sys
 from typing import Any, Callable
 
+from deepspeed_async_ckpt.commit import META_DIR
 from deepspeed_async_ckpt.errors import ConfigError, IntegrityError
 
 from .arguments import add_arguments, config_from_args
@@ -209,9 +210,13 @@ def load_checkpoint(*args, **kwargs):
             iteration = getattr(margs, "ckpt_step", None) or (read_tracker(load_dir) if load_dir else None)
         except IntegrityError:  # "release": not a checkpoint this engine writes
             iteration = None
-        if iteration is not None and engine.config.verify_on_load:
-            verify_checkpoint_dir(checkpoint_dir(load_dir, iteration), rank=dist.get_rank(),
-                                  world_size=dist.get_world_size(), skip=skipped_by_load(margs))
+        ckpt_dir = None if iteration is None else checkpoint_dir(load_dir, iteration)
+        # Only this engine's checkpoints: Megatron-LM reads any other format (legacy torch,
+        # torch_dcp, megatron-core's own torch_dist) itself, whatever --ckpt-format says.
+        if ckpt_dir is not None and engine.config.verify_on_load and \
+                os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
+            verify_checkpoint_dir(ckpt_dir, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                  skip=skipped_by_load(margs))
     return _ORIGINALS["load"](*args, **kwargs)
 
 

@@ -104,6 +104,25 @@ def test_megatron_lm_routes_only_saves_the_engine_can_honour(monkeypatch):
     assert not routed(dict(plain, model=[converted]), "torch_dist")  # Megatron-LM saves its state
 
 
+def test_megatron_lm_hook_passes_other_formats_to_megatron_lm_and_refuses_partial_ones():
+    """With --async-ckpt, the hooked load verified every checkpoint the tracker named and
+    refused one without this engine's manifest or megatron-core's metadata.json: Megatron-LM's
+    legacy and torch_dcp checkpoints, which Megatron-LM itself detects and loads. Run with
+    stand-ins for megatron.training (not installable here), in a process of its own."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "workers", "megatron_lm_stub_load.py"),
+                          str(port)], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, PYTHONPATH=REPO))
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    assert result["legacy"] == ["load"]
+    assert result["partial"].startswith("IntegrityError") and "never committed" in result["partial"]
+
+
 def test_megatron_lm_refuses_async_save_together_with_the_engine():
     from megatron_adapter.megatron_lm import _engine
 
