@@ -65,10 +65,12 @@ class CheckpointHandle:
     """
 
     def __init__(self, ckpt_dir: str, tag: str, save_id: str, pointer: Pointer | None,
-                 write_dir: str | None = None, swap_at_commit: bool = True) -> None:
+                 write_dir: str | None = None, swap_at_commit: bool = True,
+                 late_files: tuple[str, ...] = ()) -> None:
         self.ckpt_dir, self.tag, self.save_id, self.pointer = ckpt_dir, tag, save_id, pointer
         self.write_dir = write_dir or ckpt_dir
         self.swap_at_commit = swap_at_commit
+        self.late_files = late_files
         """Where this save's files go: ``ckpt_dir``, or, when that already held files, a
         staging directory beside it that the commit swaps in (see :meth:`AsyncCheckpointer.begin`)."""
         self.items: list[TensorItem] = []
@@ -293,7 +295,7 @@ class AsyncCheckpointer:
 
     # ------------------------------------------------------------------ save path
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
-              swap_at_commit: bool = True) -> CheckpointHandle:
+              swap_at_commit: bool = True, late_files: Iterable[str] = ()) -> CheckpointHandle:
         """Start a checkpoint (collective: every rank). If a previous save failed on any rank,
         raises on every rank (the failing one gets its own error) and starts nothing.
 
@@ -303,7 +305,9 @@ class AsyncCheckpointer:
         (:func:`~.commit.replace_checkpoint`): the old checkpoint stays whole and loadable
         until the new one is committed. ``swap_at_commit=False``: rank 0 calls
         :meth:`swap_in` itself once the commit is done (the Megatron adapter, whose marker
-        files come after the commit)."""
+        files come after the commit). ``late_files``: files (paths in the checkpoint) that
+        rank 0's caller writes after the commit and records with
+        :func:`~.commit.record_late_files`; until then the checkpoint does not verify."""
         self._check_open()
         if self._current is not None:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
@@ -333,7 +337,7 @@ class AsyncCheckpointer:
             save_id, staged, _ = save_id.partition(_STAGED)
             write_dir = staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
             self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
-                                             swap_at_commit)
+                                             swap_at_commit, tuple(late_files))
             if staged and not swap_at_commit and self.rank == 0:
                 with self._lock:
                     self._unswapped.add(self._current)
@@ -870,7 +874,7 @@ class AsyncCheckpointer:
                 commit(self.storage, handle.write_dir, tag=handle.tag, save_id=handle.save_id,
                        world_size=self.world_size, checksum=cfg.checksum,
                        timeout_s=cfg.commit_timeout_s, pointer=handle.pointer,
-                       replaces=handle.ckpt_dir if swap else None)
+                       replaces=handle.ckpt_dir if swap else None, late_files=handle.late_files)
             handle.times["committed"] = time.perf_counter()
             if self.rank == 0 and swap:  # the checkpoint it replaced: deleted in the background
                 self._later(self._remove_trash, os.path.dirname(handle.ckpt_dir))

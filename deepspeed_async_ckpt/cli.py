@@ -90,7 +90,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
     import datetime
     import os
 
-    from .commit import MANIFEST, META_DIR, REMOVING_PREFIX, STAGING_PREFIX, read_manifest
+    from .commit import (MANIFEST, META_DIR, REMOVING_PREFIX, STAGING_PREFIX, is_finalized,
+                         read_manifest)
     from .errors import IntegrityError
 
     save_dir = args.save_dir
@@ -117,11 +118,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
                 else:
                     row.update(state="partial", rank_records=len(records))
             else:
-                row.update(state="committed", committed_at=manifest["committed_at"],
+                row.update(state="committed" if is_finalized(path, manifest) else "unfinalized",
+                           committed_at=manifest["committed_at"],
                            files=len(manifest["files"]), world_size=manifest["world_size"],
                            bytes=sum(e["bytes"] for e in manifest["files"].values()))
         rows.append(row)
-    order = {"committed": 0, "damaged": 1, "partial": 2, "staged": 3, "being removed": 4, "other": 5}
+    order = {"committed": 0, "unfinalized": 1, "damaged": 2, "partial": 3, "staged": 4,
+             "being removed": 5, "other": 6}
     rows.sort(key=lambda r: (order[r["state"]], -r.get("committed_at", 0), r["name"]))
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -132,7 +135,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
             .strftime("%Y-%m-%d %H:%M:%S") if "committed_at" in r else "-"
         detail = f"{r['rank_records']} rank record(s)" if r["state"] == "partial" else \
             f"replaces {r['replaces']}" if r["state"] == "staged" else \
-            "manifest unreadable: see `verify`" if r["state"] == "damaged" else ""
+            "manifest unreadable: see `verify`" if r["state"] == "damaged" else \
+            "committed, markers never written" if r["state"] == "unfinalized" else ""
         table.append((r["name"], r["state"], when, str(r.get("files", "-")),
                       _bytes_text(r["bytes"]) if "bytes" in r else "-",
                       str(r.get("world_size", "-")), "<- pointer" if r["pointer"] else detail))

@@ -120,14 +120,16 @@ def poll_delay(waited_s: float) -> float:
 
 def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
            checksum: str, timeout_s: float, pointer: Pointer | None,
-           replaces: str | None = None) -> dict:
+           replaces: str | None = None, late_files: Sequence[str] = ()) -> dict:
     """Rank 0: wait for every rank's record, write the manifest, swap ``ckpt_dir`` in for
     ``replaces`` if given (a staging directory, see :func:`replace_checkpoint`), then move the
     pointer. If the commit fails, the files the replicas were writing in shares are removed (a
-    rank's own temporary files are removed by that rank)."""
+    rank's own temporary files are removed by that rank). ``late_files``: files the caller
+    writes after the commit (see :func:`record_late_files`), listed in the manifest so that
+    verification requires them."""
     try:
         manifest = _commit(storage, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
-                           checksum=checksum, timeout_s=timeout_s)
+                           checksum=checksum, timeout_s=timeout_s, late_files=late_files)
     except CommitError:
         suffix = temporary_path("", save_id)
         try:
@@ -149,7 +151,7 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
 
 
 def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
-            checksum: str, timeout_s: float) -> dict:
+            checksum: str, timeout_s: float, late_files: Sequence[str] = ()) -> dict:
     start = time.monotonic()
     deadline = start + timeout_s
     meta = os.path.join(ckpt_dir, META_DIR)
@@ -191,6 +193,8 @@ def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_si
     _join_shares(storage, ckpt_dir, files, tag)
     manifest = {"format": FORMAT, "tag": tag, "save_id": save_id, "world_size": world_size,
                 "checksum": checksum, "committed_at": time.time(), "files": files, "ranks": ranks}
+    if late_files:
+        manifest["late_files"] = sorted(late_files)
     write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
                       json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
@@ -467,12 +471,66 @@ def _manifest_problem(manifest: object) -> str | None:
     for key, kind in _MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(key), kind):
             return f"{key!r} missing or of the wrong type"
+    late = manifest.get("late_files", [])
+    if not isinstance(late, list) or not all(isinstance(rel, str) for rel in late):
+        return "'late_files' of the wrong type"
+    for rel in [*manifest["files"], *late]:
+        if os.path.isabs(rel) or os.pardir in rel.split("/"):
+            return f"file {rel!r} is outside the checkpoint"
     for rel, entry in manifest["files"].items():
         if os.path.isabs(rel) or os.pardir in rel.split("/"):
             return f"file {rel!r} is outside the checkpoint"
         if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
             return f"file {rel!r} has no size"
     return None
+
+
+#: Sizes and checksums of a checkpoint's ``late_files`` (see :func:`record_late_files`).
+LATE_FILES = "late_files.json"
+
+
+def record_late_files(storage: Storage, ckpt_dir: str) -> None:
+    """Rank 0, once the files its manifest lists under ``late_files`` are written (what an
+    adapter writes after the commit, from what the commit recorded: megatron-core's
+    ``.metadata`` and ``metadata.json``): record their sizes and checksums, durably, so that
+    verification covers them as it covers the rest. Until then, the checkpoint does not
+    verify ("committed but never finalized")."""
+    manifest = read_manifest(ckpt_dir)
+    algorithm = manifest["checksum"]
+    files = {}
+    for rel in manifest.get("late_files", ()):
+        ((size, digest),) = hash_ranges(os.path.join(ckpt_dir, rel), algorithm, [(0, None)])
+        files[rel] = {"bytes": size, algorithm: digest}
+    write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, LATE_FILES),
+                      json.dumps(files, indent=1, sort_keys=True))
+
+
+def is_finalized(ckpt_dir: str, manifest: dict) -> bool:
+    """Whether a committed checkpoint's ``late_files`` are recorded (always, without any)."""
+    return not manifest.get("late_files") or os.path.exists(os.path.join(ckpt_dir, META_DIR, LATE_FILES))
+
+
+def _verify_late_files(ckpt_dir: str, manifest: dict) -> None:
+    names = manifest.get("late_files")
+    if not names:
+        return
+    path = os.path.join(ckpt_dir, META_DIR, LATE_FILES)
+    try:
+        with open(path, encoding="utf-8") as f:
+            files = json.load(f)
+    except FileNotFoundError:
+        raise IntegrityError(f"checkpoint {ckpt_dir!r} was committed but never finalized "
+                             f"({', '.join(names)} not recorded): load the one the pointer "
+                             "names") from None
+    except ValueError as exc:
+        raise IntegrityError(f"checkpoint {ckpt_dir!r}: {path} is damaged: {exc}") from None
+    problem = _manifest_problem(dict(manifest, files=files))
+    if problem or sorted(files) != sorted(names):
+        raise IntegrityError(f"checkpoint {ckpt_dir!r}: {path} is damaged: "
+                             f"{problem or f'it records {sorted(files)}, not {sorted(names)}'}")
+    with_late = dict(manifest, files=files)
+    for rel in names:
+        verify_file(os.path.join(ckpt_dir, rel), with_late)
 
 
 def verify_file(path: str, manifest: dict | None = None, segment: int | Sequence[int] | None = None) -> None:
@@ -544,6 +602,8 @@ def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
                       for i in range(len(entry.get("segments", [None])))]
     for rel, segment in units[rank::world_size]:
         verify_file(os.path.join(ckpt_dir, rel), manifest, segment)
+    if rank == 0:  # a few small files, which every load reads
+        _verify_late_files(ckpt_dir, manifest)
     return manifest
 
 

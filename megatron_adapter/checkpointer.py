@@ -45,7 +45,8 @@ import torch.distributed as dist
 from deepspeed_async_ckpt.checkpointer import (AsyncCheckpointer, CheckpointHandle, by_rank,
                                                cancel_flush_at_exit, exchange_across_ranks,
                                                flush_at_exit)
-from deepspeed_async_ckpt.commit import META_DIR, read_manifest, verify_checkpoint, write_text_atomic
+from deepspeed_async_ckpt.commit import (META_DIR, read_manifest, record_late_files, verify_checkpoint,
+                                         write_text_atomic)
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError
 from deepspeed_async_ckpt.storage import Storage, aligned_size
@@ -157,7 +158,8 @@ class MegatronCheckpointer:
         record = SaveRecord(iteration=iteration, ckpt_dir=ckpt_dir)
         # A directory that holds a checkpoint (the tracker's iteration saved again) is
         # replaced once this save is finalized: staged beside it, swapped in by _finalize.
-        handle = self.engine.begin(ckpt_dir, tag=str(iteration), swap_at_commit=False)
+        handle = self.engine.begin(ckpt_dir, tag=str(iteration), swap_at_commit=False,
+                                   late_files=torch_dist.MARKER_FILES)
         error: BaseException | None = None
         try:
             if self.rank == 0:
@@ -302,6 +304,7 @@ class MegatronCheckpointer:
             return  # the engine reports its own failure; the tracker stays put
         try:
             torch_dist.write_markers(self.engine.storage, handle.write_dir, index)
+            record_late_files(self.engine.storage, handle.write_dir)  # the markers verify too
         except BaseException:  # the iteration it re-saves, if any, stays; its staging is swept
             self.engine.abandon_swap(handle)
             raise

@@ -244,6 +244,39 @@ def test_committed_checkpoint_verifies_and_tracker_names_it(saved_tp2_pp2):
         verify_checkpoint_dir(ckpt_dir)
 
 
+def test_marker_files_are_verified_and_a_checkpoint_without_them_is_unfinalized(saved_tp2_pp2, tmp_path,
+                                                                              capsys):
+    """``.metadata`` (where every item is in the .distcp files) and ``metadata.json`` are
+    written after the commit, so the manifest could not checksum them: a truncated
+    ``.metadata`` passed ``verify`` and the adapter's check, and megatron-core's load failed
+    on it. They are recorded once written (``late_files.json``), and a checkpoint whose
+    markers were never written shows as unfinalized in ``list`` and fails ``verify``."""
+    import shutil
+
+    from deepspeed_async_ckpt.cli import main
+
+    save_dir = str(tmp_path / "ckpt")
+    shutil.copytree(os.path.join(saved_tp2_pp2, "ckpt_balanced"), save_dir)
+    ckpt_dir = os.path.join(save_dir, "iter_0000002")
+    assert read_manifest(ckpt_dir)["late_files"] == [".metadata", "metadata.json"]
+    verify_checkpoint_dir(ckpt_dir)
+    assert main(["verify", save_dir]) == 0
+    metadata = os.path.join(ckpt_dir, ".metadata")
+    data = open(metadata, "rb").read()
+    with open(metadata, "wb") as f:
+        f.write(data[:len(data) // 2])
+    with pytest.raises(IntegrityError, match=r"\.metadata: size"):
+        verify_checkpoint_dir(ckpt_dir)
+    assert main(["verify", save_dir]) == 1
+    assert ".metadata" in capsys.readouterr().err
+    for name in (".metadata", "metadata.json", os.path.join(META_DIR, "late_files.json")):
+        os.remove(os.path.join(ckpt_dir, name))  # a crash between the commit and the markers
+    assert main(["verify", ckpt_dir]) == 1
+    assert "never finalized" in capsys.readouterr().err
+    assert main(["list", save_dir, "--json"]) == 0
+    assert [r["state"] for r in json.loads(capsys.readouterr().out)] == ["unfinalized"]
+
+
 def test_resaving_the_trackers_iteration_keeps_it_whole_until_the_new_one_is_finalized(saved_tp2_pp2):
     """One iteration saved again with another state: the save that failed (rank 1's disk full)
     left the checkpoint the tracker names as it was (earlier versions removed its markers
@@ -278,11 +311,12 @@ def test_a_load_without_the_optimizer_hashes_none_of_its_bytes(saved_tp2_pp2):
         storage = pickle.load(f).storage_data
     not_optimizer = {(i.relative_path, i.offset) for index, i in storage.items()
                      if not index.fqn.startswith("optimizer.")}
-    expected = files["common.pt"]["bytes"] + sum(
+    markers = sum(os.path.getsize(os.path.join(ckpt_dir, n)) for n in (".metadata", "metadata.json"))
+    expected = markers + files["common.pt"]["bytes"] + sum(
         length for name, entry in files.items() if name.endswith(".distcp")
         for offset, length, _ in entry["segments"]
         if any(name == n and offset <= o < offset + length for n, o in not_optimizer))
-    assert sum(h["full"] for h in hashed.values()) == sum(e["bytes"] for e in files.values())
+    assert sum(h["full"] for h in hashed.values()) == markers + sum(e["bytes"] for e in files.values())
     assert sum(h["without_optimizer"] for h in hashed.values()) == expected
     assert sum(h["skip_optimizer"] for h in hashed.values()) == expected  # the Megatron-LM hook's way
     assert sum(h["per_rank"] for h in hashed.values()) == expected  # what any rank reads, once
