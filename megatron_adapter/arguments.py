@@ -1,7 +1,8 @@
 """The adapter's command-line flags, for ``scripts/pretrain_gpt.py`` and Megatron-LM's
 ``pretrain(extra_args_provider=...)``.
 
-``--async-ckpt``              use the engine asynchronously (without it: the same pipeline, inline)
+``--async-ckpt``              use the engine asynchronously (without it: the same pipeline, inline,
+                              unless the config file's ``mode`` says otherwise)
 ``--async-ckpt-config PATH``  engine settings: the DeepSpeed ``"async_checkpoint"`` schema
 ``--async-ckpt-writers MODE`` writer election, ``replica`` (default) or ``balanced``
 """
@@ -9,7 +10,6 @@
 from __future__ import annotations
 
 import argparse
-import dataclasses
 
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig, read_block
 
@@ -35,12 +35,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 def config_from_args(args: argparse.Namespace) -> AsyncCheckpointConfig:
     """The engine config the flags ask for. ``enabled`` defaults to true here (the file can set
-    it false); the mode is ``sync`` unless ``--async-ckpt`` is given."""
+    it false); the mode is the file's ``mode`` where it sets one, else ``async`` with
+    ``--async-ckpt`` and ``sync`` without (a file's ``"mode": "async"`` was overridden to sync
+    without the flag, while its ``"sync"`` won over the flag)."""
     path = getattr(args, "async_ckpt_config", None)
-    raw = {"enabled": True}
+    raw = {"enabled": True, "mode": "async" if getattr(args, "async_ckpt", False) else "sync"}
     if path:
         raw.update(read_block(path))
-    cfg = AsyncCheckpointConfig.from_dict(raw)
-    if not getattr(args, "async_ckpt", False):
-        cfg = dataclasses.replace(cfg, mode="sync")
-    return cfg
+    return AsyncCheckpointConfig.from_dict(raw)

@@ -52,6 +52,11 @@ def test_config_file_uses_the_deepspeed_schema(tmp_path):
     path.write_text(json.dumps({"async_checkpoint": {"mode": "sync", "host_buffer_gb": 2}}))
     cfg = config_from_args(parse("--async-ckpt", "--async-ckpt-config", str(path)))
     assert cfg.enabled and cfg.mode == "sync" and cfg.host_buffer_gb == 2  # the file's mode wins
+    path.write_text(json.dumps({"mode": "async"}))  # without the flag too: the file's mode wins
+    assert config_from_args(parse("--async-ckpt-config", str(path))).is_async
+    path.write_text(json.dumps({"host_buffer_gb": 2}))  # no mode in the file: the flag decides
+    assert config_from_args(parse("--async-ckpt", "--async-ckpt-config", str(path))).is_async
+    assert not config_from_args(parse("--async-ckpt-config", str(path))).is_async
     path.write_text(json.dumps({"enabled": False}))
     assert not config_from_args(parse("--async-ckpt-config", str(path))).enabled
     path.write_text(json.dumps({"writers": "balanced"}))
