@@ -136,39 +136,56 @@ def _collective_device(group: Any = None) -> torch.device:
         else torch.device("cpu")
 
 
-def exchange_across_ranks(value: str, error: str | None) -> tuple[str, dict[int, str]]:
+#: How an exchange's error for a rank whose ``key`` differs from rank 0's begins.
+_ELSEWHERE = "saves into "
+
+
+def exchange_across_ranks(value: str, error: str | None, key: str = "") -> tuple[str, dict[int, str]]:
     """Collective: rank 0's ``value``, and every rank's error message (rank -> message) so that
     a failure on one rank is raised on all of them instead of leaving the others waiting in the
-    next collective. A no-op without an initialized process group.
+    next collective. A no-op without an initialized process group. ``key``: what every rank
+    must agree on (``begin``'s checkpoint directory); a rank whose key differs from rank 0's
+    gets an error naming both (it would persist elsewhere, and rank 0 wait for its record
+    until ``commit_timeout_s`` and then blame it for not finishing).
 
     One all-reduce of a fixed-size tensor (how many ranks failed, rank 0's value in up to
-    64 bytes) on the training thread of every save: O(log ranks) and no pickling, where an
-    ``all_gather_object`` moves every rank's object to every rank (two collectives). Only when
-    a rank failed (or rank 0's value is longer) do the messages follow, gathered as objects."""
+    64 bytes, the sum of a 20-bit hash of ``key`` and of its square, which are n * h and
+    n * h^2 only if every rank's hash is h) on the training thread of every save: O(log
+    ranks) and no pickling, where an ``all_gather_object`` moves every rank's object to every
+    rank (two collectives). Only when a rank failed, the keys differ (or rank 0's value is
+    longer) do the messages follow, gathered as objects."""
     import torch.distributed as dist
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return value, ({0: error} if error else {})
     device = _collective_device()
-    # [ranks that failed, length of rank 0's value (-1: too long), its bytes...]; a sum over
-    # ranks in which only rank 0 contributes the value
-    msg = torch.zeros(2 + _EXCHANGE_VALUE_BYTES, dtype=torch.int32)
+    # [ranks that failed, length of rank 0's value (-1: too long), sum of key hashes, sum of
+    # their squares, rank 0's value's bytes...]: a sum over ranks in which only rank 0
+    # contributes the value
+    msg = torch.zeros(4 + _EXCHANGE_VALUE_BYTES, dtype=torch.int64)
     msg[0] = error is not None
+    h = xxhash.xxh3_64_intdigest(key.encode()) & 0xFFFFF
+    msg[2], msg[3] = h, h * h
     if dist.get_rank() == 0:
         encoded = value.encode()
         if len(encoded) <= _EXCHANGE_VALUE_BYTES:
             msg[1] = len(encoded)
-            msg[2:2 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.int32)
+            msg[4:4 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.int64)
         else:
             msg[1] = -1
     msg = msg.to(device)
     dist.all_reduce(msg)
-    failed, length, *data = msg.tolist()
-    if not failed and length >= 0:
+    failed, length, hashes, squares, *data = msg.tolist()
+    if not failed and length >= 0 and hashes * hashes == dist.get_world_size() * squares:
         return bytes(data[:length]).decode(), {}
     gathered: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(gathered, (value, error))
-    return gathered[0][0], {r: e for r, (_, e) in enumerate(gathered) if e}
+    dist.all_gather_object(gathered, (value, error, key))
+    errors = {r: e for r, (_, e, _) in enumerate(gathered) if e}
+    first = gathered[0][2]
+    for r, (_, _, other) in enumerate(gathered):
+        if other != first and r not in errors:
+            errors[r] = f"{_ELSEWHERE}{other!r}, rank 0 into {first!r}"
+    return gathered[0][0], errors
 
 
 @dataclass(frozen=True)
@@ -328,9 +345,15 @@ class AsyncCheckpointer:
                 if self._busy(ckpt_dir) or _holds_files(ckpt_dir):
                     save_id += _STAGED
             save_id, failed = self._exchange(save_id, None if local is None else
-                                             f"{type(local).__name__}: {local}")
+                                             f"{type(local).__name__}: {local}", key=ckpt_dir)
             if local is not None:
                 raise _reraise(local)
+            elsewhere = {r: m for r, m in failed.items() if m.startswith(_ELSEWHERE)}
+            if elsewhere:  # a rank-specific tag, or a relative save_dir from another directory
+                raise AsyncCheckpointError(
+                    f"the ranks are not saving the same checkpoint (rank {self.rank}: "
+                    f"{ckpt_dir!r}): rank(s) {by_rank(elsewhere)}; every rank must pass the same "
+                    "save_dir and tag (nothing was written)")
             if failed:
                 raise CommitError("a previous checkpoint failed and was not committed (the last "
                                   "committed one is intact) on rank(s) " + by_rank(failed))

@@ -23,6 +23,22 @@ def _rank(rank: int, init: str, out: str) -> None:
     got.append(exchange_across_ranks("x", "E0" if rank == 0 else None))
     # an empty value (errors only, as the Megatron adapter's finalize check)
     got.append(exchange_across_ranks("", None))
+    # keys: all the same; rank 2's differs (and rank 1's error is kept as it is)
+    got.append(exchange_across_ranks("v", None, key="/ckpt/step9"))
+    got.append(exchange_across_ranks("v", "E1" if rank == 1 else None,
+                                     key="/ckpt/step9" if rank < 2 else "/other/step9"))
+    # begin() on ranks that save into different directories: an error on every rank at once
+    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from deepspeed_async_ckpt.errors import AsyncCheckpointError
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=rank, world_size=WORLD)
+    try:
+        ck.begin(os.path.join(out, "ckpt", f"step{9 if rank != 1 else 8}"), tag="step9")
+        got.append("began")
+    except AsyncCheckpointError as exc:
+        got.append(str(exc).replace(out, "OUT"))
+    ck.close()
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.txt"), "w", encoding="utf-8") as f:
         f.write(repr(got))
@@ -37,10 +53,18 @@ def test_exchange_gives_rank0_value_and_every_error_to_every_rank(tmp_path):
         ("é" * 40 + "0", {}),
         ("x", {0: "E0"}),
         ("", {}),
+        ("v", {}),
+        ("v", {1: "E1", 2: "saves into '/other/step9', rank 0 into '/ckpt/step9'"}),
     ]
     for rank in range(WORLD):
         with open(tmp_path / f"rank{rank}.txt", encoding="utf-8") as f:
-            assert eval(f.read()) == expected, f"rank {rank}"
+            got = eval(f.read())
+        assert got[:-1] == expected, f"rank {rank}"
+        assert got[-1] == (
+            f"the ranks are not saving the same checkpoint (rank {rank}: 'OUT/ckpt/step{9 if rank != 1 else 8}'): "
+            "rank(s) 1: saves into 'OUT/ckpt/step8', rank 0 into 'OUT/ckpt/step9'; every rank must "
+            "pass the same save_dir and tag (nothing was written)"), f"rank {rank}"
+    assert not os.path.exists(tmp_path / "ckpt")
 
 
 def _replica_state(rank: int, differ: bool = False) -> dict:

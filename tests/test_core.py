@@ -908,7 +908,7 @@ def test_verify_all_ranks_always_reaches_the_exchange_and_load_then_skips_the_fi
 
     calls = []
 
-    def exchange(value, error):
+    def exchange(value, error, key=""):
         calls.append(error)
         return value, {}
 
@@ -1522,7 +1522,7 @@ def test_keep_last_never_takes_a_directory_from_under_a_save_being_begun(tmp_pat
     plain.close()
     seen = {}
 
-    def exchange(value, error):  # rank 0's part of begin()'s collective, for re-saving "a"
+    def exchange(value, error, key=""):  # rank 0's part of begin()'s collective, for re-saving "a"
         b = CheckpointHandle(str(tmp_path / "b"), "b", "id-b", None)
         seen["retired"] = ck.retire_older(b)  # "a" is committed and beyond keep_last=1
         seen["a_exists"] = os.path.isdir(tmp_path / "a" / META_DIR)
@@ -1844,7 +1844,7 @@ def test_error_on_one_rank_is_raised_on_every_rank_without_a_hang(tmp_path):
     """begin() shares pending errors through its one collective; a peer's failure raises here."""
     peer_error = {1: "PersistError: writing x failed: [Errno 28] No space left on device"}
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=0, world_size=2,
-                           exchange=lambda value, err: (value, dict(peer_error)))
+                           exchange=lambda value, err, key="": (value, dict(peer_error)))
     with pytest.raises(CommitError, match=r"rank\(s\) 1: PersistError.*No space"):
         ck.begin(str(tmp_path / "t2"), tag="t2")
     assert not ck.is_open
@@ -1859,9 +1859,9 @@ def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path, m
     Earlier versions' sync ranks wrote nothing, and rank 0 waited ``commit_timeout_s`` for its
     record (a 4-rank Megatron save with one disk full hung for 600 s)."""
     r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode), rank=1, world_size=2,
-                           storage=FailingStorage(budget=1000), exchange=lambda v, e: ("same-id", {}))
+                           storage=FailingStorage(budget=1000), exchange=lambda v, e, key="": ("same-id", {}))
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, commit_timeout_s=300), rank=0, world_size=2,
-                           exchange=lambda v, e: ("same-id", {}))
+                           exchange=lambda v, e, key="": ("same-id", {}))
     d = str(tmp_path / "t1")
     h0 = r0.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
     r0.save({"module": {"w": torch.ones(10)}}, os.path.join(d, "rank0.pt"))
