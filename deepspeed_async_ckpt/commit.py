@@ -376,7 +376,9 @@ def remove_trash(storage: Storage, save_dir: str) -> list[str]:
 def committed_checkpoints(save_dir: str) -> list[str]:
     """Names of this engine's committed checkpoints directly under ``save_dir``, most recently
     committed first (by the manifest's ``committed_at``). Directories without a readable
-    manifest (other engines' checkpoints, partial or in-progress saves) are not listed."""
+    manifest (other engines' checkpoints, partial or in-progress saves) are not listed, nor
+    are those whose late files were never recorded (unusable: a Megatron save whose markers a
+    crash or failure cut off; retention would have kept one in place of a loadable one)."""
     found: list[tuple[float, str]] = []
     try:
         entries = list(os.scandir(save_dir))
@@ -386,10 +388,11 @@ def committed_checkpoints(save_dir: str) -> list[str]:
         if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
             continue
         try:
-            committed_at = float(read_manifest(entry.path)["committed_at"])
-        except (IntegrityError, OSError, ValueError, KeyError, TypeError):
+            manifest = read_manifest(entry.path)
+        except (IntegrityError, OSError):
             continue
-        found.append((committed_at, entry.name))
+        if is_finalized(entry.path, manifest):
+            found.append((float(manifest["committed_at"]), entry.name))
     return [name for _, name in sorted(found, reverse=True)]
 
 

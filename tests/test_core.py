@@ -1508,6 +1508,38 @@ def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path
         assert torch.load(tmp_path / f"s{i}" / "model.pt", weights_only=False)["global_steps"] == i
 
 
+def test_keep_last_neither_counts_nor_removes_a_checkpoint_never_finalized(tmp_path):
+    """A checkpoint whose late files (Megatron's markers) were never recorded cannot be loaded:
+    counted among the ``keep_last`` newest, it kept the place of a loadable one."""
+    from deepspeed_async_ckpt.commit import record_late_files
+
+    root = str(tmp_path)
+    ck = make("sync", keep_last=2)
+
+    def save(tag, late=(), record=True):
+        d = os.path.join(root, tag)
+        handle = ck.begin(d, tag=tag, late_files=late)
+        ck.save(sample_state(), os.path.join(d, "model.pt"))
+        ck.end()
+        if record:
+            for name in late:
+                with open(os.path.join(d, name), "w") as f:
+                    f.write(tag)
+            record_late_files(ck.storage, d)
+        return handle
+
+    save("a")
+    save("b", late=("markers.json",), record=False)  # its finalizer failed
+    save("c", late=("markers.json",))
+    verify_checkpoint(os.path.join(root, "c"))
+    with pytest.raises(IntegrityError, match="never finalized"):
+        verify_checkpoint(os.path.join(root, "b"))
+    handle = save("d")
+    assert ck.retire_older(handle) == ["a"]
+    ck.close()
+    assert sorted(os.listdir(root)) == ["b", "c", "d"]
+
+
 def test_keep_last_never_takes_a_directory_from_under_a_save_being_begun(tmp_path):
     """A save announces its directory before begin()'s exchange, that is before any rank can
     write into it: retention running meanwhile (the commit of the previous save, on rank 0's
