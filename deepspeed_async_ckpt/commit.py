@@ -450,17 +450,24 @@ def read_manifest(ckpt_dir: str) -> dict:
     or it is damaged (a truncated copy, say: not JSON, or without the fields a commit writes)."""
     path = os.path.join(ckpt_dir, META_DIR, MANIFEST)
     try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+        manifest = _read_json(ckpt_dir, path, "its manifest")
     except FileNotFoundError:
         raise IntegrityError(f"checkpoint {ckpt_dir!r} was never committed (no {META_DIR}/{MANIFEST}): "
                              "it is partial; load the checkpoint its pointer names") from None
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
-        raise IntegrityError(f"checkpoint {ckpt_dir!r}: its manifest {path} is damaged: {exc}") from None
     problem = _manifest_problem(manifest)
     if problem:
         raise IntegrityError(f"checkpoint {ckpt_dir!r}: its manifest {path} is damaged: {problem}")
     return manifest
+
+
+def _read_json(ckpt_dir: str, path: str, what: str) -> object:
+    """The JSON at ``path`` (``FileNotFoundError`` if none); ``IntegrityError`` naming it and
+    ``ckpt_dir`` if it is not UTF-8 JSON."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+        raise IntegrityError(f"checkpoint {ckpt_dir!r}: {what} {path} is damaged: {exc}") from None
 
 
 #: What every committed manifest holds (see :func:`_commit`), and of which type.
@@ -519,14 +526,11 @@ def _verify_late_files(ckpt_dir: str, manifest: dict) -> None:
         return
     path = os.path.join(ckpt_dir, META_DIR, LATE_FILES)
     try:
-        with open(path, encoding="utf-8") as f:
-            files = json.load(f)
+        files = _read_json(ckpt_dir, path, "the record of its late files")
     except FileNotFoundError:
         raise IntegrityError(f"checkpoint {ckpt_dir!r} was committed but never finalized "
                              f"({', '.join(names)} not recorded): load the one the pointer "
                              "names") from None
-    except ValueError as exc:
-        raise IntegrityError(f"checkpoint {ckpt_dir!r}: {path} is damaged: {exc}") from None
     problem = _manifest_problem(dict(manifest, files=files))
     if problem or sorted(files) != sorted(names):
         raise IntegrityError(f"checkpoint {ckpt_dir!r}: {path} is damaged: "

@@ -1183,13 +1183,11 @@ def test_a_file_whose_name_starts_with_two_dots_is_staged_like_any_other(tmp_pat
     assert _steps(tmp_path / "t" / "..model.pt") == 9
 
 
-def test_a_committed_staged_save_awaiting_its_swap_is_neither_swept_nor_retired(tmp_path):
-    """The Megatron adapter swaps a re-saved iteration in itself, after its marker files
-    (``swap_at_commit=False``). Between the commit and that swap, the next save's clean-up
-    must not take the committed staging directory for an abandoned one, nor retention the
-    directory it replaces."""
+def _resaved_awaiting_swap(tmp_path, keep_last):
+    """Checkpoint "t" saved, then saved again (step 9) as the Megatron adapter does
+    (``swap_at_commit=False``): committed in its staging directory, not yet swapped in."""
     root = str(tmp_path)
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=1))
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=keep_last))
     save_one(ck, root, sample_state(), tag="t")
     ck.wait()
     state = sample_state()
@@ -1201,6 +1199,15 @@ def test_a_committed_staged_save_awaiting_its_swap_is_neither_swept_nor_retired(
     ck.fence()
     handle.wait_committed()
     assert handle.committed and os.path.isdir(handle.write_dir)
+    return ck, root, d, handle
+
+
+def test_a_committed_staged_save_awaiting_its_swap_is_neither_swept_nor_retired(tmp_path):
+    """The Megatron adapter swaps a re-saved iteration in itself, after its marker files
+    (``swap_at_commit=False``). Between the commit and that swap, the next save's clean-up
+    must not take the committed staging directory for an abandoned one, nor retention the
+    directory it replaces."""
+    ck, root, d, handle = _resaved_awaiting_swap(tmp_path, keep_last=1)
     save_one(ck, root, sample_state(), tag="u")  # its begin() recovers, its commit retires
     ck.fence()
     ck.wait()
@@ -1217,19 +1224,7 @@ def test_a_staged_save_whose_swap_is_abandoned_is_swept_and_the_old_one_stays(tm
     """The Megatron adapter abandons the swap when its marker files fail after the commit:
     the old checkpoint stays in place, and the next save sweeps the staging directory (it
     was kept only while a swap could still come)."""
-    root = str(tmp_path)
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
-    save_one(ck, root, sample_state(), tag="t")
-    ck.wait()
-    state = sample_state()
-    state["global_steps"] = 9
-    d = os.path.join(root, "t")
-    handle = ck.begin(d, tag="t", swap_at_commit=False)
-    ck.save(state, os.path.join(d, "model.pt"))
-    ck.end()
-    ck.fence()
-    handle.wait_committed()
-    assert handle.committed and os.path.isdir(handle.write_dir)
+    ck, root, d, handle = _resaved_awaiting_swap(tmp_path, keep_last=0)
     ck.abandon_swap(handle)
     save_one(ck, root, sample_state(), tag="u")  # its begin() sweeps the staging directory
     ck.wait()
