@@ -153,7 +153,9 @@ class MegatronCheckpointer:
                                     max_files=self.config.writer_threads)
 
         chunks = [] if model is None else list(model) if isinstance(model, Sequence) else [model]
-        buffers = [b for chunk in chunks for b in chunk.buffers()]
+        # nn.Module's own method: megatron-core's DistributedDataParallel hides it behind a
+        # list attribute named ``buffers`` (its gradient buffers)
+        buffers = [b for chunk in chunks for b in torch.nn.Module.buffers(chunk)]
         ckpt_dir = os.path.abspath(checkpoint_dir(save_dir, iteration))
         record = SaveRecord(iteration=iteration, ckpt_dir=ckpt_dir)
         # A directory that holds a checkpoint (the tracker's iteration saved again) is

@@ -109,21 +109,35 @@ def test_megatron_lm_routes_only_saves_the_engine_can_honour(monkeypatch):
     assert not routed(dict(plain, model=[converted]), "torch_dist")  # Megatron-LM saves its state
 
 
-def test_megatron_lm_hook_passes_other_formats_to_megatron_lm_and_refuses_partial_ones():
-    """With --async-ckpt, the hooked load verified every checkpoint the tracker named and
-    refused one without this engine's manifest or megatron-core's metadata.json: Megatron-LM's
-    legacy and torch_dcp checkpoints, which Megatron-LM itself detects and loads. Run with
-    stand-ins for megatron.training (not installable here), in a process of its own."""
+def _run_one_rank(worker: str) -> dict:
+    """Run ``tests/workers/<worker>`` as one gloo rank in a process of its own; its last line
+    of output is JSON."""
     import socket
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "workers", "megatron_lm_stub_load.py"),
-                          str(port)], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, PYTHONPATH=REPO))
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "workers", worker), str(port)],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr[-3000:]
-    result = json.loads(out.stdout.strip().splitlines()[-1])
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_save_copies_the_buffers_of_ddp_wrapped_chunks_at_save_time():
+    """``save(..., model=[chunk])`` with the chunk in megatron-core's DistributedDataParallel,
+    as Megatron-LM's ``model`` is: DDP's ``buffers`` attribute is a list (its gradient
+    buffers), which made ``chunk.buffers()`` raise. The buffer, changed before the fence with
+    the copier held until then, is saved as it was at ``save``."""
+    result = _run_one_rank("megatron_ddp_buffers.py")
+    assert result == {"bias": [0.0] * 4, "ddp_buffers_is_a": "list"}
+
+
+def test_megatron_lm_hook_passes_other_formats_to_megatron_lm_and_refuses_partial_ones():
+    """With --async-ckpt, the hooked load verified every checkpoint the tracker named and
+    refused one without this engine's manifest or megatron-core's metadata.json: Megatron-LM's
+    legacy and torch_dcp checkpoints, which Megatron-LM itself detects and loads. Run with
+    stand-ins for megatron.training (not installable here), in a process of its own."""
+    result = _run_one_rank("megatron_lm_stub_load.py")
     assert result["legacy"] == ["load"]
     assert result["partial"].startswith("IntegrityError") and "never committed" in result["partial"]
 
