@@ -329,7 +329,7 @@ class AsyncCheckpointer:
         if self._current is not None:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
                                        "still open: call end() first")
-        ckpt_dir = check_checkpoint_dir(ckpt_dir, pointer)
+        ckpt_dir = check_checkpoint_dir(ckpt_dir)
         self._verified.pop(ckpt_dir, None)  # being saved again: its files will change
         with self._dirs_lock:  # before the exchange, so before any rank writes into it
             self._beginning = ckpt_dir  # retention leaves it alone (see retire_older)

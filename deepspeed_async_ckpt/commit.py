@@ -231,23 +231,22 @@ REMOVING_PREFIX = ".async_ckpt_removing."
 STAGING_PREFIX = ".async_ckpt_staging."
 
 
-def check_checkpoint_dir(ckpt_dir: str, pointer: Pointer | None = None) -> str:
-    """``ckpt_dir`` made absolute, once its name is known to be one a checkpoint can have: one
-    path component that is not this engine's own (``META_DIR``, staging, removal), and, with
-    a ``pointer``, the name it writes, in the same directory. Raises ``ValueError`` naming
-    them otherwise: an empty tag made ``save_dir`` itself the checkpoint, swapped in over
-    everything in it, with retention then run on the directory above."""
-    name = os.path.basename(ckpt_dir)
-    if name in ("", ".", "..") or name.startswith(META_DIR):
-        raise ValueError(f"checkpoint directory {ckpt_dir!r}: {name!r} cannot name a checkpoint "
-                         "(a tag must be a plain, non-empty name)")
-    path = os.path.abspath(ckpt_dir)
-    if pointer is not None and (pointer.text != name or
-                                os.path.dirname(os.path.abspath(pointer.path)) != os.path.dirname(path)):
-        raise ValueError(f"checkpoint directory {ckpt_dir!r}: its pointer {pointer.path!r} must "
-                         f"sit beside it and name it ({name!r}), not {pointer.text!r} (a tag "
-                         "must be one path component)")
-    return path
+def check_name(name: str, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` unless ``name`` can name a checkpoint directory:
+    one non-empty path component, not ``.`` or ``..``, and not this engine's own
+    (``META_DIR``, staging, removal: they all start with it)."""
+    if name in ("", ".", "..") or os.sep in name or (os.altsep and os.altsep in name) \
+            or name.startswith(META_DIR):
+        raise ValueError(f"{what}: {name!r} cannot name a checkpoint directory (one plain, "
+                         f"non-empty path component, not '.', '..' nor starting with {META_DIR!r})")
+
+
+def check_checkpoint_dir(ckpt_dir: str) -> str:
+    """``ckpt_dir`` made absolute, once its last component is known to be a name a checkpoint
+    can have (:func:`check_name`): an empty DeepSpeed tag made ``save_dir`` itself the
+    checkpoint, swapped in over everything in it, with retention run on the directory above."""
+    check_name(os.path.basename(ckpt_dir), f"checkpoint directory {ckpt_dir!r}")
+    return os.path.abspath(ckpt_dir)
 
 
 def staging_dir(ckpt_dir: str, save_id: str) -> str:

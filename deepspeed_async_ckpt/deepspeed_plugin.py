@@ -39,7 +39,7 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 
 from .checkpointer import AsyncCheckpointer, Replicas
-from .commit import Pointer
+from .commit import Pointer, check_name
 from .config import CONFIG_KEY, AsyncCheckpointConfig
 from .storage import aligned_size
 
@@ -80,6 +80,9 @@ class AsyncCheckpointEngine(CheckpointEngine):
 
     # DeepSpeed's contract -------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
+        # the tag names the checkpoint's directory in save_dir, and `latest` holds it: "a/b"
+        # or "../x" would put it elsewhere, "" make save_dir itself the checkpoint
+        check_name(str(info.tag), f"save_checkpoint(tag={info.tag!r})")
         pointer = Pointer(os.path.join(info.save_dir, "latest"), info.tag) if info.save_latest else None
         self.checkpointer.begin(os.path.join(info.save_dir, info.tag), tag=info.tag, pointer=pointer)
         self._replicated = None

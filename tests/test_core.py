@@ -86,8 +86,10 @@ def test_conjugate_and_negative_views_and_tensor_attributes_load_as_torch_saves_
         assert torch.equal(ours["flat"][0], flat) and vars(ours["flat"][0]) == {"ds_id": "0_3"}
 
 
-@pytest.mark.parametrize("tag", ["", ".", "..", "a/b", ".async_ckpt_staging.x"])
-def test_a_tag_that_is_not_one_plain_name_is_refused_and_nothing_is_touched(tmp_path, tag):
+@pytest.mark.parametrize("with_pointer", [True, False])
+@pytest.mark.parametrize("tag", ["", ".", "..", ".async_ckpt_staging.x"])
+def test_a_directory_whose_name_cannot_be_a_checkpoint_is_refused_and_nothing_is_touched(
+        tmp_path, tag, with_pointer):
     """DeepSpeed takes ``save_checkpoint(save_dir, tag="")``: the checkpoint directory was then
     ``save_dir`` itself, swapped in over everything in it, and ``keep_last`` ran on the
     directory above and removed other runs' directories there."""
@@ -96,17 +98,40 @@ def test_a_tag_that_is_not_one_plain_name_is_refused_and_nothing_is_touched(tmp_
     for run in ("a", "b"):
         save_one(ck, str(runs / run), sample_state(), tag="s1")
     ck.wait()
-    before = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("*"))
+
+    def tree():
+        return sorted((str(p.relative_to(tmp_path)), p.stat().st_mtime_ns) for p in tmp_path.rglob("*"))
+
+    before = tree()
     save_dir = str(runs / "b")
-    with pytest.raises(ValueError, match="checkpoint directory .*(cannot name a checkpoint|must sit beside it)"):
-        ck.begin(os.path.join(save_dir, tag), tag=tag, pointer=Pointer(os.path.join(save_dir, "latest"), tag))
-    assert not ck.is_open
+    pointer = Pointer(os.path.join(save_dir, "latest"), tag) if with_pointer else None
+    with pytest.raises(ValueError, match="checkpoint directory .*cannot name a checkpoint directory"):
+        ck.begin(os.path.join(save_dir, tag), tag=tag, pointer=pointer)
+    assert not ck.is_open and tree() == before
     save_one(ck, save_dir, sample_state(), tag="s2")  # the next save works, retention as before
     ck.wait()
     ck.close()
     assert sorted(os.listdir(runs)) == ["a", "b"] and sorted(os.listdir(runs / "b")) == ["latest", "s2"]
     assert sorted(os.listdir(runs / "a")) == ["latest", "s1"]
-    assert len(before) > 4
+
+
+@pytest.mark.parametrize("tag", ["", ".", "..", "a/b", "../escape", ".async_ckpt_x"])
+def test_deepspeed_tags_that_are_not_one_plain_name_are_refused(tmp_path, tag):
+    """A tag names the checkpoint's directory in ``save_dir`` and ``latest`` holds it: "a/b"
+    and "../escape" (outside ``save_dir``) are refused, with ``save_latest`` or without, as
+    well as the names the core refuses; nothing is written."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from deepspeed_async_ckpt.deepspeed_plugin import AsyncCheckpointEngine
+
+    engine = AsyncCheckpointEngine(None, AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    save_dir = tmp_path / "sd"
+    for save_latest in (True, False):
+        with pytest.raises(ValueError, match=r"save_checkpoint\(tag=.*cannot name a checkpoint"):
+            engine.create(CheckpointCommitInfo(tag=tag, save_dir=str(save_dir), save_latest=save_latest))
+        assert not engine.checkpointer.is_open
+    engine.cleanup()
+    assert os.listdir(tmp_path) == []
 
 
 def test_sync_and_async_modes_write_identical_files(tmp_path):
