@@ -19,6 +19,7 @@ from __future__ import annotations
 import atexit
 import collections
 import functools
+import inspect
 import logging
 import os
 import queue
@@ -134,6 +135,11 @@ def _collective_device(group: Any = None) -> torch.device:
 
     return torch.device("cuda", torch.cuda.current_device()) if dist.get_backend(group) == "nccl" \
         else torch.device("cpu")
+
+
+def _without_key(exchange: Callable[[str, str | None], tuple[str, dict[int, str]]], value: str,
+                 error: str | None, key: str = "") -> tuple[str, dict[int, str]]:
+    return exchange(value, error)
 
 
 #: How an exchange's error for a rank whose ``key`` differs from rank 0's begins.
@@ -271,17 +277,21 @@ class AsyncCheckpointer:
     """Snapshot, persist and commit checkpoints for one rank.
 
     ``exchange`` is the one collective ``begin`` makes (on the training thread, every rank):
-    agree on rank 0's save id and share every rank's pending background error, see
-    :func:`exchange_across_ranks`. Tests and single-process use may pass their own.
+    agree on rank 0's save id, share every rank's pending background error and check that
+    every rank saves into the same directory, see :func:`exchange_across_ranks`, whose
+    signature it has (``value, error, key=""``). Tests and single-process use may pass their
+    own; one taking only ``(value, error)``, as before the key, is still called that way.
     """
 
     def __init__(self, config: AsyncCheckpointConfig, *, rank: int = 0, world_size: int = 1,
                  storage: Storage | None = None,
-                 exchange: Callable[[str, str | None], tuple[str, dict[int, str]]] | None = None,
+                 exchange: Callable[..., tuple[str, dict[int, str]]] | None = None,
                  ) -> None:
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.storage = storage or LocalStorage(fsync=config.fsync, direct_io=config.direct_io)
+        if exchange is not None and "key" not in inspect.signature(exchange).parameters:
+            exchange = functools.partial(_without_key, exchange)  # the signature before the key
         self._exchange = exchange or exchange_across_ranks
         use_cuda = torch.cuda.is_available()
         self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda)

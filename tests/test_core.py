@@ -1892,6 +1892,17 @@ def test_cuda_fence_does_not_block_the_host(tmp_path):
     ck.close()
 
 
+def test_an_exchange_of_the_signature_before_the_key_is_still_called(tmp_path):
+    """``exchange=`` callables written for ``(value, error)`` (before ``begin`` passed the
+    checkpoint directory as ``key``) keep working."""
+    calls = []
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01),
+                           exchange=lambda value, error: calls.append(value) or (value, {}))
+    save_one(ck, str(tmp_path), sample_state())
+    ck.close()
+    assert len(calls) == 1 and (tmp_path / "latest").read_text() == "t1"
+
+
 def test_error_on_one_rank_is_raised_on_every_rank_without_a_hang(tmp_path):
     """begin() shares pending errors through its one collective; a peer's failure raises here."""
     peer_error = {1: "PersistError: writing x failed: [Errno 28] No space left on device"}
