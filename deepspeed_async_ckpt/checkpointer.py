@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import atexit
 import collections
+import contextlib
 import functools
 import inspect
 import logging
@@ -316,6 +317,8 @@ class AsyncCheckpointer:
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._replaced_seen: list[str] | None = None
+        """Inside :meth:`collective_load`: what :meth:`load` found replaced, for its end."""
         self.history: collections.deque[CheckpointHandle] = collections.deque(maxlen=64)
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
         flush_at_exit(self._at_exit)
@@ -790,6 +793,25 @@ class AsyncCheckpointer:
         self._check_still(verified, path)  # after: not read from the one that replaced it
         return state
 
+    @contextlib.contextmanager
+    def collective_load(self, action: str = "load"):
+        """Collective (every rank): a framework's load, whose files :meth:`load` reads. If a
+        rank finds inside it that the checkpoint was saved again since :meth:`verify_all_ranks`
+        (:meth:`load` raises that at once outside it), it goes on, since the other ranks would
+        wait for it in the framework's collectives, and at the end every rank raises
+        ``IntegrityError``, naming ``action`` and the ranks that saw it. An exception inside
+        the block propagates as it is."""
+        self._replaced_seen = []
+        try:
+            yield
+        except BaseException:
+            self._replaced_seen = None
+            raise
+        seen, self._replaced_seen = self._replaced_seen, None
+        _, failed = self._exchange(action, seen[0] if seen else None)
+        if failed:
+            raise IntegrityError(f"{action} refused on every rank: on rank(s) {by_rank(failed)}")
+
     def _verified_check(self, path: str) -> tuple[str, str] | None:
         """``(checkpoint directory, save id)`` of the check by :meth:`verify_all_ranks` that
         covers ``path``, if any."""
@@ -801,20 +823,24 @@ class AsyncCheckpointer:
             return None  # left out of that check: not read by the load it was made for
         return ckpt_dir, save_id
 
-    @staticmethod
-    def _check_still(verified: tuple[str, str], path: str) -> None:
+    def _check_still(self, verified: tuple[str, str], path: str) -> None:
         """The checkpoint a load verified is still the one there: a save of the same tag (the
         trainer, while an evaluation job loads) may have replaced it since, and the files this
-        load read before came from the old one."""
+        load read before came from the old one. Inside :meth:`collective_load`, noted for the
+        end of it instead of raised."""
         ckpt_dir, save_id = verified
         try:
             now = read_manifest(ckpt_dir).get("save_id")
         except (IntegrityError, OSError) as exc:
             now = f"unreadable ({exc})"
-        if now != save_id:
-            raise IntegrityError(f"checkpoint {ckpt_dir!r} was saved again while it was being "
-                                 f"loaded (save {save_id} verified, now {now}), before "
-                                 f"{os.path.relpath(path, ckpt_dir)} was read: load it again")
+        if now == save_id:
+            return
+        message = (f"checkpoint {ckpt_dir!r} was saved again while it was being loaded (save "
+                   f"{save_id} verified, now {now}), before {os.path.relpath(path, ckpt_dir)} "
+                   "was read: load it again")
+        if self._replaced_seen is None:
+            raise IntegrityError(message)
+        self._replaced_seen.append(message)
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:

@@ -340,6 +340,9 @@ def install() -> bool:
                 if ckpt_dir is not None:  # every file it reads checked once, across the ranks
                     engine.checkpointer.verify_all_ranks(ckpt_dir, action="load_checkpoint",
                                                          include=files_read_by_load(self, arguments))
+            # a checkpoint saved again under it mid-load: every rank raises at the end, together
+            with engine.checkpointer.collective_load("load_checkpoint"):
+                return _ORIGINALS["load"](self, *args, **kwargs)
         return _ORIGINALS["load"](self, *args, **kwargs)
 
     ds_engine.create_checkpoint_engine = create_checkpoint_engine

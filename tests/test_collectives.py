@@ -39,6 +39,32 @@ def _rank(rank: int, init: str, out: str) -> None:
     except AsyncCheckpointError as exc:
         got.append(str(exc).replace(out, "OUT"))
     ck.close()
+    # A load whose checkpoint only rank 1 finds saved again meanwhile: no rank raises inside
+    # the framework's load (the others would wait there for rank 1), every rank at its end.
+    import torch
+
+    from deepspeed_async_ckpt.errors import IntegrityError
+
+    own = os.path.join(out, f"own{rank}", "t")  # each rank's own checkpoint, saved alone
+    alone = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync"),
+                              exchange=lambda value, error: (value, {}))
+    loader = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=rank, world_size=WORLD)
+    for step in (1, 2):
+        if step == 1 or rank == 1:
+            alone.begin(own, tag="t")
+            alone.save({"step": torch.tensor(step)}, os.path.join(own, "m.pt"))
+            alone.end()
+        if step == 1:
+            loader.verify_all_ranks(own)
+    try:
+        with loader.collective_load("load_checkpoint"):
+            loader.load(os.path.join(own, "m.pt"))
+            dist.barrier()  # a framework collective: every rank reaches it
+        got.append("loaded")
+    except IntegrityError as exc:
+        got.append(str(exc).split(": checkpoint")[0])
+    alone.close()
+    loader.close()
     dist.destroy_process_group()
     with open(os.path.join(out, f"rank{rank}.txt"), "w", encoding="utf-8") as f:
         f.write(repr(got))
@@ -59,6 +85,8 @@ def test_exchange_gives_rank0_value_and_every_error_to_every_rank(tmp_path):
     for rank in range(WORLD):
         with open(tmp_path / f"rank{rank}.txt", encoding="utf-8") as f:
             got = eval(f.read())
+        assert got[-1] == "load_checkpoint refused on every rank: on rank(s) 1", f"rank {rank}"
+        got.pop()
         assert got[:-1] == expected, f"rank {rank}"
         assert got[-1] == (
             f"the ranks are not saving the same checkpoint (rank {rank}: 'OUT/ckpt/step{9 if rank != 1 else 8}'): "

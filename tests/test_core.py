@@ -1284,6 +1284,14 @@ def test_a_load_of_a_tag_saved_again_meanwhile_is_refused_not_mixed(tmp_path):
         loader.load(os.path.join(d, "optim_states.pt"))
     loader.verify_all_ranks(d)  # loading again
     assert [loader.load(os.path.join(d, f))["step"] for f in ("model_states.pt", "optim_states.pt")] == [200, 200]
+    # Inside a framework's load (collective_load), the rank goes on (the others would wait for
+    # it in the framework's collectives) and the end of the load raises, on every rank.
+    save_tag(trainer, 300)
+    with pytest.raises(IntegrityError, match=r"load_checkpoint refused on every rank: on rank\(s\) 0: "
+                                             r"checkpoint .*last' was saved again"):
+        with loader.collective_load("load_checkpoint"):
+            loaded = loader.load(os.path.join(d, "optim_states.pt"))
+    assert loaded["step"] == 300
     trainer.close()
     loader.close()
 
