@@ -228,16 +228,12 @@ def test_eager_tensors_are_copied_at_save_with_every_view_of_their_memory(tmp_pa
     """``eager_tensors`` (a model's buffers) are copied before ``save``/``save_packed`` return,
     and so is any saved tensor viewing their memory (a state dict holds detached views); the
     others wait for the copier, held here until the fence, so they have the fence's values."""
+    from _copier import hold_copier_until_fence
     from deepspeed_async_ckpt.snapshot import Stager
 
-    real_copy, release = Stager._copy, threading.Event()
-
-    def copy(self, item, ready=None):
-        if threading.current_thread().name == "async-ckpt-copier":
-            release.wait(10)
-        return real_copy(self, item, ready)
-
-    monkeypatch.setattr(Stager, "_copy", copy)
+    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
+    monkeypatch.setattr(Stager, "fence", Stager.fence)
+    hold_copier_until_fence()
     bn = torch.nn.BatchNorm1d(8)
     bn.running_mean.copy_(torch.arange(8.0))
     weight = torch.zeros(8)
@@ -253,7 +249,6 @@ def test_eager_tensors_are_copied_at_save_with_every_view_of_their_memory(tmp_pa
         bn.running_mean.add_(100)
         bn.num_batches_tracked.add_(1)
         weight.add_(1)  # changed before the fence, so the lazy copy takes it
-    release.set()
     ck.fence()
     ck.wait()
     ck.close()

@@ -28,6 +28,7 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "scripts"))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))  # tests/
 from ds_train import batch, build_model  # noqa: E402
 
 HIDDEN, LAYERS = 64, 3
@@ -359,20 +360,9 @@ def phase_diskfull_load(args):
 
 def phase_buffers(args):
     import deepspeed
-    from deepspeed_async_ckpt.snapshot import Stager
+    from _copier import hold_copier_until_fence
 
-    real_copy, real_fence, release = Stager._copy, Stager.fence, __import__("threading").Event()
-
-    def copy(self, item, ready=None):  # the copier starts only once the training thread fences
-        if __import__("threading").current_thread().name == "async-ckpt-copier":
-            release.wait(60)
-        return real_copy(self, item, ready)
-
-    def fence(self):
-        release.set()
-        return real_fence(self)
-
-    Stager._copy, Stager.fence = copy, fence
+    release = hold_copier_until_fence()
     deepspeed.init_distributed(dist_backend=BACKEND)
     torch.manual_seed(1234)
     model = nn.Sequential(nn.Linear(HIDDEN, HIDDEN), nn.BatchNorm1d(HIDDEN), nn.Linear(HIDDEN, HIDDEN))

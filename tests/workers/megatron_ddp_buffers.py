@@ -6,7 +6,6 @@ import json
 import os
 import sys
 import tempfile
-import threading
 
 import torch
 import torch.distributed as dist
@@ -15,6 +14,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WO
 dist.init_process_group("gloo")
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(REPO, "tests"))
+from _copier import hold_copier_until_fence  # noqa: E402
 from megatron_cpu_shim import apply as apply_cpu_shim  # noqa: E402
 
 apply_cpu_shim()
@@ -25,7 +25,6 @@ from megatron.core.transformer import TransformerConfig  # noqa: E402
 from megatron.core.transformer.module import MegatronModule  # noqa: E402
 
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig  # noqa: E402
-from deepspeed_async_ckpt.snapshot import Stager  # noqa: E402
 from megatron_adapter.checkpointer import MegatronCheckpointer  # noqa: E402
 
 parallel_state.initialize_model_parallel(1, 1)
@@ -41,21 +40,7 @@ class Chunk(MegatronModule):
 
 chunk = Chunk()
 ddp = DistributedDataParallel(config, DistributedDataParallelConfig(), chunk)
-real_copy, real_fence, release = Stager._copy, Stager.fence, threading.Event()
-
-
-def copy(self, item, ready=None):
-    if threading.current_thread().name == "async-ckpt-copier":
-        release.wait(60)
-    return real_copy(self, item, ready)
-
-
-def fence(self):
-    release.set()
-    return real_fence(self)
-
-
-Stager._copy, Stager.fence = copy, fence
+hold_copier_until_fence()
 ckpt = MegatronCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, fsync=False))
 save_dir = tempfile.mkdtemp()
 state = {"bias": ShardedTensor.from_rank_offsets("bias", chunk.expert_bias, replica_id=0),
