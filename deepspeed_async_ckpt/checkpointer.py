@@ -71,10 +71,11 @@ class CheckpointHandle:
                  late_files: tuple[str, ...] = ()) -> None:
         self.ckpt_dir, self.tag, self.save_id, self.pointer = ckpt_dir, tag, save_id, pointer
         self.write_dir = write_dir or ckpt_dir
-        self.swap_at_commit = swap_at_commit
-        self.late_files = late_files
         """Where this save's files go: ``ckpt_dir``, or, when that already held files, a
         staging directory beside it that the commit swaps in (see :meth:`AsyncCheckpointer.begin`)."""
+        self.swap_at_commit = swap_at_commit
+        self.late_files = late_files
+        """Files rank 0's caller writes after the commit (see :meth:`AsyncCheckpointer.begin`)."""
         self.items: list[TensorItem] = []
         self.unsubmitted: list[TensorItem] = []
         """Lazy items of an open save, queued for the copier when it is sealed."""
