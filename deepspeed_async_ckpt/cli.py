@@ -112,10 +112,10 @@ def _cmd_list(args: argparse.Namespace) -> int:
             try:
                 manifest = read_manifest(path)
             except (IntegrityError, OSError) as exc:  # no manifest, or a damaged one
-                records = [n for n in os.listdir(os.path.join(path, META_DIR)) if n.startswith("rank_")]
                 if os.path.exists(os.path.join(path, META_DIR, MANIFEST)):
                     row.update(state="damaged", problem=str(exc))
                 else:
+                    records = [n for n in os.listdir(os.path.join(path, META_DIR)) if n.startswith("rank_")]
                     row.update(state="partial", rank_records=len(records))
             else:
                 row.update(state="committed" if is_finalized(path, manifest) else "unfinalized",

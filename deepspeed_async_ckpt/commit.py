@@ -360,16 +360,20 @@ def remove_trash(storage: Storage, save_dir: str) -> list[str]:
     such entry stopped every later retention before)."""
     removed = []
     for name in storage.listdir(save_dir):
-        if name.startswith(REMOVING_PREFIX):
-            path = os.path.join(save_dir, name)
-            try:
-                storage.remove_tree(path)
-            except OSError as exc:
-                logger.warning("async checkpoint: deleting %s failed (tried again after the "
-                               "next commit): %s", path, exc)
-                continue
+        if name.startswith(REMOVING_PREFIX) and _delete(storage, os.path.join(save_dir, name)):
             removed.append(name)
     return removed
+
+
+def _delete(storage: Storage, trash: str) -> bool:
+    """Delete what was renamed to ``trash``; a failure is logged (the next commit tries again)."""
+    try:
+        storage.remove_tree(trash)
+    except OSError as exc:
+        logger.warning("async checkpoint: deleting %s failed (tried again after the next "
+                       "commit): %s", trash, exc)
+        return False
+    return True
 
 
 def committed_checkpoints(save_dir: str) -> list[str]:
@@ -426,11 +430,7 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
                 logger.warning("async checkpoint: retiring %s failed: %s", path, exc)
                 continue
         removed.append(name)  # no longer a checkpoint, deleted or not
-        try:
-            storage.remove_tree(trash)
-        except OSError as exc:
-            logger.warning("async checkpoint: deleting %s failed (tried again after the next "
-                           "commit): %s", trash, exc)
+        _delete(storage, trash)
     return removed
 
 
