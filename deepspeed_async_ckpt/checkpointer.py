@@ -373,6 +373,11 @@ class AsyncCheckpointer:
                                   "committed one is intact) on rank(s) " + by_rank(failed))
             save_id, staged, _ = save_id.partition(_STAGED)
             write_dir = staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
+            if self.rank == 0:  # marks it this engine's from the start: a crash leaves it partial
+                try:  # (listed so, refused by loads, removed by retention), not a stranger's
+                    self.storage.makedirs(os.path.join(write_dir, META_DIR))
+                except OSError as exc:  # its files' writes fail too, and report it to all ranks
+                    logger.warning("async checkpoint: cannot create %s: %s", write_dir, exc)
             self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
                                              swap_at_commit, tuple(late_files))
             if staged and not swap_at_commit and self.rank == 0:
@@ -644,8 +649,9 @@ class AsyncCheckpointer:
         this engine's committed checkpoints in the same save directory beyond the
         ``keep_last`` (default: the config's) most recently committed, except those whose
         name ``keep`` accepts, never ``handle``'s nor that of a save begun and not yet
-        committed. Records and returns the names removed; does nothing when ``keep_last`` is
-        0. The commit stage calls it when it moved the pointer (DeepSpeed's ``latest``); an
+committed; also its checkpoints there that can never be loaded (partial, or committed
+        and never finalized) last changed before ``handle`` committed. Records and returns the
+        names removed; does nothing when ``keep_last`` is 0. The commit stage calls it when it moved the pointer (DeepSpeed's ``latest``); an
         adapter that moves its own pointer (Megatron's tracker) calls it after.
 
         A failure to remove an old checkpoint does not undo the commit: it is logged, and the
@@ -662,9 +668,14 @@ class AsyncCheckpointer:
                                        handle.ckpt_dir) if d}
 
         try:
+            try:  # what never committed or finalized before this commit goes too
+                committed_at = float(read_manifest(handle.ckpt_dir)["committed_at"])
+            except (IntegrityError, OSError) as exc:
+                logger.warning("async checkpoint: %s: %s", handle.ckpt_dir, exc)
+                committed_at = None
             handle.retired = retire_checkpoints(
                 self.storage, os.path.dirname(handle.ckpt_dir), keep_last=keep_last,
-                protected=protected, lock=self._dirs_lock, keep=keep)
+                protected=protected, lock=self._dirs_lock, keep=keep, abandoned_before=committed_at)
             if handle.retired:
                 logger.info("async checkpoint: %s committed; removed older checkpoint(s) %s",
                             handle.ckpt_dir, ", ".join(handle.retired))

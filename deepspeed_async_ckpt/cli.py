@@ -77,7 +77,8 @@ def _add_list_parser(sub) -> None:
                                    "first: this engine's committed checkpoints (commit time, files, "
                                    "bytes, ranks; the one the pointer names marked), its partial "
                                    "ones (a save in progress, or one a crash or failure cut "
-                                   "short: never loaded, never removed by keep_last), staged ones "
+                                   "short: never loaded; keep_last removes it once a later checkpoint "
+                                   "commits), staged ones "
                                    "(a checkpoint saved again, written beside it until its commit "
                                    "swaps it in), and other directories. Reads manifests only; "
                                    "`verify` checks the bytes.")

@@ -399,12 +399,50 @@ def committed_checkpoints(save_dir: str) -> list[str]:
     return [name for _, name in sorted(found, reverse=True)]
 
 
+def abandoned_checkpoints(save_dir: str, *, before: float) -> list[str]:
+    """Names of this engine's checkpoints directly under ``save_dir`` that can never be loaded,
+    last changed before ``before`` (a ``time.time()``): partial ones (begun, never committed:
+    a save a crash or a failure cut short; :data:`META_DIR` without a manifest) and
+    unfinalized ones (committed, their late files never recorded: a Megatron save whose
+    markers a crash or failure cut off). A damaged manifest is not listed: the checkpoint may
+    have been whole, and someone should look at it."""
+    found = []
+    try:
+        entries = list(os.scandir(save_dir))
+    except FileNotFoundError:
+        return []
+    for entry in entries:
+        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
+            continue
+        meta = os.path.join(entry.path, META_DIR)
+        try:
+            manifest = read_manifest(entry.path)
+        except (IntegrityError, OSError):
+            if os.path.lexists(os.path.join(meta, MANIFEST)) or not os.path.isdir(meta):
+                continue  # damaged (left for a person), or not this engine's
+            try:  # partial: when it was last written to (a file renamed in, a record)
+                changed = max(os.stat(p).st_mtime for p in (entry.path, meta))
+            except OSError:
+                continue
+        else:
+            if is_finalized(entry.path, manifest):
+                continue
+            changed = float(manifest["committed_at"])
+        if changed < before:
+            found.append(entry.name)
+    return sorted(found)
+
+
 def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
                        protected: Callable[[], set[str]], lock: threading.Lock,
-                       keep: Callable[[str], bool] | None = None) -> list[str]:
+                       keep: Callable[[str], bool] | None = None,
+                       abandoned_before: float | None = None) -> list[str]:
     """Retention, on rank 0 once a commit has moved the pointer: remove the committed
     checkpoints of ``save_dir`` beyond the ``keep_last`` most recently committed, except those
-    whose name ``keep`` accepts (e.g. every N-th iteration). Returns the names removed.
+    whose name ``keep`` accepts (e.g. every N-th iteration). With ``abandoned_before`` (the
+    new checkpoint's commit time), also this engine's checkpoints that can never be loaded and
+    were last changed before it (:func:`abandoned_checkpoints`): a crash during a save
+    otherwise leaves one behind for good, as large as a checkpoint. Returns the names removed.
 
     ``protected()`` gives the absolute paths that must stay (the pointer's target, and the
     directory of every save begun and not yet committed); it is called with ``lock`` held, and
@@ -416,7 +454,8 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
     save_dir = os.path.abspath(save_dir)
     remove_trash(storage, save_dir)  # removals a crash cut short
     removed = []
-    for name in committed_checkpoints(save_dir)[keep_last:]:
+    abandoned = [] if abandoned_before is None else abandoned_checkpoints(save_dir, before=abandoned_before)
+    for name in committed_checkpoints(save_dir)[keep_last:] + abandoned:
         if keep is not None and keep(name):
             continue
         path = os.path.join(save_dir, name)

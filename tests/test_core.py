@@ -1,5 +1,6 @@
 """Fast tests of the core pipeline (one process, fakes for faults)."""
 
+import contextlib
 import errno
 import hashlib
 import io
@@ -793,6 +794,46 @@ def test_disk_full_surfaces_at_next_save_and_previous_checkpoint_survives(tmp_pa
     ck.close()
 
 
+def test_a_save_cut_short_is_partial_refused_by_loads_and_removed_by_retention_after_a_commit(tmp_path):
+    """A save that never commits (a disk full here; a crash alike) leaves its directory, as large
+    as a checkpoint: marked this engine's from its start, `list` shows it partial and a load
+    refuses it by name. Before, a save cut short before any rank's record was a stranger's
+    directory (listed as "other", loaded unchecked) that nothing ever removed: a run that
+    crashes every few hours grew its save directory by one such directory each time. With
+    ``keep_last``, the next commit removes those last changed before it, and not one a save
+    still writes into (changed after it)."""
+    from deepspeed_async_ckpt.cli import main as cli_main
+
+    state = sample_state()
+    storage = FailingStorage(budget=1000)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=1),
+                           storage=storage)
+    bad = save_one(ck, str(tmp_path), state, tag="bad")
+    ck.fence()
+    bad.wait_committed()
+    assert bad.error is not None
+    assert os.listdir(tmp_path / "bad") == [META_DIR]  # the failed file's temporary is gone
+    with pytest.raises(IntegrityError, match="never committed"):
+        ck.load(str(tmp_path / "bad" / "model.pt"))
+    (tmp_path / "writing" / META_DIR).mkdir(parents=True)  # another save, still writing
+    future = time.time() + 3600
+    for p in (tmp_path / "writing", tmp_path / "writing" / META_DIR):
+        os.utime(p, (future, future))
+    with contextlib.redirect_stdout(io.StringIO()) as out:
+        assert cli_main(["list", "--json", str(tmp_path)]) == 0
+    rows = {r["name"]: r["state"] for r in json.loads(out.getvalue())}
+    assert rows == {"bad": "partial", "writing": "partial"}
+    storage.budget = 10**9
+    with pytest.raises(PersistError, match="No space left"):  # reported once, at the next save
+        save_one(ck, str(tmp_path), state, tag="good")
+    good = save_one(ck, str(tmp_path), state, tag="good")
+    ck.fence()
+    ck.wait()
+    assert good.retired == ["bad"]
+    assert sorted(os.listdir(tmp_path)) == ["good", "latest", "writing"]
+    ck.close()
+
+
 def test_packed_file_is_checksummed_per_archive_and_a_partial_load_checks_only_what_it_reads(tmp_path):
     """Each archive of a packed file (with the padding before it) has its own checksum, the
     segments covering the file end to end: a load that reads some archives (megatron-core's
@@ -1501,12 +1542,17 @@ def test_packed_file_holds_one_torch_save_archive_per_part_at_page_offsets(tmp_p
 def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path, mode, caplog):
     caplog.set_level("INFO", logger="deepspeed_async_ckpt.checkpointer")
     root = str(tmp_path)
-    # What retention must leave alone: another engine's checkpoint, a partial save of ours, a
-    # plain file; and what it must finish: a removal that a crash cut short.
+    # What retention must leave alone: another engine's checkpoint, a checkpoint of ours whose
+    # manifest is damaged (someone should look at it), a plain file; what it must finish: a
+    # removal that a crash cut short; and what it removes at the first commit: a partial save
+    # of ours from before it (a crash cut it short: it can never be loaded).
     (tmp_path / "torch_engine" / "global_step1").mkdir(parents=True)
     (tmp_path / "torch_engine" / "global_step1" / "mp_rank_00_model_states.pt").write_bytes(b"x")
     (tmp_path / "partial" / META_DIR).mkdir(parents=True)
     (tmp_path / "partial" / META_DIR / "rank_00000.abc.json").write_text("{}")
+    (tmp_path / "partial" / "model.pt").write_bytes(b"z" * 100)
+    (tmp_path / "damaged" / META_DIR).mkdir(parents=True)
+    (tmp_path / "damaged" / META_DIR / "manifest.json").write_text('{"format": ')
     (tmp_path / "notes.txt").write_text("hello")
     (tmp_path / ".async_ckpt_removing.old" / "sub").mkdir(parents=True)
     (tmp_path / ".async_ckpt_removing.old" / "sub" / "model.pt").write_bytes(b"y" * 100)
@@ -1520,20 +1566,24 @@ def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path
         retired.append(handle.retired)
         assert sorted(n for n in os.listdir(root) if n.startswith("s")) == [f"s{j}" for j in range(max(0, i - 1), i + 1)]
     ck.close()
-    assert retired == [[], [], ["s0"], ["s1"], ["s2"]]
+    assert retired == [["partial"], [], ["s0"], ["s1"], ["s2"]]
     assert "s4 committed; removed older checkpoint(s) s2" in caplog.text  # said in the log
-    assert sorted(os.listdir(root)) == ["latest", "notes.txt", "partial", "s3", "s4", "torch_engine"]
+    assert sorted(os.listdir(root)) == ["damaged", "latest", "notes.txt", "s3", "s4", "torch_engine"]
     assert (tmp_path / "torch_engine" / "global_step1" / "mp_rank_00_model_states.pt").read_bytes() == b"x"
-    assert os.listdir(tmp_path / "partial" / META_DIR) == ["rank_00000.abc.json"]
+    assert os.listdir(tmp_path / "damaged" / META_DIR) == ["manifest.json"]
     assert (tmp_path / "latest").read_text() == "s4"
     for i in (3, 4):  # the kept ones are whole: every byte verifies, and they hold their step
         verify_checkpoint(str(tmp_path / f"s{i}"))
         assert torch.load(tmp_path / f"s{i}" / "model.pt", weights_only=False)["global_steps"] == i
 
 
-def test_keep_last_neither_counts_nor_removes_a_checkpoint_never_finalized(tmp_path):
+def test_keep_last_does_not_count_a_checkpoint_never_finalized_and_removes_it_once_older(tmp_path):
     """A checkpoint whose late files (Megatron's markers) were never recorded cannot be loaded:
-    counted among the ``keep_last`` newest, it kept the place of a loadable one."""
+    counted among the ``keep_last`` newest, it kept the place of a loadable one; never removed,
+    every crash between a commit and its markers left one behind for good. It goes once a
+    checkpoint committed after it is the newest; one committed after that one stays (on a
+    Megatron rank 0, the next save can be committed and not yet finalized while retention runs
+    for the one before)."""
     from deepspeed_async_ckpt.commit import record_late_files
 
     root = str(tmp_path)
@@ -1558,9 +1608,10 @@ def test_keep_last_neither_counts_nor_removes_a_checkpoint_never_finalized(tmp_p
     with pytest.raises(IntegrityError, match="never finalized"):
         verify_checkpoint(os.path.join(root, "b"))
     handle = save("d")
-    assert ck.retire_older(handle) == ["a"]
+    save("e", late=("markers.json",), record=False)  # committed after "d", not finalized yet
+    assert ck.retire_older(handle) == ["a", "b"]
     ck.close()
-    assert sorted(os.listdir(root)) == ["b", "c", "d"]
+    assert sorted(os.listdir(root)) == ["c", "d", "e"]
 
 
 def test_keep_last_never_takes_a_directory_from_under_a_save_being_begun(tmp_path):
