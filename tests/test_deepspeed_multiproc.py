@@ -8,6 +8,7 @@ import struct
 import subprocess
 import sys
 import sysconfig
+import time
 import zipfile
 
 import pytest
@@ -207,8 +208,10 @@ def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
     assert not os.path.exists(os.path.join(ckpt, "global_step4", ".async_ckpt", "manifest.json"))
     # keep_last=1: global_step1 went once global_step2 committed; the failed save removed nothing
     assert sorted(n for n in os.listdir(ckpt) if n.startswith("global_step")) == ["global_step2", "global_step4"]
-    from deepspeed_async_ckpt.commit import verify_checkpoint
+    from deepspeed_async_ckpt.commit import abandoned_checkpoints, verify_checkpoint
     verify_checkpoint(os.path.join(ckpt, "global_step2"))
+    # the killed save is this engine's, partial: the next commit's retention removes it
+    assert abandoned_checkpoints(ckpt, before=time.time() + 1) == ["global_step4"]
     # the previous checkpoint loads in a fresh run (load phase restores `latest`)
     os.rename(ckpt, os.path.join(out, "killed"))
     run_ranks(repo_env, 2, "load", "--out", out, "--variants", "killed")
