@@ -25,6 +25,7 @@ DeepSpeed 0.19.8):
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import itertools
@@ -41,7 +42,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from .checkpointer import AsyncCheckpointer, Replicas
 from .commit import Pointer, check_name
 from .config import CONFIG_KEY, AsyncCheckpointConfig
-from .storage import aligned_size
+from .storage import aligned_size, temporary_path
 
 ENGINE_NAME = "AsyncCheckpointEngine"
 logger = logging.getLogger(__name__)
@@ -80,6 +81,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
 
     # DeepSpeed's contract -------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
+        if self._ds_engine is None:  # not inside save_checkpoint: save_16bit_model (see save)
+            return
         # the tag names the checkpoint's directory in save_dir, and `latest` holds it: "a/b"
         # or "../x" would put it elsewhere, "" make save_dir itself the checkpoint
         check_name(str(info.tag), f"save_checkpoint(tag={info.tag!r})")
@@ -92,6 +95,9 @@ class AsyncCheckpointEngine(CheckpointEngine):
             self._replicated = os.path.abspath(ds._get_ckpt_name(info.save_dir, info.tag))
 
     def save(self, state_dict: Any, path: str) -> None:
+        if self._ds_engine is None:
+            self._save_now(state_dict, path)
+            return
         replicas = None
         if self._replicated is not None and os.path.abspath(path) == self._replicated:
             replicas = data_parallel_replicas()
@@ -102,6 +108,28 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self.checkpointer.save(state_dict, path, eager_keys=self._eager_keys,
                                eager_tensors=self._buffers, replicas=replicas)
 
+    def _save_now(self, state_dict: Any, path: str) -> None:
+        """A file DeepSpeed writes through this engine outside ``save_checkpoint``:
+        ``save_16bit_model`` (HF Trainer's ZeRO-3 export), whose caller reads, converts or
+        uploads the file as soon as the call returns, and which is no checkpoint (one file in
+        a directory of the caller's, no tag, no ``latest``). Written before this returns, as
+        DeepSpeed's own engine does, whole or not at all: a temporary file, fsynced (with
+        ``fsync``), renamed. Before, it opened a checkpoint that nothing ended: the file was
+        never written and the next ``save_checkpoint`` raised."""
+        storage = self.checkpointer.storage
+        tmp = temporary_path(path, os.getpid())
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state_dict, f)
+                if self.checkpointer.config.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            storage.replace(tmp, path, durable=self.checkpointer.config.fsync)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
     def is_data_parallel_writer(self, dp_rank: int) -> bool:
         return self.split or dp_rank == 0
 
@@ -109,7 +137,9 @@ class AsyncCheckpointEngine(CheckpointEngine):
         return self.checkpointer.load(path, map_location=map_location)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:
-        return True  # our commit stage runs in the background once every rank persisted
+        # our commit stage runs in the background once every rank persisted (outside
+        # save_checkpoint, _save_now's file is durable already)
+        return True
 
     def is_decoupled(self) -> bool:
         return True

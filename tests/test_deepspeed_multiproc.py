@@ -198,6 +198,25 @@ def test_buffers_a_forward_updates_are_saved_as_they_were_at_save_time(tmp_path,
     assert all(result.values()), result
 
 
+@pytest.mark.parametrize("zero", [1, 3])
+def test_save_16bit_model_writes_its_file_before_returning_and_saving_goes_on(tmp_path, repo_env, zero):
+    """``save_16bit_model`` (HF Trainer's export under ZeRO-3) calls the checkpoint engine's
+    create/save/commit outside ``save_checkpoint``. It opened a checkpoint that nothing ended:
+    the file was never written, and the next ``save_checkpoint`` raised on every rank. Now the
+    file is written before the call returns, tensor for tensor what DeepSpeed's own engine
+    writes, with no checkpoint directory beside it, and checkpointing goes on."""
+    from deepspeed_async_ckpt.commit import verify_checkpoint
+
+    run_ranks(repo_env, 2, "export", "--out", tmp_path, "--zero-stage", zero)
+    assert json.loads((tmp_path / "export.json").read_text()) == {"returned": True, "exists_on_return": True}
+    assert os.listdir(tmp_path / "export_async") == ["pytorch_model.bin"]
+    ours, theirs = (torch.load(tmp_path / d / "pytorch_model.bin", weights_only=False)
+                    for d in ("export_async", "export_torch"))
+    assert_same(ours, theirs, "save_16bit_model")
+    assert (tmp_path / "ckpt" / "latest").read_text() == "global_step2"
+    verify_checkpoint(str(tmp_path / "ckpt" / "global_step2"))
+
+
 def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
     out = str(tmp_path)
     codes = run_ranks(repo_env, 2, "kill", "--out", out, "--kill-rank", "1", expect_ok=False)

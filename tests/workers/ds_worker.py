@@ -14,6 +14,7 @@ Phases:
   engines check which checkpoint engine DeepSpeed builds for several configs.
   buffers save a model with BatchNorm while the copier is held until the fence: the next
           forward changes its running statistics first; the file must have the saved ones.
+  export  save_16bit_model through this engine and DeepSpeed's own, then save_checkpoint.
 The test module reads what they write under --out and asserts on it.
 """
 
@@ -386,6 +387,31 @@ def phase_buffers(args):
     engine.destroy()
 
 
+def phase_export(args):
+    """save_16bit_model (HF Trainer's export under ZeRO-3) through this engine, then through
+    DeepSpeed's own at the same state; then a save_checkpoint, which must still work."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    from deepspeed_async_ckpt.deepspeed_plugin import use_checkpoint_engine
+
+    cfg = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05})
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine = init(args, cfg)
+    ours = engine.checkpoint_engine
+    train(engine, args, 2)
+    saved = engine.save_16bit_model(os.path.join(args.out, "export_async"))
+    exists_on_return = os.path.exists(os.path.join(args.out, "export_async", "pytorch_model.bin"))
+    use_checkpoint_engine(engine, TorchCheckpointEngine(engine._config))
+    engine.save_16bit_model(os.path.join(args.out, "export_torch"))
+    use_checkpoint_engine(engine, ours)
+    engine.save_checkpoint(os.path.join(args.out, "ckpt"))
+    train(engine, args, 1, start=2)
+    ours.checkpointer.wait()
+    engine.destroy()
+    if torch.distributed.get_rank() == 0:
+        with open(os.path.join(args.out, "export.json"), "w") as f:
+            json.dump({"returned": saved, "exists_on_return": exists_on_return}, f)
+
+
 def phase_engines(args):
     import deepspeed
     from deepspeed_async_ckpt.errors import ConfigError
@@ -409,7 +435,7 @@ def phase_engines(args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("phase", choices=["save", "load", "kill", "exit", "sigterm", "engines", "diskfull",
-                                     "diskfull-load", "buffers"])
+                                     "diskfull-load", "buffers", "export"])
     p.add_argument("--out", required=True)
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
@@ -421,9 +447,9 @@ def main():
     args = p.parse_args()
     {"save": phase_save, "load": phase_load, "kill": phase_kill, "exit": phase_exit,
      "sigterm": phase_sigterm,
-     "engines": phase_engines, "buffers": phase_buffers,
+     "engines": phase_engines, "buffers": phase_buffers, "export": phase_export,
      "diskfull": phase_diskfull, "diskfull-load": phase_diskfull_load}[args.phase](args)
-    if args.phase in ("save", "load", "diskfull", "diskfull-load", "engines", "buffers"):
+    if args.phase in ("save", "load", "diskfull", "diskfull-load", "engines", "buffers", "export"):
         # These end with engine.destroy(): everything is committed and written. Skip the
         # interpreter's finalization, where a gloo worker thread still releasing a ZeRO-3
         # all-gather's tensors takes the GIL and aborts the rank ("terminate called without an
