@@ -217,6 +217,28 @@ def test_save_16bit_model_writes_its_file_before_returning_and_saving_goes_on(tm
     verify_checkpoint(str(tmp_path / "ckpt" / "global_step2"))
 
 
+@pytest.mark.parametrize("zero", [0, 1])
+def test_moe_expert_files_match_deepspeeds_and_load_back(tmp_path, repo_env, zero):
+    """DeepSpeed's MoE save writes one file per expert and per-expert-parallel-rank optimizer
+    files through the checkpoint engine, with writer rules of its own (the expert-data-parallel
+    group): the same files as DeepSpeed's own engine, byte for byte in tensors, and each load
+    restores the same state."""
+    from deepspeed_async_ckpt.commit import verify_checkpoint
+
+    run_ranks(repo_env, 2, "moe", "--out", tmp_path, "--zero-stage", zero)
+    ours, theirs = tmp_path / "async" / "global_step3", tmp_path / "torch" / "global_step3"
+    names = sorted(n for n in os.listdir(ours) if not n.startswith("."))
+    assert names == sorted(os.listdir(theirs))
+    assert {"layer_0_expert_0_mp_rank_00_model_states.pt", "layer_0_expert_1_mp_rank_00_model_states.pt"} <= set(names)
+    for name in names:
+        assert_same(torch.load(ours / name, weights_only=False), torch.load(theirs / name, weights_only=False), name)
+    assert sorted(verify_checkpoint(str(ours))["files"]) == names
+    for rank in (0, 1):
+        got, ref = (torch.load(tmp_path / f"moe_{v}_rank{rank}.pt", weights_only=False) for v in ("async", "torch"))
+        assert got["global_steps"] == 3
+        assert_same(got, ref, f"rank {rank}'s load")
+
+
 def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
     out = str(tmp_path)
     codes = run_ranks(repo_env, 2, "kill", "--out", out, "--kill-rank", "1", expect_ok=False)

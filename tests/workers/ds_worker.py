@@ -15,6 +15,7 @@ Phases:
   buffers save a model with BatchNorm while the copier is held until the fence: the next
           forward changes its running statistics first; the file must have the saved ones.
   export  save_16bit_model through this engine and DeepSpeed's own, then save_checkpoint.
+  moe     an expert-parallel MoE model saved through this engine and DeepSpeed's own, both loaded.
 The test module reads what they write under --out and asserts on it.
 """
 
@@ -412,6 +413,63 @@ def phase_export(args):
             json.dump({"returned": saved, "exists_on_return": exists_on_return}, f)
 
 
+def phase_moe(args):
+    """A model with a DeepSpeed MoE layer, its 2 experts split across the 2 ranks (expert
+    parallel): DeepSpeed saves each expert to its own file through the checkpoint engine, by
+    the expert-data-parallel writers. Saved through this engine and DeepSpeed's own at the same
+    state; then, after more training, each loaded back (rank 0 compares the files; every rank
+    dumps what each load restored)."""
+    import deepspeed
+    from deepspeed.moe.layer import MoE
+    from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    from deepspeed_async_ckpt.deepspeed_plugin import use_checkpoint_engine
+
+    class Model(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.inp = nn.Linear(HIDDEN, HIDDEN)
+            self.moe = MoE(hidden_size=HIDDEN, num_experts=2, ep_size=2, k=1, expert=nn.Sequential(
+                nn.Linear(HIDDEN, HIDDEN), nn.ReLU(), nn.Linear(HIDDEN, HIDDEN)))
+            self.out = nn.Linear(HIDDEN, HIDDEN)
+
+        def forward(self, x):
+            h, aux, _ = self.moe(self.inp(x))
+            return self.out(h), aux
+
+    deepspeed.init_distributed(dist_backend=BACKEND)
+    rank = torch.distributed.get_rank()
+    torch.manual_seed(1234)
+    model = Model()
+    groups = split_params_into_different_moe_groups_for_optimizer({"params": list(model.parameters()),
+                                                                   "name": "all"})
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": args.zero_stage},
+              "async_checkpoint": {"enabled": True, "host_buffer_gb": 0.05}}
+    engine, *_ = deepspeed.initialize(model=model, optimizer=torch.optim.Adam(groups, lr=0.01), config=config)
+
+    def steps(start, n):
+        for i in range(start, start + n):
+            g = torch.Generator().manual_seed(100 * i + rank)
+            x, y = torch.randn(4, HIDDEN, generator=g), torch.randn(4, HIDDEN, generator=g)
+            out, aux = engine(x)
+            engine.backward(nn.functional.mse_loss(out, y) + aux)
+            engine.step()
+
+    steps(0, 3)
+    ours = engine.checkpoint_engine
+    engine.save_checkpoint(os.path.join(args.out, "async"))
+    use_checkpoint_engine(engine, TorchCheckpointEngine(engine._config))
+    engine.save_checkpoint(os.path.join(args.out, "torch"))
+    use_checkpoint_engine(engine, ours)
+    steps(3, 2)  # mutates every parameter and optimizer tensor
+    for variant in ("async", "torch"):
+        engine.load_checkpoint(os.path.join(args.out, variant))
+        torch.save({"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+                    "global_steps": engine.global_steps},
+                   os.path.join(args.out, f"moe_{variant}_rank{rank}.pt"))
+    engine.destroy()
+
+
 def phase_engines(args):
     import deepspeed
     from deepspeed_async_ckpt.errors import ConfigError
@@ -435,7 +493,7 @@ def phase_engines(args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("phase", choices=["save", "load", "kill", "exit", "sigterm", "engines", "diskfull",
-                                     "diskfull-load", "buffers", "export"])
+                                     "diskfull-load", "buffers", "export", "moe"])
     p.add_argument("--out", required=True)
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
@@ -447,9 +505,9 @@ def main():
     args = p.parse_args()
     {"save": phase_save, "load": phase_load, "kill": phase_kill, "exit": phase_exit,
      "sigterm": phase_sigterm,
-     "engines": phase_engines, "buffers": phase_buffers, "export": phase_export,
+     "engines": phase_engines, "buffers": phase_buffers, "export": phase_export, "moe": phase_moe,
      "diskfull": phase_diskfull, "diskfull-load": phase_diskfull_load}[args.phase](args)
-    if args.phase in ("save", "load", "diskfull", "diskfull-load", "engines", "buffers", "export"):
+    if args.phase in ("save", "load", "diskfull", "diskfull-load", "engines", "buffers", "export", "moe"):
         # These end with engine.destroy(): everything is committed and written. Skip the
         # interpreter's finalization, where a gloo worker thread still releasing a ZeRO-3
         # all-gather's tensors takes the GIL and aborts the rank ("terminate called without an
