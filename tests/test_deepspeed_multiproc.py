@@ -239,6 +239,35 @@ def test_moe_expert_files_match_deepspeeds_and_load_back(tmp_path, repo_env, zer
         assert_same(got, ref, f"rank {rank}'s load")
 
 
+def test_deepspeed_universal_checkpoint_converts_and_loads_as_deepspeeds_own(tmp_path, repo_env):
+    """DeepSpeed's ``ds_to_universal`` reads checkpoint files with ``torch.load`` directly: the
+    conversion of this engine's checkpoint is tensor for tensor that of DeepSpeed's own at
+    the same state (ZeRO-1, 2 ranks), and ``load_checkpoint`` with ``load_universal`` (through
+    this engine's load path) restores the same state from either."""
+    run_ranks(repo_env, 2, "universal", "--out", tmp_path, "--zero-stage", 1)
+    converted = {}
+    for variant in ("async", "torch"):
+        src = tmp_path / variant
+        out = subprocess.run([sys.executable, "-m", "deepspeed.checkpoint.ds_to_universal", "--input_folder",
+                              str(src / "global_step3"), "--output_folder", str(tmp_path / f"{variant}_u" / "u3"),
+                              "--num_extract_workers", "1", "--num_merge_workers", "1"],
+                             env=repo_env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+        (tmp_path / f"{variant}_u" / "latest_universal").write_text("u3")
+        root = tmp_path / f"{variant}_u" / "u3"
+        converted[variant] = {str(p.relative_to(root)): p for p in root.rglob("*") if p.is_file()}
+    assert sorted(converted["async"]) == sorted(converted["torch"])
+    assert any(name.startswith("zero" + os.sep) for name in converted["async"])
+    for name, path in converted["async"].items():
+        assert_same(*(torch.load(p, weights_only=False) for p in (path, converted["torch"][name])), name)
+    run_ranks(repo_env, 2, "load", "--out", tmp_path, "--zero-stage", 1, "--universal", 1,
+              "--variants", "async_u,torch_u")
+    for rank in (0, 1):
+        got, ref = (torch.load(tmp_path / f"dump_{v}_rank{rank}.pt", weights_only=False) for v in ("async_u", "torch_u"))
+        assert got["global_steps"] == 3
+        assert_same(got, ref, f"rank {rank}'s universal load")
+
+
 def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
     out = str(tmp_path)
     codes = run_ranks(repo_env, 2, "kill", "--out", out, "--kill-rank", "1", expect_ok=False)

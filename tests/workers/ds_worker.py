@@ -16,6 +16,7 @@ Phases:
           forward changes its running statistics first; the file must have the saved ones.
   export  save_16bit_model through this engine and DeepSpeed's own, then save_checkpoint.
   moe     an expert-parallel MoE model saved through this engine and DeepSpeed's own, both loaded.
+  universal  save through this engine and DeepSpeed's own for ds_to_universal (load: --universal).
 The test module reads what they write under --out and asserts on it.
 """
 
@@ -142,7 +143,10 @@ def count_hashed_bytes():
 
 
 def phase_load(args):
-    engine = init(args, ds_config(args, {"enabled": True}))
+    config = ds_config(args, {"enabled": True})
+    if args.universal:  # the variants are DeepSpeed universal checkpoints (`latest_universal`)
+        config["checkpoint"] = {"load_universal": True}
+    engine = init(args, config)
     rank = torch.distributed.get_rank()
     hashed, counter = {}, count_hashed_bytes()
     if args.partial:  # weights only: optimizer and scheduler must keep their fresh state
@@ -413,6 +417,24 @@ def phase_export(args):
             json.dump({"returned": saved, "exists_on_return": exists_on_return}, f)
 
 
+def phase_universal(args):
+    """Save through this engine and DeepSpeed's own at the same state, with the client state
+    DeepSpeed's universal-checkpoint converter requires (Megatron-DeepSpeed's trainer adds it)."""
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    from deepspeed_async_ckpt.deepspeed_plugin import use_checkpoint_engine
+
+    engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
+    train(engine, args, 3)
+    info = {"universal_checkpoint_info": {"universal_checkpoint_version": 0.2}}
+    ours = engine.checkpoint_engine
+    engine.save_checkpoint(os.path.join(args.out, "async"), client_state=info)
+    use_checkpoint_engine(engine, TorchCheckpointEngine(engine._config))
+    engine.save_checkpoint(os.path.join(args.out, "torch"), client_state=info)
+    use_checkpoint_engine(engine, ours)
+    train(engine, args, 1, start=3)
+    engine.destroy()
+
+
 def phase_moe(args):
     """A model with a DeepSpeed MoE layer, its 2 experts split across the 2 ranks (expert
     parallel): DeepSpeed saves each expert to its own file through the checkpoint engine, by
@@ -493,7 +515,7 @@ def phase_engines(args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("phase", choices=["save", "load", "kill", "exit", "sigterm", "engines", "diskfull",
-                                     "diskfull-load", "buffers", "export", "moe"])
+                                     "diskfull-load", "buffers", "export", "moe", "universal"])
     p.add_argument("--out", required=True)
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
@@ -502,12 +524,15 @@ def main():
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--partial", type=int, default=0)
     p.add_argument("--resave", type=int, default=0)
+    p.add_argument("--universal", type=int, default=0)
     args = p.parse_args()
     {"save": phase_save, "load": phase_load, "kill": phase_kill, "exit": phase_exit,
      "sigterm": phase_sigterm,
      "engines": phase_engines, "buffers": phase_buffers, "export": phase_export, "moe": phase_moe,
+     "universal": phase_universal,
      "diskfull": phase_diskfull, "diskfull-load": phase_diskfull_load}[args.phase](args)
-    if args.phase in ("save", "load", "diskfull", "diskfull-load", "engines", "buffers", "export", "moe"):
+    if args.phase in ("save", "load", "diskfull", "diskfull-load", "engines", "buffers", "export", "moe",
+                      "universal"):
         # These end with engine.destroy(): everything is committed and written. Skip the
         # interpreter's finalization, where a gloo worker thread still releasing a ZeRO-3
         # all-gather's tensors takes the GIL and aborts the rank ("terminate called without an
