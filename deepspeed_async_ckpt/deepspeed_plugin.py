@@ -81,11 +81,11 @@ class AsyncCheckpointEngine(CheckpointEngine):
 
     # DeepSpeed's contract -------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
-        if self._ds_engine is None:  # not inside save_checkpoint: save_16bit_model (see save)
-            return
         # the tag names the checkpoint's directory in save_dir, and `latest` holds it: "a/b"
         # or "../x" would put it elsewhere, "" make save_dir itself the checkpoint
         check_name(str(info.tag), f"save_checkpoint(tag={info.tag!r})")
+        if self._ds_engine is None:  # not inside save_checkpoint: save_16bit_model (see save)
+            return
         pointer = Pointer(os.path.join(info.save_dir, "latest"), info.tag) if info.save_latest else None
         self.checkpointer.begin(os.path.join(info.save_dir, info.tag), tag=info.tag, pointer=pointer)
         self._replicated = None
