@@ -4,7 +4,8 @@ Subcommands are registered in :func:`build_parser`; each one adds its own
 subparser and sets ``func`` (``args -> exit code``): ``plan``, ``verify`` and
 ``list``; add another with an ``_add_<name>_parser`` function.
 
-Exit codes: 0 success, 2 invalid input (message on stderr as ``error: ...``).
+Exit codes: 0 success, 1 ``verify`` found a checkpoint damaged, partial or unfinalized, 2
+invalid input (message on stderr as ``error: ...``): no such directory, not this engine's.
 """
 
 from __future__ import annotations
@@ -72,15 +73,19 @@ def _pointer_target(save_dir: str) -> str | None:
 
 
 def _add_list_parser(sub) -> None:
-    p = sub.add_parser("list", help="the checkpoints in a save dir: committed, partial, other",
+    p = sub.add_parser("list", help="the checkpoints in a save dir: committed, unfinalized, damaged, "
+                                    "partial, staged, being removed, other",
                        description="List the checkpoint directories of a save dir, newest commit "
                                    "first: this engine's committed checkpoints (commit time, files, "
-                                   "bytes, ranks; the one the pointer names marked), its partial "
+                                   "bytes, ranks; the one the pointer names marked), its "
+                                   "unfinalized ones (committed, markers never written), damaged "
+                                   "ones (an unreadable manifest), its partial "
                                    "ones (a save in progress, or one a crash or failure cut "
                                    "short: never loaded; keep_last removes it once a later checkpoint "
                                    "commits), staged ones "
                                    "(a checkpoint saved again, written beside it until its commit "
-                                   "swaps it in), and other directories. Reads manifests only; "
+                                   "swaps it in), those being removed, and other directories. Reads "
+                                   "manifests only; "
                                    "`verify` checks the bytes.")
     p.add_argument("save_dir", help="e.g. ckpt (holding global_step*/ or iter_*/ directories)")
     p.add_argument("--json", action="store_true", help="one JSON list instead of a table")
@@ -157,7 +162,10 @@ def _bytes_text(n: int) -> str:
 def _add_verify_parser(sub) -> None:
     p = sub.add_parser("verify", help="check a committed checkpoint's files against its manifest",
                        description="Verify every file of a checkpoint directory (size and checksum "
-                                   "from .async_ckpt/manifest.json). Exit 0 if intact, 1 if not.")
+                                   "from .async_ckpt/manifest.json). Exit 0 if intact, 1 if not "
+                                   "(damaged, partial, unfinalized), 2 if there is no such "
+                                   "directory or this engine did not write it (no .async_ckpt/: "
+                                   "no checksums to verify against).")
     p.add_argument("path", help="a checkpoint directory (e.g. ckpt/global_step100), or a save dir "
                                 "with a `latest` or `latest_checkpointed_iteration.txt` pointer")
     p.set_defaults(func=_cmd_verify)
@@ -166,7 +174,7 @@ def _add_verify_parser(sub) -> None:
 def _cmd_verify(args: argparse.Namespace) -> int:
     import os
 
-    from .commit import verify_checkpoint
+    from .commit import META_DIR, verify_checkpoint
     from .errors import IntegrityError
 
     path = args.path
@@ -181,6 +189,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         note = (f" (committed at {staged!r}: a save of it stopped between its two renames; the "
                 "next load_checkpoint or save_checkpoint renames it into place)")
         path = staged
+    if not os.path.isdir(os.path.join(path, META_DIR)):  # DeepSpeed's own engine, megatron-core
+        raise CliError(f"{path!r} was not written by this engine (no {META_DIR}/): it holds no "
+                       "checksums to verify against")
     try:
         manifest = verify_checkpoint(path)
     except IntegrityError as e:

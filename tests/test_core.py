@@ -1843,6 +1843,19 @@ def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
     assert main(["verify", str(tmp_path / "t1")]) == 1
     assert "model.pt" in capsys.readouterr().err
     assert main(["verify", str(tmp_path / "nope")]) == 2
+    # another engine's checkpoint (DeepSpeed's own, megatron-core's): nothing to verify against,
+    # said as such (it was "CORRUPT: ... never committed ... it is partial", exit 1)
+    other = tmp_path / "torch_engine" / "global_step1"
+    other.mkdir(parents=True)
+    torch.save({"x": 1}, other / "mp_rank_00_model_states.pt")
+    (tmp_path / "torch_engine" / "latest").write_text("global_step1")
+    assert main(["verify", str(tmp_path / "torch_engine")]) == 2
+    err = capsys.readouterr().err
+    assert "was not written by this engine (no .async_ckpt/)" in err and "CORRUPT" not in err, err
+    # this engine's save cut short: partial, exit 1
+    (tmp_path / "cut" / META_DIR).mkdir(parents=True)
+    assert main(["verify", str(tmp_path / "cut")]) == 1
+    assert "never committed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("damage,problem", [
