@@ -70,9 +70,10 @@ class AsyncCheckpointConfig:
     keep_last: int = 0
     """Retention: after each commit, rank 0 removes this engine's older committed checkpoints
     in the same save directory, keeping the ``keep_last`` most recently committed (the new one
-    among them). ``0`` keeps every checkpoint. Directories that are not committed checkpoints
-    of this engine (partial saves, saves in progress, other engines' output) are never
-    removed."""
+    among them). ``0`` keeps every checkpoint. Its checkpoints that can never be loaded
+    (partial saves a crash or failure cut short, Megatron checkpoints never finalized) are
+    removed too once that commit is newer than their last change; saves in progress, damaged
+    manifests and other engines' output are never removed."""
 
     split_replicated_files: bool = True
     """DeepSpeed without ZeRO-3: every data-parallel replica writes a share (about 1/N of the

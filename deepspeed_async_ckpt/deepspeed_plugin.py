@@ -1,8 +1,7 @@
 """DeepSpeed adapter: a ``CheckpointEngine`` over :class:`AsyncCheckpointer`, and the patches
 that select it from the ``"async_checkpoint"`` config key.
 
-It holds no I/O logic. What it translates (see ``shared/notes/deepspeed.md``, checked against
-DeepSpeed 0.19.8):
+It holds no I/O logic. What it translates (checked against DeepSpeed 0.19.8's sources):
 
 - ``create_checkpoint_engine`` is imported by name into ``deepspeed.runtime.engine``; we replace
   that name, so our engine is built when the key is present and enabled, and DeepSpeed's own

@@ -1,4 +1,4 @@
-"""Megatron-core adapter of the async checkpoint engine (see docs/megatron.md).
+"""Megatron-core adapter of the async checkpoint engine (see README.md, "Megatron-core").
 
 Saves megatron-core sharded state dicts in megatron's own ``torch_dist`` format through the
 engine's lazy snapshot, background persist and atomic commit, electing one writer per unique
@@ -17,7 +17,6 @@ __all__ = [
     "WRITER_MODES",
     "add_arguments",
     "checkpoint_dir",
-    "checkpointer_from_args",
     "config_from_args",
     "read_tracker",
     "verify_checkpoint_dir",
@@ -32,7 +31,6 @@ _LAZY = {
     "ParallelLayout": "layout",
     "WRITER_MODES": "election",
     "add_arguments": "arguments",
-    "checkpointer_from_args": "arguments",
     "config_from_args": "arguments",
 }
 

@@ -291,3 +291,17 @@ def test_cpu_shim_redirects_cuda_calls_only_without_cuda():
     if __import__("torch").cuda.is_available():
         pytest.skip("the shim changes nothing where CUDA is present")
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=120)
+
+
+@pytest.mark.parametrize("package", ["megatron_adapter", "deepspeed_async_ckpt"])
+def test_every_public_name_resolves(package):
+    """``from megatron_adapter import *`` raised AttributeError: ``__all__`` still named a
+    function removed from ``arguments``."""
+    import importlib
+
+    module = importlib.import_module(package)
+    for name in module.__all__:
+        assert getattr(module, name) is not None, name
+    namespace: dict = {}
+    exec(f"from {package} import *", namespace)
+    assert set(module.__all__) <= set(namespace)
