@@ -448,3 +448,15 @@ def test_auto_activation_comes_from_the_installed_pth_and_can_be_switched_off(tm
     assert off.returncode == 0, off.stderr
     # switched off: DeepSpeed untouched until install() is called explicitly
     assert off.stdout.split()[-2:] == ["False", "True"]
+    # The hook runs at every interpreter start in the environment: it must stay cheap. With
+    # wrapt it imported asyncio, inspect and importlib.metadata (43 of 50 ms of `python -c pass`).
+    startup = "import sys; print(len(sys.modules), sorted({'asyncio', 'inspect', 'importlib.metadata', 'wrapt'} & set(sys.modules)))"
+    counts = {}
+    for switch in ("1", "0"):
+        out = subprocess.run([sys.executable, "-c", startup], env=dict(repo_env, DS_ASYNC_CKPT_AUTOLOAD=switch),
+                             capture_output=True, text=True)
+        assert out.returncode == 0, out.stderr
+        n, heavy = out.stdout.split(maxsplit=1)
+        assert heavy.strip() == "[]", (switch, heavy)
+        counts[switch] = int(n)
+    assert counts["1"] - counts["0"] <= 3, counts  # the hook module itself
