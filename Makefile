@@ -1,5 +1,8 @@
-# Everything installs into .venv from scratch (CPU torch 2.13.0, then this package).
+# Everything installs into .venv from scratch (torch 2.13.0, then this package). This project's
+# machines have the CPU wheel locally; from PyPI add TORCH_PIP_ARGS="--index-url
+# https://download.pytorch.org/whl/cpu" for the CPU build (the default there is CUDA's).
 PY      ?= python3
+TORCH_PIP_ARGS ?=
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
@@ -12,7 +15,7 @@ $(BIN)/python:
 # A regular (non-editable) install: it carries the .pth hook that auto-activates the plugin.
 install: $(BIN)/python
 	$(BIN)/pip install -q --upgrade pip
-	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q torch==2.13.0 $(TORCH_PIP_ARGS)
 	$(BIN)/pip install -q ".[test]"
 
 demo: install
@@ -24,7 +27,7 @@ test: install
 test-fast: install
 	$(PYTEST) -q -m "not slow"
 
-# On a multi-GPU runner, with a CUDA build of torch already in $(PY)'s environment: the same
+# On a multi-GPU runner, with a CUDA build of torch already in $(PY)'s environment: the DeepSpeed
 # multi-rank tests with NCCL on the visible GPUs, plus the CUDA-only tests.
 test-gpu:
 	$(PY) -m pip install -q ".[test]"

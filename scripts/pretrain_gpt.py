@@ -377,10 +377,17 @@ def main(argv: list[str] | None = None, storage=None) -> int:
     rank = dist.get_rank()
     log = open(args.log_json, "a", encoding="utf-8") if args.log_json else None
 
+    # One line on stdout per step (from the last rank, on the last pipeline stage), save and
+    # resume (rank 0), as Megatron-LM prints its iterations; every event in --log-json.
+    says = {"step": rank == dist.get_world_size() - 1, "save": rank == 0, "resumed": rank == 0}
+
     def emit(**event: Any) -> None:
         if log is not None:
             log.write(json.dumps(dict(rank=rank, **event)) + "\n")
             log.flush()
+        if says.get(event["event"]):
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                           for k, v in event.items() if v is not None), flush=True)
 
     iteration = 0
     if args.load:
