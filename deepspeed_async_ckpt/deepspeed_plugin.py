@@ -41,6 +41,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from .checkpointer import AsyncCheckpointer, Replicas
 from .commit import Pointer, check_name
 from .config import CONFIG_KEY, AsyncCheckpointConfig
+from .errors import ConfigError
 from .storage import aligned_size, temporary_path
 
 ENGINE_NAME = "AsyncCheckpointEngine"
@@ -59,14 +60,14 @@ class AsyncCheckpointEngine(CheckpointEngine):
         super().__init__(config_params)
         self.name = ENGINE_NAME
         initialized = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size() if initialized else 1
+        self._node_local = bool(getattr(config_params, "use_node_local_storage", False))
+        check_node_local(self._node_local, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         self.checkpointer = AsyncCheckpointer(
-            async_config,
-            rank=dist.get_rank() if initialized else 0,
-            world_size=dist.get_world_size() if initialized else 1)
+            async_config, rank=dist.get_rank() if initialized else 0, world_size=world_size)
         # Every data-parallel replica saves the model-states file and writes a share of it
         # (ZeRO-3 has one model-states file per rank; MoE's expert files follow other rules;
         # node-local storage gives each node its own copy). Unknown stage: not split.
-        self._node_local = bool(getattr(config_params, "use_node_local_storage", False))
         self.split = (async_config.split_replicated_files and not async_config.zip_crc32
                       and zero_stage is not None and int(zero_stage) < 3 and not has_moe_layers
                       and not self._node_local)
@@ -236,6 +237,19 @@ def checkpoint_bytes_estimate(ds_engine: Any, model_share: float = 1.0) -> int:
     if model_share < 1.0:
         model = min(model, int(model * model_share) + max(sizes["model"], default=0))
     return model + sum(sizes["zero"])
+
+
+def check_node_local(node_local: bool, world_size: int, local_world_size: int) -> None:
+    """``ConfigError`` for DeepSpeed's node-local storage across nodes: rank 0 commits from
+    every rank's record in the checkpoint directory, which it cannot see on another node's
+    disk (the commit would wait ``commit_timeout_s`` and fail every save). On one node, a
+    node-local directory is everyone's."""
+    if node_local and world_size > local_world_size:
+        raise ConfigError(
+            f"checkpoint.use_node_local_storage is not supported with async_checkpoint across "
+            f"nodes ({world_size} ranks, {local_world_size} per node): rank 0 commits from every "
+            "rank's record in the checkpoint directory, which must be one filesystem all ranks "
+            "see; turn one of the two off")
 
 
 def use_checkpoint_engine(ds_engine: Any, checkpoint_engine: Any) -> None:

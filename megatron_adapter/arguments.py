@@ -22,11 +22,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     g.add_argument("--async-ckpt", action="store_true",
                    help="save through the async checkpoint engine: lazy device-to-host snapshots, "
                         "background writes, atomic commit of the tracker. Without this flag the "
-                        "same pipeline runs inline (synchronous save).")
+                        "same pipeline runs inline (synchronous save), unless the "
+                        "--async-ckpt-config file sets \"mode\" (it wins either way).")
     g.add_argument("--async-ckpt-config", default=None, metavar="PATH",
                    help="JSON engine settings, the same schema as DeepSpeed's 'async_checkpoint' key "
-                        "(the block itself or {\"async_checkpoint\": {...}}). "
-                        "\"enabled\": false falls back to megatron-core's own dist_checkpointing.")
+                        "(the block itself or {\"async_checkpoint\": {...}}); \"enabled\" defaults to "
+                        "true here, and false falls back to megatron-core's own dist_checkpointing.")
     g.add_argument("--async-ckpt-writers", choices=WRITER_MODES, default="replica",
                    help="which ranks write: 'replica' = one data-parallel replica writes each "
                         "(TP, PP) shard; 'balanced' = unique shards spread over all DP ranks.")

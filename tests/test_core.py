@@ -116,6 +116,19 @@ def test_a_directory_whose_name_cannot_be_a_checkpoint_is_refused_and_nothing_is
     assert sorted(os.listdir(runs / "a")) == ["latest", "s1"]
 
 
+def test_deepspeed_node_local_storage_across_nodes_is_a_config_error():
+    """With ``use_node_local_storage`` on several nodes, rank 0 cannot see the other nodes'
+    records: every commit waited ``commit_timeout_s`` (600 s) and failed. Refused at once,
+    naming the key; on one node it is everyone's directory and stays allowed."""
+    from deepspeed_async_ckpt.deepspeed_plugin import check_node_local
+    from deepspeed_async_ckpt.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"checkpoint.use_node_local_storage .* \(16 ranks, 8 per node\)"):
+        check_node_local(True, 16, 8)
+    check_node_local(True, 8, 8)  # one node
+    check_node_local(False, 16, 8)
+
+
 @pytest.mark.parametrize("tag", ["", ".", "..", "a/b", "../escape", ".async_ckpt_x"])
 def test_deepspeed_tags_that_are_not_one_plain_name_are_refused(tmp_path, tag):
     """A tag names the checkpoint's directory in ``save_dir`` and ``latest`` holds it: "a/b"
