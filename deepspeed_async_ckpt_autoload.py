@@ -41,7 +41,8 @@ class _PostImportHook:
     ``exec_module``; it then takes itself off ``sys.meta_path``. Hand-written rather than
     ``wrapt.register_post_import_hook`` because this runs at every interpreter start in the
     environment (data-loader workers, tools): importing wrapt 2.x took 43 ms of the 50 ms of
-    ``python -c pass`` here (it imports asyncio, inspect and importlib.metadata), this 0.2 ms."""
+    ``python -c pass`` here (it imports asyncio, inspect and importlib.metadata), this module
+    about 1 ms."""
 
     def __init__(self, target: str, hook) -> None:
         self.target, self.hook = target, hook

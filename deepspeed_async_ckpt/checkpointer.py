@@ -649,10 +649,11 @@ class AsyncCheckpointer:
         this engine's committed checkpoints in the same save directory beyond the
         ``keep_last`` (default: the config's) most recently committed, except those whose
         name ``keep`` accepts, never ``handle``'s nor that of a save begun and not yet
-committed; also its checkpoints there that can never be loaded (partial, or committed
+        committed; also its checkpoints there that can never be loaded (partial, or committed
         and never finalized) last changed before ``handle`` committed. Records and returns the
-        names removed; does nothing when ``keep_last`` is 0. The commit stage calls it when it moved the pointer (DeepSpeed's ``latest``); an
-        adapter that moves its own pointer (Megatron's tracker) calls it after.
+        names removed; does nothing when ``keep_last`` is 0. The commit stage calls it when it
+        moved the pointer (DeepSpeed's ``latest``); an adapter that moves its own pointer
+        (Megatron's tracker) calls it after.
 
         A failure to remove an old checkpoint does not undo the commit: it is logged, and the
         next commit tries again.
