@@ -275,6 +275,20 @@ def _run_exit_flushes() -> None:
             method()
 
 
+_open_checkpointers: weakref.WeakSet[AsyncCheckpointer] = weakref.WeakSet()
+
+
+def fence_all() -> None:
+    """:meth:`AsyncCheckpointer.fence` on every open checkpointer of this process: call it
+    before changing model weights in place outside the optimizer step (an EMA copy swapped in
+    for an evaluation, LoRA weights fused for generation, a manual edit). A save copies the
+    weights lazily, and only the optimizer step waits for those copies; without a fence such
+    an edit can reach the file. Returns at once when no save has copies outstanding."""
+    for checkpointer in list(_open_checkpointers):
+        if not checkpointer._closed:
+            checkpointer.fence()
+
+
 class AsyncCheckpointer:
     """Snapshot, persist and commit checkpoints for one rank.
 
@@ -323,6 +337,7 @@ class AsyncCheckpointer:
         self.history: collections.deque[CheckpointHandle] = collections.deque(maxlen=64)
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
         flush_at_exit(self._at_exit)
+        _open_checkpointers.add(self)
 
     # ------------------------------------------------------------------ save path
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
@@ -344,6 +359,8 @@ class AsyncCheckpointer:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
                                        "still open: call end() first")
         ckpt_dir = check_checkpoint_dir(ckpt_dir)
+        if pointer is not None:  # written later, by the committer: not wherever the cwd is then
+            pointer = Pointer(os.path.abspath(pointer.path), pointer.text)
         self._verified.pop(ckpt_dir, None)  # being saved again: its files will change
         with self._dirs_lock:  # before the exchange, so before any rank writes into it
             self._beginning = ckpt_dir  # retention leaves it alone (see retire_older)
@@ -534,7 +551,8 @@ class AsyncCheckpointer:
         return handle
 
     def fence(self) -> None:
-        """Call before parameters or optimizer state are modified (the optimizer step)."""
+        """Call before parameters or optimizer state are modified (the optimizer step, or any
+        in-place edit outside it: see :func:`fence_all`)."""
         t0 = time.perf_counter()
         if self._current is not None:  # fenced inside a save: its copies must come first
             self._start_background(self._current)
@@ -875,6 +893,7 @@ class AsyncCheckpointer:
                 retirer.shutdown(wait=True)
             self._stager.close()
             cancel_flush_at_exit(self._at_exit)
+            _open_checkpointers.discard(self)
 
     @property
     def is_open(self) -> bool:

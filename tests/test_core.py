@@ -238,6 +238,82 @@ def test_fence_copies_from_the_back_while_a_slow_copier_works_from_the_front(tmp
     assert_same(torch.load(tmp_path / "t1" / "model.pt", weights_only=True), expected)
 
 
+def test_a_relative_save_dir_commits_where_it_was_saved_after_a_chdir(tmp_path, monkeypatch):
+    """``save_checkpoint("ckpt")``, then ``os.chdir`` before the background commit: DeepSpeed's
+    own engine writes ``latest`` inside the call. The pointer was kept relative and written by
+    the committer relative to the new working directory: into another ``ckpt/`` there
+    (a resume then loaded an older checkpoint), or, with none, the commit failed."""
+    from _copier import hold_copier_until_fence
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
+    monkeypatch.setattr(Stager, "fence", Stager.fence)
+    hold_copier_until_fence()  # nothing is committed before the chdir
+    (tmp_path / "run").mkdir()
+    (tmp_path / "elsewhere" / "ckpt").mkdir(parents=True)
+    monkeypatch.chdir(tmp_path / "run")
+    ck = make()
+    ck.begin(os.path.join("ckpt", "t1"), tag="t1", pointer=Pointer(os.path.join("ckpt", "latest"), "t1"))
+    ck.save(sample_state(), os.path.join("ckpt", "t1", "model.pt"))
+    ck.end()
+    os.chdir(tmp_path / "elsewhere")
+    ck.fence()
+    ck.wait()
+    ck.close()
+    assert (tmp_path / "run" / "ckpt" / "latest").read_text() == "t1"
+    assert os.listdir(tmp_path / "elsewhere" / "ckpt") == []
+    verify_checkpoint(str(tmp_path / "run" / "ckpt" / "t1"))
+
+
+def test_fence_all_and_the_hybrid_engines_lora_fusion_come_before_an_in_place_edit(tmp_path, monkeypatch):
+    """Weights changed in place outside the optimizer step, after a save and before the next
+    step: DeepSpeed's hybrid engine fuses LoRA products into the frozen weights in generate()
+    (``_fuse_lora_layer``: ``weight.data += scaling * A @ B``), a user swaps EMA weights in for
+    an evaluation. Only the optimizer step waited for the save's lazy copies, so the edit
+    reached the file (a reviewer's run: off by 0.5, also after a resume). The patched fusion
+    and ``fence_all()`` fence first; the copier is held until a fence here."""
+    from _copier import hold_copier_until_fence
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+    import deepspeed_async_ckpt
+    from deepspeed_async_ckpt.deepspeed_plugin import patch_weight_editors, unpatch_weight_editors
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
+    monkeypatch.setattr(Stager, "fence", Stager.fence)
+    release = hold_copier_until_fence()
+    monkeypatch.setattr(DeepSpeedHybridEngine, "_fuse_lora_layer", DeepSpeedHybridEngine._fuse_lora_layer)
+    patch_weight_editors()
+    try:
+        weight = torch.zeros(64, 64)
+
+        class Container:  # what the hybrid engine's inference container does to the base weight
+            def fuse_lora(self):
+                weight.data += 0.5
+
+        class Hybrid:
+            _inference_containers = [Container()]
+
+        ck = make()
+        for name, edit in [("lora", lambda: DeepSpeedHybridEngine._fuse_lora_layer(Hybrid(), 0)),
+                           ("ema", lambda: (deepspeed_async_ckpt.fence_all(), weight.copy_(torch.ones(64, 64))))]:
+            release.clear()
+            before = weight.clone()
+            ck.begin(str(tmp_path / name), tag=name)
+            ck.save({"w": weight}, str(tmp_path / name / "model.pt"))
+            ck.end()
+            edit()
+            ck.fence()  # the next optimizer step
+            ck.wait()
+            saved = torch.load(tmp_path / name / "model.pt", weights_only=True)["w"]
+            assert torch.equal(saved, before), name
+            assert not torch.equal(weight, before), name  # the edit happened
+        ck.close()
+        deepspeed_async_ckpt.fence_all()  # a closed checkpointer: nothing to do
+    finally:
+        unpatch_weight_editors()
+
+
 def test_eager_tensors_are_copied_at_save_with_every_view_of_their_memory(tmp_path, monkeypatch):
     """``eager_tensors`` (a model's buffers) are copied before ``save``/``save_packed`` return,
     and so is any saved tensor viewing their memory (a state dict holds detached views); the

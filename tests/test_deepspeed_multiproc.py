@@ -268,6 +268,21 @@ def test_deepspeed_universal_checkpoint_converts_and_loads_as_deepspeeds_own(tmp
         assert_same(got, ref, f"rank {rank}'s universal load")
 
 
+def test_zero3_weights_changed_through_gathered_parameters_after_a_save_keep_their_saved_values(tmp_path, repo_env):
+    """``zero.GatheredParameters(modifier_rank=...)`` is DeepSpeed's way to change ZeRO-3
+    parameters outside the optimizer step (the hybrid engine's generate() uses it to fuse LoRA
+    weights into frozen ones). Only the optimizer step waited for a save's lazy copies, so such
+    an edit before the next step reached the file (with the copier held until a fence); now
+    entering the context fences first. The reference is DeepSpeed's own engine's save of the
+    same state."""
+    run_ranks(repo_env, 2, "gathered", "--out", tmp_path, "--zero-stage", 3)
+    ours, theirs = tmp_path / "async" / "global_step2", tmp_path / "torch" / "global_step2"
+    names = sorted(n for n in os.listdir(ours) if not n.startswith("."))
+    assert names == sorted(os.listdir(theirs)) and len(names) == 4, names
+    for name in names:
+        assert_same(torch.load(ours / name, weights_only=False), torch.load(theirs / name, weights_only=False), name)
+
+
 def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
     out = str(tmp_path)
     codes = run_ranks(repo_env, 2, "kill", "--out", out, "--kill-rank", "1", expect_ok=False)

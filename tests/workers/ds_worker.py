@@ -17,6 +17,7 @@ Phases:
   export  save_16bit_model through this engine and DeepSpeed's own, then save_checkpoint.
   moe     an expert-parallel MoE model saved through this engine and DeepSpeed's own, both loaded.
   universal  save through this engine and DeepSpeed's own for ds_to_universal (load: --universal).
+  gathered  ZeRO-3: a frozen layer changed through GatheredParameters right after a save.
 The test module reads what they write under --out and asserts on it.
 """
 
@@ -417,6 +418,42 @@ def phase_export(args):
             json.dump({"returned": saved, "exists_on_return": exists_on_return}, f)
 
 
+def phase_gathered(args):
+    """ZeRO-3, a frozen layer (saved as its partitions, lazily): after a save, the layer is
+    changed in place through ``zero.GatheredParameters(modifier_rank=0)`` before the next
+    step, with the copier held until a fence. The same state saved by DeepSpeed's own engine
+    right after ours is the reference (rank 0 compares the files)."""
+    import deepspeed
+    from _copier import hold_copier_until_fence
+    from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
+    from deepspeed_async_ckpt.deepspeed_plugin import use_checkpoint_engine
+
+    release = hold_copier_until_fence()
+    config = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05})
+    deepspeed.init_distributed(dist_backend=BACKEND)
+    torch.manual_seed(1234)
+    with deepspeed.zero.Init(config_dict_or_path=config):
+        model = build_model(HIDDEN, LAYERS)
+    frozen = model[0]
+    for p in frozen.parameters():
+        p.requires_grad_(False)
+    engine, *_ = deepspeed.initialize(model=model, config=config,
+                                      model_parameters=[p for p in model.parameters() if p.requires_grad])
+    train(engine, args, 2)
+    ours = engine.checkpoint_engine
+    release.clear()
+    engine.save_checkpoint(os.path.join(args.out, "async"))
+    use_checkpoint_engine(engine, TorchCheckpointEngine(engine._config))
+    engine.save_checkpoint(os.path.join(args.out, "torch"))
+    use_checkpoint_engine(engine, ours)
+    with deepspeed.zero.GatheredParameters(list(frozen.parameters()), modifier_rank=0):
+        if torch.distributed.get_rank() == 0:
+            frozen.weight.data += 0.5
+    train(engine, args, 1, start=2)
+    ours.checkpointer.wait()
+    engine.destroy()
+
+
 def phase_universal(args):
     """Save through this engine and DeepSpeed's own at the same state, with the client state
     DeepSpeed's universal-checkpoint converter requires (Megatron-DeepSpeed's trainer adds it)."""
@@ -515,7 +552,7 @@ def phase_engines(args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("phase", choices=["save", "load", "kill", "exit", "sigterm", "engines", "diskfull",
-                                     "diskfull-load", "buffers", "export", "moe", "universal"])
+                                     "diskfull-load", "buffers", "export", "moe", "universal", "gathered"])
     p.add_argument("--out", required=True)
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
@@ -529,10 +566,10 @@ def main():
     {"save": phase_save, "load": phase_load, "kill": phase_kill, "exit": phase_exit,
      "sigterm": phase_sigterm,
      "engines": phase_engines, "buffers": phase_buffers, "export": phase_export, "moe": phase_moe,
-     "universal": phase_universal,
+     "universal": phase_universal, "gathered": phase_gathered,
      "diskfull": phase_diskfull, "diskfull-load": phase_diskfull_load}[args.phase](args)
     if args.phase in ("save", "load", "diskfull", "diskfull-load", "engines", "buffers", "export", "moe",
-                      "universal"):
+                      "universal", "gathered"):
         # These end with engine.destroy(): everything is committed and written. Skip the
         # interpreter's finalization, where a gloo worker thread still releasing a ZeRO-3
         # all-gather's tensors takes the GIL and aborts the rank ("terminate called without an
