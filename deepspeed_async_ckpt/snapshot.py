@@ -364,8 +364,9 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
 
     def tensor_reduce(t: torch.Tensor) -> tuple:
         if t.layout != torch.strided or t.is_quantized or t.is_nested:
-            raise SnapshotError(f"{what}: cannot snapshot a {t.layout} tensor of type "
-                                f"{type(t).__name__}; only dense strided tensors are supported")
+            kind = "quantized" if t.is_quantized else "nested" if t.is_nested else str(t.layout)
+            raise SnapshotError(f"{what}: cannot snapshot a {kind} tensor ({t.dtype}, "
+                                f"{type(t).__name__}); only dense strided tensors are supported")
         shape = tuple(t.shape)
         contiguous = strides.get(shape)
         if contiguous is None:

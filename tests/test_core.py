@@ -265,6 +265,20 @@ def test_a_relative_save_dir_commits_where_it_was_saved_after_a_chdir(tmp_path, 
     verify_checkpoint(str(tmp_path / "run" / "ckpt" / "t1"))
 
 
+@pytest.mark.parametrize("kind", ["sparse", "quantized"])
+def test_a_tensor_that_is_not_dense_strided_is_refused_by_name(tmp_path, kind):
+    """A quantized tensor's layout is ``torch.strided``: the message said "cannot snapshot a
+    torch.strided tensor", which only dense strided tensors are supposed to be."""
+    t = torch.eye(4).to_sparse() if kind == "sparse" else \
+        torch.quantize_per_tensor(torch.ones(4), 0.1, 0, torch.qint8)
+    ck = make()
+    ck.begin(str(tmp_path / "t"), tag="t")
+    with pytest.raises(SnapshotError, match=f"model.pt: cannot snapshot a {'torch.sparse_coo' if kind == 'sparse' else kind} tensor"):
+        ck.save({"x": t}, str(tmp_path / "t" / "model.pt"))
+    ck.end(commit=False)
+    ck.close()
+
+
 def test_fence_all_and_the_hybrid_engines_lora_fusion_come_before_an_in_place_edit(tmp_path, monkeypatch):
     """Weights changed in place outside the optimizer step, after a save and before the next
     step: DeepSpeed's hybrid engine fuses LoRA products into the frozen weights in generate()
