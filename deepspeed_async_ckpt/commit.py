@@ -376,6 +376,16 @@ def _delete(storage: Storage, trash: str) -> bool:
     return True
 
 
+def _checkpoint_candidates(save_dir: str) -> list[os.DirEntry]:
+    """The directories directly under ``save_dir`` that may be checkpoints: not links, not
+    hidden (this engine's staging and removal directories start with a dot)."""
+    try:
+        entries = list(os.scandir(save_dir))
+    except FileNotFoundError:
+        return []
+    return [e for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
+
+
 def committed_checkpoints(save_dir: str) -> list[str]:
     """Names of this engine's committed checkpoints directly under ``save_dir``, most recently
     committed first (by the manifest's ``committed_at``). Directories without a readable
@@ -383,13 +393,7 @@ def committed_checkpoints(save_dir: str) -> list[str]:
     are those whose late files were never recorded (unusable: a Megatron save whose markers a
     crash or failure cut off; retention would have kept one in place of a loadable one)."""
     found: list[tuple[float, str]] = []
-    try:
-        entries = list(os.scandir(save_dir))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
-            continue
+    for entry in _checkpoint_candidates(save_dir):
         try:
             manifest = read_manifest(entry.path)
         except (IntegrityError, OSError):
@@ -407,13 +411,7 @@ def abandoned_checkpoints(save_dir: str, *, before: float) -> list[str]:
     markers a crash or failure cut off). A damaged manifest is not listed: the checkpoint may
     have been whole, and someone should look at it."""
     found = []
-    try:
-        entries = list(os.scandir(save_dir))
-    except FileNotFoundError:
-        return []
-    for entry in entries:
-        if entry.name.startswith(".") or not entry.is_dir(follow_symlinks=False):
-            continue
+    for entry in _checkpoint_candidates(save_dir):
         meta = os.path.join(entry.path, META_DIR)
         try:
             manifest = read_manifest(entry.path)
