@@ -111,7 +111,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
 
     def _save_now(self, state_dict: Any, path: str) -> None:
         """A file DeepSpeed writes through this engine outside ``save_checkpoint``:
-        ``save_16bit_model`` (HF Trainer's ZeRO-3 export), whose caller reads, converts or
+        ``save_16bit_model`` (DeepSpeed's 16-bit weights export), whose caller reads, converts or
         uploads the file as soon as the call returns, and which is no checkpoint (one file in
         a directory of the caller's, no tag, no ``latest``). Written before this returns, as
         DeepSpeed's own engine does, whole or not at all: a temporary file, fsynced (with

@@ -200,7 +200,7 @@ def test_buffers_a_forward_updates_are_saved_as_they_were_at_save_time(tmp_path,
 
 @pytest.mark.parametrize("zero", [1, 3])
 def test_save_16bit_model_writes_its_file_before_returning_and_saving_goes_on(tmp_path, repo_env, zero):
-    """``save_16bit_model`` (HF Trainer's export under ZeRO-3) calls the checkpoint engine's
+    """``save_16bit_model`` (DeepSpeed's 16-bit weights export) calls the checkpoint engine's
     create/save/commit outside ``save_checkpoint``. It opened a checkpoint that nothing ended:
     the file was never written, and the next ``save_checkpoint`` raised on every rank. Now the
     file is written before the call returns, tensor for tensor what DeepSpeed's own engine

@@ -394,7 +394,7 @@ def phase_buffers(args):
 
 
 def phase_export(args):
-    """save_16bit_model (HF Trainer's export under ZeRO-3) through this engine, then through
+    """save_16bit_model (DeepSpeed's 16-bit weights export) through this engine, then through
     DeepSpeed's own at the same state; then a save_checkpoint, which must still work."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
     from deepspeed_async_ckpt.deepspeed_plugin import use_checkpoint_engine
