@@ -265,6 +265,7 @@ def test_a_relative_save_dir_commits_where_it_was_saved_after_a_chdir(tmp_path, 
     verify_checkpoint(str(tmp_path / "run" / "ckpt" / "t1"))
 
 
+@pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated")
 @pytest.mark.parametrize("kind", ["sparse", "quantized"])
 def test_a_tensor_that_is_not_dense_strided_is_refused_by_name(tmp_path, kind):
     """A quantized tensor's layout is ``torch.strided``: the message said "cannot snapshot a
