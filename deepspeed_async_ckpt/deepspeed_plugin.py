@@ -20,6 +20,10 @@ It holds no I/O logic. What it translates (checked against DeepSpeed 0.19.8's so
   freeze ``client_state`` eagerly; ``load_checkpoint`` first waits for pending saves on every
   rank and, if a save failed on any rank, refuses on every rank (rather than leaving the other
   ranks hanging in DeepSpeed's load collectives).
+- DeepSpeed's in-place weight edits outside the optimizer step (the hybrid engine's LoRA
+  fusion, ``zero.GatheredParameters`` with a ``modifier_rank``) fence first
+  (:func:`patch_weight_editors`); ``save_16bit_model``, which calls the engine outside
+  ``save_checkpoint``, has its file written before it returns.
 """
 
 from __future__ import annotations
