@@ -687,14 +687,10 @@ class AsyncCheckpointer:
                                        handle.ckpt_dir) if d}
 
         try:
-            try:  # what never committed or finalized before this commit goes too
-                committed_at = float(read_manifest(handle.ckpt_dir)["committed_at"])
-            except (IntegrityError, OSError) as exc:
-                logger.warning("async checkpoint: %s: %s", handle.ckpt_dir, exc)
-                committed_at = None
             handle.retired = retire_checkpoints(
                 self.storage, os.path.dirname(handle.ckpt_dir), keep_last=keep_last,
-                protected=protected, lock=self._dirs_lock, keep=keep, abandoned_before=committed_at)
+                protected=protected, lock=self._dirs_lock, keep=keep,
+                committed_now=os.path.basename(handle.ckpt_dir))
             if handle.retired:
                 logger.info("async checkpoint: %s committed; removed older checkpoint(s) %s",
                             handle.ckpt_dir, ", ".join(handle.retired))

@@ -386,31 +386,17 @@ def _checkpoint_candidates(save_dir: str) -> list[os.DirEntry]:
     return [e for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
 
 
-def committed_checkpoints(save_dir: str) -> list[str]:
-    """Names of this engine's committed checkpoints directly under ``save_dir``, most recently
-    committed first (by the manifest's ``committed_at``). Directories without a readable
-    manifest (other engines' checkpoints, partial or in-progress saves) are not listed, nor
-    are those whose late files were never recorded (unusable: a Megatron save whose markers a
-    crash or failure cut off; retention would have kept one in place of a loadable one)."""
-    found: list[tuple[float, str]] = []
-    for entry in _checkpoint_candidates(save_dir):
-        try:
-            manifest = read_manifest(entry.path)
-        except (IntegrityError, OSError):
-            continue
-        if is_finalized(entry.path, manifest):
-            found.append((float(manifest["committed_at"]), entry.name))
-    return [name for _, name in sorted(found, reverse=True)]
-
-
-def abandoned_checkpoints(save_dir: str, *, before: float) -> list[str]:
-    """Names of this engine's checkpoints directly under ``save_dir`` that can never be loaded,
-    last changed before ``before`` (a ``time.time()``): partial ones (begun, never committed:
-    a save a crash or a failure cut short; :data:`META_DIR` without a manifest) and
+def _scan_checkpoints(save_dir: str) -> tuple[dict[str, float], dict[str, float]]:
+    """This engine's checkpoints directly under ``save_dir``, in one pass over their manifests:
+    the committed ones (name -> commit time) and those that can never be loaded (name -> last
+    change): partial ones (begun, never committed: a save a crash or a failure cut short;
+    :data:`META_DIR` without a manifest; when a file or record was last written into it) and
     unfinalized ones (committed, their late files never recorded: a Megatron save whose
-    markers a crash or failure cut off). A damaged manifest is not listed: the checkpoint may
-    have been whole, and someone should look at it."""
-    found = []
+    markers a crash or failure cut off; its commit time). Other engines' directories are in
+    neither, nor is one whose manifest is damaged: it may have been whole, and someone should
+    look at it."""
+    committed: dict[str, float] = {}
+    abandoned: dict[str, float] = {}
     for entry in _checkpoint_candidates(save_dir):
         meta = os.path.join(entry.path, META_DIR)
         try:
@@ -418,29 +404,47 @@ def abandoned_checkpoints(save_dir: str, *, before: float) -> list[str]:
         except (IntegrityError, OSError):
             if os.path.lexists(os.path.join(meta, MANIFEST)) or not os.path.isdir(meta):
                 continue  # damaged (left for a person), or not this engine's
-            try:  # partial: when it was last written to (a file renamed in, a record)
-                changed = max(os.stat(p).st_mtime for p in (entry.path, meta))
+            try:
+                abandoned[entry.name] = max(os.stat(p).st_mtime for p in (entry.path, meta))
             except OSError:
-                continue
-        else:
-            if is_finalized(entry.path, manifest):
-                continue
-            changed = float(manifest["committed_at"])
-        if changed < before:
-            found.append(entry.name)
-    return sorted(found)
+                pass
+            continue
+        finalized = is_finalized(entry.path, manifest)
+        (committed if finalized else abandoned)[entry.name] = float(manifest["committed_at"])
+    return committed, abandoned
+
+
+def committed_checkpoints(save_dir: str) -> list[str]:
+    """Names of this engine's committed checkpoints directly under ``save_dir``, most recently
+    committed first (by the manifest's ``committed_at``). Directories without a readable
+    manifest (other engines' checkpoints, partial or in-progress saves) are not listed, nor
+    are those whose late files were never recorded (unusable: a Megatron save whose markers a
+    crash or failure cut off; retention would have kept one in place of a loadable one)."""
+    return _newest_first(_scan_checkpoints(save_dir)[0])
+
+
+def _newest_first(committed: dict[str, float]) -> list[str]:
+    return [name for _, name in sorted(((at, name) for name, at in committed.items()), reverse=True)]
+
+
+def abandoned_checkpoints(save_dir: str, *, before: float) -> list[str]:
+    """Names of this engine's checkpoints directly under ``save_dir`` that can never be loaded
+    (partial or unfinalized, see :func:`_scan_checkpoints`), last changed before ``before``
+    (a ``time.time()``)."""
+    return sorted(name for name, changed in _scan_checkpoints(save_dir)[1].items() if changed < before)
 
 
 def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
                        protected: Callable[[], set[str]], lock: threading.Lock,
                        keep: Callable[[str], bool] | None = None,
-                       abandoned_before: float | None = None) -> list[str]:
+                       committed_now: str | None = None) -> list[str]:
     """Retention, on rank 0 once a commit has moved the pointer: remove the committed
     checkpoints of ``save_dir`` beyond the ``keep_last`` most recently committed, except those
-    whose name ``keep`` accepts (e.g. every N-th iteration). With ``abandoned_before`` (the
-    new checkpoint's commit time), also this engine's checkpoints that can never be loaded and
-    were last changed before it (:func:`abandoned_checkpoints`): a crash during a save
-    otherwise leaves one behind for good, as large as a checkpoint. Returns the names removed.
+    whose name ``keep`` accepts (e.g. every N-th iteration). With ``committed_now`` (the name
+    of the checkpoint whose commit this follows), also this engine's checkpoints that can
+    never be loaded and were last changed before that commit (see :func:`_scan_checkpoints`):
+    a crash during a save otherwise leaves one behind for good, as large as a checkpoint.
+    Returns the names removed.
 
     ``protected()`` gives the absolute paths that must stay (the pointer's target, and the
     directory of every save begun and not yet committed); it is called with ``lock`` held, and
@@ -452,8 +456,13 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
     save_dir = os.path.abspath(save_dir)
     remove_trash(storage, save_dir)  # removals a crash cut short
     removed = []
-    abandoned = [] if abandoned_before is None else abandoned_checkpoints(save_dir, before=abandoned_before)
-    for name in committed_checkpoints(save_dir)[keep_last:] + abandoned:
+    committed, abandoned = _scan_checkpoints(save_dir)
+    before = None if committed_now is None else committed.get(committed_now)
+    if committed_now is not None and before is None:
+        logger.warning("async checkpoint: %s is not a committed checkpoint of %s: checkpoints "
+                       "that never committed are left there", committed_now, save_dir)
+    unloadable = [] if before is None else sorted(n for n, changed in abandoned.items() if changed < before)
+    for name in _newest_first(committed)[keep_last:] + unloadable:
         if keep is not None and keep(name):
             continue
         path = os.path.join(save_dir, name)
@@ -565,11 +574,11 @@ def _verify_late_files(ckpt_dir: str, manifest: dict) -> None:
         raise IntegrityError(f"checkpoint {ckpt_dir!r} was committed but never finalized "
                              f"({', '.join(names)} not recorded): load the one the pointer "
                              "names") from None
-    problem = _manifest_problem(dict(manifest, files=files))
+    with_late = dict(manifest, files=files)
+    problem = _manifest_problem(with_late)
     if problem or sorted(files) != sorted(names):
         raise IntegrityError(f"checkpoint {ckpt_dir!r}: {path} is damaged: "
                              f"{problem or f'it records {sorted(files)}, not {sorted(names)}'}")
-    with_late = dict(manifest, files=files)
     for rel in names:
         verify_file(os.path.join(ckpt_dir, rel), with_late)
 
