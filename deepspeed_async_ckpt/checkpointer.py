@@ -38,7 +38,8 @@ import torch
 import xxhash
 
 from .commit import (META_DIR, Pointer, check_checkpoint_dir, commit, find_checkpoint_dir,
-                     finish_replacements, read_manifest, remove_trash, replace_checkpoint,
+                     finish_replacements, make_checkpoint_dir, read_manifest,
+                     remove_stale_temporaries, remove_trash, replace_checkpoint,
                      retire_checkpoints, staging_dir, verify_checkpoint, verify_file,
                      write_rank_failure, write_rank_record)
 from .config import AsyncCheckpointConfig
@@ -370,6 +371,8 @@ class AsyncCheckpointer:
             if self.rank == 0:  # decided by rank 0 alone, before any rank can write: staged?
                 try:  # never raise before the exchange: the other ranks would wait in it
                     self.recover(os.path.dirname(ckpt_dir))
+                    if pointer is not None:
+                        remove_stale_temporaries(self.storage, pointer.path)
                 except OSError as exc:
                     logger.warning("async checkpoint: cleaning up %s failed: %s",
                                    os.path.dirname(ckpt_dir), exc)
@@ -392,7 +395,10 @@ class AsyncCheckpointer:
             write_dir = staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
             if self.rank == 0:  # marks it this engine's from the start: a crash leaves it partial
                 try:  # (listed so, refused by loads, removed by retention), not a stranger's
-                    self.storage.makedirs(os.path.join(write_dir, META_DIR))
+                    if staged:  # a crash before its marker leaves a staging dir: swept anyway
+                        self.storage.makedirs(os.path.join(write_dir, META_DIR))
+                    else:
+                        make_checkpoint_dir(self.storage, write_dir, save_id)
                 except OSError as exc:  # its files' writes fail too, and report it to all ranks
                     logger.warning("async checkpoint: cannot create %s: %s", write_dir, exc)
             self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,

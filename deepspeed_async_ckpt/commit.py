@@ -255,6 +255,37 @@ def staging_dir(ckpt_dir: str, save_id: str) -> str:
     return os.path.join(parent, f"{STAGING_PREFIX}{save_id}.{name}")
 
 
+def remove_stale_temporaries(storage: Storage, pointer_path: str) -> None:
+    """Rank 0, before a save: delete the temporary files of the pointer (``latest``) that a
+    process killed between writing and renaming one left beside it. This process's own
+    (``<pointer>.tmp.<pid>``, its committer may be writing it now) is kept: a stale one of the
+    same pid, after a restart in a container, say, is overwritten by its next commit."""
+    parent, name = os.path.split(pointer_path)
+    mine = os.path.basename(temporary_path(pointer_path, os.getpid()))
+    for entry in storage.listdir(parent):
+        if entry.startswith(f"{name}.tmp.") and is_temporary(entry) and entry != mine:
+            storage.remove_tree(os.path.join(parent, entry))
+
+
+def make_checkpoint_dir(storage: Storage, ckpt_dir: str, save_id: str) -> None:
+    """Rank 0, as a save begins: ``ckpt_dir`` with this engine's :data:`META_DIR` in it, in one
+    step, so that a crash never leaves the directory without it: an empty directory looks like
+    a stranger's (listed as ``other``, never removed by retention). Both are made under the
+    staging name (:func:`staging_dir`; a crash there leaves a staging directory, which the
+    next save sweeps) and renamed into place, over an empty directory already there (rename
+    replaces an empty one). If ``ckpt_dir`` holds something meanwhile, the marker is made in
+    it instead. No fsync: the commit's pointer update syncs the directory that holds both."""
+    if os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
+        return
+    building = staging_dir(ckpt_dir, save_id)
+    storage.makedirs(os.path.join(building, META_DIR))
+    try:
+        storage.replace(building, ckpt_dir, durable=False)
+    except OSError:  # not empty (another rank's file already in it), or not a directory
+        storage.remove_tree(building)
+        storage.makedirs(os.path.join(ckpt_dir, META_DIR))
+
+
 def replaced_trash(ckpt_dir: str, save_id: str) -> str:
     """Where :func:`replace_checkpoint` moves the checkpoint it replaced, to be deleted."""
     parent, name = os.path.split(os.path.abspath(ckpt_dir))
