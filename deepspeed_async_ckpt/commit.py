@@ -262,7 +262,11 @@ def remove_stale_temporaries(storage: Storage, pointer_path: str) -> None:
     same pid, after a restart in a container, say, is overwritten by its next commit."""
     parent, name = os.path.split(pointer_path)
     mine = os.path.basename(temporary_path(pointer_path, os.getpid()))
-    for entry in storage.listdir(parent):
+    try:
+        entries = storage.listdir(parent)
+    except FileNotFoundError:  # the first save: nothing there yet
+        return
+    for entry in entries:
         if entry.startswith(f"{name}.tmp.") and is_temporary(entry) and entry != mine:
             storage.remove_tree(os.path.join(parent, entry))
 

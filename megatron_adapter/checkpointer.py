@@ -29,6 +29,7 @@ previous checkpoint.
 
 from __future__ import annotations
 
+import logging
 import os
 import queue
 import re
@@ -45,7 +46,8 @@ import torch.distributed as dist
 from deepspeed_async_ckpt.checkpointer import (AsyncCheckpointer, CheckpointHandle, by_rank,
                                                cancel_flush_at_exit, exchange_across_ranks,
                                                flush_at_exit)
-from deepspeed_async_ckpt.commit import (META_DIR, read_manifest, record_late_files, verify_checkpoint,
+from deepspeed_async_ckpt.commit import (META_DIR, read_manifest, record_late_files,
+                                         remove_stale_temporaries, verify_checkpoint,
                                          write_text_atomic)
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError
@@ -54,6 +56,8 @@ from deepspeed_async_ckpt.storage import Storage, aligned_size
 from . import torch_dist
 from .election import check_mode, elect_writers, is_writer
 from .layout import ParallelLayout, replica_group
+
+logger = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -158,6 +162,11 @@ class MegatronCheckpointer:
         buffers = [b for chunk in chunks for b in torch.nn.Module.buffers(chunk)]
         ckpt_dir = os.path.abspath(checkpoint_dir(save_dir, iteration))
         record = SaveRecord(iteration=iteration, ckpt_dir=ckpt_dir)
+        if self.rank == 0:  # what a process killed while writing the tracker left beside it
+            try:
+                remove_stale_temporaries(self.engine.storage, tracker_path(os.path.abspath(save_dir)))
+            except OSError as exc:  # not raised before begin's exchange: the others wait in it
+                logger.warning("megatron_adapter: removing stale tracker temporaries failed: %s", exc)
         # A directory that holds a checkpoint (the tracker's iteration saved again) is
         # replaced once this save is finalized: staged beside it, swapped in by _finalize.
         handle = self.engine.begin(ckpt_dir, tag=str(iteration), swap_at_commit=False,

@@ -1571,8 +1571,9 @@ def test_commit_comes_within_a_sixteenth_of_the_wait_after_the_last_record(tmp_p
 
 
 def test_commit_order_data_then_record_then_manifest_then_pointer(tmp_path):
-    """What the pointer's atomicity rests on, in the order the disk sees it: every data file
-    fsynced and renamed durably, then the rank's record published (renamed, not synced: a
+    """What the pointer's atomicity rests on, in the order the disk sees it: the checkpoint's
+    directory renamed into place with its marker inside (not synced: the pointer's directory
+    fsync covers it), every data file fsynced and renamed durably, then the rank's record published (renamed, not synced: a
     record a crash loses belongs to a save never committed), then the manifest fsynced and
     renamed durably, and only then the pointer (fsynced, renamed durably)."""
     events = []
@@ -1597,7 +1598,8 @@ def test_commit_order_data_then_record_then_manifest_then_pointer(tmp_path):
     ck.close()
     replaced = [e[1] for e in events if e[0] == "replace"]
     record = next(n for n in replaced if n.startswith("rank_00000."))
-    assert replaced == ["model.pt", record, "manifest.json", "latest"], events
+    assert replaced == ["t1", "model.pt", record, "manifest.json", "latest"], events
+    assert ("replace", "t1", False) in events
     assert ("replace", "model.pt", True) in events and ("replace", record, False) in events
     assert ("replace", "manifest.json", True) in events and ("replace", "latest", True) in events
     synced = [e[1] for e in events if e[0] == "sync"]
@@ -2153,3 +2155,38 @@ def test_commit_refuses_a_file_whose_shares_leave_a_gap_and_keeps_the_pointer(tm
     assert (tmp_path / "latest").read_text() == "t1"
     assert not os.path.exists(path) and not (tmp_path / "t2" / META_DIR / "manifest.json").exists()
     assert not os.path.exists(tmp)  # the shares' temporary file went with the commit
+
+
+def test_the_checkpoint_directory_appears_with_its_marker_over_an_empty_one_or_beside_files(tmp_path):
+    """``make_checkpoint_dir`` renames a directory holding the marker into place, so no crash
+    leaves the checkpoint's directory without it (``tests/test_crash_points.py``). An empty
+    directory already there (made by hand, or by a crash before) is replaced; one that holds
+    a file meanwhile (another rank's) gets the marker in place, the file kept; nothing
+    under the staging name is left either way."""
+    from deepspeed_async_ckpt.commit import make_checkpoint_dir
+
+    storage = LocalStorage(fsync=False)
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "busy").mkdir()
+    (tmp_path / "busy" / "zero_pp_rank_1.pt.tmp.ab").write_bytes(b"x")
+    for name in ("new", "empty", "busy"):
+        make_checkpoint_dir(storage, str(tmp_path / name), "0123")
+        assert (tmp_path / name / META_DIR).is_dir(), name
+    assert (tmp_path / "busy" / "zero_pp_rank_1.pt.tmp.ab").read_bytes() == b"x"
+    assert sorted(os.listdir(tmp_path)) == ["busy", "empty", "new"]
+    make_checkpoint_dir(storage, str(tmp_path / "new"), "4567")  # already marked: unchanged
+    assert sorted(os.listdir(tmp_path)) == ["busy", "empty", "new"]
+
+
+def test_stale_pointer_temporaries_of_other_processes_are_removed_by_the_next_save(tmp_path):
+    """A process killed between writing ``latest.tmp.<pid>`` and renaming it left the file
+    forever; rank 0 removes other pids' pointer temporaries as a save begins (its own may be
+    its committer's, being written), and nothing else with such a name."""
+    (tmp_path / "latest.tmp.123456789").write_text("t0")
+    (tmp_path / f"latest.tmp.{os.getpid()}").write_text("t0")
+    (tmp_path / "notes.tmp.1").write_text("the user's")
+    ck = make()
+    save_one(ck, str(tmp_path), sample_state())
+    ck.wait()
+    ck.close()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "notes.tmp.1", "t1"]

@@ -79,3 +79,34 @@ def test_a_save_killed_at_any_filesystem_operation_leaves_a_loadable_checkpoint(
         assert sorted(os.listdir(os.path.join(root, "t3"))) == [".async_ckpt", "model.pt", "optim.pt"], where
     # the crash points span the commit: the old checkpoint before it, the new one after
     assert outcomes[0] == 1 and outcomes[-1] == 2 and outcomes == sorted(outcomes), outcomes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("scenario", ("new", "resave"))
+def test_a_megatron_save_killed_at_any_filesystem_operation_leaves_the_tracked_iteration_loadable(
+        tmp_path, repo_env, scenario):
+    """The same for the Megatron adapter, whose marker files, their record, the swap of a
+    re-saved iteration and the tracker come after the engine's commit: per run, the worker's
+    checking process loads (with ``dist_checkpointing.load``) what the tracker names and saves
+    iteration 3."""
+    pytest.importorskip("megatron.core")
+    out = tmp_path / "runs"
+    subprocess.run([sys.executable, os.path.join(HERE, "workers", "crash_points_megatron.py"), scenario,
+                    str(out)], check=True, env=repo_env, timeout=600, stdout=subprocess.DEVNULL)
+    report = json.loads((out / "report.json").read_text())
+    runs, total = report["runs"], report["operations"]
+    assert total >= 40, total
+    assert [r["exit"] for r in runs] == [crash_points.CRASH_EXIT] * total + [0]
+    new_iteration = 2 if scenario == "new" else 1
+    for r in runs:
+        where = f"{scenario}, killed before operation {r['n']} of {total}: {r}"
+        assert "error" not in r, where
+        assert r["tracker"] in (1, new_iteration) and r["loaded"] in (1, 2) and r["same"], where
+        assert r["tracker"] != 2 or r["loaded"] == 2, where
+        if r["exit"] == 0:
+            assert (r["tracker"], r["loaded"]) == (new_iteration, 2), where
+        assert r["after"] == {"tracker": 3, "listing": ["iter_0000003", "latest_checkpointed_iteration.txt"],
+                              "files": [".async_ckpt", ".metadata", "__0_0.distcp", "__0_1.distcp",
+                                        "common.pt", "metadata.json"]}, where
+    loaded = [r["loaded"] for r in runs]
+    assert loaded[0] == 1 and loaded[-1] == 2 and loaded == sorted(loaded), loaded

@@ -15,6 +15,8 @@ Scenarios (the committed checkpoint is ``t1``, saved at step 1; the scenario sav
 - ``resave``: tag ``t1`` saved again (staged beside it, swapped in with ``renameat2``);
 - ``resave-renames``: the same on a filesystem without ``renameat2`` (two renames).
 
+``CRASH_POINTS_TRACE=1`` prints every operation counted (number, thread, call) to stderr.
+
 The parent never starts an engine thread (each child makes its own checkpointer), so forking
 it is safe; torch runs single-threaded for the same reason.
 """
