@@ -52,6 +52,9 @@ def test_a_save_killed_at_any_filesystem_operation_leaves_a_loadable_checkpoint(
         where = f"{scenario}, killed before operation {r['n']} of {report['operations']}"
         assert cli(["verify", root]) == 0, where
         capsys.readouterr()
+        assert cli(["list", "--json", root]) == 0, where
+        states = {row["name"]: row["state"] for row in json.loads(capsys.readouterr().out)}
+        assert not {"damaged", "other"} & set(states.values()), (where, states)  # all ours, readable
         # what a resuming job does: rank 0 finishes a replacement cut short, then all load
         ck = crash_points.checkpointer(scenario)
         ck.wait_all_ranks(action="load", recover=root)
