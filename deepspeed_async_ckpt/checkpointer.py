@@ -60,6 +60,26 @@ def _reraise(exc: BaseException) -> AsyncCheckpointError:
     return err
 
 
+@dataclass(frozen=True)
+class CommitInfo:
+    """What rank 0 knows of a checkpoint once it is committed: what the commit log line says,
+    and what an ``on_commit`` callback gets."""
+
+    tag: str
+    ckpt_dir: str
+    files: int
+    bytes: int
+    world_size: int
+    seconds: float
+    """From the save's ``begin`` to its commit (the pointer moved)."""
+
+    def __str__(self) -> str:
+        rate = self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+        return (f"checkpoint {self.tag} committed: {self.ckpt_dir}, {self.files} file(s), "
+                f"{self.bytes / 1e9:.3g} GB from {self.world_size} rank(s), {self.seconds:.2f} s "
+                f"after the save began ({rate:.3g} GB/s)")
+
+
 class CheckpointHandle:
     """One checkpoint of one rank, with named wait points: staged, persisted, committed.
 
@@ -94,6 +114,8 @@ class CheckpointHandle:
         """Older checkpoints that retention (``keep_last``) removed after this one committed
         (filled in the background, after the commit: see :meth:`AsyncCheckpointer.wait`)."""
         self.times: dict[str, float] = {"begin": time.perf_counter()}
+        self.commit_info: CommitInfo | None = None
+        """Rank 0, once committed: what the commit wrote (see :class:`CommitInfo`)."""
         self._persisted = threading.Event()
         self._committed = threading.Event()
 
@@ -303,8 +325,10 @@ class AsyncCheckpointer:
     def __init__(self, config: AsyncCheckpointConfig, *, rank: int = 0, world_size: int = 1,
                  storage: Storage | None = None,
                  exchange: Callable[..., tuple[str, dict[int, str]]] | None = None,
+                 on_commit: Callable[[CommitInfo], None] | None = None,
                  ) -> None:
         self.config = config
+        self.on_commit = on_commit
         self.rank, self.world_size = rank, world_size
         self.storage = storage or LocalStorage(fsync=config.fsync, direct_io=config.direct_io)
         if exchange is not None and "key" not in inspect.signature(exchange).parameters:
@@ -934,6 +958,21 @@ class AsyncCheckpointer:
             pass  # rank 0 then times out after commit_timeout_s
 
     # ------------------------------------------------------------------ background commit
+    def _announce(self, handle: CheckpointHandle, manifest: dict) -> None:
+        """Rank 0, once a checkpoint is committed: log it (INFO) and call ``on_commit``, whose
+        failure is logged, never the save's."""
+        info = CommitInfo(tag=handle.tag, ckpt_dir=handle.ckpt_dir, files=len(manifest["files"]),
+                          bytes=sum(e["bytes"] for e in manifest["files"].values()),
+                          world_size=self.world_size,
+                          seconds=handle.times["committed"] - handle.times["begin"])
+        handle.commit_info = info
+        logger.info("async checkpoint: %s", info)
+        if self.on_commit is not None:
+            try:
+                self.on_commit(info)
+            except Exception as exc:  # noqa: BLE001 - a report, not part of the commit
+                logger.warning("async checkpoint: on_commit callback failed for %s: %s", handle.tag, exc)
+
     def _commit_loop(self) -> None:
         while True:
             handle = self._commits.get()
@@ -963,12 +1002,15 @@ class AsyncCheckpointer:
             swap = handle.write_dir != handle.ckpt_dir and handle.swap_at_commit
             write_rank_record(self.storage, handle.write_dir, rank=self.rank, save_id=handle.save_id,
                               checksum=cfg.checksum, files=records)
+            manifest = None
             if self.rank == 0:
-                commit(self.storage, handle.write_dir, tag=handle.tag, save_id=handle.save_id,
-                       world_size=self.world_size, checksum=cfg.checksum,
-                       timeout_s=cfg.commit_timeout_s, pointer=handle.pointer,
-                       replaces=handle.ckpt_dir if swap else None, late_files=handle.late_files)
+                manifest = commit(self.storage, handle.write_dir, tag=handle.tag, save_id=handle.save_id,
+                                  world_size=self.world_size, checksum=cfg.checksum,
+                                  timeout_s=cfg.commit_timeout_s, pointer=handle.pointer,
+                                  replaces=handle.ckpt_dir if swap else None, late_files=handle.late_files)
             handle.times["committed"] = time.perf_counter()
+            if manifest is not None:
+                self._announce(handle, manifest)
             if self.rank == 0 and swap:  # the checkpoint it replaced: deleted in the background
                 self._later(self._remove_trash, os.path.dirname(handle.ckpt_dir))
             if self.rank == 0 and handle.pointer is not None and self.config.keep_last:

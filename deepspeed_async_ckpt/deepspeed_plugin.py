@@ -41,8 +41,9 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+from deepspeed.utils import logger as ds_logger
 
-from .checkpointer import AsyncCheckpointer, Replicas
+from .checkpointer import AsyncCheckpointer, CommitInfo, Replicas
 from .commit import Pointer, check_name
 from .config import CONFIG_KEY, AsyncCheckpointConfig
 from .errors import ConfigError
@@ -54,6 +55,13 @@ logger = logging.getLogger(__name__)
 #: Top-level keys of DeepSpeed's model-states file whose tensors the training loop may change
 #: outside the optimizer step; they are copied before ``save_checkpoint`` returns.
 _DEEPSPEED_EAGER_KEYS = ("lr_scheduler", "data_sampler", "random_ltd", "ds_config")
+
+
+def _log_commit(info: CommitInfo) -> None:
+    """Rank 0, on the committer thread: the commit in DeepSpeed's own log (its logger, its
+    level), where its engine says a checkpoint "is about to be saved" and users look for
+    when one is safe: ``[AsyncCheckpointEngine] checkpoint global_step100 committed: ...``."""
+    ds_logger.info(f"[{ENGINE_NAME}] {info}")
 
 
 class AsyncCheckpointEngine(CheckpointEngine):
@@ -68,7 +76,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._node_local = bool(getattr(config_params, "use_node_local_storage", False))
         check_node_local(self._node_local, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
         self.checkpointer = AsyncCheckpointer(
-            async_config, rank=dist.get_rank() if initialized else 0, world_size=world_size)
+            async_config, rank=dist.get_rank() if initialized else 0, world_size=world_size,
+            on_commit=_log_commit)
         patch_weight_editors()
         # Every data-parallel replica saves the model-states file and writes a share of it
         # (ZeRO-3 has one model-states file per rank; MoE's expert files follow other rules;

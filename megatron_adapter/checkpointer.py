@@ -29,6 +29,7 @@ previous checkpoint.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import queue
@@ -43,9 +44,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from deepspeed_async_ckpt.checkpointer import (AsyncCheckpointer, CheckpointHandle, by_rank,
-                                               cancel_flush_at_exit, exchange_across_ranks,
-                                               flush_at_exit)
+from deepspeed_async_ckpt.checkpointer import (AsyncCheckpointer, CheckpointHandle, CommitInfo,
+                                               by_rank, cancel_flush_at_exit,
+                                               exchange_across_ranks, flush_at_exit)
 from deepspeed_async_ckpt.commit import (META_DIR, read_manifest, record_late_files,
                                          remove_stale_temporaries, verify_checkpoint,
                                          write_text_atomic)
@@ -109,16 +110,20 @@ class MegatronCheckpointer:
     ``config`` is the same :class:`AsyncCheckpointConfig` the DeepSpeed adapter takes.
     ``retain_interval`` is Megatron-LM's ``--save-retain-interval``: once the tracker names a
     new checkpoint, the others are removed except every ``retain_interval``-th iteration (and
-    the config's ``keep_last`` newest, if set).
+    the config's ``keep_last`` newest, if set). ``on_saved(iteration, info)``: called on rank 0,
+    on the finalizer thread, once a checkpoint's tracker names it (Megatron-LM's "successfully
+    saved" moment; ``info.seconds`` counts up to then); its failure is logged, never the save's.
     """
 
     def __init__(self, config: AsyncCheckpointConfig, *, writers: str = "replica",
-                 storage: Storage | None = None, retain_interval: int | None = None) -> None:
+                 storage: Storage | None = None, retain_interval: int | None = None,
+                 on_saved: Callable[[int, CommitInfo], None] | None = None) -> None:
         if retain_interval is not None and (isinstance(retain_interval, bool)
                                             or not isinstance(retain_interval, int) or retain_interval < 1):
             raise ValueError(f"--save-retain-interval must be a positive integer, got {retain_interval!r}")
         self.config = config
         self.retain_interval = retain_interval
+        self.on_saved = on_saved
         self.writers = check_mode(writers)
         self.layout = ParallelLayout.from_parallel_state()
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
@@ -323,6 +328,17 @@ class MegatronCheckpointer:
         write_text_atomic(self.engine.storage, tracker, text)
         handle.times["finalized"] = time.perf_counter()
         self._retire_older(handle)  # only once the tracker names the new one
+        self._announce(handle, int(text))
+
+    def _announce(self, handle: CheckpointHandle, iteration: int) -> None:
+        if handle.commit_info is None or self.on_saved is None:
+            return
+        info = dataclasses.replace(handle.commit_info,
+                                   seconds=handle.times["finalized"] - handle.times["begin"])
+        try:
+            self.on_saved(iteration, info)
+        except Exception as exc:  # noqa: BLE001 - a report, not part of the save
+            logger.warning("megatron_adapter: on_saved callback failed for iteration %d: %s", iteration, exc)
 
     def _retire_older(self, handle: CheckpointHandle) -> None:
         """Retention: the config's ``keep_last``, and Megatron-LM's ``--save-retain-interval``

@@ -30,12 +30,15 @@ What :func:`install` hooks (module attributes of ``megatron.training``):
 
 Not with Megatron-LM's ``--async-save`` (saves would bypass its queue): the engine refuses it.
 Routed saves keep ``--save-retain-interval`` (the engine removes the checkpoints it would, once
-the tracker moved) and skip Megatron-LM's other save-time side effects (fault-tolerance and
-one-logger callbacks, W&B artifact logging).
+the tracker moved) and Megatron-LM's log lines (rank 0: "saving checkpoint at iteration",
+"scheduled an async checkpoint save", and "successfully saved checkpoint from iteration N to
+DIR" once the tracker names it), and skip its other save-time side effects (fault-tolerance
+and one-logger callbacks, W&B artifact logging, ``--log-progress`` entries).
 """
 
 from __future__ import annotations
 
+import datetime
 import functools
 import inspect
 import os
@@ -81,8 +84,27 @@ def _engine(args: Any) -> MegatronCheckpointer | None:
             return None
         _STATE["engine"] = MegatronCheckpointer(
             cfg, writers=args.async_ckpt_writers,
-            retain_interval=getattr(args, "save_retain_interval", None))
+            retain_interval=getattr(args, "save_retain_interval", None),
+            on_saved=_print_saved)
     return _STATE["engine"]
+
+
+def _now() -> str:
+    return datetime.datetime.now().strftime("%Y-%m-%d %H:%M:%S.%f")
+
+
+def _print_saved(iteration: int, info: Any) -> None:
+    """Rank 0, once the tracker names the checkpoint: Megatron-LM's own line for a finished save
+    (what its logs, and the job monitors that read them, look for; the save directory made
+    absolute), then the engine's figures."""
+    from megatron.core import mpu
+
+    save_dir = os.path.dirname(info.ckpt_dir)
+    t, p = mpu.get_tensor_model_parallel_rank() + 1, mpu.get_pipeline_model_parallel_rank() + 1
+    print(f"  [{_now()}] successfully saved checkpoint from iteration {iteration:7d} to {save_dir} "
+          f"[ t {t}/{mpu.get_tensor_model_parallel_world_size()}, "
+          f"p {p}/{mpu.get_pipeline_model_parallel_world_size()} ]", flush=True)
+    print(f"  async checkpoint: {info}", flush=True)
 
 
 def _call(fn: Callable, *args: Any, **maybe_kwargs: Any) -> Any:
@@ -138,6 +160,7 @@ def has_modelopt_state(model: Any) -> bool:
 
 def save_checkpoint(*args, **kwargs):
     """Megatron-LM's ``save_checkpoint``; routes persistent torch_dist saves (see :func:`routed`)."""
+    import torch.distributed as dist
     from megatron.core import mpu
     from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
     from megatron.core.rerun_state_machine import get_rerun_state_machine
@@ -152,6 +175,9 @@ def save_checkpoint(*args, **kwargs):
         return _ORIGINALS["save"](*args, **kwargs)
     iteration, optimizer = arguments["iteration"], arguments["optimizer"]
     opt_param_scheduler = arguments["opt_param_scheduler"]
+    if dist.get_rank() == 0:  # Megatron-LM's lines, as its own save prints them
+        print(f"[{_now()}] saving checkpoint at iteration {iteration:7d} to {margs.save} in "
+              f"torch_dist format", flush=True)
     model = unwrap_model(arguments["model"])
     if "ckpt_format" in inspect.signature(mlm.get_rng_state).parameters:
         rng_state = _call(mlm.get_rng_state, ckpt_format=margs.ckpt_format,
@@ -173,6 +199,9 @@ def save_checkpoint(*args, **kwargs):
                 validate_access_integrity=validate,
                 preprocess_common=arguments.get("preprocess_common_state_dict_fn"), model=model)
     _STATE["saves"] += 1
+    if dist.get_rank() == 0 and engine.config.is_async:
+        print(f"  [{_now()}] scheduled an async checkpoint save at iteration {iteration:7d} to "
+              f"{margs.save}", flush=True)
     save_dataloader_state = getattr(mlm, "maybe_save_dataloader_state", None)
     if save_dataloader_state is not None:  # Energon's state, beside the checkpoint, as Megatron-LM does
         _call(save_dataloader_state, model=model, train_iterator=data_iterator, iteration=iteration,

@@ -372,14 +372,20 @@ def main(argv: list[str] | None = None, storage=None) -> int:
     ddp_model, gpt, config = build_model(args)
     optimizer, scheduler = build_optimizer(args, ddp_model, config)
     cfg = config_from_args(args)
+    def saved(iteration: int, info: Any) -> None:  # rank 0, once the tracker names it
+        emit(event="saved", iteration=iteration, seconds=info.seconds, bytes=info.bytes, files=info.files)
+
     ckpt = MegatronCheckpointer(cfg, writers=args.async_ckpt_writers, storage=storage,
-                                retain_interval=args.save_retain_interval) if cfg.enabled else None
+                                retain_interval=args.save_retain_interval,
+                                on_saved=saved) if cfg.enabled else None
     rank = dist.get_rank()
     log = open(args.log_json, "a", encoding="utf-8") if args.log_json else None
 
-    # One line on stdout per step (from the last rank, on the last pipeline stage), save and
-    # resume (rank 0), as Megatron-LM prints its iterations; every event in --log-json.
-    says = {"step": rank == dist.get_world_size() - 1, "save": rank == 0, "resumed": rank == 0}
+    # One line on stdout per step (from the last rank, on the last pipeline stage), save, saved
+    # checkpoint (the tracker moved: in the background with --async-ckpt) and resume (rank 0),
+    # as Megatron-LM prints its iterations; every event in --log-json.
+    says = {"step": rank == dist.get_world_size() - 1, "save": rank == 0, "saved": rank == 0,
+            "resumed": rank == 0}
 
     def emit(**event: Any) -> None:
         if log is not None:

@@ -2190,3 +2190,40 @@ def test_stale_pointer_temporaries_of_other_processes_are_removed_by_the_next_sa
     ck.wait()
     ck.close()
     assert sorted(os.listdir(tmp_path)) == ["latest", "notes.tmp.1", "t1"]
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_rank_0_reports_each_commit_with_what_it_wrote(tmp_path, caplog, mode):
+    """Once the pointer moved, rank 0 logs the commit (INFO) and calls ``on_commit`` with its
+    figures: files and bytes as on disk, ranks, time since the save began. A callback that
+    raises is logged; the save stays committed and the next one goes on."""
+    import logging
+
+    from deepspeed_async_ckpt import CommitInfo
+
+    seen = []
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, host_buffer_gb=0.01),
+                           on_commit=seen.append)
+    with caplog.at_level(logging.INFO, logger="deepspeed_async_ckpt"):
+        handle = save_one(ck, str(tmp_path), sample_state())
+        ck.wait()
+        assert len(seen) == 1 and isinstance(seen[0], CommitInfo)
+        info = seen[0]
+        assert (tmp_path / "latest").read_text() == "t1"  # reported after the pointer moved
+        assert (info.tag, info.ckpt_dir, info.files, info.world_size) == ("t1", str(tmp_path / "t1"), 1, 1)
+        assert info.bytes == os.path.getsize(tmp_path / "t1" / "model.pt")
+        assert 0 < info.seconds <= handle.times["committed"] - handle.times["begin"] + 1e-6
+        assert handle.commit_info == info
+        assert any(r.levelno == logging.INFO and "checkpoint t1 committed: " in r.getMessage()
+                   and f"{info.files} file(s)" in r.getMessage() for r in caplog.records)
+
+        def broken(info):
+            raise RuntimeError("the dashboard is down")
+
+        ck.on_commit = broken
+        save_one(ck, str(tmp_path), sample_state(), tag="t2")
+        ck.wait()  # no error: the report failed, not the save
+        assert (tmp_path / "latest").read_text() == "t2"
+        assert any(r.levelno == logging.WARNING and "the dashboard is down" in r.getMessage()
+                   for r in caplog.records)
+    ck.close()

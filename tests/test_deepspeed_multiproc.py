@@ -475,3 +475,29 @@ def test_auto_activation_comes_from_the_installed_pth_and_can_be_switched_off(tm
         assert heavy.strip() == "[]", (switch, heavy)
         counts[switch] = int(n)
     assert counts["1"] - counts["0"] <= 3, counts  # the hook module itself
+
+
+def test_each_commit_is_in_deepspeeds_log_from_rank_0(tmp_path, repo_env):
+    """With DeepSpeed's ``log_level`` at info, rank 0 logs every commit through DeepSpeed's own
+    logger (the line users look for to know a checkpoint is safe; DeepSpeed's engine logs that
+    a checkpoint "is about to be saved"), with the manifest's figures; the other rank does not."""
+    from deepspeed_async_ckpt.commit import read_manifest
+
+    config = json.load(open(os.path.join(REPO, "configs", "deepspeed_async.json")))
+    config["log_level"] = "info"
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(config))
+    save = tmp_path / "ckpt"
+    codes = launch(os.path.join(REPO, "scripts", "ds_train.py"),
+                   ["--config", str(cfg), "--save-dir", str(save), "--steps", "4", "--save-every", "2",
+                    "--hidden", "32", "--layers", "2"], 2, timeout=300, env=repo_env,
+                   log_prefix=str(tmp_path / "train"))
+    logs = [(tmp_path / f"train.rank{r}.log").read_text() for r in range(2)]
+    assert codes == [0, 0], logs
+    for tag in ("global_step2", "global_step4"):
+        manifest = read_manifest(str(save / tag))
+        nbytes = sum(f["bytes"] for f in manifest["files"].values())
+        line = f"[AsyncCheckpointEngine] checkpoint {tag} committed: {save / tag}, " \
+               f"{len(manifest['files'])} file(s), {nbytes / 1e9:.3g} GB from 2 rank(s), "
+        assert logs[0].count(line) == 1, logs[0]
+    assert "committed:" not in logs[1]

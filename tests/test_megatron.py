@@ -401,6 +401,12 @@ def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
         assert reserve[r]["bytes"] == pool[r]["pooled_bytes"], (r, reserve[r], pool[r])
         assert pool[r]["pool_allocations"] == (1 if reserve[r]["bytes"] else 0), pool[r]
     assert sum(reserve[r]["bytes"] > 0 for r in range(4)) >= 2
+    # rank 0 reports the save once the tracker names it (on_saved), with the manifest's figures
+    saved = [e for e in events if e["event"] == "saved"]
+    manifest = read_manifest(str(tmp_path / "ckpt" / "iter_0000006"))
+    assert [(e["rank"], e["iteration"]) for e in saved] == [(0, 6)]
+    assert saved[0]["files"] == len(manifest["files"]) and saved[0]["seconds"] > 0
+    assert saved[0]["bytes"] == sum(f["bytes"] for f in manifest["files"].values())
 
 
 def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path, env):

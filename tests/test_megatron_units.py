@@ -305,3 +305,29 @@ def test_every_public_name_resolves(package):
     namespace: dict = {}
     exec(f"from {package} import *", namespace)
     assert set(module.__all__) <= set(namespace)
+
+
+def test_megatron_lm_hook_prints_megatron_lms_saved_line_for_log_monitors(monkeypatch, capsys):
+    """Routed saves print Megatron-LM's own "successfully saved checkpoint" line once the
+    tracker names the checkpoint (before, they printed nothing: job monitors and the scripts
+    that convert each new checkpoint, which wait for that line, never saw a save)."""
+    import re
+
+    from megatron.core import mpu
+
+    from deepspeed_async_ckpt.checkpointer import CommitInfo
+    from megatron_adapter import megatron_lm
+
+    for name, value in (("get_tensor_model_parallel_rank", 0), ("get_pipeline_model_parallel_rank", 0),
+                        ("get_tensor_model_parallel_world_size", 2),
+                        ("get_pipeline_model_parallel_world_size", 4)):
+        monkeypatch.setattr(mpu, name, lambda value=value: value)
+    info = CommitInfo(tag="50", ckpt_dir="/ckpt/iter_0000050", files=9, bytes=3 * 10**9,
+                      world_size=8, seconds=1.5)
+    megatron_lm._print_saved(50, info)
+    out = capsys.readouterr().out
+    # the pattern log monitors use for Megatron-LM's line
+    match = re.search(r"successfully saved checkpoint from iteration\s+(?P<it>\d+) to (?P<path>\S+)", out)
+    assert match and match["it"] == "50" and match["path"] == "/ckpt", out
+    assert "iteration      50 to /ckpt [ t 1/2, p 1/4 ]" in out
+    assert "checkpoint 50 committed: /ckpt/iter_0000050, 9 file(s), 3 GB from 8 rank(s), 1.50 s" in out
