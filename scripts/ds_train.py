@@ -85,7 +85,7 @@ def main(argv=None) -> int:
 
     def emit(**event):
         if log is not None:
-            log.write(json.dumps(dict(rank=rank, **event)) + "\n")
+            log.write(json.dumps(dict(rank=rank, t=time.time(), **event)) + "\n")
             log.flush()
 
     start_step = 0
