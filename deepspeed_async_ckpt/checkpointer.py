@@ -959,19 +959,20 @@ class AsyncCheckpointer:
 
     # ------------------------------------------------------------------ background commit
     def _announce(self, handle: CheckpointHandle, manifest: dict) -> None:
-        """Rank 0, once a checkpoint is committed: log it (INFO) and call ``on_commit``, whose
-        failure is logged, never the save's."""
-        info = CommitInfo(tag=handle.tag, ckpt_dir=handle.ckpt_dir, files=len(manifest["files"]),
-                          bytes=sum(e["bytes"] for e in manifest["files"].values()),
-                          world_size=self.world_size,
-                          seconds=handle.times["committed"] - handle.times["begin"])
-        handle.commit_info = info
-        logger.info("async checkpoint: %s", info)
-        if self.on_commit is not None:
-            try:
+        """Rank 0, once a checkpoint is committed: log it (INFO) and call ``on_commit``. A
+        failure here is logged, never the save's: the pointer has moved already."""
+        try:
+            info = CommitInfo(tag=handle.tag, ckpt_dir=handle.ckpt_dir, files=len(manifest["files"]),
+                              bytes=sum(e["bytes"] for e in manifest["files"].values()),
+                              world_size=self.world_size,
+                              seconds=handle.times["committed"] - handle.times["begin"])
+            handle.commit_info = info
+            logger.info("async checkpoint: %s", info)
+            if self.on_commit is not None:
                 self.on_commit(info)
-            except Exception as exc:  # noqa: BLE001 - a report, not part of the commit
-                logger.warning("async checkpoint: on_commit callback failed for %s: %s", handle.tag, exc)
+        except Exception as exc:  # noqa: BLE001 - a report, not part of the commit
+            logger.warning("async checkpoint: reporting the commit of %s failed (it is committed): "
+                           "%s", handle.tag, exc)
 
     def _commit_loop(self) -> None:
         while True:
