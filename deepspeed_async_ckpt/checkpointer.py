@@ -149,6 +149,17 @@ def _holds_files(path: str) -> bool:
         return True
 
 
+def _remove_if_empty(made: list[str]) -> None:
+    """Remove what ``begin`` made for a save it then refused (the checkpoint directory, its
+    empty marker, and parents it made: deepest first), as long as nothing else is in them."""
+    try:
+        os.rmdir(os.path.join(made[0], META_DIR))
+        for path in made:
+            os.rmdir(path)
+    except OSError:
+        pass
+
+
 def by_rank(errors: dict[int, str]) -> str:
     """``"1: msg; 3: msg"``: the per-rank errors an exchange returned, in rank order."""
     return "; ".join(f"{r}: {m}" for r, m in sorted(errors.items()))
@@ -389,6 +400,7 @@ class AsyncCheckpointer:
         self._verified.pop(ckpt_dir, None)  # being saved again: its files will change
         with self._dirs_lock:  # before the exchange, so before any rank writes into it
             self._beginning = ckpt_dir  # retention leaves it alone (see retire_older)
+        made: list[str] | None = None
         try:
             local = self._take_background_error()
             save_id = uuid.uuid4().hex[:16]
@@ -402,29 +414,28 @@ class AsyncCheckpointer:
                                    os.path.dirname(ckpt_dir), exc)
                 if self._busy(ckpt_dir) or _holds_files(ckpt_dir):
                     save_id += _STAGED
+                if local is None:  # before the exchange, so before any other rank writes into it
+                    made = self._make_write_dir(ckpt_dir, save_id)
             save_id, failed = self._exchange(save_id, None if local is None else
                                              f"{type(local).__name__}: {local}", key=ckpt_dir)
-            if local is not None:
-                raise _reraise(local)
-            elsewhere = {r: m for r, m in failed.items() if m.startswith(_ELSEWHERE)}
-            if elsewhere:  # a rank-specific tag, or a relative save_dir from another directory
-                raise AsyncCheckpointError(
-                    f"the ranks are not saving the same checkpoint (rank {self.rank}: "
-                    f"{ckpt_dir!r}): rank(s) {by_rank(elsewhere)}; every rank must pass the same "
-                    "save_dir and tag (nothing was written)")
-            if failed:
-                raise CommitError("a previous checkpoint failed and was not committed (the last "
-                                  "committed one is intact) on rank(s) " + by_rank(failed))
+            try:
+                if local is not None:
+                    raise _reraise(local)
+                elsewhere = {r: m for r, m in failed.items() if m.startswith(_ELSEWHERE)}
+                if elsewhere:  # a rank-specific tag, or a relative save_dir from another directory
+                    raise AsyncCheckpointError(
+                        f"the ranks are not saving the same checkpoint (rank {self.rank}: "
+                        f"{ckpt_dir!r}): rank(s) {by_rank(elsewhere)}; every rank must pass the "
+                        "same save_dir and tag (nothing was written)")
+                if failed:
+                    raise CommitError("a previous checkpoint failed and was not committed (the last "
+                                      "committed one is intact) on rank(s) " + by_rank(failed))
+            except BaseException:
+                if made is not None:  # refused: nothing of it is left
+                    _remove_if_empty(made)
+                raise
             save_id, staged, _ = save_id.partition(_STAGED)
             write_dir = staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
-            if self.rank == 0:  # marks it this engine's from the start: a crash leaves it partial
-                try:  # (listed so, refused by loads, removed by retention), not a stranger's
-                    if staged:  # a crash before its marker leaves a staging dir: swept anyway
-                        self.storage.makedirs(os.path.join(write_dir, META_DIR))
-                    else:
-                        make_checkpoint_dir(self.storage, write_dir, save_id)
-                except OSError as exc:  # its files' writes fail too, and report it to all ranks
-                    logger.warning("async checkpoint: cannot create %s: %s", write_dir, exc)
             self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
                                              swap_at_commit, tuple(late_files))
             if staged and not swap_at_commit and self.rank == 0:
@@ -434,6 +445,31 @@ class AsyncCheckpointer:
             with self._dirs_lock:
                 self._beginning = None
         return self._current
+
+    def _make_write_dir(self, ckpt_dir: str, save_id: str) -> list[str] | None:
+        """Rank 0, in ``begin`` before the exchange: the directory this save writes into, with
+        this engine's marker, so that a crash leaves it partial (listed so, refused by loads,
+        removed by retention), not a stranger's; and made before the exchange, because once
+        it returns the other ranks create files in it (rank 0 renaming the directory into
+        place under them made their file creation fail with ENOENT). Returns the directories
+        it made, deepest first (for :func:`_remove_if_empty`), or None if it could not (logged:
+        the writes into it fail too, and report it to all ranks)."""
+        save_id, staged, _ = save_id.partition(_STAGED)
+        write_dir = staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
+        made = [write_dir]
+        parent = os.path.dirname(write_dir)
+        while parent != os.path.dirname(parent) and not os.path.exists(parent):
+            made.append(parent)  # the save directory itself, made by this first save
+            parent = os.path.dirname(parent)
+        try:
+            if staged:  # a crash before its marker leaves a staging dir: swept anyway
+                self.storage.makedirs(os.path.join(write_dir, META_DIR))
+            else:
+                make_checkpoint_dir(self.storage, write_dir, save_id)
+        except OSError as exc:
+            logger.warning("async checkpoint: cannot create %s: %s", write_dir, exc)
+            return None
+        return made
 
     def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = (),
              eager_tensors: Iterable[torch.Tensor] = (), replicas: Replicas | None = None) -> int:

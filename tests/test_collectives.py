@@ -39,6 +39,23 @@ def _rank(rank: int, init: str, out: str) -> None:
     except AsyncCheckpointError as exc:
         got.append(str(exc).replace(out, "OUT"))
     ck.close()
+    # The checkpoint directory exists, with its marker, on every rank when begin returns, even
+    # with rank 0 slow to make it: rank 0 makes it before the exchange. Made after it, rank
+    # 0's rename into place raced the other ranks' first files (ENOENT, the save failed).
+    import time
+
+    from deepspeed_async_ckpt import checkpointer as checkpointer_module
+
+    real = checkpointer_module.make_checkpoint_dir
+    checkpointer_module.make_checkpoint_dir = lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1]
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=rank, world_size=WORLD)
+    made = os.path.join(out, "made", "step1")
+    ck.begin(made, tag="step1")
+    with open(os.path.join(out, f"made{rank}.txt"), "w", encoding="utf-8") as f:
+        f.write(repr(os.path.isdir(os.path.join(made, ".async_ckpt"))))
+    ck.end(commit=False)
+    ck.close()
+    checkpointer_module.make_checkpoint_dir = real
     # A load whose checkpoint only rank 1 finds saved again meanwhile: no rank raises inside
     # the framework's load (the others would wait there for rank 1), every rank at its end.
     import torch
@@ -93,6 +110,7 @@ def test_exchange_gives_rank0_value_and_every_error_to_every_rank(tmp_path):
             "rank(s) 1: saves into 'OUT/ckpt/step8', rank 0 into 'OUT/ckpt/step9'; every rank must "
             "pass the same save_dir and tag (nothing was written)"), f"rank {rank}"
     assert not os.path.exists(tmp_path / "ckpt")
+    assert [(tmp_path / f"made{rank}.txt").read_text() for rank in range(WORLD)] == ["True"] * WORLD
 
 
 def _replica_state(rank: int, differ: bool = False) -> dict:
