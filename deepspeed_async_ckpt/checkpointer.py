@@ -339,7 +339,8 @@ class AsyncCheckpointer:
                  on_commit: Callable[[CommitInfo], None] | None = None,
                  ) -> None:
         self.config = config
-        self.on_commit = on_commit
+        self._commit_callbacks: list[Callable[[CommitInfo], None]] = [on_commit] if on_commit else []
+        self._reporter: ThreadPoolExecutor | None = None  # commit callbacks, started on first use
         self.rank, self.world_size = rank, world_size
         self.storage = storage or LocalStorage(fsync=config.fsync, direct_io=config.direct_io)
         if exchange is not None and "key" not in inspect.signature(exchange).parameters:
@@ -950,9 +951,11 @@ class AsyncCheckpointer:
             self._committer.join(timeout=60)
             self._writers.shutdown(wait=True)
             with self._lock:
-                retirer = self._retirer
+                retirer, reporter = self._retirer, self._reporter
             if retirer is not None:
                 retirer.shutdown(wait=True)
+            if reporter is not None:  # the commit callbacks queued so far run to the end
+                reporter.shutdown(wait=True)
             self._stager.close()
             cancel_flush_at_exit(self._at_exit)
             _open_checkpointers.discard(self)
@@ -994,9 +997,34 @@ class AsyncCheckpointer:
             pass  # rank 0 then times out after commit_timeout_s
 
     # ------------------------------------------------------------------ background commit
+    def add_commit_callback(self, fn: Callable[[CommitInfo], None]) -> None:
+        """Call ``fn(info)`` (a :class:`CommitInfo`) on rank 0 for every checkpoint committed from
+        now on, after the pointer moved. Callbacks run in commit order on a thread of their own,
+        so a slow one (an upload, say) holds up neither training, nor :meth:`wait`, nor the next
+        commit; :meth:`close` waits for them. An exception in one is logged: the checkpoint
+        stays committed. The ``on_commit`` argument adds one."""
+        self._commit_callbacks.append(fn)
+
+    def report(self, fn: Callable[..., Any], *args: Any) -> None:
+        """Run ``fn(*args)`` on the commit callbacks' thread (after those queued before); here
+        once closed. Its exception is logged. Adapters use it for their own reports."""
+        def call() -> None:
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - a report, never the save's failure
+                logger.warning("async checkpoint: a commit callback failed: %s: %s",
+                               type(exc).__name__, exc)
+        with self._lock:
+            if not self._closed:
+                if self._reporter is None:
+                    self._reporter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-reporter")
+                self._reporter.submit(call)
+                return
+        call()
+
     def _announce(self, handle: CheckpointHandle, manifest: dict) -> None:
-        """Rank 0, once a checkpoint is committed: log it (INFO) and call ``on_commit``. A
-        failure here is logged, never the save's: the pointer has moved already."""
+        """Rank 0, once a checkpoint is committed: log it (INFO) and queue the commit callbacks.
+        A failure here is logged, never the save's: the pointer has moved already."""
         try:
             info = CommitInfo(tag=handle.tag, ckpt_dir=handle.ckpt_dir, files=len(manifest["files"]),
                               bytes=sum(e["bytes"] for e in manifest["files"].values()),
@@ -1004,8 +1032,8 @@ class AsyncCheckpointer:
                               seconds=handle.times["committed"] - handle.times["begin"])
             handle.commit_info = info
             logger.info("async checkpoint: %s", info)
-            if self.on_commit is not None:
-                self.on_commit(info)
+            for fn in list(self._commit_callbacks):
+                self.report(fn, info)
         except Exception as exc:  # noqa: BLE001 - a report, not part of the commit
             logger.warning("async checkpoint: reporting the commit of %s failed (it is committed): "
                            "%s", handle.tag, exc)

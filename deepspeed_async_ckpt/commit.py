@@ -267,8 +267,10 @@ def remove_stale_temporaries(storage: Storage, pointer_path: str) -> None:
     except FileNotFoundError:  # the first save: nothing there yet
         return
     for entry in entries:
-        if entry.startswith(f"{name}.tmp.") and is_temporary(entry) and entry != mine:
-            storage.remove_tree(os.path.join(parent, entry))
+        path = os.path.join(parent, entry)
+        if entry.startswith(f"{name}.tmp.") and is_temporary(entry) and entry != mine \
+                and (os.path.islink(path) or not os.path.isdir(path)):  # a tag may be so named
+            storage.remove_tree(path)
 
 
 def make_checkpoint_dir(storage: Storage, ckpt_dir: str, save_id: str) -> None:

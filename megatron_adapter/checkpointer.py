@@ -110,9 +110,10 @@ class MegatronCheckpointer:
     ``config`` is the same :class:`AsyncCheckpointConfig` the DeepSpeed adapter takes.
     ``retain_interval`` is Megatron-LM's ``--save-retain-interval``: once the tracker names a
     new checkpoint, the others are removed except every ``retain_interval``-th iteration (and
-    the config's ``keep_last`` newest, if set). ``on_saved(iteration, info)``: called on rank 0,
-    on the finalizer thread, once a checkpoint's tracker names it (Megatron-LM's "successfully
-    saved" moment; ``info.seconds`` counts up to then); its failure is logged, never the save's.
+    the config's ``keep_last`` newest, if set). ``on_saved(iteration, info)``: called on rank 0
+    once a checkpoint's tracker names it (Megatron-LM's "successfully saved" moment;
+    ``info.seconds`` counts up to then), in order, on a thread of its own (a slow one delays no
+    save; :meth:`close` waits for it); its failure is logged, never the save's.
     """
 
     def __init__(self, config: AsyncCheckpointConfig, *, writers: str = "replica",
@@ -331,14 +332,13 @@ class MegatronCheckpointer:
         self._announce(handle, int(text))
 
     def _announce(self, handle: CheckpointHandle, iteration: int) -> None:
+        """``on_saved`` on the engine's callback thread (see ``AsyncCheckpointer.report``): a
+        slow one holds up neither the next finalization nor :meth:`wait`."""
         if handle.commit_info is None or self.on_saved is None:
             return
         info = dataclasses.replace(handle.commit_info,
                                    seconds=handle.times["finalized"] - handle.times["begin"])
-        try:
-            self.on_saved(iteration, info)
-        except Exception as exc:  # noqa: BLE001 - a report, not part of the save
-            logger.warning("megatron_adapter: on_saved callback failed for iteration %d: %s", iteration, exc)
+        self.engine.report(self.on_saved, iteration, info)
 
     def _retire_older(self, handle: CheckpointHandle) -> None:
         """Retention: the config's ``keep_last``, and Megatron-LM's ``--save-retain-interval``

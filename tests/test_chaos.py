@@ -5,8 +5,8 @@ killed (2 CPU ranks, DeepSpeed ZeRO-1, this engine in async mode, ``keep_last: 3
 once, as a node failure does) a random time after its first step, then relaunched with
 ``--resume``, until one segment finishes. Every step ever run, in any segment, must give the
 loss the uninterrupted run gave at that step, bit for bit (each segment starts from a checkpoint
-exactly as saved); the resume points never go backward (``latest`` only moves to committed
-checkpoints); the final checkpoint equals the uninterrupted run's; and what the kills left
+exactly as saved); each resume loads what ``latest`` named when the segment started, and
+resume points never go backward (``latest`` only moves to committed checkpoints); the final checkpoint equals the uninterrupted run's; and what the kills left
 (partial saves, staging, temporaries) is gone once training ends, leaving the ``keep_last``
 newest checkpoints and ``latest``. The seed is in the test id, the kill delays in each failure.
 """
@@ -109,12 +109,14 @@ def test_training_killed_at_random_moments_resumes_to_exactly_the_uninterrupted_
     per_step = (max(e["t"] for e in straight if e["event"] == "done") - first_step) / STEPS
 
     rng = random.Random(seed)
-    delays, resumed_at, seen, kills = [], [], 0, 0
+    delays, resumed_at, expected_resumes, seen, kills = [], [], [], 0, 0
     for segment in range(12):
         # a moment in what is left of training (from the checkpoint it will resume from), or in
         # the final flush after it
         latest = chaos_dir / "latest"
-        left = (STEPS - (int(latest.read_text()[len("global_step"):]) if latest.exists() else 0)) * per_step
+        committed = int(latest.read_text()[len("global_step"):]) if latest.exists() else 0
+        expected_resumes.append(committed)
+        left = (STEPS - committed) * per_step
         # four kills early enough to leave training behind them, one near the end or in the
         # final flush, then let it finish
         kill_after = (rng.uniform(0.0, 0.8 * left) if kills < 4 else
@@ -138,7 +140,9 @@ def test_training_killed_at_random_moments_resumes_to_exactly_the_uninterrupted_
         pytest.fail(f"training never finished: kill delays {delays}")
     where = f"seed {seed}, kill delays {delays}, resumed at {resumed_at}"
     assert kills >= 4 and seen > NPROC * STEPS, where  # some steps ran twice
-    # every resume from a committed checkpoint, never an older one than the last resume's
+    # every resume from the checkpoint `latest` named when it started (training is
+    # deterministic: an older one would give the same losses), never going backward
+    assert resumed_at == expected_resumes[1:], (where, expected_resumes)
     assert all(step % EVERY == 0 for step in resumed_at), where
     assert resumed_at == sorted(resumed_at), where
     # the end: the uninterrupted run's final checkpoint, and nothing else the kills left

@@ -2186,44 +2186,55 @@ def test_stale_pointer_temporaries_of_other_processes_are_removed_by_the_next_sa
     (tmp_path / f"latest.tmp.{os.getpid()}").write_text("t0")
     (tmp_path / "notes.tmp.1").write_text("the user's")
     ck = make()
+    save_one(ck, str(tmp_path), sample_state(), tag="latest.tmp.1")  # a checkpoint so named
     save_one(ck, str(tmp_path), sample_state())
     ck.wait()
     ck.close()
-    assert sorted(os.listdir(tmp_path)) == ["latest", "notes.tmp.1", "t1"]
+    assert sorted(os.listdir(tmp_path)) == ["latest", "latest.tmp.1", "notes.tmp.1", "t1"]
+    verify_checkpoint(str(tmp_path / "latest.tmp.1"))
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_rank_0_reports_each_commit_with_what_it_wrote(tmp_path, caplog, mode):
-    """Once the pointer moved, rank 0 logs the commit (INFO) and calls ``on_commit`` with its
-    figures: files and bytes as on disk, ranks, time since the save began. A callback that
-    raises is logged; the save stays committed and the next one goes on."""
+    """Once the pointer moved, rank 0 logs the commit (INFO) and calls each commit callback
+    with its figures: files and bytes as on disk, ranks, time since the save began. Callbacks
+    run on a thread of their own: one that blocks holds up neither ``wait()`` nor the next
+    commit, one may call ``wait()`` itself, and one that raises is logged (the checkpoint
+    stays committed); ``close()`` waits for them."""
     import logging
 
     from deepspeed_async_ckpt import CommitInfo
 
-    seen = []
+    seen, release, waited = [], threading.Event(), threading.Event()
+
+    def slow(info):  # an upload, say; then the engine's own wait() from inside a callback
+        seen.append(info)
+        assert release.wait(10)
+        ck.wait()
+        waited.set()
+
+    def broken(info):
+        raise RuntimeError("the dashboard is down")
+
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, host_buffer_gb=0.01),
-                           on_commit=seen.append)
+                           on_commit=slow)
+    ck.add_commit_callback(broken)
     with caplog.at_level(logging.INFO, logger="deepspeed_async_ckpt"):
         handle = save_one(ck, str(tmp_path), sample_state())
         ck.wait()
-        assert len(seen) == 1 and isinstance(seen[0], CommitInfo)
-        info = seen[0]
-        assert (tmp_path / "latest").read_text() == "t1"  # reported after the pointer moved
-        assert (info.tag, info.ckpt_dir, info.files, info.world_size) == ("t1", str(tmp_path / "t1"), 1, 1)
-        assert info.bytes == os.path.getsize(tmp_path / "t1" / "model.pt")
-        assert 0 < info.seconds <= handle.times["committed"] - handle.times["begin"] + 1e-6
-        assert handle.commit_info == info
-        assert any(r.levelno == logging.INFO and "checkpoint t1 committed: " in r.getMessage()
-                   and f"{info.files} file(s)" in r.getMessage() for r in caplog.records)
-
-        def broken(info):
-            raise RuntimeError("the dashboard is down")
-
-        ck.on_commit = broken
-        save_one(ck, str(tmp_path), sample_state(), tag="t2")
-        ck.wait()  # no error: the report failed, not the save
-        assert (tmp_path / "latest").read_text() == "t2"
-        assert any(r.levelno == logging.WARNING and "the dashboard is down" in r.getMessage()
-                   for r in caplog.records)
-    ck.close()
+        save_one(ck, str(tmp_path), sample_state(), tag="t2")  # with the first callback held
+        ck.wait()
+        assert (tmp_path / "latest").read_text() == "t2" and not waited.is_set()
+        release.set()
+        assert waited.wait(10)
+        ck.close()  # waits for the callbacks still queued (the second commit's)
+    assert [i.tag for i in seen] == ["t1", "t2"] and all(isinstance(i, CommitInfo) for i in seen)
+    info = seen[0]
+    assert (info.tag, info.ckpt_dir, info.files, info.world_size) == ("t1", str(tmp_path / "t1"), 1, 1)
+    assert info.bytes == os.path.getsize(tmp_path / "t1" / "model.pt")
+    assert 0 < info.seconds <= handle.times["committed"] - handle.times["begin"] + 1e-6
+    assert handle.commit_info == info
+    messages = [(r.levelno, r.getMessage()) for r in caplog.records]
+    assert any(level == logging.INFO and "checkpoint t1 committed: " in m and "1 file(s)" in m
+               for level, m in messages)
+    assert sum(level == logging.WARNING and "the dashboard is down" in m for level, m in messages) == 2

@@ -1,8 +1,9 @@
 """Kill a save at every filesystem operation it makes, one run per operation.
 
 ``python crash_points.py SCENARIO OUT_DIR`` first runs the scenario once to count the
-operations that change the filesystem (opening a file for writing, each write, fsync, rename,
-link, unlink, mkdir, rmdir, truncate, ``renameat2``), then once per operation ``n``: a fresh
+operations that change the filesystem (opening a file for writing, before and after: created
+or truncated, still empty; each unbuffered write, fsync, rename, link, unlink, mkdir, rmdir,
+truncate, ``renameat2``), then once per operation ``n``: a fresh
 copy of a save directory holding one committed checkpoint, the scenario run in a forked child
 that dies with ``os._exit`` (as under SIGKILL: nothing after it runs, no exit handlers) right
 before its ``n``-th operation, whichever thread makes it. Each run's directory is left under
@@ -118,21 +119,29 @@ def arm(crash_at: int) -> None:
         setattr(os, name, _counted(getattr(os, name), name))
     real_open, real_builtin_open = os.open, builtins.open
 
+    # An open for writing is two crash points: before it, and after it (the file created or
+    # truncated, nothing written yet: what a crash while writing it leaves at the worst).
     def os_open(path, flags, *args, **kwargs):
-        if _writes(flags):
-            _tick("open", (path,))
-        return real_open(path, flags, *args, **kwargs)
+        if not _writes(flags):
+            return real_open(path, flags, *args, **kwargs)
+        _tick("open", (path,))
+        fd = real_open(path, flags, *args, **kwargs)
+        _tick("opened", (path,))
+        return fd
 
     def builtin_open(file, mode="r", *args, **kwargs):
-        if any(c in mode for c in "wax+") and not isinstance(file, int):  # an fd: counted at os.open
-            _tick("open", (file,))
-        return real_builtin_open(file, mode, *args, **kwargs)
+        if not any(c in mode for c in "wax+") or isinstance(file, int):  # an fd: counted at os.open
+            return real_builtin_open(file, mode, *args, **kwargs)
+        _tick("open", (file,))
+        f = real_builtin_open(file, mode, *args, **kwargs)
+        _tick("opened", (file,))
+        return f
 
     os.open, builtins.open = os_open, builtin_open
     if storage_mod._renameat2 is not None:
         storage_mod._renameat2 = _counted(storage_mod._renameat2, "renameat2")
     # Buffered file objects write through C, not os.write: their data reaches the file at close,
-    # or at flush; a crash before that leaves the file empty, which the crash at open stands for.
+    # or at flush; a crash before that leaves the file empty: the crash point after the open.
 
 
 def run_child(scenario: str, root: str, crash_at: int, count_file: str | None = None) -> None:
