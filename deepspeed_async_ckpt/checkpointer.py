@@ -71,7 +71,9 @@ class CommitInfo:
     bytes: int
     world_size: int
     seconds: float
-    """From the save's ``begin`` to its commit (the pointer moved)."""
+    """From ``begin`` (once the ranks agreed to save) to the commit (the pointer moved):
+    staging, writing and the commit, beside training. ``str()`` gives bytes over it as GB/s,
+    which is not the disk's bandwidth."""
 
     def __str__(self) -> str:
         rate = self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
