@@ -23,15 +23,9 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def launch(script: str, script_args: list[str], nproc: int, timeout: float = 600,
-           env: dict | None = None, *, log_prefix: str | None = None,
-           cwd: str | None = None) -> list[int]:
-    """Run ``nproc`` ranks; returns their exit codes (negative: killed by that signal).
-
-    Raises ``TimeoutError`` (after killing every rank) past ``timeout`` seconds. With
-    ``log_prefix``, rank N's stdout and stderr go to ``<log_prefix>.rankN.log`` instead of
-    this process's; ``cwd`` is the ranks' working directory.
-    """
+def spawn(script: str, script_args: list[str], nproc: int, env: dict | None = None, *,
+          log_prefix: str | None = None, cwd: str | None = None) -> list[subprocess.Popen]:
+    """Start ``nproc`` ranks and return them at once (see :func:`launch`, which waits)."""
     port = free_port()
     procs = []
     for rank in range(nproc):
@@ -46,6 +40,19 @@ def launch(script: str, script_args: list[str], nproc: int, timeout: float = 600
         else:  # the rank keeps its own descriptor of the log file
             with open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8") as log:
                 procs.append(subprocess.Popen(cmd, env=e, cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
+    return procs
+
+
+def launch(script: str, script_args: list[str], nproc: int, timeout: float = 600,
+           env: dict | None = None, *, log_prefix: str | None = None,
+           cwd: str | None = None) -> list[int]:
+    """Run ``nproc`` ranks; returns their exit codes (negative: killed by that signal).
+
+    Raises ``TimeoutError`` (after killing every rank) past ``timeout`` seconds. With
+    ``log_prefix``, rank N's stdout and stderr go to ``<log_prefix>.rankN.log`` instead of
+    this process's; ``cwd`` is the ranks' working directory.
+    """
+    procs = spawn(script, script_args, nproc, env, log_prefix=log_prefix, cwd=cwd)
     deadline = time.monotonic() + timeout
     try:
         while None in [p.poll() for p in procs]:  # polls every rank, so a failure is seen
@@ -58,12 +65,17 @@ def launch(script: str, script_args: list[str], nproc: int, timeout: float = 600
                 break
             time.sleep(0.1)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-        for p in procs:
-            p.wait()
+        stop(procs)
     return [p.returncode for p in procs]
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    """SIGKILL the ranks still running, then reap them all."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+    for p in procs:
+        p.wait()
 
 
 def main() -> int:

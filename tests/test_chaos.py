@@ -17,8 +17,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import time
 
 import pytest
@@ -26,7 +24,7 @@ import torch
 
 from _compare import assert_same
 from conftest import REPO
-from launch import free_port
+from launch import spawn, stop
 
 from deepspeed_async_ckpt.commit import verify_checkpoint
 
@@ -39,18 +37,6 @@ ARGS = ["--config", CONFIG, "--steps", str(STEPS), "--save-every", str(EVERY),
 pytestmark = pytest.mark.slow
 
 
-def start(args: list[str], env: dict, log_prefix: str) -> list[subprocess.Popen]:
-    port = free_port()
-    procs = []
-    for rank in range(NPROC):
-        e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(NPROC),
-                 LOCAL_WORLD_SIZE=str(NPROC), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        with open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8") as out:
-            procs.append(subprocess.Popen([sys.executable, TRAIN, *args], env=e, stdout=out,
-                                          stderr=subprocess.STDOUT))
-    return procs
-
-
 def events(path: str) -> list[dict]:
     if not os.path.exists(path):
         return []
@@ -61,7 +47,7 @@ def events(path: str) -> list[dict]:
 def run_segment(args: list[str], env: dict, prefix: str, log: str, kill_after: float | None) -> bool:
     """One launch; with ``kill_after``, SIGKILL every rank that long after the first step.
     Returns True if the ranks finished on their own."""
-    procs = start([*args, "--log", log], env, prefix)
+    procs = spawn(TRAIN, [*args, "--log", log], NPROC, env, log_prefix=prefix)
     deadline = time.monotonic() + 240
     killed_at = None
     try:
@@ -73,15 +59,10 @@ def run_segment(args: list[str], env: dict, prefix: str, log: str, kill_after: f
                     any(e["event"] == "step" for e in events(log)):
                 killed_at = time.monotonic() + kill_after
             if killed_at is not None and time.monotonic() >= killed_at:
-                for p in procs:
-                    p.send_signal(signal.SIGKILL)
-                break
+                break  # every rank at once, as a node failure does: stop() SIGKILLs them
             time.sleep(0.01)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-            p.wait()
+        stop(procs)
     codes = [p.returncode for p in procs]
     if codes == [0] * NPROC:
         return True
