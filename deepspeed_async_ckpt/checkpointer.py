@@ -151,12 +151,14 @@ def _holds_files(path: str) -> bool:
         return True
 
 
-def _remove_if_empty(made: list[str]) -> None:
-    """Remove what ``begin`` made for a save it then refused (the checkpoint directory, its
-    empty marker, and parents it made: deepest first), as long as nothing else is in them."""
+def _remove_if_empty(made: tuple[str, list[str]]) -> None:
+    """Undo ``_make_write_dir`` for a save ``begin`` then refused: the empty marker, and the
+    directories it created (deepest first), as long as nothing else is in them. A directory
+    that was there before (empty, made by hand) stays."""
+    write_dir, created = made
     try:
-        os.rmdir(os.path.join(made[0], META_DIR))
-        for path in made:
+        os.rmdir(os.path.join(write_dir, META_DIR))
+        for path in created:
             os.rmdir(path)
     except OSError:
         pass
@@ -343,6 +345,10 @@ class AsyncCheckpointer:
         self.config = config
         self._commit_callbacks: list[Callable[[CommitInfo], None]] = [on_commit] if on_commit else []
         self._reporter: ThreadPoolExecutor | None = None  # commit callbacks, started on first use
+        self._reporter_thread: threading.Thread | None = None
+        self._reporting: collections.Counter[str] = collections.Counter()
+        """Checkpoint directories whose commit callbacks are queued or running: retention
+        leaves them (a callback may be uploading the checkpoint)."""
         self.rank, self.world_size = rank, world_size
         self.storage = storage or LocalStorage(fsync=config.fsync, direct_io=config.direct_io)
         if exchange is not None and "key" not in inspect.signature(exchange).parameters:
@@ -403,22 +409,25 @@ class AsyncCheckpointer:
         self._verified.pop(ckpt_dir, None)  # being saved again: its files will change
         with self._dirs_lock:  # before the exchange, so before any rank writes into it
             self._beginning = ckpt_dir  # retention leaves it alone (see retire_older)
-        made: list[str] | None = None
+        made: tuple[str, list[str]] | None = None
         try:
             local = self._take_background_error()
             save_id = uuid.uuid4().hex[:16]
             if self.rank == 0:  # decided by rank 0 alone, before any rank can write: staged?
                 try:  # never raise before the exchange: the other ranks would wait in it
-                    self.recover(os.path.dirname(ckpt_dir))
-                    if pointer is not None:
-                        remove_stale_temporaries(self.storage, pointer.path)
-                except OSError as exc:
-                    logger.warning("async checkpoint: cleaning up %s failed: %s",
-                                   os.path.dirname(ckpt_dir), exc)
-                if self._busy(ckpt_dir) or _holds_files(ckpt_dir):
-                    save_id += _STAGED
-                if local is None:  # before the exchange, so before any other rank writes into it
-                    made = self._make_write_dir(ckpt_dir, save_id)
+                    try:
+                        self.recover(os.path.dirname(ckpt_dir))
+                        if pointer is not None:
+                            remove_stale_temporaries(self.storage, pointer.path)
+                    except OSError as exc:
+                        logger.warning("async checkpoint: cleaning up %s failed: %s",
+                                       os.path.dirname(ckpt_dir), exc)
+                    if self._busy(ckpt_dir) or _holds_files(ckpt_dir):
+                        save_id += _STAGED
+                    if local is None:  # before the exchange, so before another rank writes into it
+                        made = self._make_write_dir(ckpt_dir, save_id)
+                except Exception as exc:  # a Storage of the user's: every rank raises it, below
+                    local = exc
             save_id, failed = self._exchange(save_id, None if local is None else
                                              f"{type(local).__name__}: {local}", key=ckpt_dir)
             try:
@@ -449,20 +458,21 @@ class AsyncCheckpointer:
                 self._beginning = None
         return self._current
 
-    def _make_write_dir(self, ckpt_dir: str, save_id: str) -> list[str] | None:
+    def _make_write_dir(self, ckpt_dir: str, save_id: str) -> tuple[str, list[str]] | None:
         """Rank 0, in ``begin`` before the exchange: the directory this save writes into, with
         this engine's marker, so that a crash leaves it partial (listed so, refused by loads,
         removed by retention), not a stranger's; and made before the exchange, because once
         it returns the other ranks create files in it (rank 0 renaming the directory into
-        place under them made their file creation fail with ENOENT). Returns the directories
-        it made, deepest first (for :func:`_remove_if_empty`), or None if it could not (logged:
-        the writes into it fail too, and report it to all ranks)."""
+        place under them made their file creation fail with ENOENT). Returns it and the
+        directories made for it that were not there (it, the save directory on a first save),
+        deepest first, for :func:`_remove_if_empty`; None if it could not be made (logged: the
+        writes into it fail too, and report it to all ranks)."""
         save_id, staged, _ = save_id.partition(_STAGED)
         write_dir = staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
-        made = [write_dir]
+        created = [] if os.path.lexists(write_dir) else [write_dir]
         parent = os.path.dirname(write_dir)
         while parent != os.path.dirname(parent) and not os.path.exists(parent):
-            made.append(parent)  # the save directory itself, made by this first save
+            created.append(parent)
             parent = os.path.dirname(parent)
         try:
             if staged:  # a crash before its marker leaves a staging dir: swept anyway
@@ -472,7 +482,7 @@ class AsyncCheckpointer:
         except OSError as exc:
             logger.warning("async checkpoint: cannot create %s: %s", write_dir, exc)
             return None
-        return made
+        return write_dir, created
 
     def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = (),
              eager_tensors: Iterable[torch.Tensor] = (), replicas: Replicas | None = None) -> int:
@@ -750,10 +760,14 @@ class AsyncCheckpointer:
             return []
 
         def protected() -> set[str]:  # called with self._dirs_lock held
-            busy = {h.ckpt_dir for h in self._pending()}
+            # _current first: end() queues the save in _inflight, then clears _current (outside
+            # this lock), so reading them the other way round could miss a save in between
             current = self._current
-            return busy | {d for d in (self._beginning, current and current.ckpt_dir,
-                                       handle.ckpt_dir) if d}
+            busy = {h.ckpt_dir for h in self._pending()}
+            with self._lock:
+                reporting = set(self._reporting)  # its commit callbacks may still read it
+            return busy | reporting | {d for d in (self._beginning, current and current.ckpt_dir,
+                                                   handle.ckpt_dir) if d}
 
         try:
             handle.retired = retire_checkpoints(
@@ -956,11 +970,12 @@ class AsyncCheckpointer:
                 retirer, reporter = self._retirer, self._reporter
             if retirer is not None:
                 retirer.shutdown(wait=True)
-            if reporter is not None:  # the commit callbacks queued so far run to the end
-                reporter.shutdown(wait=True)
             self._stager.close()
             cancel_flush_at_exit(self._at_exit)
             _open_checkpointers.discard(self)
+            if reporter is not None:  # the commit callbacks queued so far run to the end,
+                # unless close() is called from one of them (which cannot wait for itself)
+                reporter.shutdown(wait=threading.current_thread() is not self._reporter_thread)
 
     @property
     def is_open(self) -> bool:
@@ -1007,21 +1022,35 @@ class AsyncCheckpointer:
         stays committed. The ``on_commit`` argument adds one."""
         self._commit_callbacks.append(fn)
 
-    def report(self, fn: Callable[..., Any], *args: Any) -> None:
-        """Run ``fn(*args)`` on the commit callbacks' thread (after those queued before); here
-        once closed. Its exception is logged. Adapters use it for their own reports."""
+    def report(self, fn: Callable[..., Any], *args: Any, about: str | None = None) -> None:
+        """Run ``fn(*args)`` on the commit callbacks' thread, after those queued before (once
+        closed: here, after those). Its exception is logged. ``about``: the checkpoint
+        directory it reads, which retention leaves until it has run. Adapters use it for their
+        own reports."""
         def call() -> None:
+            self._reporter_thread = threading.current_thread()
             try:
                 fn(*args)
             except BaseException as exc:  # noqa: BLE001 - a report, never the save's failure
                 logger.warning("async checkpoint: a commit callback failed: %s: %s",
                                type(exc).__name__, exc)
+            finally:
+                if about is not None:
+                    with self._lock:
+                        self._reporting[about] -= 1
+                        if not self._reporting[about]:
+                            del self._reporting[about]
         with self._lock:
+            if about is not None:
+                self._reporting[about] += 1
             if not self._closed:
                 if self._reporter is None:
                     self._reporter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-reporter")
                 self._reporter.submit(call)
                 return
+            reporter = self._reporter
+        if reporter is not None and threading.current_thread() is not self._reporter_thread:
+            reporter.shutdown(wait=True)  # in order: after what was queued before the close
         call()
 
     def _announce(self, handle: CheckpointHandle, manifest: dict) -> None:
@@ -1035,7 +1064,7 @@ class AsyncCheckpointer:
             handle.commit_info = info
             logger.info("async checkpoint: %s", info)
             for fn in list(self._commit_callbacks):
-                self.report(fn, info)
+                self.report(fn, info, about=handle.ckpt_dir)
         except Exception as exc:  # noqa: BLE001 - a report, not part of the commit
             logger.warning("async checkpoint: reporting the commit of %s failed (it is committed): "
                            "%s", handle.tag, exc)

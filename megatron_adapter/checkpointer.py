@@ -290,8 +290,11 @@ class MegatronCheckpointer:
         if self._closed:
             return
         try:
-            self.engine.close()
+            # the finalizations first (each waits for its commit), so that their on_saved reports
+            # are queued while the engine still runs them in order on its callback thread
             self._wait_finalized(None)
+            self.engine.close()
+            self._wait_finalized(None)  # any that came of the engine's own flush
             error = self._take_finalize_error()
             if error is not None:
                 raise error
@@ -338,7 +341,7 @@ class MegatronCheckpointer:
             return
         info = dataclasses.replace(handle.commit_info,
                                    seconds=handle.times["finalized"] - handle.times["begin"])
-        self.engine.report(self.on_saved, iteration, info)
+        self.engine.report(self.on_saved, iteration, info, about=handle.ckpt_dir)
 
     def _retire_older(self, handle: CheckpointHandle) -> None:
         """Retention: the config's ``keep_last``, and Megatron-LM's ``--save-retain-interval``

@@ -18,7 +18,8 @@ import xxhash
 from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
 from deepspeed_async_ckpt.commit import META_DIR, REMOVING_PREFIX, Pointer, read_manifest, verify_checkpoint
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
-from deepspeed_async_ckpt.errors import CommitError, IntegrityError, PersistError, SnapshotError
+from deepspeed_async_ckpt.errors import (AsyncCheckpointError, CommitError, IntegrityError, PersistError,
+                                         SnapshotError)
 from deepspeed_async_ckpt.snapshot import HostBufferPool
 from deepspeed_async_ckpt.storage import LocalStorage
 
@@ -2238,3 +2239,117 @@ def test_rank_0_reports_each_commit_with_what_it_wrote(tmp_path, caplog, mode):
     assert any(level == logging.INFO and "checkpoint t1 committed: " in m and "1 file(s)" in m
                for level, m in messages)
     assert sum(level == logging.WARNING and "the dashboard is down" in m for level, m in messages) == 2
+
+
+def test_retention_leaves_a_checkpoint_whose_commit_callback_still_runs(tmp_path):
+    """An upload in a commit callback reads the checkpoint after its commit; with keep_last=1
+    the next commit's retention would remove it meanwhile (callbacks run on their own thread):
+    it is left until the callback is done, and removed by the retention after that."""
+    release, read = threading.Event(), []
+
+    def upload(info):
+        if info.tag == "t1":
+            assert release.wait(10)
+        read.append((info.tag, len((tmp_path / info.tag / "model.pt").read_bytes())))
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=1),
+                           on_commit=upload)
+    save_one(ck, str(tmp_path), sample_state(), tag="t1")
+    save_one(ck, str(tmp_path), sample_state(), tag="t2")
+    ck.wait()  # t2 committed and its retention done: t1 is still being uploaded
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t1", "t2"]
+    release.set()
+    save_one(ck, str(tmp_path), sample_state(), tag="t3")
+    ck.close()
+    assert [tag for tag, n in read] == ["t1", "t2", "t3"] and all(n > 0 for _, n in read)
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t3"]
+
+
+def test_close_from_a_commit_callback_stops_everything(tmp_path):
+    """close() called from inside a commit callback cannot wait for that callback's own thread
+    (it raised ``cannot join current thread`` and left the copier running)."""
+    errors = []
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+
+    def stop(info):
+        try:
+            ck.close()
+        except BaseException as exc:  # noqa: BLE001
+            errors.append(exc)
+
+    ck.add_commit_callback(stop)
+    save_one(ck, str(tmp_path), sample_state())
+    ck.wait()
+    for _ in range(200):
+        if ck._closed and not ck._stager._thread.is_alive():
+            break
+        time.sleep(0.01)
+    assert not errors and ck._closed and not ck._stager._thread.is_alive()
+
+
+def test_retention_sees_a_save_that_is_ending_while_it_looks(tmp_path):
+    """end() moves a save from ``_current`` to the in-flight queue outside retention's lock:
+    retention read the queue, then ``_current``, and a save ended in between was protected by
+    neither, so a keep_last retention removed it under the save (then ``latest`` named a
+    missing checkpoint). Here the retention thread pauses right after reading the queue."""
+    ck = make(keep_last=5)
+    save_one(ck, str(tmp_path), sample_state(), tag="t1")
+    ck.wait()
+    in_window = threading.Event()
+    real_pending = ck._pending
+
+    def pending():
+        got = real_pending()
+        if threading.current_thread().name.startswith("async-ckpt-retirer"):
+            in_window.set()
+            time.sleep(0.3)  # a thread switch right here
+        return got
+
+    ck._pending = pending
+    save_one(ck, str(tmp_path), sample_state(), tag="t2")  # committed in the background...
+    d = tmp_path / "t3"  # ...with t3 begun before: t3's directory is older than t2's commit
+    ck.begin(str(d), tag="t3", pointer=Pointer(str(tmp_path / "latest"), "t3"))
+    ck.save(sample_state(), str(d / "model.pt"))
+    assert in_window.wait(10)
+    ck.end()
+    ck.wait()
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "t3"
+    verify_checkpoint(str(d))
+
+
+def test_a_refused_save_leaves_what_was_there_and_removes_what_begin_made(tmp_path):
+    """begin makes the directory before the ranks agree; if they then refuse the save (another
+    rank's earlier save failed), what begin made goes again, and an empty directory the user
+    made stays."""
+    refuse = lambda value, error, key="": (value, {1: "PersistError: disk full"})  # noqa: E731
+    (tmp_path / "mine").mkdir()
+    for name in ("mine", "fresh"):
+        ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01),
+                               world_size=2, exchange=refuse)
+        with pytest.raises(CommitError, match="disk full"):
+            ck.begin(str(tmp_path / "run" / name if name == "fresh" else tmp_path / name), tag=name)
+        ck.close()
+    assert sorted(os.listdir(tmp_path)) == ["mine"] and os.listdir(tmp_path / "mine") == []
+
+
+def test_a_storage_error_of_another_kind_before_the_exchange_reaches_every_rank(tmp_path):
+    """Rank 0 makes the directory before begin's exchange: an error there that is not an
+    OSError (an object store's client, say) raised before the exchange, and the other ranks
+    waited in it for good. It now travels in the exchange, and every rank raises."""
+    class ObjectStore(LocalStorage):
+        def makedirs(self, path):
+            raise RuntimeError("503 Slow Down")
+
+    sent = []
+
+    def exchange(value, error, key=""):
+        sent.append(error)
+        return value, {} if error is None else {0: error}
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), world_size=2,
+                           storage=ObjectStore(), exchange=exchange)
+    with pytest.raises(AsyncCheckpointError, match="503 Slow Down"):
+        ck.begin(str(tmp_path / "s1"), tag="s1")
+    assert len(sent) == 1 and "503 Slow Down" in sent[0]
+    ck.close()

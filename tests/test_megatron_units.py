@@ -331,3 +331,15 @@ def test_megatron_lm_hook_prints_megatron_lms_saved_line_for_log_monitors(monkey
     assert match and match["it"] == "50" and match["path"] == "/ckpt", out
     assert "iteration      50 to /ckpt [ t 1/2, p 1/4 ]" in out
     assert "checkpoint 50 committed: /ckpt/iter_0000050, 9 file(s), 3 GB from 8 rank(s), 1.50 s" in out
+
+
+def test_on_saved_runs_in_order_on_its_own_thread_through_close():
+    """Megatron's ``on_saved`` callbacks run one after the other, in iteration order, on the
+    engine's callback thread, including a save finalized while ``close()`` runs (it ran on the
+    finalizer thread then, at the same time as a slow earlier one), and the checkpoint a
+    callback reads is still there (retention, keep_last=1, waits for it)."""
+    got = _run_one_rank("megatron_on_saved.py")
+    assert got["tracker"] == 2
+    assert [e[:2] for e in got["events"]] == [["start", 1], ["end", 1], ["start", 2], ["end", 2]]
+    assert {e[2] for e in got["events"]} == {"async-ckpt-reporter_0"}
+    assert all(e[3] for e in got["events"] if e[0] == "end")  # each read its checkpoint
