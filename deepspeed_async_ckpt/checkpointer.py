@@ -348,7 +348,9 @@ class AsyncCheckpointer:
         self._reporter_thread: threading.Thread | None = None
         self._reporting: collections.Counter[str] = collections.Counter()
         """Checkpoint directories whose commit callbacks are queued or running: retention
-        leaves them (a callback may be uploading the checkpoint)."""
+        leaves them (a callback may be uploading the checkpoint), and runs again when the last
+        of them is done."""
+        self._last_retention: tuple[CheckpointHandle, int | None, Callable[[str], bool] | None] | None = None
         self.rank, self.world_size = rank, world_size
         self.storage = storage or LocalStorage(fsync=config.fsync, direct_io=config.direct_io)
         if exchange is not None and "key" not in inspect.signature(exchange).parameters:
@@ -427,7 +429,10 @@ class AsyncCheckpointer:
                     if local is None:  # before the exchange, so before another rank writes into it
                         made = self._make_write_dir(ckpt_dir, save_id)
                 except Exception as exc:  # a Storage of the user's: every rank raises it, below
-                    local = exc
+                    if local is None:
+                        local = exc
+                    else:  # an earlier save's failure goes first; this one is only logged
+                        logger.warning("async checkpoint: preparing %s failed: %s", ckpt_dir, exc)
             save_id, failed = self._exchange(save_id, None if local is None else
                                              f"{type(local).__name__}: {local}", key=ckpt_dir)
             try:
@@ -788,6 +793,7 @@ class AsyncCheckpointer:
         removing a checkpoint can take as long as saving it (about 0.2 s per GiB on this VM's
         ext4, mounted with online discard), and neither the next commit nor a sync save should
         wait for that. :meth:`wait` and :meth:`close` wait for it. Once closed, it runs here."""
+        self._last_retention = (handle, keep_last, keep)  # run again when callbacks let go
         return self._later(self.retire_older, handle, keep_last=keep_last, keep=keep)
 
     def _later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
@@ -955,7 +961,11 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
         """Flush: wait for every checkpoint to commit, then stop the background threads."""
-        if self._closed:
+        if self._closed:  # (by a commit callback, say: its thread could not wait for itself)
+            with self._lock:
+                reporter = self._reporter
+            if reporter is not None and threading.current_thread() is not self._reporter_thread:
+                reporter.shutdown(wait=True)
             return
         try:
             if self._current is not None:  # a save that never finished must not be committed
@@ -1019,7 +1029,11 @@ class AsyncCheckpointer:
         now on, after the pointer moved. Callbacks run in commit order on a thread of their own,
         so a slow one (an upload, say) holds up neither training, nor :meth:`wait`, nor the next
         commit; :meth:`close` waits for them. An exception in one is logged: the checkpoint
-        stays committed. The ``on_commit`` argument adds one."""
+        stays committed. The ``on_commit`` argument adds one. Retention (``keep_last``) leaves
+        the checkpoint until its callbacks are done; a save of the same tag that commits
+        meanwhile swaps the directory under them (a fixed tag such as ``"last"``: read it
+        before saving that tag again). They run on rank 0 only: do not close the checkpointer
+        from one (rank 0's next save would fail alone while the others wait for it)."""
         self._commit_callbacks.append(fn)
 
     def report(self, fn: Callable[..., Any], *args: Any, about: str | None = None) -> None:
@@ -1038,8 +1052,14 @@ class AsyncCheckpointer:
                 if about is not None:
                     with self._lock:
                         self._reporting[about] -= 1
-                        if not self._reporting[about]:
+                        released = not self._reporting[about]
+                        if released:
                             del self._reporting[about]
+                        last = self._last_retention
+                    # the retention that left it for this callback: again, now that it may go
+                    if released and last is not None and about != last[0].ckpt_dir and \
+                            os.path.dirname(last[0].ckpt_dir) == os.path.dirname(about):
+                        self.retire_older_later(last[0], keep_last=last[1], keep=last[2])
         with self._lock:
             if about is not None:
                 self._reporting[about] += 1

@@ -2353,3 +2353,65 @@ def test_a_storage_error_of_another_kind_before_the_exchange_reaches_every_rank(
         ck.begin(str(tmp_path / "s1"), tag="s1")
     assert len(sent) == 1 and "503 Slow Down" in sent[0]
     ck.close()
+
+
+def test_a_checkpoint_left_for_its_callback_goes_once_the_callback_is_done(tmp_path):
+    """Retention leaves a checkpoint while its commit callback runs; with uploads slower than
+    the saves, keep_last=1 left every checkpoint behind at the end of the run. Retention runs
+    again when a checkpoint's last callback is done."""
+    def upload(info):
+        time.sleep(0.2)
+        assert (tmp_path / info.tag / "model.pt").exists()
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=1),
+                           on_commit=upload)
+    for tag in ("t1", "t2", "t3"):
+        save_one(ck, str(tmp_path), sample_state(), tag=tag)
+        ck.wait()
+    ck.close()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "t3"]
+
+
+def test_a_report_after_close_runs_after_those_queued_before(tmp_path):
+    """Once closed (here by a callback, whose thread could not wait for itself), a report runs
+    where it is made, but only after the callbacks queued before it; and a later close()
+    waits for them too."""
+    order, closed = [], threading.Event()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+
+    def first(info):
+        ck.close()
+        closed.set()
+        time.sleep(0.3)
+        order.append("first")
+
+    ck.add_commit_callback(first)
+    save_one(ck, str(tmp_path), sample_state())
+    assert closed.wait(10)
+    ck.report(order.append, "after close")
+    assert order == ["first", "after close"]
+    ck.close()
+
+
+def test_a_storage_error_before_the_exchange_does_not_hide_an_earlier_failure(tmp_path):
+    """An earlier save's failure, found as the next begins, goes to every rank first; a
+    storage error while preparing the new save (here listing the save directory, to clean
+    up) is only logged then (it replaced the failure)."""
+    class ObjectStore(LocalStorage):
+        def listdir(self, path):
+            raise RuntimeError("503 Slow Down")
+
+    sent = []
+
+    def exchange(value, error, key=""):
+        sent.append(error)
+        return value, {} if error is None else {0: error}
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), world_size=2,
+                           storage=ObjectStore(), exchange=exchange)
+    with ck._lock:
+        ck._errors.append(PersistError("disk full on rank 0"))
+    with pytest.raises(AsyncCheckpointError, match="disk full"):
+        ck.begin(str(tmp_path / "s1"), tag="s1")
+    assert len(sent) == 1 and "disk full" in sent[0]
+    ck.close()
