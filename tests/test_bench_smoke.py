@@ -78,3 +78,24 @@ def test_gpu_report_without_gpu_exits_zero(tmp_path, repo_env):
     else:
         assert "no NVIDIA GPU/driver found: --gpu-report skipped" in proc.stdout
         assert gpu["reason"]
+
+
+@pytest.mark.slow
+def test_load_benchmark_times_every_engine(tmp_path, repo_env):
+    """``scripts/bench_load.py`` at its smallest: a table row and JSON times for each engine
+    (cold loads only where the page cache can be dropped), its checkpoints removed."""
+    out = tmp_path / "load.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_load.py"), "--hidden", "64",
+                           "--layers", "2", "--repeats", "1", "--out", str(out),
+                           "--work-dir", str(tmp_path / "work")],
+                          cwd=REPO, env=repo_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert set(res["times_s"]) == {"this engine, verify_on_load", "this engine, no verification",
+                                   "DS TorchCheckpointEngine"}
+    for name, t in res["times_s"].items():
+        assert f"| {name} |" in proc.stdout
+        assert len(t["warm"]) == 1 and t["warm"][0] > 0
+        assert len(t["cold"]) == (1 if res["cold_measured"] else 0)
+    assert all(b > 0 for b in res["bytes"].values())
+    assert not (tmp_path / "work").exists()
