@@ -7,7 +7,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install demo test test-fast test-gpu bench clean
+.PHONY: install demo test test-fast test-gpu bench bench-load clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -35,6 +35,9 @@ test-gpu:
 
 bench: install
 	DS_ACCELERATOR=cpu $(BIN)/python scripts/bench_checkpoint.py --out docs/bench_results/latest.json
+
+bench-load: install
+	DS_ACCELERATOR=cpu $(BIN)/python scripts/bench_load.py --out docs/bench_results/load.json
 
 clean:
 	rm -rf $(VENV) build *.egg-info demo_out bench_out
