@@ -2333,13 +2333,11 @@ def test_a_refused_save_leaves_what_was_there_and_removes_what_begin_made(tmp_pa
     assert sorted(os.listdir(tmp_path)) == ["mine"] and os.listdir(tmp_path / "mine") == []
 
 
-def test_a_storage_error_of_another_kind_before_the_exchange_reaches_every_rank(tmp_path):
-    """Rank 0 makes the directory before begin's exchange: an error there that is not an
-    OSError (an object store's client, say) raised before the exchange, and the other ranks
-    waited in it for good. It now travels in the exchange, and every rank raises."""
-    class ObjectStore(LocalStorage):
-        def makedirs(self, path):
-            raise RuntimeError("503 Slow Down")
+def _object_store_checkpointer(failing: str):
+    """Rank 0 of 2, whose ``Storage.<failing>`` raises a RuntimeError (an object store's
+    client, say); and the list of errors its exchange was sent."""
+    def fail(self, *args, **kwargs):
+        raise RuntimeError("503 Slow Down")
 
     sent = []
 
@@ -2347,8 +2345,17 @@ def test_a_storage_error_of_another_kind_before_the_exchange_reaches_every_rank(
         sent.append(error)
         return value, {} if error is None else {0: error}
 
+    storage = type("ObjectStore", (LocalStorage,), {failing: fail})()
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), world_size=2,
-                           storage=ObjectStore(), exchange=exchange)
+                           storage=storage, exchange=exchange)
+    return ck, sent
+
+
+def test_a_storage_error_of_another_kind_before_the_exchange_reaches_every_rank(tmp_path):
+    """Rank 0 makes the directory before begin's exchange: an error there that is not an
+    OSError raised before the exchange, and the other ranks waited in it for good. It now
+    travels in the exchange, and every rank raises."""
+    ck, sent = _object_store_checkpointer("makedirs")
     with pytest.raises(AsyncCheckpointError, match="503 Slow Down"):
         ck.begin(str(tmp_path / "s1"), tag="s1")
     assert len(sent) == 1 and "503 Slow Down" in sent[0]
@@ -2397,18 +2404,7 @@ def test_a_storage_error_before_the_exchange_does_not_hide_an_earlier_failure(tm
     """An earlier save's failure, found as the next begins, goes to every rank first; a
     storage error while preparing the new save (here listing the save directory, to clean
     up) is only logged then (it replaced the failure)."""
-    class ObjectStore(LocalStorage):
-        def listdir(self, path):
-            raise RuntimeError("503 Slow Down")
-
-    sent = []
-
-    def exchange(value, error, key=""):
-        sent.append(error)
-        return value, {} if error is None else {0: error}
-
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), world_size=2,
-                           storage=ObjectStore(), exchange=exchange)
+    ck, sent = _object_store_checkpointer("listdir")
     with ck._lock:
         ck._errors.append(PersistError("disk full on rank 0"))
     with pytest.raises(AsyncCheckpointError, match="disk full"):

@@ -7,27 +7,17 @@ import os
 import sys
 import tempfile
 
+import _one_megatron_rank  # noqa: F401  (first: the process group, the shim, parallel state)
 import torch
-import torch.distributed as dist
+from _copier import hold_copier_until_fence
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+from megatron.core.transformer import TransformerConfig
+from megatron.core.transformer.module import MegatronModule
 
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
-dist.init_process_group("gloo")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests"))
-from _copier import hold_copier_until_fence  # noqa: E402
-from megatron_cpu_shim import apply as apply_cpu_shim  # noqa: E402
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from megatron_adapter.checkpointer import MegatronCheckpointer
 
-apply_cpu_shim()
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig  # noqa: E402
-from megatron.core.transformer import TransformerConfig  # noqa: E402
-from megatron.core.transformer.module import MegatronModule  # noqa: E402
-
-from deepspeed_async_ckpt.config import AsyncCheckpointConfig  # noqa: E402
-from megatron_adapter.checkpointer import MegatronCheckpointer  # noqa: E402
-
-parallel_state.initialize_model_parallel(1, 1)
 config = TransformerConfig(num_layers=1, hidden_size=8, num_attention_heads=1, use_cpu_initialization=True)
 
 

@@ -8,23 +8,13 @@ import tempfile
 import threading
 import time
 
+import _one_megatron_rank  # noqa: F401  (first: the process group, the shim, parallel state)
 import torch
-import torch.distributed as dist
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1")
-dist.init_process_group("gloo")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests"))
-from megatron_cpu_shim import apply as apply_cpu_shim  # noqa: E402
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from megatron_adapter.checkpointer import MegatronCheckpointer, read_tracker
 
-apply_cpu_shim()
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
-
-from deepspeed_async_ckpt.config import AsyncCheckpointConfig  # noqa: E402
-from megatron_adapter.checkpointer import MegatronCheckpointer, read_tracker  # noqa: E402
-
-parallel_state.initialize_model_parallel(1, 1)
 events = []
 
 
