@@ -50,10 +50,19 @@ def _rank(rank: int, init: str, out: str) -> None:
     checkpointer_module.make_checkpoint_dir = lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1]
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=rank, world_size=WORLD)
     made = os.path.join(out, "made", "step1")
+    seen = []
     ck.begin(made, tag="step1")
-    with open(os.path.join(out, f"made{rank}.txt"), "w", encoding="utf-8") as f:
-        f.write(repr(os.path.isdir(os.path.join(made, ".async_ckpt"))))
+    seen.append(os.path.isdir(os.path.join(made, ".async_ckpt")))
     ck.end(commit=False)
+    # the same for a staged save (the directory holds something now: the save is written
+    # beside it), whose staging directory rank 0 makes with storage.makedirs
+    real_makedirs = ck.storage.makedirs
+    ck.storage.makedirs = lambda path: (time.sleep(0.3), real_makedirs(path))[1]
+    handle = ck.begin(made, tag="step1")
+    seen.append(handle.write_dir != made and os.path.isdir(os.path.join(handle.write_dir, ".async_ckpt")))
+    ck.end(commit=False)
+    with open(os.path.join(out, f"made{rank}.txt"), "w", encoding="utf-8") as f:
+        f.write(repr(seen))
     ck.close()
     checkpointer_module.make_checkpoint_dir = real
     # A load whose checkpoint only rank 1 finds saved again meanwhile: no rank raises inside
@@ -110,7 +119,7 @@ def test_exchange_gives_rank0_value_and_every_error_to_every_rank(tmp_path):
             "rank(s) 1: saves into 'OUT/ckpt/step8', rank 0 into 'OUT/ckpt/step9'; every rank must "
             "pass the same save_dir and tag (nothing was written)"), f"rank {rank}"
     assert not os.path.exists(tmp_path / "ckpt")
-    assert [(tmp_path / f"made{rank}.txt").read_text() for rank in range(WORLD)] == ["True"] * WORLD
+    assert [(tmp_path / f"made{rank}.txt").read_text() for rank in range(WORLD)] == ["[True, True]"] * WORLD
 
 
 def _replica_state(rank: int, differ: bool = False) -> dict:
