@@ -30,6 +30,8 @@ import os
 import shutil
 import sys
 import threading
+import traceback
+from typing import Callable
 
 import torch
 
@@ -144,32 +146,76 @@ def arm(crash_at: int) -> None:
     # or at flush; a crash before that leaves the file empty: the crash point after the open.
 
 
-def run_child(scenario: str, root: str, crash_at: int, count_file: str | None = None) -> None:
-    """In the forked child: the scenario, then ``os._exit`` (0, or the crash's code)."""
-    try:
-        arm(crash_at)
-        ck = checkpointer(scenario)
-        save(ck, root, "t2" if scenario == "new" else "t1", step=2)
-        ck.wait()
-        ck.close()
-        if count_file is not None:
-            with _lock:
-                n = _count
-            fd = os.open(count_file, os.O_WRONLY | os.O_CREAT, 0o644)  # counted, after the read
-            os.write(fd, str(n).encode())
-            os.close(fd)
-    except BaseException as exc:  # noqa: BLE001 - any failure is this run's result
-        print(f"crash_at={crash_at}: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-        os._exit(1)
-    os._exit(0)
+def write_count(count_file: str) -> None:
+    """Write the number of operations counted so far to ``count_file`` (after reading it: the
+    writes are counted too)."""
+    with _lock:
+        n = _count
+    with open(count_file, "w") as f:
+        f.write(str(n))
 
 
-def fork_run(scenario: str, root: str, crash_at: int, count_file: str | None = None) -> int:
+def in_child(fn: Callable[[], None]) -> int:
+    """Run ``fn()`` in a forked child; its exit code: 0 once ``fn`` returns, 1 if it raised
+    (traceback on stderr), :data:`CRASH_EXIT` if a crash point ended it."""
     pid = os.fork()
     if pid == 0:
-        run_child(scenario, root, crash_at, count_file)
+        try:
+            fn()
+        except BaseException:  # noqa: BLE001 - any failure is this run's result
+            traceback.print_exc()
+            sys.stderr.flush()
+            os._exit(1)
+        os._exit(0)
     _, status = os.waitpid(pid, 0)
     return os.waitstatus_to_exitcode(status)
+
+
+def crash_every_operation(scenario: str, out: str, setup: Callable[[str], None],
+                          run: Callable[[str, int, str | None], None],
+                          check: Callable[[int, str], dict] | None = None) -> None:
+    """The driver: ``setup(root)`` commits the first checkpoint into a template directory;
+    ``run(root, crash_at, count_file)`` is the scenario (``crash_at`` 0 and a ``count_file``:
+    count its operations; ``count_file`` None: die before operation ``crash_at``), each in a
+    forked child, once per operation on a fresh copy of the template, ``OUT/<n>``. ``check(n,
+    root)``, if given, adds fields to run ``n``'s entry in ``OUT/report.json``."""
+    os.makedirs(out, exist_ok=True)
+    template = os.path.join(out, "template")
+    if in_child(lambda: setup(template)) != 0:
+        raise SystemExit("setting up the committed checkpoint failed")
+    counted, count_file = os.path.join(out, "count"), os.path.join(out, "count.txt")
+    shutil.copytree(template, counted)
+    if in_child(lambda: run(counted, 0, count_file)) != 0:
+        raise SystemExit("the scenario failed without a crash")
+    with open(count_file) as f:
+        total = int(f.read())
+    runs = []
+    for n in range(1, total + 2):  # total + 1: the run that finishes
+        root = os.path.join(out, str(n))
+        shutil.copytree(template, root)
+        entry = {"n": n, "exit": in_child(lambda: run(root, n, None))}
+        if check is not None:
+            entry.update(check(n, root))
+        runs.append(entry)
+    with open(os.path.join(out, "report.json"), "w") as f:
+        json.dump({"scenario": scenario, "operations": total, "runs": runs}, f)
+
+
+def setup(scenario: str, root: str) -> None:
+    ck = checkpointer(scenario)
+    save(ck, root, "t1", step=1)
+    ck.wait()
+    ck.close()
+
+
+def run(scenario: str, root: str, crash_at: int, count_file: str | None) -> None:
+    arm(crash_at)
+    ck = checkpointer(scenario)
+    save(ck, root, "t2" if scenario == "new" else "t1", step=2)
+    ck.wait()
+    ck.close()
+    if count_file is not None:
+        write_count(count_file)
 
 
 def main() -> int:
@@ -177,39 +223,9 @@ def main() -> int:
     if scenario not in SCENARIOS:
         raise SystemExit(f"unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
     torch.set_num_threads(1)
-    template = os.path.join(out, "template")
-    if fork_run_setup(scenario, template) != 0:
-        raise SystemExit("setting up the committed checkpoint failed")
-    counted = os.path.join(out, "count")
-    shutil.copytree(template, counted)
-    if fork_run(scenario, counted, 0, count_file=os.path.join(out, "count.txt")) != 0:
-        raise SystemExit("the scenario failed without a crash")
-    with open(os.path.join(out, "count.txt")) as f:
-        total = int(f.read())
-    report = []
-    for n in range(1, total + 2):  # total + 1: the run that finishes
-        d = os.path.join(out, str(n))
-        shutil.copytree(template, d)
-        report.append({"n": n, "exit": fork_run(scenario, d, n)})
-    with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump({"scenario": scenario, "operations": total, "runs": report}, f)
+    crash_every_operation(scenario, out, lambda root: setup(scenario, root),
+                          lambda root, crash_at, count_file: run(scenario, root, crash_at, count_file))
     return 0
-
-
-def fork_run_setup(scenario: str, root: str) -> int:
-    pid = os.fork()
-    if pid == 0:
-        try:
-            ck = checkpointer(scenario)
-            save(ck, root, "t1", step=1)
-            ck.wait()
-            ck.close()
-        except BaseException as exc:  # noqa: BLE001
-            print(f"setup: {type(exc).__name__}: {exc}", file=sys.stderr, flush=True)
-            os._exit(1)
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
 
 
 if __name__ == "__main__":

@@ -18,9 +18,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import sys
-import traceback
 
 import torch
 
@@ -62,20 +60,6 @@ def start(store: str) -> MegatronCheckpointer:
                                                       writer_threads=2, keep_last=1))
 
 
-def in_child(fn) -> int:
-    pid = os.fork()
-    if pid == 0:
-        try:
-            fn()
-        except BaseException:  # noqa: BLE001 - any failure is this run's result
-            traceback.print_exc()
-            sys.stderr.flush()
-            os._exit(1)
-        os._exit(0)
-    _, status = os.waitpid(pid, 0)
-    return os.waitstatus_to_exitcode(status)
-
-
 def save(root: str, iteration: int, step: int, store: str, crash_at: int | None = None,
          count_file: str | None = None) -> None:
     ck = start(store)
@@ -84,9 +68,7 @@ def save(root: str, iteration: int, step: int, store: str, crash_at: int | None 
     ck.save(sharded(tensors(step), step), root, iteration)
     ck.close()
     if count_file is not None:
-        n = cp._count
-        with open(count_file, "w") as f:  # counted, after the read
-            f.write(str(n))
+        cp.write_count(count_file)
 
 
 def check(root: str, store: str, result: str) -> None:
@@ -117,37 +99,23 @@ def main() -> int:
     if scenario not in SCENARIOS:
         raise SystemExit(f"unknown scenario {scenario!r}; one of {', '.join(SCENARIOS)}")
     torch.set_num_threads(1)
-    os.makedirs(out)
     stores = iter(range(10**6))
 
-    def store() -> str:
+    def store() -> str:  # a fresh file store for each child's process group
         return os.path.join(out, f"store.{next(stores)}")
 
-    iteration = 2 if scenario == "new" else 1
-    template = os.path.join(out, "template")
-    if in_child(lambda: save(template, 1, 1, store())) != 0:
-        raise SystemExit("setting up the committed checkpoint failed")
-    counted = os.path.join(out, "count")
-    shutil.copytree(template, counted)
-    count_file = os.path.join(out, "count.txt")
-    if in_child(lambda: save(counted, iteration, 2, store(), 0, count_file)) != 0:
-        raise SystemExit("the scenario failed without a crash")
-    with open(count_file) as f:
-        total = int(f.read())
-    runs = []
-    for n in range(1, total + 2):
-        root = os.path.join(out, str(n))
-        shutil.copytree(template, root)
-        run = {"n": n, "exit": in_child(lambda: save(root, iteration, 2, store(), n))}
+    def checked(n: int, root: str) -> dict:
         result = os.path.join(out, f"check.{n}.json")
-        if in_child(lambda: check(root, store(), result)) != 0 or not os.path.exists(result):
-            run["error"] = "the checking process failed"
-        else:
-            with open(result) as f:
-                run.update(json.load(f))
-        runs.append(run)
-    with open(os.path.join(out, "report.json"), "w") as f:
-        json.dump({"scenario": scenario, "operations": total, "runs": runs}, f)
+        if cp.in_child(lambda: check(root, store(), result)) != 0 or not os.path.exists(result):
+            return {"error": "the checking process failed"}
+        with open(result) as f:
+            return json.load(f)
+
+    iteration = 2 if scenario == "new" else 1
+    cp.crash_every_operation(
+        scenario, out, lambda root: save(root, 1, 1, store()),
+        lambda root, crash_at, count_file: save(root, iteration, 2, store(), crash_at, count_file),
+        checked)
     return 0
 
 
