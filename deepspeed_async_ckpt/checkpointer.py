@@ -962,10 +962,7 @@ class AsyncCheckpointer:
     def close(self) -> None:
         """Flush: wait for every checkpoint to commit, then stop the background threads."""
         if self._closed:  # (by a commit callback, say: its thread could not wait for itself)
-            with self._lock:
-                reporter = self._reporter
-            if reporter is not None and threading.current_thread() is not self._reporter_thread:
-                reporter.shutdown(wait=True)
+            self._drain_reports()
             return
         try:
             if self._current is not None:  # a save that never finished must not be committed
@@ -977,15 +974,13 @@ class AsyncCheckpointer:
             self._committer.join(timeout=60)
             self._writers.shutdown(wait=True)
             with self._lock:
-                retirer, reporter = self._retirer, self._reporter
+                retirer = self._retirer
             if retirer is not None:
                 retirer.shutdown(wait=True)
             self._stager.close()
             cancel_flush_at_exit(self._at_exit)
             _open_checkpointers.discard(self)
-            if reporter is not None:  # the commit callbacks queued so far run to the end,
-                # unless close() is called from one of them (which cannot wait for itself)
-                reporter.shutdown(wait=threading.current_thread() is not self._reporter_thread)
+            self._drain_reports()
 
     @property
     def is_open(self) -> bool:
@@ -1068,10 +1063,16 @@ class AsyncCheckpointer:
                     self._reporter = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-reporter")
                 self._reporter.submit(call)
                 return
-            reporter = self._reporter
-        if reporter is not None and threading.current_thread() is not self._reporter_thread:
-            reporter.shutdown(wait=True)  # in order: after what was queued before the close
+        self._drain_reports()  # in order: after what was queued before the close
         call()
+
+    def _drain_reports(self) -> None:
+        """Once closed: run the commit callbacks queued so far to the end and stop their
+        thread; from that thread itself (close() in a callback), stop it without waiting."""
+        with self._lock:
+            reporter = self._reporter
+        if reporter is not None:
+            reporter.shutdown(wait=threading.current_thread() is not self._reporter_thread)
 
     def _announce(self, handle: CheckpointHandle, manifest: dict) -> None:
         """Rank 0, once a checkpoint is committed: log it (INFO) and queue the commit callbacks.

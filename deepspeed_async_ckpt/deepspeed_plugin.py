@@ -58,7 +58,7 @@ _DEEPSPEED_EAGER_KEYS = ("lr_scheduler", "data_sampler", "random_ltd", "ds_confi
 
 
 def _log_commit(info: CommitInfo) -> None:
-    """Rank 0, on the committer thread: the commit in DeepSpeed's own log (its logger, its
+    """Rank 0, on the commit callbacks' thread: the commit in DeepSpeed's own log (its logger, its
     level), where its engine says a checkpoint "is about to be saved" and users look for
     when one is safe: ``[AsyncCheckpointEngine] checkpoint global_step100 committed: ...``."""
     ds_logger.info(f"[{ENGINE_NAME}] {info}")
