@@ -388,7 +388,8 @@ class AsyncCheckpointer:
 
     # ------------------------------------------------------------------ save path
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
-              swap_at_commit: bool = True, late_files: Iterable[str] = ()) -> CheckpointHandle:
+              swap_at_commit: bool = True, late_files: Iterable[str] = (),
+              own_pointer: str | None = None) -> CheckpointHandle:
         """Start a checkpoint (collective: every rank). If a previous save failed on any rank,
         raises on every rank (the failing one gets its own error) and starts nothing.
 
@@ -400,7 +401,10 @@ class AsyncCheckpointer:
         :meth:`swap_in` itself once the commit is done (the Megatron adapter, whose marker
         files come after the commit). ``late_files``: files (paths in the checkpoint) that
         rank 0's caller writes after the commit and records with
-        :func:`~.commit.record_late_files`; until then the checkpoint does not verify."""
+        :func:`~.commit.record_late_files`; until then the checkpoint does not verify.
+        ``own_pointer``: the path of a pointer the caller writes itself, after the commit
+        (Megatron's tracker), instead of ``pointer``: rank 0 removes the temporaries of it
+        that a killed process left, as it does ``pointer``'s."""
         self._check_open()
         if self._current is not None:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
@@ -419,8 +423,9 @@ class AsyncCheckpointer:
                 try:  # never raise before the exchange: the other ranks would wait in it
                     try:
                         self.recover(os.path.dirname(ckpt_dir))
-                        if pointer is not None:
-                            remove_stale_temporaries(self.storage, pointer.path)
+                        for path in (pointer.path if pointer is not None else None, own_pointer):
+                            if path is not None:
+                                remove_stale_temporaries(self.storage, path)
                     except OSError as exc:
                         logger.warning("async checkpoint: cleaning up %s failed: %s",
                                        os.path.dirname(ckpt_dir), exc)

@@ -30,7 +30,6 @@ previous checkpoint.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import os
 import queue
 import re
@@ -47,8 +46,7 @@ import torch.distributed as dist
 from deepspeed_async_ckpt.checkpointer import (AsyncCheckpointer, CheckpointHandle, CommitInfo,
                                                by_rank, cancel_flush_at_exit,
                                                exchange_across_ranks, flush_at_exit)
-from deepspeed_async_ckpt.commit import (META_DIR, read_manifest, record_late_files,
-                                         remove_stale_temporaries, verify_checkpoint,
+from deepspeed_async_ckpt.commit import (META_DIR, read_manifest, record_late_files, verify_checkpoint,
                                          write_text_atomic)
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError
@@ -57,8 +55,6 @@ from deepspeed_async_ckpt.storage import Storage, aligned_size
 from . import torch_dist
 from .election import check_mode, elect_writers, is_writer
 from .layout import ParallelLayout, replica_group
-
-logger = logging.getLogger(__name__)
 
 TRACKER_FILE = "latest_checkpointed_iteration.txt"
 
@@ -168,15 +164,11 @@ class MegatronCheckpointer:
         buffers = [b for chunk in chunks for b in torch.nn.Module.buffers(chunk)]
         ckpt_dir = os.path.abspath(checkpoint_dir(save_dir, iteration))
         record = SaveRecord(iteration=iteration, ckpt_dir=ckpt_dir)
-        if self.rank == 0:  # what a process killed while writing the tracker left beside it
-            try:
-                remove_stale_temporaries(self.engine.storage, tracker_path(os.path.abspath(save_dir)))
-            except OSError as exc:  # not raised before begin's exchange: the others wait in it
-                logger.warning("megatron_adapter: removing stale tracker temporaries failed: %s", exc)
         # A directory that holds a checkpoint (the tracker's iteration saved again) is
         # replaced once this save is finalized: staged beside it, swapped in by _finalize.
         handle = self.engine.begin(ckpt_dir, tag=str(iteration), swap_at_commit=False,
-                                   late_files=torch_dist.MARKER_FILES)
+                                   late_files=torch_dist.MARKER_FILES,
+                                   own_pointer=tracker_path(os.path.abspath(save_dir)))
         error: BaseException | None = None
         try:
             if self.rank == 0:
