@@ -548,7 +548,7 @@ def _read_json(ckpt_dir: str, path: str, what: str) -> object:
     try:
         with open(path, encoding="utf-8") as f:
             return json.load(f)
-    except ValueError as exc:  # JSONDecodeError, UnicodeDecodeError
+    except (ValueError, IsADirectoryError) as exc:  # JSONDecodeError, UnicodeDecodeError
         raise IntegrityError(f"checkpoint {ckpt_dir!r}: {what} {path} is damaged: {exc}") from None
 
 
@@ -563,6 +563,8 @@ def _manifest_problem(manifest: object) -> str | None:
     for key, kind in _MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(key), kind):
             return f"{key!r} missing or of the wrong type"
+    if not 0 <= manifest["committed_at"] < 253402300800:  # a time (before year 10000), not NaN
+        return f"'committed_at' {manifest['committed_at']!r} is not a time"
     late = manifest.get("late_files", [])
     if not isinstance(late, list) or not all(isinstance(rel, str) for rel in late):
         return "'late_files' of the wrong type"
@@ -572,6 +574,11 @@ def _manifest_problem(manifest: object) -> str | None:
     for rel, entry in manifest["files"].items():
         if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
             return f"file {rel!r} has no size"
+        segments = entry.get("segments", [])
+        if not isinstance(segments, list) or not all(
+                isinstance(seg, list) and len(seg) == 3 and all(isinstance(v, int) for v in seg[:2])
+                and isinstance(seg[2], str) for seg in segments):
+            return f"file {rel!r} has malformed segments"
     return None
 
 

@@ -1965,6 +1965,14 @@ def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
     assert "never committed" in capsys.readouterr().err
 
 
+def _edit_json(text: str, *, segments=None, **fields) -> str:
+    """A manifest's text with top-level ``fields`` set and, given, model.pt's ``segments``."""
+    manifest = dict(json.loads(text), **fields)
+    if segments is not None:
+        manifest["files"]["model.pt"]["segments"] = segments
+    return json.dumps(manifest)
+
+
 @pytest.mark.parametrize("damage,problem", [
     (lambda text: text[:len(text) // 2], "Unterminated|Expecting"),  # a truncated copy
     (lambda text: "[]", "a list, not an object"),
@@ -1972,17 +1980,28 @@ def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
     (lambda text: text.replace('"bytes"', '"size"'), "file 'model.pt' has no size"),
     (lambda text: text.replace('"model.pt"', '"../../x"'), "outside the checkpoint"),
     (lambda text: "\udcff", "codec can.t decode"),  # not UTF-8
+    (lambda text: _edit_json(text, committed_at=float("nan")), "'committed_at' nan is not a time"),
+    (lambda text: _edit_json(text, committed_at=1e300), "'committed_at' 1e.300 is not a time"),
+    (lambda text: _edit_json(text, segments=[[0, 3]]), "file 'model.pt' has malformed segments"),
+    (lambda text: _edit_json(text, segments="zz"), "file 'model.pt' has malformed segments"),
+    (None, "Is a directory"),
 ])
 def test_a_damaged_manifest_is_an_integrity_error_naming_it(tmp_path, capsys, damage, problem):
     """Before, a truncated manifest gave a bare JSONDecodeError (KeyError, TypeError) from a
-    load, and tracebacks from ``verify`` and ``list``."""
+    load, and tracebacks from ``verify`` and ``list``; until session 18 (an audit), so did a
+    commit time that is no time (``list``), a file's malformed segments (``verify``) and a
+    manifest that is a directory."""
     from deepspeed_async_ckpt.cli import main
 
     ck = make()
     save_one(ck, str(tmp_path), sample_state())
     ck.close()
     manifest = tmp_path / "t1" / META_DIR / "manifest.json"
-    manifest.write_text(damage(manifest.read_text()), errors="surrogateescape")
+    if damage is None:
+        manifest.unlink()
+        manifest.mkdir()
+    else:
+        manifest.write_text(damage(manifest.read_text()), errors="surrogateescape")
     with pytest.raises(IntegrityError, match=f"t1'.*manifest {manifest} is damaged: .*({problem})"):
         read_manifest(str(tmp_path / "t1"))
     loader = make()
