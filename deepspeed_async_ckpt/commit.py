@@ -415,12 +415,14 @@ def _delete(storage: Storage, trash: str) -> bool:
 
 def _checkpoint_candidates(save_dir: str) -> list[os.DirEntry]:
     """The directories directly under ``save_dir`` that may be checkpoints: not links, not
-    hidden (this engine's staging and removal directories start with a dot)."""
+    this engine's own (staging and removal directories start with :data:`META_DIR`, which
+    :func:`check_name` refuses as a checkpoint's name). Other names starting with a dot are
+    tags like any other (DeepSpeed takes ``tag=".last"``)."""
     try:
         entries = list(os.scandir(save_dir))
     except FileNotFoundError:
         return []
-    return [e for e in entries if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)]
+    return [e for e in entries if not e.name.startswith(META_DIR) and e.is_dir(follow_symlinks=False)]
 
 
 def _scan_checkpoints(save_dir: str) -> tuple[dict[str, float], dict[str, float]]:

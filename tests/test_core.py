@@ -1684,6 +1684,24 @@ def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path
         assert torch.load(tmp_path / f"s{i}" / "model.pt", weights_only=False)["global_steps"] == i
 
 
+def test_keep_last_counts_tags_that_start_with_a_dot(tmp_path, caplog):
+    """DeepSpeed takes ``tag=".last"`` and so does :func:`check_name` (only this engine's own
+    names, starting with ``.async_ckpt``, are refused), but retention skipped every name
+    starting with a dot: such checkpoints were never removed, and each commit warned that it
+    was "not a committed checkpoint" (found by an audit, session 18). Hidden directories that
+    are not checkpoints of this engine are still left alone."""
+    (tmp_path / ".git" / "objects").mkdir(parents=True)
+    (tmp_path / ".git" / "objects" / "x").write_text("y")
+    ck = make("sync", keep_last=1)
+    for tag in (".a", ".b", ".c"):
+        save_one(ck, str(tmp_path), sample_state(), tag=tag)
+    ck.close()
+    assert "is not a committed checkpoint" not in caplog.text
+    assert sorted(os.listdir(tmp_path)) == [".c", ".git", "latest"]
+    assert (tmp_path / "latest").read_text() == ".c"
+    assert (tmp_path / ".git" / "objects" / "x").read_text() == "y"
+
+
 def test_keep_last_does_not_count_a_checkpoint_never_finalized_and_removes_it_once_older(tmp_path):
     """A checkpoint whose late files (Megatron's markers) were never recorded cannot be loaded:
     counted among the ``keep_last`` newest, it kept the place of a loadable one; never removed,
