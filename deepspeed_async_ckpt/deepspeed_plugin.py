@@ -296,13 +296,34 @@ def checkpoint_to_load(arguments: dict, latest: str = "latest") -> str | None:
     return os.path.join(load_dir, str(tag))
 
 
+def warn_if_module_comes_from_latest(ds_engine: Any, arguments: dict) -> None:
+    """Warn when DeepSpeed will take the module's weights from another checkpoint than the one
+    asked for: under ZeRO-3 (without MoE), ``load_checkpoint(load_dir, tag=X,
+    load_optimizer_states=False)`` rebuilds the module with
+    ``get_fp32_state_dict_from_zero_checkpoint(load_dir)``, which reads the optimizer files of
+    the tag ``latest`` names, not X's (DeepSpeed's own engine does the same). This engine
+    verifies X's files."""
+    partitioned = getattr(ds_engine, "zero_optimization_partition_weights", None)
+    if (dist.is_initialized() and dist.get_rank() != 0) or arguments.get("tag") is None or arguments.get("load_optimizer_states", True) \
+            or getattr(ds_engine, "has_moe_layers", False) or not callable(partitioned) or not partitioned():
+        return
+    asked, latest = checkpoint_to_load(arguments), checkpoint_to_load(dict(arguments, tag=None))
+    if latest is not None and os.path.abspath(asked) != os.path.abspath(latest):
+        logger.warning("async checkpoint: load_checkpoint(tag=%r, load_optimizer_states=False) "
+                       "under ZeRO-3: DeepSpeed takes the module's weights from the optimizer "
+                       "files of %s (the checkpoint `latest` names), not of %s; the other "
+                       "states come from %s", arguments["tag"], latest, asked, asked)
+
+
 def files_read_by_load(ds_engine: Any, arguments: dict) -> Callable[[str], bool] | None:
     """Which files of a checkpoint ``load_checkpoint`` will read, as DeepSpeed decides it
     (``DeepSpeedEngine.load_checkpoint``): under ZeRO, the optimizer files
     (``*optim_states.pt``) only when optimizer states are loaded (or for a universal
-    checkpoint, or MoE under ZeRO-3). A fine-tuning load with ``load_optimizer_states=False``
-    then hashes the model states (2 bytes per parameter in bf16) and not the optimizer's
-    12. None: every file (without ZeRO the model-states file holds the optimizer state too)."""
+    checkpoint; under ZeRO-3, also for MoE and for a load without optimizer states, which
+    rebuilds the module from the fp32 partitions in the optimizer files). A fine-tuning load
+    with ``load_optimizer_states=False`` under ZeRO-1/2 then hashes the model states (2 bytes
+    per parameter in bf16) and not the optimizer's 12. None: every file (without ZeRO the
+    model-states file holds the optimizer state too)."""
     def asks(name: str) -> bool:
         method = getattr(ds_engine, name, None)
         return bool(method()) if callable(method) else True  # unknown: as if it read them
@@ -312,8 +333,12 @@ def files_read_by_load(ds_engine: Any, arguments: dict) -> Callable[[str], bool]
         return None
     optimizer = arguments.get("load_optimizer_states", True) and not arguments.get("load_module_only", False)
     universal = getattr(ds_engine, "load_universal_checkpoint", lambda: False)()
-    moe_zero3 = getattr(ds_engine, "has_moe_layers", False) and asks("zero_optimization_partition_weights")
-    if optimizer or universal or moe_zero3:
+    # Under ZeRO-3, a load without optimizer states takes the module from the fp32 partitions
+    # of every rank's optimizer file (DeepSpeed's _load_checkpoint calls zero_to_fp32's
+    # get_fp32_state_dict_from_zero_checkpoint, with plain torch.load), and MoE loads read them
+    zero3_reads = asks("zero_optimization_partition_weights") and (
+        getattr(ds_engine, "has_moe_layers", False) or not arguments.get("load_optimizer_states", True))
+    if optimizer or universal or zero3_reads:
         return None
     return lambda rel: not os.path.basename(rel).endswith("optim_states.pt")
 
@@ -391,6 +416,7 @@ def install() -> bool:
             # stops the load on every rank, not only on the one whose background write failed.
             engine.checkpointer.wait_all_ranks(action="load_checkpoint",
                                                recover=arguments.get("load_dir"))
+            warn_if_module_comes_from_latest(self, arguments)
             if engine.checkpointer.config.verify_on_load:
                 universal = getattr(self, "load_universal_checkpoint", lambda: False)()
                 ckpt_dir = checkpoint_to_load(arguments, "latest_universal" if universal else "latest")

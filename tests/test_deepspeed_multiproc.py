@@ -412,9 +412,13 @@ def test_sigterm_handled_by_the_script_saves_and_the_exit_flush_commits_it(tmp_p
     assert_committed_at_exit_and_restored(repo_env, out, "preempted", step=4, saved="sigterm_saved")
 
 
-def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env):
+@pytest.mark.parametrize("zero,partial", [(1, 0), (3, 1)], ids=["zero1", "zero3-without-optimizer"])
+def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env, zero, partial):
+    """Also under ZeRO-3 with ``load_optimizer_states=False``: DeepSpeed then rebuilds the
+    module from the fp32 partitions in the optimizer files, which the check left out as if
+    the load did not read them, so a damaged one loaded silently (found by an audit)."""
     out = str(tmp_path)
-    flags = ["--out", out, "--zero-stage", "1"]
+    flags = ["--out", out, "--zero-stage", str(zero)]
     run_ranks(repo_env, 2, "save", *flags)
     victim = os.path.join(out, "async", "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     with open(victim, "r+b") as f:
@@ -425,7 +429,8 @@ def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env):
     log = tmp_path / "load.log"
     with open(log, "w") as f:
         proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "launch.py"), "--nproc", "2",
-                               "--timeout", "300", WORKER, "load", *flags, "--variants", "async"],
+                               "--timeout", "300", WORKER, "load", *flags, "--variants", "async",
+                               "--partial", str(partial)],
                               env=repo_env, stdout=f, stderr=subprocess.STDOUT)
     assert proc.returncode != 0
     text = log.read_text()
@@ -437,6 +442,63 @@ def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env):
         assert e.startswith("IntegrityError: load_checkpoint refused on every rank"), e
         assert "zero_pp_rank_1_mp_rank_00_optim_states.pt" in e and "corrupted" in e, e
     assert sum("because of rank(s)" in e for e in errors) == 1, errors
+    if partial:  # refused by the load without optimizer states, the worker's first
+        assert not glob.glob(os.path.join(out, "dump_partial_rank*.pt"))
+
+
+class _Engine:
+    """What ``files_read_by_load`` asks of a ``DeepSpeedEngine``."""
+
+    def __init__(self, stage: int, moe: bool = False, universal: bool = False) -> None:
+        self.stage, self.has_moe_layers, self.universal = stage, moe, universal
+
+    def zero_optimization(self):
+        return self.stage > 0
+
+    def zero_optimization_partition_weights(self):
+        return self.stage == 3
+
+    def zero_nvme_offload_optimizer(self):
+        return False
+
+    def load_universal_checkpoint(self):
+        return self.universal
+
+
+@pytest.mark.parametrize("stage,moe,universal,arguments,optimizer_files_read", [
+    (0, False, False, {"load_optimizer_states": False}, True),  # without ZeRO: one file holds all
+    (1, False, False, {}, True),
+    (1, False, False, {"load_optimizer_states": False}, False),
+    (2, False, False, {"load_module_only": True}, False),
+    (1, False, True, {"load_optimizer_states": False}, True),
+    (3, False, False, {}, True),
+    (3, False, False, {"load_optimizer_states": False}, True),  # the module from their fp32 partitions
+    (3, False, False, {"load_module_only": True}, False),
+    (3, True, False, {"load_module_only": True}, True),
+])
+def test_files_a_deepspeed_load_reads(stage, moe, universal, arguments, optimizer_files_read):
+    from deepspeed_async_ckpt.deepspeed_plugin import files_read_by_load
+
+    include = files_read_by_load(_Engine(stage, moe, universal), dict(arguments, load_dir="d"))
+    assert include is None or include("mp_rank_00_model_states.pt")
+    assert (include is None or include("zero_pp_rank_1_mp_rank_00_optim_states.pt")) == optimizer_files_read
+
+
+def test_zero3_load_without_optimizer_of_a_tag_latest_does_not_name_warns(tmp_path, caplog):
+    """DeepSpeed's ZeRO-3 load without optimizer states reads the module from the checkpoint
+    ``latest`` names, whatever tag was asked for: said in a warning naming both."""
+    from deepspeed_async_ckpt.deepspeed_plugin import warn_if_module_comes_from_latest
+
+    (tmp_path / "latest").write_text("global_step4")
+    asked = {"load_dir": str(tmp_path), "tag": "global_step2", "load_optimizer_states": False}
+    for engine, arguments in ((_Engine(1), asked), (_Engine(3, moe=True), asked),
+                              (_Engine(3), dict(asked, load_optimizer_states=True)),
+                              (_Engine(3), dict(asked, tag="global_step4")), (_Engine(3), dict(asked, tag=None))):
+        warn_if_module_comes_from_latest(engine, arguments)
+    assert not caplog.records
+    warn_if_module_comes_from_latest(_Engine(3), asked)
+    message, = [r.getMessage() for r in caplog.records]
+    assert "tag='global_step2'" in message and str(tmp_path / "global_step4") in message, message
 
 
 def test_engine_selection_and_config_errors(tmp_path, repo_env):

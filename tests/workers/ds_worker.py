@@ -22,6 +22,7 @@ The test module reads what they write under --out and asserts on it.
 """
 
 import argparse
+import contextlib
 import glob
 import json
 import os
@@ -143,6 +144,18 @@ def count_hashed_bytes():
     return counter
 
 
+@contextlib.contextmanager
+def load_error_recorded(out, rank):
+    """An exception from the block written to ``load_error_rank<rank>.txt`` (the corruption
+    test reads it from there), then raised."""
+    try:
+        yield
+    except Exception as exc:
+        with open(os.path.join(out, f"load_error_rank{rank}.txt"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        raise
+
+
 def phase_load(args):
     config = ds_config(args, {"enabled": True})
     if args.universal:  # the variants are DeepSpeed universal checkpoints (`latest_universal`)
@@ -152,20 +165,17 @@ def phase_load(args):
     hashed, counter = {}, count_hashed_bytes()
     if args.partial:  # weights only: optimizer and scheduler must keep their fresh state
         fresh = {"optimizer": engine.optimizer.state_dict(), "lr_scheduler": engine.lr_scheduler.state_dict()}
-        engine.load_checkpoint(os.path.join(args.out, "async"), load_optimizer_states=False,
-                               load_lr_scheduler_states=False)
+        with load_error_recorded(args.out, rank):
+            engine.load_checkpoint(os.path.join(args.out, "async"), load_optimizer_states=False,
+                                   load_lr_scheduler_states=False)
         hashed["partial"] = counter["bytes"]  # the files this load reads, not the optimizer's
         torch.save({"module": engine.module.state_dict(), "fresh": fresh,
                     "optimizer": engine.optimizer.state_dict(), "lr_scheduler": engine.lr_scheduler.state_dict()},
                    os.path.join(args.out, f"dump_partial_rank{rank}.pt"))
     for variant in args.variants.split(","):
         counter["bytes"] = 0
-        try:
+        with load_error_recorded(args.out, rank):
             path, _ = engine.load_checkpoint(os.path.join(args.out, variant))
-        except Exception as exc:  # the corruption test reads it from here
-            with open(os.path.join(args.out, f"load_error_rank{rank}.txt"), "w") as f:
-                f.write(f"{type(exc).__name__}: {exc}")
-            raise
         hashed[variant] = counter["bytes"]
         assert path is not None, variant
         state = {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
