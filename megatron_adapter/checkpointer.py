@@ -238,7 +238,18 @@ class MegatronCheckpointer:
         from megatron.core.dist_checkpointing.mapping import ShardedTensor
         from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
 
-        sharded_part, common = save_preprocess(state_dict, validate_access_integrity, preprocess_common)
+        if not validate_access_integrity:
+            sharded_part, common = save_preprocess(state_dict, False)
+        else:
+            # The validation's checks of the sharding raise on rank 0 alone (an invalid access
+            # pattern: two main replicas of a shard, or none), after its collectives: raised
+            # here on every rank, or the others would wait for rank 0 in plan_save's.
+            error: BaseException | None = None
+            try:
+                sharded_part, common = save_preprocess(state_dict, True, preprocess_common)
+            except Exception as exc:
+                error = exc
+            self._agree_no_error(error)
         values = list(nested_values(sharded_part))
         elect_writers([v for v in values if isinstance(v, ShardedTensor)], self.writers, replica_group())
         return sharded_part, common, values

@@ -132,6 +132,26 @@ def test_save_copies_the_buffers_of_ddp_wrapped_chunks_at_save_time():
     assert result == {"bias": [0.0] * 4, "ddp_buffers_is_a": "list"}
 
 
+def test_a_sharding_megatron_refuses_fails_the_save_on_every_rank_at_once(tmp_path):
+    """megatron-core validates a save's sharding on rank 0 alone, after its collectives, and
+    raises there alone: rank 1 went on into ``plan_save``'s collective and waited for rank 0
+    for as long as rank 0 lived (found by an audit). Both ranks now raise at once, and the
+    next, valid, save commits."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from launch import launch
+
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    codes = launch(os.path.join(REPO, "tests", "workers", "megatron_invalid_sharding.py"), [str(tmp_path)],
+                   2, timeout=120, env=env)
+    assert codes == [0, 0], codes
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for case in ("two_main_replicas", "no_main_replica"):
+        assert "Invalid access pattern" in got[0][case]["error"], got
+        assert got[1][case]["error"].startswith("CommitError: checkpoint failed on rank(s) 0"), got
+        assert got[1][case]["seconds"] < 2, got  # rank 0 sleeps 4 s after raising
+    assert got[0]["tracker"] == got[1]["tracker"] == 3
+
+
 def test_megatron_lm_hook_passes_other_formats_to_megatron_lm_and_refuses_partial_ones():
     """With --async-ckpt, the hooked load verified every checkpoint the tracker named and
     refused one without this engine's manifest or megatron-core's metadata.json: Megatron-LM's

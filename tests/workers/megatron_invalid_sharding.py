@@ -1,0 +1,50 @@
+"""Two ranks (``scripts/launch.py``): saves whose sharding megatron-core's validation refuses,
+on rank 0 only, then a valid one. Argument: an output directory; each rank writes
+``rank<N>.json`` with each invalid save's error and how long it took to raise, and the
+iteration the tracker names after the valid save."""
+
+import json
+import os
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from megatron_cpu_shim import apply as apply_cpu_shim  # noqa: E402
+
+apply_cpu_shim()
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
+
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig  # noqa: E402
+from megatron_adapter.checkpointer import MegatronCheckpointer, read_tracker  # noqa: E402
+
+out = sys.argv[1]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+parallel_state.initialize_model_parallel(1, 1)
+ckpt = MegatronCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01, fsync=False))
+save_dir = os.path.join(out, "ckpt")
+result = {}
+# both ranks hold the main replica of the same whole tensor; then neither does
+for iteration, (case, replica_id) in enumerate((("two_main_replicas", 0), ("no_main_replica", 1)), 1):
+    t0 = time.monotonic()
+    try:
+        ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), replica_id=replica_id)},
+                  save_dir, iteration)
+        result[case] = {"error": None}
+    except Exception as exc:
+        result[case] = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+    if rank == 0 and result[case]["error"] is not None:
+        # a trainer that reports the error and goes on: before, rank 1 waited in plan_save's
+        # collective for as long as rank 0 lived, or this long
+        time.sleep(4)
+    dist.barrier()  # the next case starts together
+ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), replica_id=rank)}, save_dir, 3)
+ckpt.close()
+result["tracker"] = read_tracker(save_dir)
+with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+    json.dump(result, f)
