@@ -37,6 +37,7 @@ import sys
 import threading
 import time
 from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeoutError
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable, Sequence
 
@@ -264,9 +265,10 @@ class MegatronCheckpointer:
         to be loaded from, where rank 0 first finishes what a crash cut short (the engine's
         ``recover``: a re-saved iteration between its two renames)."""
         error = None
-        self._wait_finalized(None)  # each waits for its commit; retention is queued after it
+        deadline = None if timeout is None else time.monotonic() + timeout
         try:
-            self.engine.wait(timeout)  # the commits, then that retention
+            self._wait_finalized(None, deadline)  # each waits for its commit; retention is queued after it
+            self.engine.wait(None if deadline is None else max(0.0, deadline - time.monotonic()))
             if recover is not None and self.rank == 0:
                 self.engine.recover(recover, sweep=False)
         except BaseException as exc:
@@ -379,10 +381,17 @@ class MegatronCheckpointer:
             except BaseException as exc:
                 fut.set_exception(exc)
 
-    def _wait_finalized(self, ckpt_dir: str | None) -> None:
+    def _wait_finalized(self, ckpt_dir: str | None, deadline: float | None = None) -> None:
+        """Wait for the finalization of ``ckpt_dir`` (None: of every save), at most until
+        ``deadline`` (a ``time.monotonic()``), then raise ``CommitError``."""
         for d, fut in list(self._pending):
             if ckpt_dir is None or d == ckpt_dir:
-                fut.exception()  # waits; the error itself is taken by _take_finalize_error
+                left = None if deadline is None else max(0.0, deadline - time.monotonic())
+                try:
+                    fut.exception(left)  # waits; the error itself is taken by _take_finalize_error
+                except FutureTimeoutError:
+                    raise CommitError(f"checkpoint {d!r} not committed and finalized in time "
+                                      "(wait's timeout)") from None
 
     def _take_finalize_error(self) -> BaseException | None:
         for item in list(self._pending):
@@ -486,5 +495,12 @@ def _verify_here(ckpt_dir: str, rank: int, world_size: int, wanted: Callable[[st
     if missing:
         raise IntegrityError(f"checkpoint {ckpt_dir!r} was persisted but never finalized "
                              f"({', '.join(missing)} missing): load the one the tracker names")
-    verify_checkpoint(ckpt_dir, rank=rank, world_size=world_size, manifest=manifest,
-                      reads=None if wanted is None else _reads_of_load(ckpt_dir, wanted))
+    reads = None
+    if wanted is not None:
+        try:  # from .metadata, which the check below has not yet verified
+            reads = _reads_of_load(ckpt_dir, wanted)
+        except Exception as exc:  # damaged: unpickling it fails in any way
+            raise IntegrityError(f"{os.path.join(ckpt_dir, torch_dist.DCP_METADATA_FILE)} cannot "
+                                 f"be read ({type(exc).__name__}: {exc}): file truncated or "
+                                 "corrupted") from exc
+    verify_checkpoint(ckpt_dir, rank=rank, world_size=world_size, manifest=manifest, reads=reads)

@@ -132,6 +132,28 @@ def test_save_copies_the_buffers_of_ddp_wrapped_chunks_at_save_time():
     assert result == {"bias": [0.0] * 4, "ddp_buffers_is_a": "list"}
 
 
+def test_a_truncated_metadata_is_named_by_every_check():
+    """A load of some of a checkpoint (``MegatronCheckpointer.load``; the Megatron-LM hook
+    under ``--no-load-optim``) reads megatron-core's ``.metadata`` to find what it reads,
+    before rank 0 has checked that file: a truncated one failed with ``IntegrityError:
+    UnpicklingError: pickle data was truncated``, naming no file (found by an audit)."""
+    result = _run_one_rank("megatron_truncated_metadata.py")
+    metadata = os.path.join(result["dir"], ".metadata")
+    assert result["full"].startswith(f"IntegrityError: {metadata}: size"), result
+    for check in ("load", "skip"):
+        assert result[check].startswith(f"IntegrityError: {metadata} cannot be read"), result
+        assert "truncated or corrupted" in result[check], result
+
+
+def test_wait_gives_up_at_its_timeout():
+    """``wait(timeout=0.5)`` with a save that takes 3 s: rank 0 waited for every finalization
+    without a bound first, so it returned after 3 s, without an error (found by an audit)."""
+    result = _run_one_rank("megatron_wait_timeout.py")
+    assert result["error"] and result["error"].startswith("CommitError:"), result
+    assert "not committed and finalized" in result["error"], result
+    assert result["seconds"] < 2, result
+
+
 def test_a_sharding_megatron_refuses_fails_the_save_on_every_rank_at_once(tmp_path):
     """megatron-core validates a save's sharding on rank 0 alone, after its collectives, and
     raises there alone: rank 1 went on into ``plan_save``'s collective and waited for rank 0

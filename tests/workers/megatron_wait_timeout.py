@@ -1,0 +1,36 @@
+"""One rank: an async save whose file takes 3 s to open, then ``wait(timeout=0.5)``. Prints
+one JSON line: wait's error and how long it took."""
+
+import json
+import sys
+import tempfile
+import time
+
+import _one_megatron_rank  # noqa: F401  (first: the process group, the shim, parallel state)
+import torch
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
+
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.storage import LocalStorage
+from megatron_adapter.checkpointer import MegatronCheckpointer
+
+
+class SlowStorage(LocalStorage):
+    def open_write(self, path):
+        time.sleep(3)
+        return super().open_write(path)
+
+
+ckpt = MegatronCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, fsync=False),
+                            storage=SlowStorage(fsync=False))
+ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), replica_id=0)}, tempfile.mkdtemp(), 1)
+t0 = time.monotonic()
+try:
+    ckpt.wait(timeout=0.5)
+    error = None
+except Exception as exc:
+    error = f"{type(exc).__name__}: {exc}"
+seconds = time.monotonic() - t0
+ckpt.close()
+print(json.dumps({"error": error, "seconds": seconds}))
+sys.stdout.flush()
