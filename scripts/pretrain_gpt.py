@@ -40,6 +40,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
+from deepspeed_async_ckpt.commit import verify_file  # noqa: E402
 from megatron_adapter import compat  # noqa: E402
 from megatron_adapter.arguments import add_arguments, config_from_args  # noqa: E402
 from megatron_adapter.checkpointer import (  # noqa: E402
@@ -326,6 +327,8 @@ def load_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, sch
     if iteration is None:
         return 0
     ckpt_dir = checkpoint_dir(args.load, iteration)
+    if ckpt is not None and ckpt.config.verify_on_load:  # read before ckpt.load checks the rest
+        verify_file(os.path.join(ckpt_dir, "common.pt"))
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)
     metadata = common.get("content_metadata") or sharded_metadata(args)
     saved = common.get("args")

@@ -409,6 +409,27 @@ def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
     assert saved[0]["bytes"] == sum(f["bytes"] for f in manifest["files"].values())
 
 
+def test_resume_from_a_truncated_common_pt_names_it(straight_run, tmp_path, env):
+    """``pretrain_gpt.py`` reads ``common.pt`` (to build its load request) before the engine's
+    check of the checkpoint: a truncated one failed the resume with torch.load's bare
+    ``OSError: [Errno 22] Invalid argument``, naming no file (found by an audit). It is now
+    checked against the manifest first."""
+    import shutil
+
+    d, _ = straight_run
+    shutil.copytree(d / "ckpt" / "iter_0000003", tmp_path / "ckpt" / "iter_0000003")
+    common = tmp_path / "ckpt" / "iter_0000003" / "common.pt"
+    os.truncate(common, common.stat().st_size // 2)
+    prefix = str(tmp_path / "resume")
+    codes = launch(PRETRAIN, [str(a) for a in [*TINY_GPT, "--load", tmp_path / "ckpt", "--ckpt-step", 3,
+                                                "--async-ckpt"]],
+                   NPROC, timeout=240, env=env, log_prefix=prefix)
+    assert all(c != 0 for c in codes), codes
+    for r in range(NPROC):
+        log = open(f"{prefix}.rank{r}.log", encoding="utf-8").read()
+        assert f"IntegrityError: {common}: size" in log and "file truncated" in log, log[-3000:]
+
+
 def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path, env):
     """Megatron-LM's ``--save-retain-interval``, which routed saves honour: a checkpoint every
     iteration, only iterations 3 and 6 (multiples of 3) and the newest, 7, are left."""
