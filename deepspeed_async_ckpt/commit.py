@@ -181,14 +181,21 @@ def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_si
         time.sleep(poll_delay(time.monotonic() - start))
     files: dict[str, dict] = {}
     ranks: dict[str, list[str]] = {}
+    writer: dict[str, int] = {}  # file -> the first rank whose record has it
     for r, p in paths.items():
         with open(p, encoding="utf-8") as f:
             record = json.load(f)
         for rel, entry in record["files"].items():
-            if "segments" in entry and rel in files:  # another share of a file seen already
+            if rel not in files:
+                files[rel], writer[rel] = entry, r
+            elif "tmp" in entry and "tmp" in files[rel]:  # another share of a file seen already
                 files[rel]["segments"] += entry["segments"]
-            else:
-                files[rel] = entry
+            elif entry != files[rel]:  # (equal: the same bytes, whichever rename came last)
+                # two ranks wrote different bytes to one name: the manifest would describe one
+                # of them and the file on disk may be the other's, failing every load
+                raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: ranks "
+                                  f"{writer[rel]} and {r} both wrote {rel}, with different "
+                                  "contents; each file must be saved by one rank")
         ranks[str(r)] = sorted(record["files"])
     _join_shares(storage, ckpt_dir, files, tag)
     manifest = {"format": FORMAT, "tag": tag, "save_id": save_id, "world_size": world_size,

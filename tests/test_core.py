@@ -2448,3 +2448,37 @@ def test_a_storage_error_before_the_exchange_does_not_hide_an_earlier_failure(tm
         ck.begin(str(tmp_path / "s1"), tag="s1")
     assert len(sent) == 1 and "disk full" in sent[0]
     ck.close()
+
+
+# ------------------------------------------------------------- found by an audit (session 18)
+@pytest.mark.parametrize("same", [False, True], ids=["different-bytes", "same-bytes"])
+def test_two_ranks_writing_one_file_whole_commit_only_if_they_wrote_the_same_bytes(tmp_path, same):
+    """Two ranks saving the same path whole (a file name without the rank in it, where each
+    rank meant its own): rank 0's commit kept the last rank's record of it, whatever file the
+    last rename left on disk, and moved ``latest``; here the file on disk is rank 0's and the
+    manifest held rank 1's checksum, so no load accepted the checkpoint ``latest`` named. Now
+    a ``CommitError`` naming the file and both ranks, the pointer unmoved. The same bytes from
+    both (replicas writing one file whole) commit, as before."""
+    exchange = lambda value, error, key="": ("same-id", {})  # noqa: E731  (both ranks' begin)
+    rank0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, commit_timeout_s=30), rank=0,
+                              world_size=2, exchange=exchange)
+    rank1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=1, world_size=2, exchange=exchange)
+    (tmp_path / "latest").write_text("t0")
+    d = str(tmp_path / "t1")
+    rank1.begin(d, tag="t1")
+    rank1.save({"w": torch.ones(1000)}, os.path.join(d, "model.pt"))
+    rank1.end().wait_persisted(30)  # rank 1's file first, then rank 0's over it
+    handle = rank0.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
+    rank0.save({"w": torch.ones(1000) if same else torch.zeros(1000)}, os.path.join(d, "model.pt"))
+    rank0.end()
+    assert handle.wait_committed(60)
+    for ck in (rank0, rank1):
+        with contextlib.suppress(AsyncCheckpointError):
+            ck.close()
+    if same:
+        assert handle.error is None and (tmp_path / "latest").read_text() == "t1"
+        verify_checkpoint(d)
+    else:
+        assert isinstance(handle.error, CommitError), handle.error
+        assert "ranks 0 and 1 both wrote model.pt, with different contents" in str(handle.error)
+        assert (tmp_path / "latest").read_text() == "t0"
