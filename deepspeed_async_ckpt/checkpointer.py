@@ -134,7 +134,7 @@ class CheckpointHandle:
 
     @property
     def committed(self) -> bool:
-        return self._committed.is_set() and self.error is None
+        return self._committed.is_set() and self.error is None and not self.abandoned
 
 
 _EXCHANGE_VALUE_BYTES = 64

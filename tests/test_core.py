@@ -2482,3 +2482,18 @@ def test_two_ranks_writing_one_file_whole_commit_only_if_they_wrote_the_same_byt
         assert isinstance(handle.error, CommitError), handle.error
         assert "ranks 0 and 1 both wrote model.pt, with different contents" in str(handle.error)
         assert (tmp_path / "latest").read_text() == "t0"
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_save_ended_uncommitted_does_not_say_it_committed(tmp_path, mode):
+    """``end(commit=False)`` (the framework's save raised inside it): nothing is committed and
+    the pointer does not move, yet the handle said ``committed`` (set, no error)."""
+    ck = make(mode)
+    d = str(tmp_path / "t1")
+    ck.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
+    ck.save({"w": torch.ones(10)}, os.path.join(d, "model.pt"))
+    handle = ck.end(commit=False)
+    ck.wait()
+    ck.close()
+    assert not (tmp_path / "latest").exists()
+    assert not handle.committed and handle.commit_info is None
