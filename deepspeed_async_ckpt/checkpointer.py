@@ -535,10 +535,14 @@ class AsyncCheckpointer:
         if handle is None:
             raise AsyncCheckpointError(f"save({path!r}) outside begin()/end()")
         path = os.path.abspath(path)
+        rel = os.path.relpath(path, handle.ckpt_dir)
+        if rel in (os.curdir, os.pardir) or rel.startswith(os.pardir + os.sep):
+            # the manifest lists files by their path in the checkpoint: one outside it would
+            # make a manifest that every reader refuses as damaged, once `latest` names it
+            raise ValueError(f"save({path!r}): not a file inside the checkpoint directory "
+                             f"{handle.ckpt_dir!r} (tag {handle.tag!r})")
         if handle.write_dir != handle.ckpt_dir:  # staged: the same name in the staging directory
-            rel = os.path.relpath(path, handle.ckpt_dir)
-            if rel != os.pardir and not rel.startswith(os.pardir + os.sep):  # inside it
-                path = os.path.join(handle.write_dir, rel)
+            path = os.path.join(handle.write_dir, rel)
         plans = []
         eager_storages = storage_addresses(eager_tensors)
         for state in states:

@@ -2497,3 +2497,23 @@ def test_a_save_ended_uncommitted_does_not_say_it_committed(tmp_path, mode):
     ck.close()
     assert not (tmp_path / "latest").exists()
     assert not handle.committed and handle.commit_info is None
+
+
+def test_a_file_saved_outside_the_checkpoint_directory_is_refused_by_name(tmp_path):
+    """A file saved beside the checkpoint directory was written, listed in the manifest as
+    ``../outside.pt``, and the commit moved ``latest`` to it; every reader (``verify``, a
+    load) then refused that manifest as damaged ("outside the checkpoint"): the checkpoint
+    ``latest`` named could not be loaded. Now refused at ``save``, naming the path."""
+    ck = make()
+    save_one(ck, str(tmp_path), {"w": torch.ones(4)}, tag="good", eager=())
+    ck.wait()
+    d = str(tmp_path / "t2")
+    ck.begin(d, tag="t2", pointer=Pointer(str(tmp_path / "latest"), "t2"))
+    ck.save({"w": torch.ones(4)}, os.path.join(d, "model.pt"))
+    with pytest.raises(ValueError, match="outside.pt.*not a file inside the checkpoint directory"):
+        ck.save({"w": torch.ones(4)}, str(tmp_path / "outside.pt"))
+    ck.end(commit=False)  # as the adapters do when a save raised inside it
+    ck.wait()
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "good"
+    verify_checkpoint(str(tmp_path / "good"))
