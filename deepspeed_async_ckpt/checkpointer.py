@@ -585,8 +585,15 @@ class AsyncCheckpointer:
             done.set_result(record)
             handle.files.append(done)
         else:
+            try:
+                for mine in staged:
+                    self._stager.stage_eager(i for i in mine if i.eager)
+            except BaseException:  # the file is not written: none of its items may be queued
+                for mine in staged:  # (a queued one would hold its pool buffer for good)
+                    for i in mine:
+                        i.cancel()
+                raise
             for mine in staged:
-                self._stager.stage_eager(i for i in mine if i.eager)
                 handle.unsubmitted.extend(i for i in mine if not i.eager)
             handle.unwritten.append((path, plans, names, share))
         return [sum(i.nbytes for i in mine) for mine in staged]

@@ -504,8 +504,11 @@ class Stager:
         """Copy items now, outside the pool (small state the loop may mutate at any time)."""
         for item in items:
             src = item.src
-            item.host = src.detach().to("cpu", copy=True).contiguous().view(-1).view(torch.uint8) \
-                if item.nbytes else torch.empty(0, dtype=torch.uint8)
+            try:
+                item.host = src.detach().to("cpu", copy=True).contiguous().view(-1).view(torch.uint8) \
+                    if item.nbytes else torch.empty(0, dtype=torch.uint8)
+            except Exception as exc:  # named as the copier's failures are
+                raise SnapshotError(f"staging {item.what} failed: {exc}") from exc
             item.src = None
             self._count(item.nbytes)
             item._set_issued()

@@ -2484,6 +2484,48 @@ def test_two_ranks_writing_one_file_whole_commit_only_if_they_wrote_the_same_byt
         assert (tmp_path / "latest").read_text() == "t0"
 
 
+class _Holder:
+    """A tensor inside an object that is no dict, list or tuple: copied at save (eager), since
+    the snapshot cannot tell whether the loop changes it."""
+
+    def __init__(self, t):
+        self.t = t
+
+
+def test_an_eager_copy_failing_in_a_later_part_of_a_packed_file_keeps_no_pool_buffer(tmp_path):
+    """``save_packed``: the first part's lazy tensors were queued for the copier, then the
+    eager copy of a later part's tensor raised (a meta tensor here; host memory exhausted
+    alike). The file was never handed to a writer, but those tensors still went to the copier
+    at ``end``, into pool buffers nothing ever released: the next save needing that room
+    waited for ever at the fence (and ``wait`` and ``close`` with it). The error now names the
+    file and the record."""
+    ck = make(gb=300 * 1024 / 1024**3)  # room for one of the tensors below
+    d = str(tmp_path / "bad")
+    ck.begin(d, tag="bad")
+    with pytest.raises(SnapshotError, match=r"__0_0\.distcp: tensor record .*meta"):
+        ck.save_packed(os.path.join(d, "__0_0.distcp"),
+                       [("a", {"w": torch.ones(50 * 1024)}),  # 200 KiB, lazy
+                        ("b", {"h": _Holder(torch.empty(4, device="meta"))})])
+    ck.end(commit=False)  # as the adapters do when a save raised inside it
+    ck.fence()
+    ck.wait()
+    assert not ck.pool._live, "pool buffers of the failed save were never released"
+    done = []
+
+    def next_save():
+        save_one(ck, str(tmp_path), {"w": torch.full((50 * 1024,), 2.0)}, tag="good", eager=())
+        ck.fence()
+        ck.wait()
+        done.append(True)
+
+    saving = threading.Thread(target=next_save, daemon=True)
+    saving.start()
+    saving.join(30)
+    assert done, "the next save hung at the fence: its buffer never came back to the pool"
+    ck.close()
+    verify_checkpoint(str(tmp_path / "good"))
+
+
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_save_ended_uncommitted_does_not_say_it_committed(tmp_path, mode):
     """``end(commit=False)`` (the framework's save raised inside it): nothing is committed and
