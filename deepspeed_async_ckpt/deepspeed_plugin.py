@@ -349,7 +349,15 @@ def parse_config(param_dict: dict | None) -> AsyncCheckpointConfig | None:
     if raw is None:
         return None
     cfg = AsyncCheckpointConfig.from_dict(raw)
-    return cfg if cfg.enabled else None
+    if not cfg.enabled:
+        return None
+    # DeepSpeed's own ways to choose a checkpoint engine: one of them would be ignored
+    others = [key for key, on in (("checkpoint.writer", (param_dict.get("checkpoint") or {}).get("writer") is not None),
+                                  ("datastates_ckpt", param_dict.get("datastates_ckpt", False) is not False)) if on]
+    if others:
+        raise ConfigError(f"{CONFIG_KEY} and {' and '.join(others)} both choose DeepSpeed's checkpoint "
+                          f"engine: keep one of them ({CONFIG_KEY}.enabled: false keeps DeepSpeed's)")
+    return cfg
 
 
 # Patching -------------------------------------------------------------------------------

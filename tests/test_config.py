@@ -48,6 +48,22 @@ def test_absent_or_disabled_key_means_deepspeed_unchanged():
     assert parse_config({"async_checkpoint": {"enabled": True}}).enabled
 
 
+@pytest.mark.parametrize("other,named", [
+    ({"checkpoint": {"writer": {"decoupled": True}}}, "checkpoint.writer"),
+    ({"checkpoint": {"writer": {}}}, "checkpoint.writer"),
+    ({"datastates_ckpt": {"host_cache_size": 16}}, "datastates_ckpt"),
+])
+def test_deepspeeds_own_engine_choice_beside_the_key_is_a_config_error_naming_both(other, named):
+    """DeepSpeed picks its decoupled, fast or DataStates engine from these keys; with
+    ``async_checkpoint`` enabled too, one of the two choices was silently ignored (found by an
+    audit). Disabled, or DeepSpeed's own keys without a writer, they go together."""
+    with pytest.raises(ConfigError, match=f"async_checkpoint and {named} both choose"):
+        parse_config({"async_checkpoint": {"enabled": True}, **other})
+    assert parse_config({"async_checkpoint": {"enabled": False}, **other}) is None
+    assert parse_config({"async_checkpoint": {"enabled": True}, "datastates_ckpt": False,
+                         "checkpoint": {"tag_validation": "Ignore", "writer": None}}).enabled
+
+
 def test_from_file_accepts_block_or_wrapped(tmp_path):
     (tmp_path / "a.json").write_text(json.dumps({"enabled": True, "mode": "sync"}))
     (tmp_path / "b.json").write_text(json.dumps({"async_checkpoint": {"enabled": True, "mode": "sync"}}))
