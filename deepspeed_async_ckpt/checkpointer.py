@@ -54,8 +54,9 @@ logger = logging.getLogger(__name__)
 
 def _reraise(exc: BaseException) -> AsyncCheckpointError:
     cls = exc.__class__ if isinstance(exc, AsyncCheckpointError) else PersistError
+    more = getattr(exc, "_more_failed", 0)
     err = cls(f"a previous checkpoint failed and was not committed (the last committed one is "
-              f"intact): {exc}")
+              f"intact): {exc}" + (f" (and {more} more failed save(s))" if more else ""))
     err.__cause__ = exc
     return err
 
@@ -418,6 +419,7 @@ class AsyncCheckpointer:
         made: tuple[str, list[str]] | None = None
         try:
             local = self._take_background_error()
+            local_message = None if local is None else f"{type(local).__name__}: {_reraise(local)}"
             save_id = uuid.uuid4().hex[:16]
             if self.rank == 0:  # decided by rank 0 alone, before any rank can write: staged?
                 try:  # never raise before the exchange: the other ranks would wait in it
@@ -438,8 +440,7 @@ class AsyncCheckpointer:
                         local = exc
                     else:  # an earlier save's failure goes first; this one is only logged
                         logger.warning("async checkpoint: preparing %s failed: %s", ckpt_dir, exc)
-            save_id, failed = self._exchange(save_id, None if local is None else
-                                             f"{type(local).__name__}: {local}", key=ckpt_dir)
+            save_id, failed = self._exchange(save_id, local_message, key=ckpt_dir)
             try:
                 if local is not None:
                     raise _reraise(local)
@@ -712,7 +713,8 @@ class AsyncCheckpointer:
         self.raise_background_error()
 
     def raise_background_error(self) -> None:
-        """Raise (once) the first error a background stage recorded, if any."""
+        """Raise (once) the first error a background stage recorded, if any, with how many
+        more there were (consumed too)."""
         exc = self._take_background_error()
         if exc is not None:
             raise _reraise(exc)
@@ -737,17 +739,17 @@ class AsyncCheckpointer:
         """
         local: Exception | None = None
         try:
-            self.wait(timeout)  # raises (and consumes) the first background error
+            self.wait(timeout)  # raises (and consumes) the background errors
             if recover is not None and self.rank == 0:
                 self.recover(recover, sweep=False)
         except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
             local = exc
-        later = 0
-        while self._take_background_error() is not None:  # reported below: consume them all
-            later += 1
+        # raised by wait's own steps (a timeout), the background errors are still there
+        more = self._take_background_error()
         detail = None
         if local is not None:
-            detail = f"{local}" + (f" (and {later} more failed save(s))" if later else "")
+            count = 0 if more is None else 1 + more._more_failed  # type: ignore[attr-defined]
+            detail = f"{local}" + (f" (and {count} more failed save(s))" if count else "")
         _, failed = self._exchange(action, None if local is None else f"{type(local).__name__}: {detail}")
         retry = f". The errors reported here are cleared: calling {action} again retries."
         if local is not None:
@@ -758,8 +760,15 @@ class AsyncCheckpointer:
                               by_rank(failed) + retry)
 
     def _take_background_error(self) -> BaseException | None:
+        """The first error the background stages recorded, or None; all of them are consumed,
+        reported once with the first (its ``_more_failed``: how many more), so that a failure
+        is not raised again at a later save, after its cause was fixed."""
         with self._lock:
-            return self._errors.pop(0) if self._errors else None
+            errors, self._errors = self._errors, []
+        if not errors:
+            return None
+        errors[0]._more_failed = len(errors) - 1  # type: ignore[attr-defined]
+        return errors[0]
 
     def retire_older(self, handle: CheckpointHandle, *, keep_last: int | None = None,
                      keep: Callable[[str], bool] | None = None) -> list[str]:

@@ -899,6 +899,39 @@ def test_disk_full_surfaces_at_next_save_and_previous_checkpoint_survives(tmp_pa
     ck.close()
 
 
+def test_two_failed_saves_in_flight_are_reported_once_together(tmp_path):
+    """Two async saves in flight both fail (disk full): the next save raises the first error
+    and how many more there were, and the one after it works. Before, each save took one
+    error: with the disk freed meanwhile, the second save still raised the older failure."""
+    released = threading.Event()
+
+    class Held(FailingStorage):  # every checkpoint file waits until released
+        def open_write(self, path):
+            if f"/{META_DIR}/" not in path:
+                released.wait(30)
+            return super().open_write(path)
+
+    storage = Held(budget=10**9)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    state = sample_state()
+    bad = []
+    for tag in ("bad1", "bad2"):
+        bad.append(save_one(ck, str(tmp_path), state, tag=tag))
+        ck.fence()
+    storage.budget = 0  # both run out of space
+    released.set()
+    for handle in bad:
+        handle.wait_committed(30)
+        assert handle.error is not None
+    with pytest.raises(PersistError, match=r"No space left.*\(and 1 more failed save\(s\)\)"):
+        save_one(ck, str(tmp_path), state, tag="next")
+    storage.budget = 10**9
+    save_one(ck, str(tmp_path), state, tag="again")
+    ck.wait()
+    assert (tmp_path / "latest").read_text() == "again"
+    ck.close()
+
+
 def test_a_save_cut_short_is_partial_refused_by_loads_and_removed_by_retention_after_a_commit(tmp_path):
     """A save that never commits (a disk full here; a crash alike) leaves its directory, as large
     as a checkpoint: marked this engine's from its start, `list` shows it partial and a load
