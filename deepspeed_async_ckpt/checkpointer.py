@@ -703,13 +703,15 @@ class AsyncCheckpointer:
                 break
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             try:
-                retiring.result(left)  # retire_older logs its OSErrors; anything else is a bug
+                retiring.exception(left)  # waits; retire_older logs its OSErrors
             except FutureTimeout:
                 raise AsyncCheckpointError(f"removing older checkpoints (keep_last) did not "
                                            f"finish within {timeout} s") from None
             with self._lock:
                 if self._retiring and self._retiring[0] is retiring:
                     self._retiring.popleft()
+            if retiring.exception() is not None:  # anything else is a bug: raised once, here
+                raise retiring.exception()
         self.raise_background_error()
 
     def raise_background_error(self) -> None:

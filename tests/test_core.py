@@ -1807,6 +1807,33 @@ def test_keep_last_never_takes_a_directory_from_under_a_save_being_begun(tmp_pat
     assert torch.load(tmp_path / "a" / "model.pt", weights_only=False)["global_steps"] == 7
 
 
+def test_a_retention_bug_is_raised_by_one_wait_not_every_later_one(tmp_path):
+    """A retention that raises something other than an OSError (a bug; a custom Storage's
+    own exception) is raised by the next ``wait()``; before, every later ``wait()`` raised it
+    again (the failed removal was never dropped), and so refused every later load."""
+    class Broken(LocalStorage):
+        broken = True
+
+        def replace(self, src, dst, durable=True):
+            if Broken.broken and REMOVING_PREFIX in dst:
+                raise RuntimeError(f"cannot move {src}")
+            return super().replace(src, dst, durable=durable)
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, keep_last=1, host_buffer_gb=0.01),
+                           storage=Broken())
+    for tag in ("s0", "s1"):
+        save_one(ck, str(tmp_path), sample_state(), tag=tag)
+        ck.fence()
+    with pytest.raises(RuntimeError, match="cannot move"):
+        ck.wait()
+    ck.wait()  # reported once
+    Broken.broken = False
+    save_one(ck, str(tmp_path), sample_state(), tag="s2")
+    ck.wait()
+    ck.close()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "s2"]
+
+
 def test_keep_last_failure_to_remove_keeps_the_commit_and_retries_next_time(tmp_path, caplog):
     """One entry that cannot be deleted is logged, naming it, and does not hold up the
     others: it stopped every later retention before (``remove_trash`` raised on it first)."""
