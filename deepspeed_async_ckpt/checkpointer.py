@@ -419,7 +419,6 @@ class AsyncCheckpointer:
         made: tuple[str, list[str]] | None = None
         try:
             local = self._take_background_error()
-            local_message = None if local is None else f"{type(local).__name__}: {_reraise(local)}"
             save_id = uuid.uuid4().hex[:16]
             if self.rank == 0:  # decided by rank 0 alone, before any rank can write: staged?
                 try:  # never raise before the exchange: the other ranks would wait in it
@@ -440,7 +439,8 @@ class AsyncCheckpointer:
                         local = exc
                     else:  # an earlier save's failure goes first; this one is only logged
                         logger.warning("async checkpoint: preparing %s failed: %s", ckpt_dir, exc)
-            save_id, failed = self._exchange(save_id, local_message, key=ckpt_dir)
+            save_id, failed = self._exchange(save_id, None if local is None else
+                                             f"{type(local).__name__}: {local}", key=ckpt_dir)
             try:
                 if local is not None:
                     raise _reraise(local)

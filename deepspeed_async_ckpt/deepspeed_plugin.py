@@ -304,8 +304,9 @@ def warn_if_module_comes_from_latest(ds_engine: Any, arguments: dict) -> None:
     the tag ``latest`` names, not X's (DeepSpeed's own engine does the same). This engine
     verifies X's files."""
     partitioned = getattr(ds_engine, "zero_optimization_partition_weights", None)
-    if (dist.is_initialized() and dist.get_rank() != 0) or arguments.get("tag") is None or arguments.get("load_optimizer_states", True) \
-            or getattr(ds_engine, "has_moe_layers", False) or not callable(partitioned) or not partitioned():
+    if (dist.is_initialized() and dist.get_rank() != 0) or arguments.get("tag") is None \
+            or arguments.get("load_optimizer_states", True) or getattr(ds_engine, "has_moe_layers", False) \
+            or not callable(partitioned) or not partitioned():
         return
     asked, latest = checkpoint_to_load(arguments), checkpoint_to_load(dict(arguments, tag=None))
     if latest is not None and os.path.abspath(asked) != os.path.abspath(latest):
@@ -352,8 +353,9 @@ def parse_config(param_dict: dict | None) -> AsyncCheckpointConfig | None:
     if not cfg.enabled:
         return None
     # DeepSpeed's own ways to choose a checkpoint engine: one of them would be ignored
-    others = [key for key, on in (("checkpoint.writer", (param_dict.get("checkpoint") or {}).get("writer") is not None),
-                                  ("datastates_ckpt", param_dict.get("datastates_ckpt", False) is not False)) if on]
+    chosen = {"checkpoint.writer": (param_dict.get("checkpoint") or {}).get("writer") is not None,
+              "datastates_ckpt": param_dict.get("datastates_ckpt", False) is not False}
+    others = [key for key, on in chosen.items() if on]
     if others:
         raise ConfigError(f"{CONFIG_KEY} and {' and '.join(others)} both choose DeepSpeed's checkpoint "
                           f"engine: keep one of them ({CONFIG_KEY}.enabled: false keeps DeepSpeed's)")
