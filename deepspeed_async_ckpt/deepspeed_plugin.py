@@ -296,24 +296,26 @@ def checkpoint_to_load(arguments: dict, latest: str = "latest") -> str | None:
     return os.path.join(load_dir, str(tag))
 
 
-def warn_if_module_comes_from_latest(ds_engine: Any, arguments: dict) -> None:
-    """Warn when DeepSpeed will take the module's weights from another checkpoint than the one
-    asked for: under ZeRO-3 (without MoE), ``load_checkpoint(load_dir, tag=X,
+def zero3_module_source(ds_engine: Any, arguments: dict) -> str | None:
+    """The checkpoint DeepSpeed will take the module's weights from when that is not the one
+    asked for, else None: under ZeRO-3 (without MoE), ``load_checkpoint(load_dir, tag=X,
     load_optimizer_states=False)`` rebuilds the module with
     ``get_fp32_state_dict_from_zero_checkpoint(load_dir)``, which reads the optimizer files of
-    the tag ``latest`` names, not X's (DeepSpeed's own engine does the same). This engine
-    verifies X's files."""
+    the checkpoint ``latest`` names, not X's (DeepSpeed's own engine does the same). Every
+    rank gets the same answer (one ``latest`` file); an unreadable ``latest`` gives None
+    (DeepSpeed's own read of it reports that)."""
     partitioned = getattr(ds_engine, "zero_optimization_partition_weights", None)
-    if (dist.is_initialized() and dist.get_rank() != 0) or arguments.get("tag") is None \
-            or arguments.get("load_optimizer_states", True) or getattr(ds_engine, "has_moe_layers", False) \
-            or not callable(partitioned) or not partitioned():
-        return
-    asked, latest = checkpoint_to_load(arguments), checkpoint_to_load(dict(arguments, tag=None))
-    if latest is not None and os.path.abspath(asked) != os.path.abspath(latest):
-        logger.warning("async checkpoint: load_checkpoint(tag=%r, load_optimizer_states=False) "
-                       "under ZeRO-3: DeepSpeed takes the module's weights from the optimizer "
-                       "files of %s (the checkpoint `latest` names), not of %s; the other "
-                       "states come from %s", arguments["tag"], latest, asked, asked)
+    if arguments.get("tag") is None or arguments.get("load_optimizer_states", True) \
+            or getattr(ds_engine, "has_moe_layers", False) or not callable(partitioned) or not partitioned():
+        return None
+    try:
+        asked, latest = checkpoint_to_load(arguments), checkpoint_to_load(dict(arguments, tag=None))
+    except (OSError, ValueError) as exc:  # not UTF-8, a directory, unreadable
+        logger.debug("async checkpoint: cannot read %s's latest: %s", arguments.get("load_dir"), exc)
+        return None
+    if asked is None or latest is None or os.path.abspath(asked) == os.path.abspath(latest):
+        return None
+    return latest
 
 
 def files_read_by_load(ds_engine: Any, arguments: dict) -> Callable[[str], bool] | None:
@@ -426,13 +428,23 @@ def install() -> bool:
             # stops the load on every rank, not only on the one whose background write failed.
             engine.checkpointer.wait_all_ranks(action="load_checkpoint",
                                                recover=arguments.get("load_dir"))
-            warn_if_module_comes_from_latest(self, arguments)
+            module_source = zero3_module_source(self, arguments)
+            if module_source is not None and engine.checkpointer.rank == 0:
+                logger.warning("async checkpoint: load_checkpoint(tag=%r, load_optimizer_states="
+                               "False) under ZeRO-3: DeepSpeed takes the module's weights from the "
+                               "optimizer files of %s (the checkpoint `latest` names), the other "
+                               "states from %s", arguments["tag"], module_source,
+                               checkpoint_to_load(arguments))
             if engine.checkpointer.config.verify_on_load:
                 universal = getattr(self, "load_universal_checkpoint", lambda: False)()
                 ckpt_dir = checkpoint_to_load(arguments, "latest_universal" if universal else "latest")
                 if ckpt_dir is not None:  # every file it reads checked once, across the ranks
                     engine.checkpointer.verify_all_ranks(ckpt_dir, action="load_checkpoint",
                                                          include=files_read_by_load(self, arguments))
+                if module_source is not None:  # and the optimizer files the module comes from
+                    engine.checkpointer.verify_all_ranks(
+                        module_source, action="load_checkpoint",
+                        include=lambda rel: os.path.basename(rel).endswith("optim_states.pt"))
             # a checkpoint saved again under it mid-load: every rank raises at the end, together
             with engine.checkpointer.collective_load("load_checkpoint"):
                 return _ORIGINALS["load"](self, *args, **kwargs)

@@ -4,6 +4,7 @@ async, kill mid-persist, corruption, engine selection and auto-activation."""
 import glob
 import json
 import os
+import shutil
 import struct
 import subprocess
 import sys
@@ -412,14 +413,20 @@ def test_sigterm_handled_by_the_script_saves_and_the_exit_flush_commits_it(tmp_p
     assert_committed_at_exit_and_restored(repo_env, out, "preempted", step=4, saved="sigterm_saved")
 
 
-@pytest.mark.parametrize("zero,partial", [(1, 0), (3, 1)], ids=["zero1", "zero3-without-optimizer"])
-def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env, zero, partial):
+@pytest.mark.parametrize("zero,partial,tag", [(1, 0, None), (3, 1, None), (3, 1, "older")],
+                         ids=["zero1", "zero3-without-optimizer", "zero3-without-optimizer-another-tag"])
+def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env, zero, partial, tag):
     """Also under ZeRO-3 with ``load_optimizer_states=False``: DeepSpeed then rebuilds the
     module from the fp32 partitions in the optimizer files, which the check left out as if
-    the load did not read them, so a damaged one loaded silently (found by an audit)."""
+    the load did not read them, so a damaged one loaded silently (found by an audit). It
+    reads those of the checkpoint ``latest`` names even when asked for another tag: a load
+    of ``older`` checks the optimizer files of ``global_step3`` too."""
     out = str(tmp_path)
     flags = ["--out", out, "--zero-stage", str(zero)]
     run_ranks(repo_env, 2, "save", *flags)
+    if tag is not None:  # an older checkpoint beside the one `latest` names (a copy of it)
+        shutil.copytree(os.path.join(out, "async", "global_step3"), os.path.join(out, "async", tag))
+        flags += ["--partial-tag", tag]
     victim = os.path.join(out, "async", "global_step3", "zero_pp_rank_1_mp_rank_00_optim_states.pt")
     with open(victim, "r+b") as f:
         f.seek(os.path.getsize(victim) // 2)
@@ -484,21 +491,22 @@ def test_files_a_deepspeed_load_reads(stage, moe, universal, arguments, optimize
     assert (include is None or include("zero_pp_rank_1_mp_rank_00_optim_states.pt")) == optimizer_files_read
 
 
-def test_zero3_load_without_optimizer_of_a_tag_latest_does_not_name_warns(tmp_path, caplog):
+def test_a_zero3_load_without_optimizer_takes_the_module_from_the_checkpoint_latest_names(tmp_path):
     """DeepSpeed's ZeRO-3 load without optimizer states reads the module from the checkpoint
-    ``latest`` names, whatever tag was asked for: said in a warning naming both."""
-    from deepspeed_async_ckpt.deepspeed_plugin import warn_if_module_comes_from_latest
+    ``latest`` names, whatever tag was asked for: that one is named (warned about, and its
+    optimizer files checked); an unreadable ``latest`` names none (rank 0 alone warns, between
+    two collectives: it must not raise there)."""
+    from deepspeed_async_ckpt.deepspeed_plugin import zero3_module_source
 
     (tmp_path / "latest").write_text("global_step4")
     asked = {"load_dir": str(tmp_path), "tag": "global_step2", "load_optimizer_states": False}
     for engine, arguments in ((_Engine(1), asked), (_Engine(3, moe=True), asked),
                               (_Engine(3), dict(asked, load_optimizer_states=True)),
                               (_Engine(3), dict(asked, tag="global_step4")), (_Engine(3), dict(asked, tag=None))):
-        warn_if_module_comes_from_latest(engine, arguments)
-    assert not caplog.records
-    warn_if_module_comes_from_latest(_Engine(3), asked)
-    message, = [r.getMessage() for r in caplog.records]
-    assert "tag='global_step2'" in message and str(tmp_path / "global_step4") in message, message
+        assert zero3_module_source(engine, arguments) is None, arguments
+    assert zero3_module_source(_Engine(3), asked) == str(tmp_path / "global_step4")
+    (tmp_path / "latest").write_bytes(b"\xff\xfe")
+    assert zero3_module_source(_Engine(3), asked) is None
 
 
 def test_engine_selection_and_config_errors(tmp_path, repo_env):

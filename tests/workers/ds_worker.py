@@ -166,8 +166,8 @@ def phase_load(args):
     if args.partial:  # weights only: optimizer and scheduler must keep their fresh state
         fresh = {"optimizer": engine.optimizer.state_dict(), "lr_scheduler": engine.lr_scheduler.state_dict()}
         with load_error_recorded(args.out, rank):
-            engine.load_checkpoint(os.path.join(args.out, "async"), load_optimizer_states=False,
-                                   load_lr_scheduler_states=False)
+            engine.load_checkpoint(os.path.join(args.out, "async"), tag=args.partial_tag,
+                                   load_optimizer_states=False, load_lr_scheduler_states=False)
         hashed["partial"] = counter["bytes"]  # the files this load reads, not the optimizer's
         torch.save({"module": engine.module.state_dict(), "fresh": fresh,
                     "optimizer": engine.optimizer.state_dict(), "lr_scheduler": engine.lr_scheduler.state_dict()},
@@ -572,6 +572,7 @@ def main():
     p.add_argument("--partial", type=int, default=0)
     p.add_argument("--resave", type=int, default=0)
     p.add_argument("--universal", type=int, default=0)
+    p.add_argument("--partial-tag", default=None, help="the tag the --partial load asks for")
     args = p.parse_args()
     {"save": phase_save, "load": phase_load, "kill": phase_kill, "exit": phase_exit,
      "sigterm": phase_sigterm,
