@@ -104,8 +104,12 @@ def _cmd_list(args: argparse.Namespace) -> int:
     if not os.path.isdir(save_dir):
         raise CliError(f"no save directory at {save_dir!r}")
     pointed = _pointer_target(save_dir)
+    try:
+        names = sorted(os.listdir(save_dir))
+    except OSError as exc:
+        raise CliError(f"cannot list the save directory {save_dir!r}: {exc.strerror or exc}") from None
     rows = []
-    for name in sorted(os.listdir(save_dir)):
+    for name in names:
         path = os.path.join(save_dir, name)
         if not os.path.isdir(path) or os.path.islink(path):
             continue
@@ -121,8 +125,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
                 if os.path.exists(os.path.join(path, META_DIR, MANIFEST)):
                     row.update(state="damaged", problem=str(exc))
                 else:
-                    records = [n for n in os.listdir(os.path.join(path, META_DIR)) if n.startswith("rank_")]
-                    row.update(state="partial", rank_records=len(records))
+                    try:
+                        records = [n for n in os.listdir(os.path.join(path, META_DIR))
+                                   if n.startswith("rank_")]
+                    except OSError as err:  # not ours to read: say so, as for a manifest
+                        row.update(state="damaged", problem=str(err))
+                    else:
+                        row.update(state="partial", rank_records=len(records))
             else:
                 row.update(state="committed" if is_finalized(path, manifest) else "unfinalized",
                            committed_at=manifest["committed_at"],
@@ -197,6 +206,8 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     except IntegrityError as e:
         print(f"CORRUPT: {e}", file=sys.stderr)
         return 1
+    except OSError as e:  # its manifest unreadable (permissions): nothing verified
+        raise CliError(f"cannot read checkpoint {path!r}: {e}") from None
     total = sum(entry["bytes"] for entry in manifest["files"].values())
     print(f"OK: {path}: tag {manifest['tag']}, {len(manifest['files'])} files, {total} bytes, "
           f"{manifest['world_size']} ranks, {manifest['checksum']} verified{note}")
@@ -212,7 +223,7 @@ def _staged_replacement(path: str) -> str | None:
     parent, name = os.path.split(os.path.abspath(path))
     try:
         names = os.listdir(parent)
-    except FileNotFoundError:
+    except OSError:  # missing, not a directory, not ours to list
         return None
     for n in names:
         if n.startswith(STAGING_PREFIX) and n[len(STAGING_PREFIX):].partition(".")[2] == name \
@@ -314,11 +325,11 @@ def _add_plan_parser(sub) -> None:
 
 def _load_json(path: str, flag: str) -> dict:
     try:
-        with open(path) as fh:
+        with open(path, encoding="utf-8") as fh:
             data = json.load(fh)
     except OSError as e:
         raise CliError(f"{flag} {path}: {e.strerror or e}")
-    except json.JSONDecodeError as e:
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
         raise CliError(f"{flag} {path}: invalid JSON: {e}")
     if not isinstance(data, dict):
         raise CliError(f"{flag} {path}: expected a JSON object")
@@ -331,7 +342,9 @@ def shape_from_model_config(cfg: dict) -> dict:
     for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "swiglu"):
         if cfg.get(key) is not None:
             out[key] = cfg[key]
-    vocab = cfg.get("padded_vocab_size", cfg.get("vocab_size"))
+    vocab = cfg.get("padded_vocab_size")
+    if vocab is None:
+        vocab = cfg.get("vocab_size")
     if vocab is not None:
         out["vocab_size"] = vocab
     if cfg.get("num_query_groups") is not None and cfg.get("group_query_attention", True):
@@ -428,6 +441,9 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
 
     overhead = args.target_overhead
     if args.target_overhead_pct is not None:
+        if not 0 < args.target_overhead_pct < 100:  # NaN too
+            raise CliError(f"target overhead must be in (0, 100) percent, got "
+                           f"{args.target_overhead_pct:g} (--target-overhead-pct)")
         overhead = args.target_overhead_pct / 100.0
 
     return PlanInputs(

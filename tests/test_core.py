@@ -2619,3 +2619,60 @@ def test_a_file_saved_outside_the_checkpoint_directory_is_refused_by_name(tmp_pa
     ck.close()
     assert (tmp_path / "latest").read_text() == "good"
     verify_checkpoint(str(tmp_path / "good"))
+
+# --------------------------------------------- found by an audit (session 18): verify and list
+def cli_main(argv):
+    from deepspeed_async_ckpt.cli import main
+
+    return main(argv)
+
+
+def test_verify_a_path_under_a_file_is_a_cli_error(tmp_path, capsys):
+    """`verify ckpt/latest/x` (a file in the middle of the path) raised NotADirectoryError."""
+    (tmp_path / "latest").write_text("global_step1")
+    assert cli_main(["verify", str(tmp_path / "latest" / "global_step1")]) == 2
+    assert "no checkpoint directory" in capsys.readouterr().err
+
+
+def _denied(monkeypatch, module, name, denied):
+    """``module.name`` (``open``, ``os.listdir``) raising PermissionError for paths ``denied``
+    accepts, as for another user's checkpoint (tests run as root, whom modes do not stop)."""
+    real = getattr(module, name, None) or open
+
+    def fake(path, *args, **kwargs):
+        if denied(str(path)):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(module, name, fake, raising=False)
+
+
+def test_verify_with_an_unreadable_manifest_exits_with_a_message(tmp_path, capsys, monkeypatch):
+    """A manifest the user may not read (another user's checkpoint) gave a PermissionError
+    traceback from `verify` (exit 1 from Python, as for a corrupt checkpoint)."""
+    import deepspeed_async_ckpt.commit as commit
+
+    ck = make()
+    save_one(ck, str(tmp_path), sample_state())
+    ck.close()
+    _denied(monkeypatch, commit, "open", lambda path: path.endswith("manifest.json"))
+    assert cli_main(["verify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot read checkpoint") and "Permission denied" in err, err
+
+
+def test_list_with_an_unreadable_directory_exits_with_a_message(tmp_path, capsys, monkeypatch):
+    """`list` on a save directory, or a partial checkpoint's .async_ckpt/, that the user may
+    not list raised PermissionError out of main()."""
+    ck = make()
+    save_one(ck, str(tmp_path), sample_state())
+    ck.close()
+    (tmp_path / "t2" / META_DIR).mkdir(parents=True)  # partial
+    _denied(monkeypatch, os, "listdir", lambda path: path == str(tmp_path / "t2" / META_DIR))
+    assert cli_main(["list", "--json", str(tmp_path)]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["t1"]["state"] == "committed" and rows["t2"]["state"] == "damaged", rows
+    _denied(monkeypatch, os, "listdir", lambda path: path == str(tmp_path))
+    assert cli_main(["list", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot list the save directory") and "Permission denied" in err, err

@@ -492,3 +492,40 @@ def test_python_dash_m_entry_point():
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "storage_write_gbps must be > 0, got 0" in r.stderr
+
+
+# --------------------------------------------- found by an audit (session 18): the plan CLI
+AUDIT_PLAN = ["plan", "--params", "175e9", "--write-gbps", "10", "--mtbf-hours", "50000"]
+
+
+def test_target_overhead_pct_error_names_the_flag_given(capsys):
+    """--target-overhead-pct 150 was refused as 'target_overhead_fraction ... got 1.5
+    (--target-overhead)': a flag the user did not pass, and a value they did not type."""
+    assert cli.main(AUDIT_PLAN + ["--target-overhead-pct", "150"]) == 2
+    err = capsys.readouterr().err
+    assert "--target-overhead-pct" in err, err
+
+
+@pytest.mark.parametrize("flag", ["--model-config", "--ds-config"])
+def test_a_config_file_that_is_not_utf8_is_a_cli_error(tmp_path, capsys, flag):
+    """A binary file given by mistake (a .pt, a gzip) raised UnicodeDecodeError out of main()."""
+    bad = tmp_path / "bad.json"
+    bad.write_bytes(b"\xff\xfe{\x00\x80")
+    argv = ["plan", flag, str(bad), "--write-gbps", "10", "--mtbf-hours", "50000"]
+    if flag == "--ds-config":
+        argv += ["--params", "1e9"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and flag in err, err
+
+
+def test_a_null_padded_vocab_size_falls_back_to_vocab_size(tmp_path, capsys):
+    """README: "padded_vocab_size wins if present". A config with "padded_vocab_size": null
+    (an args dump taken before Megatron pads the vocabulary) was refused as "shape.vocab_size
+    ... got None" although vocab_size is there."""
+    model = tmp_path / "m.json"
+    model.write_text(json.dumps({"num_layers": 2, "hidden_size": 64, "vocab_size": 100,
+                                 "padded_vocab_size": None}))
+    assert cli.main(["plan", "--model-config", str(model), "--write-gbps", "10",
+                     "--mtbf-hours", "5", "--json"]) == 0, capsys.readouterr().err
+    assert json.loads(capsys.readouterr().out)["inputs"]["shape"]["vocab_size"] == 100
