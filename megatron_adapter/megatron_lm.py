@@ -50,7 +50,8 @@ from deepspeed_async_ckpt.commit import META_DIR
 from deepspeed_async_ckpt.errors import ConfigError, IntegrityError
 
 from .arguments import add_arguments, config_from_args
-from .checkpointer import MegatronCheckpointer, checkpoint_dir, read_tracker, verify_checkpoint_dir
+from .checkpointer import (MegatronCheckpointer, checkpoint_dir, read_tracker, tracker_path,
+                           verify_checkpoint_dir)
 
 _ORIGINALS: dict[str, Any] = {}
 _STATE: dict[str, Any] = {"engine": None, "saves": 0}
@@ -74,14 +75,14 @@ def engine_enabled(args: Any) -> bool:
 def _engine(args: Any) -> MegatronCheckpointer | None:
     if not engine_enabled(args):
         return None
-    if getattr(args, "async_save", False):
-        raise ConfigError("--async-ckpt/--async-ckpt-config and Megatron-LM's --async-save both "
-                          "save in the background: use one (routed saves would bypass "
-                          "--async-save's queue)")
     if _STATE["engine"] is None:
         cfg = config_from_args(args)
-        if not cfg.enabled:
+        if not cfg.enabled:  # Megatron-LM's own saves, --async-save's included
             return None
+        if getattr(args, "async_save", False):
+            raise ConfigError("--async-ckpt/--async-ckpt-config and Megatron-LM's --async-save both "
+                              "save in the background: use one (routed saves would bypass "
+                              "--async-save's queue)")
         _STATE["engine"] = MegatronCheckpointer(
             cfg, writers=args.async_ckpt_writers,
             retain_interval=getattr(args, "save_retain_interval", None),
@@ -235,17 +236,22 @@ def load_checkpoint(*args, **kwargs):
         load_arg = inspect.signature(_ORIGINALS["load"]).bind(*args, **kwargs).arguments.get("load_arg", "load")
         load_dir = getattr(margs, load_arg, None)
         engine.wait(recover=load_dir)
+        skip = skipped_by_load(margs)
+        pretrained = getattr(margs, "pretrained_checkpoint", None)
+        if pretrained is not None and not (load_dir and os.path.isfile(tracker_path(load_dir))):
+            # As Megatron-LM's load_checkpoint: it then finetunes from --pretrained-checkpoint
+            load_dir, skip = pretrained, ("optimizer", "rng_state")
         try:
             iteration = getattr(margs, "ckpt_step", None) or (read_tracker(load_dir) if load_dir else None)
         except IntegrityError:  # "release": not a checkpoint this engine writes
             iteration = None
-        ckpt_dir = None if iteration is None else checkpoint_dir(load_dir, iteration)
+        ckpt_dir = None if iteration is None or not load_dir else checkpoint_dir(load_dir, iteration)
         # Only this engine's checkpoints: Megatron-LM reads any other format (legacy torch,
         # torch_dcp, megatron-core's own torch_dist) itself, whatever --ckpt-format says.
         if ckpt_dir is not None and engine.config.verify_on_load and \
                 os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
             verify_checkpoint_dir(ckpt_dir, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                                  skip=skipped_by_load(margs))
+                                  skip=skip)
     return _ORIGINALS["load"](*args, **kwargs)
 
 

@@ -193,6 +193,29 @@ def test_megatron_lm_refuses_async_save_together_with_the_engine():
         _engine(args)
 
 
+def test_megatron_lm_hook_verifies_the_pretrained_checkpoint_megatron_lm_loads():
+    """Megatron-LM's load_checkpoint finetunes from --pretrained-checkpoint when --load is
+    unset or holds no tracker. The hook looked at --load only: it verified nothing (a
+    checkpoint that never committed loaded), and with --ckpt-step and no --load it raised a
+    TypeError (found by an audit). Run with stand-ins for megatron.training."""
+    result = _run_one_rank("megatron_lm_stub_pretrained.py")
+    for case in ("no_load", "empty_load", "ckpt_step"):
+        assert result[case].startswith("IntegrityError") and "never committed" in result[case], (case, result)
+
+
+def test_megatron_lm_async_save_goes_with_the_engine_turned_off(tmp_path):
+    """``"enabled": false`` in the engine's config leaves every save to Megatron-LM, so its
+    own --async-save is then the only background save; it was refused all the same (found by
+    an audit)."""
+    from megatron_adapter.megatron_lm import _engine
+
+    config = tmp_path / "off.json"
+    config.write_text('{"enabled": false}')
+    args = parse("--async-ckpt-config", str(config))
+    args.async_save = True
+    assert _engine(args) is None
+
+
 # ---------------------------------------------------------------------------------- election
 def _tensor(key, offset, shape, replica_id):
     import torch
