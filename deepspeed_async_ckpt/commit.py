@@ -527,13 +527,17 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
 
 
 def find_checkpoint_dir(path: str) -> str | None:
-    """The checkpoint directory holding ``path`` (itself or up to two parents), if ours."""
-    d = path if os.path.isdir(path) else os.path.dirname(os.path.abspath(path))
-    for _ in range(3):
+    """The checkpoint directory holding ``path`` (itself or any parent: a save may put a file
+    in subdirectories, at any depth), if ours; the nearest one."""
+    d = os.path.abspath(path)
+    if not os.path.isdir(d):
+        d = os.path.dirname(d)
+    while True:
         if os.path.isdir(os.path.join(d, META_DIR)):
             return d
+        if d == os.path.dirname(d):
+            return None
         d = os.path.dirname(d)
-    return None
 
 
 def read_manifest(ckpt_dir: str) -> dict:
@@ -633,15 +637,16 @@ def _verify_late_files(ckpt_dir: str, manifest: dict) -> None:
         raise IntegrityError(f"checkpoint {ckpt_dir!r}: {path} is damaged: "
                              f"{problem or f'it records {sorted(files)}, not {sorted(names)}'}")
     for rel in names:
-        verify_file(os.path.join(ckpt_dir, rel), with_late)
+        verify_file(os.path.join(ckpt_dir, rel), with_late, ckpt_dir=ckpt_dir)
 
 
-def verify_file(path: str, manifest: dict | None = None, segment: int | Sequence[int] | None = None) -> None:
+def verify_file(path: str, manifest: dict | None = None, segment: int | Sequence[int] | None = None,
+                *, ckpt_dir: str | None = None) -> None:
     """Check one file against the committed manifest of its checkpoint; raises IntegrityError
     naming the file. Files outside any checkpoint of ours are not checked. ``segment``: check
     only that segment, or those, of a file checksummed in segments (a file the replicas wrote
     in shares, a packed file's archives), and the file's size."""
-    ckpt_dir = find_checkpoint_dir(path)
+    ckpt_dir = ckpt_dir or find_checkpoint_dir(path)
     if ckpt_dir is None:
         return
     manifest = manifest or read_manifest(ckpt_dir)
@@ -704,7 +709,7 @@ def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
             units += [(rel, i if "segments" in entry else None)
                       for i in range(len(entry.get("segments", [None])))]
     for rel, segment in units[rank::world_size]:
-        verify_file(os.path.join(ckpt_dir, rel), manifest, segment)
+        verify_file(os.path.join(ckpt_dir, rel), manifest, segment, ckpt_dir=ckpt_dir)
     if rank == 0:  # a few small files, which every load reads
         _verify_late_files(ckpt_dir, manifest)
     return manifest

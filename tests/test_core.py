@@ -2676,3 +2676,29 @@ def test_list_with_an_unreadable_directory_exits_with_a_message(tmp_path, capsys
     assert cli_main(["list", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot list the save directory") and "Permission denied" in err, err
+
+
+def test_a_damaged_file_three_directories_down_fails_verification(tmp_path):
+    """A file saved in a subdirectory of the checkpoint is listed in its manifest; damaged, it
+    must fail verification and loading, however deep it lies. Three directories down, the
+    checkpoint was not found (two parents were looked at), the file taken for a stranger's and
+    loaded unchecked (found by an audit)."""
+    root = str(tmp_path)
+    d = os.path.join(root, "t")
+    ck = make(mode="sync")
+    ck.begin(d, tag="t", pointer=Pointer(os.path.join(root, "latest"), "t"))
+    path = os.path.join(d, "model", "layers", "0", "weights.pt")
+    ck.save(sample_state(), path)
+    ck.end()
+    ck.wait()
+    assert "model/layers/0/weights.pt" in read_manifest(d)["files"]
+    with open(path, "r+b") as f:  # flip a byte, size unchanged
+        f.seek(100)
+        b = f.read(1)
+        f.seek(100)
+        f.write(bytes([b[0] ^ 0xFF]))
+    with pytest.raises(IntegrityError):
+        verify_checkpoint(d)
+    with pytest.raises(IntegrityError):
+        ck.load(path)
+    ck.close()
