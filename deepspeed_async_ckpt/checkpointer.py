@@ -184,7 +184,7 @@ def _without_key(exchange: Callable[[str, str | None], tuple[str, dict[int, str]
 
 
 #: How an exchange's error for a rank whose ``key`` differs from rank 0's begins.
-_ELSEWHERE = "saves into "
+_ELSEWHERE = "works in "
 
 
 def exchange_across_ranks(value: str, error: str | None, key: str = "") -> tuple[str, dict[int, str]]:
@@ -231,7 +231,7 @@ def exchange_across_ranks(value: str, error: str | None, key: str = "") -> tuple
     first = gathered[0][2]
     for r, (_, _, other) in enumerate(gathered):
         if other != first and r not in errors:
-            errors[r] = f"{_ELSEWHERE}{other!r}, rank 0 into {first!r}"
+            errors[r] = f"{_ELSEWHERE}{other!r}, rank 0 in {first!r}"
     return gathered[0][0], errors
 
 
@@ -912,7 +912,10 @@ class AsyncCheckpointer:
         except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
             error = exc
         detail = None if error is None else f"{type(error).__name__}: {error}"
-        _, failed = self._exchange(action, detail)
+        # key: each rank checks a share of the files, which covers them all only if every
+        # rank checks the same checkpoint (ranks that read `latest` on either side of a commit
+        # would each check part of a different one, and load the rest unchecked)
+        _, failed = self._exchange(action, detail, key=ckpt_dir)
         if error is not None:
             raise IntegrityError(f"{action} refused on every rank: {detail}") from error
         if failed:

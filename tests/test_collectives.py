@@ -74,7 +74,9 @@ def _rank(rank: int, init: str, out: str) -> None:
     own = os.path.join(out, f"own{rank}", "t")  # each rank's own checkpoint, saved alone
     alone = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync"),
                               exchange=lambda value, error: (value, {}))
-    loader = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=rank, world_size=WORLD)
+    # (each rank verifies its own directory here: an exchange without the key that refuses that)
+    loader = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=rank, world_size=WORLD,
+                               exchange=lambda value, error: exchange_across_ranks(value, error))
     for step in (1, 2):
         if step == 1 or rank == 1:
             alone.begin(own, tag="t")
@@ -106,7 +108,7 @@ def test_exchange_gives_rank0_value_and_every_error_to_every_rank(tmp_path):
         ("x", {0: "E0"}),
         ("", {}),
         ("v", {}),
-        ("v", {1: "E1", 2: "saves into '/other/step9', rank 0 into '/ckpt/step9'"}),
+        ("v", {1: "E1", 2: "works in '/other/step9', rank 0 in '/ckpt/step9'"}),
     ]
     for rank in range(WORLD):
         with open(tmp_path / f"rank{rank}.txt", encoding="utf-8") as f:
@@ -116,7 +118,7 @@ def test_exchange_gives_rank0_value_and_every_error_to_every_rank(tmp_path):
         assert got[:-1] == expected, f"rank {rank}"
         assert got[-1] == (
             f"the ranks are not saving the same checkpoint (rank {rank}: 'OUT/ckpt/step{9 if rank != 1 else 8}'): "
-            "rank(s) 1: saves into 'OUT/ckpt/step8', rank 0 into 'OUT/ckpt/step9'; every rank must "
+            "rank(s) 1: works in 'OUT/ckpt/step8', rank 0 in 'OUT/ckpt/step9'; every rank must "
             "pass the same save_dir and tag (nothing was written)"), f"rank {rank}"
     assert not os.path.exists(tmp_path / "ckpt")
     assert [(tmp_path / f"made{rank}.txt").read_text() for rank in range(WORLD)] == ["[True, True]"] * WORLD
@@ -210,3 +212,65 @@ def test_replicas_write_one_share_each_of_the_same_file(tmp_path):
     path.write_bytes(bytes(data))
     with pytest.raises(IntegrityError, match=rf"model.pt: xxh128 \w+ \(bytes {offset}-{offset + length}\).*corrupted"):
         verify_file(str(path))
+
+
+def _verify_rank(rank: int, init: str, out: str) -> None:
+    import torch
+
+    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from deepspeed_async_ckpt.errors import IntegrityError
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    loader = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=rank, world_size=2)
+    # each rank read `latest` a moment apart, and the trainer moved it in between
+    d = os.path.join(out, "step5" if rank == 0 else "step6")
+    try:
+        loader.verify_all_ranks(d, action="load_checkpoint")
+        with loader.collective_load("load_checkpoint"):
+            x = loader.load(os.path.join(d, "a.pt"))["x"]
+            dist.barrier()
+        result = "loaded" if torch.equal(x, torch.arange(1000)) else "LOADED DAMAGED DATA"
+    except IntegrityError as exc:
+        result = f"refused: {exc}"
+    loader.close()
+    dist.destroy_process_group()
+    with open(os.path.join(out, f"result{rank}.txt"), "w") as f:
+        f.write(result)
+
+
+def test_ranks_verifying_different_checkpoints_are_refused(tmp_path):
+    """Ranks that resolved different checkpoints (an evaluation job whose ranks read `latest`
+    on either side of the trainer's commit) each verify only their share of their own one:
+    step6's a.pt (unit 0, rank 0's share of step6) is checked by nobody, and rank 1 loads it
+    damaged. They are refused, as begin() refuses ranks saving into different directories
+    (found by an audit)."""
+    import zipfile
+
+    import torch
+
+    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.commit import Pointer
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+
+    root = str(tmp_path)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01))
+    for tag in ("step5", "step6"):
+        d = os.path.join(root, tag)
+        ck.begin(d, tag=tag, pointer=Pointer(os.path.join(root, "latest"), tag))
+        ck.save({"x": torch.arange(1000)}, os.path.join(d, "a.pt"))
+        ck.save({"y": torch.arange(1000)}, os.path.join(d, "b.pt"))
+        ck.end()
+    ck.close()
+    path = tmp_path / "step6" / "a.pt"
+    with zipfile.ZipFile(path) as z:  # the tensor's bytes: damaged, size unchanged
+        info = next(i for i in z.infolist() if i.filename.endswith("data/0"))
+    with open(path, "r+b") as f:
+        f.seek(info.header_offset + 26)
+        n, m = int.from_bytes(f.read(2), "little"), int.from_bytes(f.read(2), "little")
+        f.seek(info.header_offset + 30 + n + m + 8)
+        f.write(b"\xff\xff\xff\xff")
+    mp.spawn(_verify_rank, args=(f"file://{tmp_path / 'store'}", root), nprocs=2, join=True)
+    results = [(tmp_path / f"result{r}.txt").read_text() for r in range(2)]
+    assert all(r.startswith("refused") for r in results), results
+    assert "works in" in results[0] and "step6" in results[0] and "step5" in results[0], results
