@@ -30,9 +30,15 @@ def _on_engine_import(module) -> None:
     if plugin is not None and not hasattr(plugin, "install"):
         install_when_ready = True
         return
-    from deepspeed_async_ckpt.deepspeed_plugin import install
+    try:
+        from deepspeed_async_ckpt.deepspeed_plugin import install
 
-    install()
+        install()
+    except Exception as exc:  # never break `import deepspeed` for everyone in the environment
+        print(f"deepspeed_async_ckpt: auto-activation failed, DeepSpeed runs without this engine "
+              f"(an 'async_checkpoint' config key is ignored): {type(exc).__name__}: {exc}. "
+              f"Call deepspeed_async_ckpt.install() to see the error; {ENV_SWITCH}=0 turns "
+              "auto-activation off.", file=sys.stderr)
 
 
 class _PostImportHook:

@@ -545,6 +545,19 @@ def test_auto_activation_comes_from_the_installed_pth_and_can_be_switched_off(tm
         assert heavy.strip() == "[]", (switch, heavy)
         counts[switch] = int(n)
     assert counts["1"] - counts["0"] <= 3, counts  # the hook module itself
+    # An activation that fails (a DeepSpeed whose engine module changed, say) must not break
+    # `import deepspeed` for everyone in the environment: it did, raising out of the import.
+    broken = tmp_path / "broken" / "deepspeed_async_ckpt"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("")
+    (broken / "deepspeed_plugin.py").write_text(
+        "def install():\n    raise AttributeError('no create_checkpoint_engine here')\n")
+    out = subprocess.run([sys.executable, "-c", "import deepspeed.runtime.engine; print('imported')"],
+                         env=dict(repo_env, PYTHONPATH=str(broken.parent)), capture_output=True, text=True,
+                         cwd=tmp_path)  # (not the working tree, which `-c` puts first on sys.path)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "imported", out.stderr[-2000:]
+    assert "auto-activation failed, DeepSpeed runs without this engine" in out.stderr
+    assert "AttributeError: no create_checkpoint_engine here" in out.stderr
 
 
 def test_each_commit_is_in_deepspeeds_log_from_rank_0(tmp_path, repo_env):
