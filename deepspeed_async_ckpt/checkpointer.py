@@ -903,6 +903,7 @@ class AsyncCheckpointer:
         will read; :meth:`load` still checks any other file it is asked for.
         """
         ckpt_dir = os.path.abspath(ckpt_dir)
+        self._verified.pop(ckpt_dir, None)  # an earlier pass counts no more if this one fails
         error: Exception | None = None
         save_id = None
         try:

@@ -2702,3 +2702,23 @@ def test_a_damaged_file_three_directories_down_fails_verification(tmp_path):
     with pytest.raises(IntegrityError):
         ck.load(path)
     ck.close()
+
+
+def test_a_failed_verification_undoes_an_earlier_pass(tmp_path):
+    """verify_all_ranks passed, a file was damaged afterwards, and a second verify_all_ranks
+    refused the checkpoint: the first pass still counted, so a direct load() of the damaged
+    file skipped its check and loaded it (found by an audit)."""
+    ck = make()
+    save_one(ck, str(tmp_path), sample_state())
+    ck.wait()
+    d, path = str(tmp_path / "t1"), str(tmp_path / "t1" / "model.pt")
+    ck.verify_all_ranks(d)
+    data = bytearray(open(path, "rb").read())
+    data[len(data) // 2] ^= 0xFF
+    open(path, "wb").write(bytes(data))
+    with pytest.raises(IntegrityError, match="corrupted"):
+        ck.verify_all_ranks(d)
+    with pytest.raises(IntegrityError, match="corrupted"):
+        ck.load(path)
+    ck.close()
+
