@@ -474,11 +474,19 @@ def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
             error = str(exc)
         except Exception as exc:  # any kind: a rank that skipped the all-gather would hang the rest
             error = f"{type(exc).__name__}: {exc}"
-    errors = [error]
+    # Each rank checked a share of the files: together all of them only if every rank checked
+    # the same checkpoint (ranks reading the tracker on either side of a commit do not).
+    where = os.path.abspath(ckpt_dir)
+    every = [(error, where)]
     if world_size > 1:
-        errors = [None] * world_size
-        dist.all_gather_object(errors, error)
-    errors = [e for e in errors if e]
+        every = [None] * world_size
+        dist.all_gather_object(every, (error, where))
+    errors = [e for e, _ in every if e]
+    elsewhere = [r for r, (_, d) in enumerate(every) if d != every[0][1]]
+    if elsewhere:
+        errors.insert(0, f"the ranks are not checking the same checkpoint: rank(s) "
+                         f"{', '.join(f'{r} in {every[r][1]!r}' for r in elsewhere)}, rank 0 in "
+                         f"{every[0][1]!r}")
     if errors:
         raise IntegrityError("; ".join(dict.fromkeys(errors)))
 

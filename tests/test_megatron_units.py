@@ -174,6 +174,23 @@ def test_a_sharding_megatron_refuses_fails_the_save_on_every_rank_at_once(tmp_pa
     assert got[0]["tracker"] == got[1]["tracker"] == 3
 
 
+def test_ranks_checking_different_megatron_checkpoints_are_refused(tmp_path):
+    """Each rank hashes a share of the files, which together cover them only if every rank
+    checks the same checkpoint; ranks that read the tracker on either side of a commit each
+    checked part of a different one, and passed (found by an audit). Both now raise."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from launch import launch
+
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    codes = launch(os.path.join(REPO, "tests", "workers", "megatron_verify_elsewhere.py"), [str(tmp_path)],
+                   2, timeout=120, env=env)
+    assert codes == [0, 0], codes
+    for r in range(2):
+        error = json.loads((tmp_path / f"rank{r}.json").read_text())["error"]
+        assert error and error.startswith("IntegrityError: the ranks are not checking the same checkpoint"), error
+        assert "iter_0000002" in error and "iter_0000001" in error, error
+
+
 def test_megatron_lm_hook_passes_other_formats_to_megatron_lm_and_refuses_partial_ones():
     """With --async-ckpt, the hooked load verified every checkpoint the tracker named and
     refused one without this engine's manifest or megatron-core's metadata.json: Megatron-LM's

@@ -1,0 +1,40 @@
+"""Two ranks (``scripts/launch.py``): two committed Megatron checkpoints, then each rank checks
+a different one, as ranks that read the tracker on either side of a commit would. Argument:
+an output directory; each rank writes ``rank<N>.json`` with the error it got."""
+
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(REPO, "tests"))
+from megatron_cpu_shim import apply as apply_cpu_shim  # noqa: E402
+
+apply_cpu_shim()
+from megatron.core import parallel_state  # noqa: E402
+from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
+
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig  # noqa: E402
+from megatron_adapter.checkpointer import MegatronCheckpointer, checkpoint_dir, verify_checkpoint_dir  # noqa: E402
+
+out = sys.argv[1]
+dist.init_process_group("gloo")
+rank = dist.get_rank()
+parallel_state.initialize_model_parallel(1, 1)
+ckpt = MegatronCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01, fsync=False))
+save_dir = os.path.join(out, "ckpt")
+for iteration in (1, 2):
+    ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.full((4,), float(iteration)), replica_id=rank)},
+              save_dir, iteration)
+ckpt.close()
+result = {}
+try:
+    verify_checkpoint_dir(checkpoint_dir(save_dir, 1 + rank), rank=rank, world_size=2)
+    result["error"] = None
+except Exception as exc:
+    result["error"] = f"{type(exc).__name__}: {exc}"
+with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+    json.dump(result, f)
