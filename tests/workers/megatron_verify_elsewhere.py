@@ -6,24 +6,16 @@ import json
 import os
 import sys
 
+import _megatron_rank  # noqa: F401  (first: the process group, the shim, parallel state)
 import torch
 import torch.distributed as dist
+from megatron.core.dist_checkpointing.mapping import ShardedTensor
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, os.path.join(REPO, "tests"))
-from megatron_cpu_shim import apply as apply_cpu_shim  # noqa: E402
-
-apply_cpu_shim()
-from megatron.core import parallel_state  # noqa: E402
-from megatron.core.dist_checkpointing.mapping import ShardedTensor  # noqa: E402
-
-from deepspeed_async_ckpt.config import AsyncCheckpointConfig  # noqa: E402
-from megatron_adapter.checkpointer import MegatronCheckpointer, checkpoint_dir, verify_checkpoint_dir  # noqa: E402
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from megatron_adapter.checkpointer import MegatronCheckpointer, checkpoint_dir, verify_checkpoint_dir
 
 out = sys.argv[1]
-dist.init_process_group("gloo")
 rank = dist.get_rank()
-parallel_state.initialize_model_parallel(1, 1)
 ckpt = MegatronCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01, fsync=False))
 save_dir = os.path.join(out, "ckpt")
 for iteration in (1, 2):
