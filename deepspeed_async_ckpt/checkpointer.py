@@ -52,9 +52,10 @@ from .storage import LocalStorage, Storage, aligned_size, temporary_path
 logger = logging.getLogger(__name__)
 
 
-def _reraise(exc: BaseException) -> AsyncCheckpointError:
+def _reraise(exc: BaseException, more: int = 0) -> AsyncCheckpointError:
+    """A background stage's error ``exc`` raised for the caller, with ``more`` failed saves
+    after it reported together."""
     cls = exc.__class__ if isinstance(exc, AsyncCheckpointError) else PersistError
-    more = getattr(exc, "_more_failed", 0)
     err = cls(f"a previous checkpoint failed and was not committed (the last committed one is "
               f"intact): {exc}" + (f" (and {more} more failed save(s))" if more else ""))
     err.__cause__ = exc
@@ -150,6 +151,14 @@ def _holds_files(path: str) -> bool:
         return False
     except OSError:  # cannot tell: stage, so that nothing there is overwritten
         return True
+
+
+def _write_dir(ckpt_dir: str, save_id: str) -> tuple[str, str]:
+    """The save id without its staged mark, and the directory the save writes into: its
+    staging directory if rank 0 marked it staged (``ckpt_dir`` holds a checkpoint), else
+    ``ckpt_dir``."""
+    save_id, staged, _ = save_id.partition(_STAGED)
+    return save_id, staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
 
 
 def _remove_if_empty(made: tuple[str, list[str]]) -> None:
@@ -418,7 +427,7 @@ class AsyncCheckpointer:
             self._beginning = ckpt_dir  # retention leaves it alone (see retire_older)
         made: tuple[str, list[str]] | None = None
         try:
-            local = self._take_background_error()
+            local, more = self._take_background_errors()
             save_id = uuid.uuid4().hex[:16]
             if self.rank == 0:  # decided by rank 0 alone, before any rank can write: staged?
                 try:  # never raise before the exchange: the other ranks would wait in it
@@ -443,7 +452,7 @@ class AsyncCheckpointer:
                                              f"{type(local).__name__}: {local}", key=ckpt_dir)
             try:
                 if local is not None:
-                    raise _reraise(local)
+                    raise _reraise(local, more)
                 elsewhere = {r: m for r, m in failed.items() if m.startswith(_ELSEWHERE)}
                 if elsewhere:  # a rank-specific tag, or a relative save_dir from another directory
                     raise AsyncCheckpointError(
@@ -457,8 +466,8 @@ class AsyncCheckpointer:
                 if made is not None:  # refused: nothing of it is left
                     _remove_if_empty(made)
                 raise
-            save_id, staged, _ = save_id.partition(_STAGED)
-            write_dir = staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
+            save_id, write_dir = _write_dir(ckpt_dir, save_id)
+            staged = write_dir != ckpt_dir
             self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
                                              swap_at_commit, tuple(late_files))
             if staged and not swap_at_commit and self.rank == 0:
@@ -478,8 +487,8 @@ class AsyncCheckpointer:
         directories made for it that were not there (it, the save directory on a first save),
         deepest first, for :func:`_remove_if_empty`; None if it could not be made (logged: the
         writes into it fail too, and report it to all ranks)."""
-        save_id, staged, _ = save_id.partition(_STAGED)
-        write_dir = staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
+        save_id, write_dir = _write_dir(ckpt_dir, save_id)
+        staged = write_dir != ckpt_dir
         created = [] if os.path.lexists(write_dir) else [write_dir]
         parent = os.path.dirname(write_dir)
         while parent != os.path.dirname(parent) and not os.path.exists(parent):
@@ -717,9 +726,9 @@ class AsyncCheckpointer:
     def raise_background_error(self) -> None:
         """Raise (once) the first error a background stage recorded, if any, with how many
         more there were (consumed too)."""
-        exc = self._take_background_error()
+        exc, more = self._take_background_errors()
         if exc is not None:
-            raise _reraise(exc)
+            raise _reraise(exc, more)
 
     def wait_all_ranks(self, timeout: float | None = None, *, action: str = "wait_all_ranks()",
                        recover: str | None = None) -> None:
@@ -747,10 +756,10 @@ class AsyncCheckpointer:
         except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
             local = exc
         # raised by wait's own steps (a timeout), the background errors are still there
-        more = self._take_background_error()
+        first, more = self._take_background_errors()
         detail = None
         if local is not None:
-            count = 0 if more is None else 1 + more._more_failed  # type: ignore[attr-defined]
+            count = 0 if first is None else 1 + more
             detail = f"{local}" + (f" (and {count} more failed save(s))" if count else "")
         _, failed = self._exchange(action, None if local is None else f"{type(local).__name__}: {detail}")
         retry = f". The errors reported here are cleared: calling {action} again retries."
@@ -761,16 +770,13 @@ class AsyncCheckpointer:
             raise CommitError(f"{action} refused on every rank, because of rank(s) " +
                               by_rank(failed) + retry)
 
-    def _take_background_error(self) -> BaseException | None:
-        """The first error the background stages recorded, or None; all of them are consumed,
-        reported once with the first (its ``_more_failed``: how many more), so that a failure
-        is not raised again at a later save, after its cause was fixed."""
+    def _take_background_errors(self) -> tuple[BaseException | None, int]:
+        """The first error the background stages recorded (None: none) and how many more; all
+        of them are consumed, reported once together, so that a failure is not raised again
+        at a later save, after its cause was fixed."""
         with self._lock:
             errors, self._errors = self._errors, []
-        if not errors:
-            return None
-        errors[0]._more_failed = len(errors) - 1  # type: ignore[attr-defined]
-        return errors[0]
+        return (errors[0], len(errors) - 1) if errors else (None, 0)
 
     def retire_older(self, handle: CheckpointHandle, *, keep_last: int | None = None,
                      keep: Callable[[str], bool] | None = None) -> list[str]:
