@@ -296,6 +296,12 @@ def checkpoint_to_load(arguments: dict, latest: str = "latest") -> str | None:
     return os.path.join(load_dir, str(tag))
 
 
+def is_optimizer_file(rel: str) -> bool:
+    """Whether a file of a DeepSpeed checkpoint (its path in it) holds optimizer state under
+    ZeRO (``*optim_states.pt``: the fp32 partitions and the optimizer's moments)."""
+    return os.path.basename(rel).endswith("optim_states.pt")
+
+
 def zero3_module_source(ds_engine: Any, arguments: dict) -> str | None:
     """The checkpoint DeepSpeed will take the module's weights from when that is not the one
     asked for, else None: under ZeRO-3 (without MoE), ``load_checkpoint(load_dir, tag=X,
@@ -343,7 +349,7 @@ def files_read_by_load(ds_engine: Any, arguments: dict) -> Callable[[str], bool]
         getattr(ds_engine, "has_moe_layers", False) or not arguments.get("load_optimizer_states", True))
     if optimizer or universal or zero3_reads:
         return None
-    return lambda rel: not os.path.basename(rel).endswith("optim_states.pt")
+    return lambda rel: not is_optimizer_file(rel)
 
 
 def parse_config(param_dict: dict | None) -> AsyncCheckpointConfig | None:
@@ -444,7 +450,7 @@ def install() -> bool:
                 if module_source is not None:  # and the optimizer files the module comes from
                     engine.checkpointer.verify_all_ranks(
                         module_source, action="load_checkpoint",
-                        include=lambda rel: os.path.basename(rel).endswith("optim_states.pt"))
+                        include=is_optimizer_file)
             # a checkpoint saved again under it mid-load: every rank raises at the end, together
             with engine.checkpointer.collective_load("load_checkpoint"):
                 return _ORIGINALS["load"](self, *args, **kwargs)
