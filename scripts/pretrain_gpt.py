@@ -54,21 +54,35 @@ CPU_SHIM = os.path.join(REPO, "tests", "megatron_cpu_shim.py")
 
 
 # ---------------------------------------------------------------------------------- arguments
+def _count(least: int):
+    """An argparse type: an int of at least ``least`` (argparse names the flag on error)."""
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise ValueError(text)
+        return value
+    parse.__name__ = "positive int" if least == 1 else f"int >= {least}"
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = _count(1), _count(0)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("parallelism (Megatron-LM names)")
-    g.add_argument("--tensor-model-parallel-size", type=int, default=1)
-    g.add_argument("--pipeline-model-parallel-size", type=int, default=1)
-    g.add_argument("--context-parallel-size", type=int, default=1)
+    g.add_argument("--tensor-model-parallel-size", type=POSITIVE, default=1)
+    g.add_argument("--pipeline-model-parallel-size", type=POSITIVE, default=1)
+    g.add_argument("--context-parallel-size", type=POSITIVE, default=1)
     g.add_argument("--use-distributed-optimizer", action="store_true")
     g = p.add_argument_group("model")
-    g.add_argument("--num-layers", type=int, default=4)
-    g.add_argument("--hidden-size", type=int, default=64)
-    g.add_argument("--ffn-hidden-size", type=int, default=None)
-    g.add_argument("--num-attention-heads", type=int, default=4)
-    g.add_argument("--seq-length", type=int, default=32)
-    g.add_argument("--max-position-embeddings", type=int, default=None)
-    g.add_argument("--vocab-size", type=int, default=128, help="mock-data vocabulary")
+    g.add_argument("--num-layers", type=POSITIVE, default=4)
+    g.add_argument("--hidden-size", type=POSITIVE, default=64)
+    g.add_argument("--ffn-hidden-size", type=POSITIVE, default=None)
+    g.add_argument("--num-attention-heads", type=POSITIVE, default=4)
+    g.add_argument("--seq-length", type=POSITIVE, default=32)
+    g.add_argument("--max-position-embeddings", type=POSITIVE, default=None)
+    g.add_argument("--vocab-size", type=POSITIVE, default=128, help="mock-data vocabulary")
     g.add_argument("--position-embedding-type", choices=("learned_absolute", "rope"),
                    default="learned_absolute")
     g.add_argument("--untie-embeddings-and-output-weights", action="store_true")
@@ -78,28 +92,28 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--transformer-impl", choices=("local",), default="local")
     g.add_argument("--mock-data", action="store_true", help="accepted; the data is always mock tokens")
     g = p.add_argument_group("training")
-    g.add_argument("--micro-batch-size", type=int, default=2)
-    g.add_argument("--global-batch-size", type=int, default=None)
-    g.add_argument("--train-iters", type=int, required=True)
+    g.add_argument("--micro-batch-size", type=POSITIVE, default=2)
+    g.add_argument("--global-batch-size", type=POSITIVE, default=None)
+    g.add_argument("--train-iters", type=NON_NEGATIVE, required=True)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
-    g.add_argument("--lr-warmup-iters", type=int, default=0)
+    g.add_argument("--lr-warmup-iters", type=NON_NEGATIVE, default=0)
     g.add_argument("--weight-decay", type=float, default=0.01)
     g.add_argument("--clip-grad", type=float, default=1.0)
     g.add_argument("--adam-beta1", type=float, default=0.9)
     g.add_argument("--adam-beta2", type=float, default=0.999)
     g.add_argument("--adam-eps", type=float, default=1e-8)
     g.add_argument("--seed", type=int, default=1234)
-    g.add_argument("--log-interval", type=int, default=1)
+    g.add_argument("--log-interval", type=POSITIVE, default=1)
     g = p.add_argument_group("checkpointing (Megatron-LM names)")
     g.add_argument("--save", default=None)
-    g.add_argument("--save-interval", type=int, default=None)
-    g.add_argument("--save-retain-interval", type=int, default=None,
+    g.add_argument("--save-interval", type=POSITIVE, default=None)
+    g.add_argument("--save-retain-interval", type=POSITIVE, default=None,
                    help="as in Megatron-LM: keep every N-th iteration's checkpoint and the newest, "
                         "remove the others once the tracker moved")
     g.add_argument("--load", default=None)
-    g.add_argument("--ckpt-step", type=int, default=None, help="load this iteration, not the tracker's")
+    g.add_argument("--ckpt-step", type=NON_NEGATIVE, default=None, help="load this iteration, not the tracker's")
     g.add_argument("--ckpt-format", choices=("torch_dist",), default="torch_dist")
     g.add_argument("--no-save-optim", action="store_true")
     g.add_argument("--no-load-optim", action="store_true")

@@ -425,3 +425,27 @@ def test_on_saved_runs_in_order_on_its_own_thread_through_close():
     assert [e[:2] for e in got["events"]] == [["start", 1], ["end", 1], ["start", 2], ["end", 2]]
     assert {e[2] for e in got["events"]} == {"async-ckpt-reporter_0"}
     assert all(e[3] for e in got["events"] if e[0] == "end")  # each read its checkpoint
+
+
+# ---------------------------------------------------------------------------------- pretrain_gpt.py
+def _pretrain_gpt():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test",
+                                                  os.path.join(REPO, "scripts", "pretrain_gpt.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("flag,value", [("--log-interval", "0"), ("--save-interval", "0"),
+                                        ("--save-interval", "-5"), ("--save-retain-interval", "0"),
+                                        ("--micro-batch-size", "0"), ("--train-iters", "-1")])
+def test_pretrain_gpt_refuses_a_count_out_of_range_naming_the_flag(flag, value, capsys):
+    """Until session 19, ``--log-interval 0`` crashed the first step with ZeroDivisionError
+    and ``--save-interval -5`` saved at every fifth step; now the flag is refused at parse."""
+    parse_args = _pretrain_gpt().parse_args
+    assert parse_args(["--train-iters", "4", flag, "3"]) is not None  # a good value parses
+    with pytest.raises(SystemExit):
+        parse_args(["--train-iters", "4", flag, value])
+    err = capsys.readouterr().err
+    assert f"argument {flag}" in err and value in err, err
