@@ -118,7 +118,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
             row["state"] = "being removed"
         elif name.startswith(STAGING_PREFIX):
             row.update(state="staged", replaces=name[len(STAGING_PREFIX):].partition(".")[2])
-        elif os.path.isdir(os.path.join(path, META_DIR)):
+        elif _listed_as_ours(path, row):
             try:
                 manifest = read_manifest(path)
             except (IntegrityError, OSError) as exc:  # no manifest, or a damaged one
@@ -198,7 +198,7 @@ def _cmd_verify(args: argparse.Namespace) -> int:
         note = (f" (committed at {staged!r}: a save of it stopped between its two renames; the "
                 "next load_checkpoint or save_checkpoint renames it into place)")
         path = staged
-    if not os.path.isdir(os.path.join(path, META_DIR)):  # DeepSpeed's own engine, megatron-core
+    if not _is_dir(os.path.join(path, META_DIR), path):  # DeepSpeed's own engine, megatron-core
         raise CliError(f"{path!r} was not written by this engine (no {META_DIR}/): it holds no "
                        "checksums to verify against")
     try:
@@ -212,6 +212,35 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     print(f"OK: {path}: tag {manifest['tag']}, {len(manifest['files'])} files, {total} bytes, "
           f"{manifest['world_size']} ranks, {manifest['checksum']} verified{note}")
     return 0
+
+
+def _is_dir(path: str, checkpoint: str) -> bool:
+    """Whether ``path`` is a directory; a failure other than its absence (permissions: another
+    user's checkpoint) is an error about ``checkpoint``, not a "no"."""
+    import errno
+    import os
+    import stat
+
+    try:
+        return stat.S_ISDIR(os.stat(path).st_mode)
+    except OSError as exc:
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR):
+            return False
+        raise CliError(f"cannot read checkpoint {checkpoint!r}: {exc.strerror or exc}") from None
+
+
+def _listed_as_ours(path: str, row: dict) -> bool:
+    """Whether ``list`` should read ``path`` as this engine's checkpoint; one the user may not
+    enter is marked damaged on ``row`` (its problem: the permission), not passed over."""
+    import os
+
+    from .commit import META_DIR
+
+    try:
+        return _is_dir(os.path.join(path, META_DIR), path)
+    except CliError as exc:
+        row.update(state="damaged", problem=str(exc))
+        return False
 
 
 def _staged_replacement(path: str) -> str | None:

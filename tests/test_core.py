@@ -2661,6 +2661,23 @@ def test_verify_with_an_unreadable_manifest_exits_with_a_message(tmp_path, capsy
     assert err.startswith("error: cannot read checkpoint") and "Permission denied" in err, err
 
 
+def test_verify_of_a_checkpoint_the_user_may_not_enter_says_so(tmp_path, capsys, monkeypatch):
+    """A checkpoint directory the user may not enter (another user's, mode 0700) was reported
+    as "not written by this engine": looking for its .async_ckpt/ failed, and any failure
+    counted as absence."""
+    ck = make()
+    save_one(ck, str(tmp_path), sample_state())
+    ck.close()
+    _denied(monkeypatch, os, "stat", lambda path: path.startswith(str(tmp_path / "t1") + os.sep))
+    assert cli_main(["verify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: cannot read checkpoint") and "Permission denied" in err, err
+    assert "not written by this engine" not in err, err
+    assert cli_main(["list", "--json", str(tmp_path)]) == 0  # listed as unreadable, not "other"
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["state"] == "damaged" and "Permission denied" in row["problem"], row
+
+
 def test_list_with_an_unreadable_directory_exits_with_a_message(tmp_path, capsys, monkeypatch):
     """`list` on a save directory, or a partial checkpoint's .async_ckpt/, that the user may
     not list raised PermissionError out of main()."""
