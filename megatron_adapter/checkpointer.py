@@ -394,19 +394,20 @@ class MegatronCheckpointer:
                                       "(wait's timeout)") from None
 
     def _take_finalize_error(self) -> BaseException | None:
-        for item in list(self._pending):
-            ckpt_dir, fut = item
-            if not fut.done():
-                continue
+        """The first failed finalization among those done, naming how many more failed; all
+        done ones are consumed, so no failure comes back at a later call."""
+        done = [item for item in self._pending if item[1].done()]
+        for item in done:
             self._pending.remove(item)
-            exc = fut.exception()
-            if exc is not None:
-                err = CommitError(f"checkpoint {ckpt_dir!r} persisted but its torch_dist metadata "
-                                  f"or tracker could not be written (the tracker still names the "
-                                  f"previous checkpoint): {exc}")
-                err.__cause__ = exc
-                return err
-        return None
+        failed = [(ckpt_dir, fut.exception()) for ckpt_dir, fut in done if fut.exception() is not None]
+        if not failed:
+            return None
+        (ckpt_dir, exc), more = failed[0], len(failed) - 1
+        err = CommitError(f"checkpoint {ckpt_dir!r} persisted but its torch_dist metadata or "
+                          f"tracker could not be written (the tracker still names the previous "
+                          f"checkpoint): {exc}" + (f" (and {more} more failed save(s))" if more else ""))
+        err.__cause__ = exc
+        return err
 
     def _take_background_error(self) -> BaseException | None:
         try:

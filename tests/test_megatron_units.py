@@ -12,7 +12,7 @@ import pytest
 
 pytest.importorskip("megatron.core")
 
-from deepspeed_async_ckpt.errors import ConfigError, IntegrityError  # noqa: E402
+from deepspeed_async_ckpt.errors import CommitError, ConfigError, IntegrityError  # noqa: E402
 from deepspeed_async_ckpt.storage import LocalStorage  # noqa: E402
 from megatron_adapter import torch_dist  # noqa: E402
 from megatron_adapter.arguments import add_arguments, config_from_args  # noqa: E402
@@ -321,6 +321,30 @@ def test_finalizer_abandons_the_swap_when_its_markers_fail(tmp_path, monkeypatch
         MegatronCheckpointer._finalize(SimpleNamespace(engine=engine), handle, None, tracker, "7")
     assert calls == [("abandon", handle)]
     assert not os.path.exists(tracker)
+
+
+def test_failed_finalizations_are_raised_together_not_one_per_call():
+    """Two saves whose torch_dist metadata or tracker failed were raised one per later call
+    (each ``save``/``wait`` took one), so the older failure came back after the cause was
+    fixed. Now the first is raised with how many more there were, and all are consumed."""
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from megatron_adapter.checkpointer import MegatronCheckpointer
+
+    def failed(msg):
+        fut = Future()
+        fut.set_exception(OSError(28, msg))
+        return fut
+
+    running = Future()
+    ck = SimpleNamespace(_pending=[("ckpt/iter_1", failed("first")), ("ckpt/iter_2", failed("second")),
+                                   ("ckpt/iter_3", running)])
+    err = MegatronCheckpointer._take_finalize_error(ck)
+    assert isinstance(err, CommitError) and "iter_1" in str(err) and "first" in str(err), err
+    assert "and 1 more" in str(err), err
+    assert ck._pending == [("ckpt/iter_3", running)]  # the one still running stays
+    assert MegatronCheckpointer._take_finalize_error(ck) is None
 
 
 def test_verify_accepts_megatron_checkpoints_and_rejects_partial_ones(tmp_path):
