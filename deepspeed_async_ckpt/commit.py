@@ -143,8 +143,14 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
                 except OSError:
                     pass
         raise
-    if replaces is not None:
+    parent = os.path.dirname(os.path.abspath(ckpt_dir))
+    if replaces is not None:  # the exchange syncs the directory holding both names
         replace_checkpoint(storage, ckpt_dir, replaces, save_id=save_id)
+    elif pointer is None or os.path.dirname(os.path.abspath(pointer.path)) != parent:
+        # The checkpoint's own entry (renamed into place without fsync by make_checkpoint_dir)
+        # is made durable by the pointer's update when the pointer lies beside it; else here,
+        # before any pointer elsewhere names it.
+        storage.sync_dir(parent)
     if pointer is not None:
         write_text_atomic(storage, pointer.path, pointer.text)
     return manifest
@@ -287,7 +293,8 @@ def make_checkpoint_dir(storage: Storage, ckpt_dir: str, save_id: str) -> None:
     staging name (:func:`staging_dir`; a crash there leaves a staging directory, which the
     next save sweeps) and renamed into place, over an empty directory already there (rename
     replaces an empty one). If ``ckpt_dir`` holds something meanwhile, the marker is made in
-    it instead. No fsync: the commit's pointer update syncs the directory that holds both."""
+    it instead. No fsync: the commit syncs the directory that holds it (the pointer's update
+    does, where the pointer lies beside it)."""
     if os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
         return
     building = staging_dir(ckpt_dir, save_id)

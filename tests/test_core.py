@@ -1280,6 +1280,35 @@ def test_files_carried_over_into_a_resave_are_durable_before_the_swap(tmp_path):
     ck.close()
 
 
+@pytest.mark.parametrize("pointer", ["none", "elsewhere", "beside"])
+def test_a_committed_checkpoints_own_entry_is_durable_without_a_pointer_beside_it(tmp_path, pointer):
+    """The checkpoint directory is renamed into the save directory without fsync, counting on
+    the pointer's update (in the same directory) to sync it. With no pointer (DeepSpeed's
+    ``save_latest=False``) or one elsewhere, nothing did: a power loss after the commit could
+    lose the directory a caller was told is committed."""
+    root = str(tmp_path / "save")
+    synced = []
+
+    class Recording(LocalStorage):
+        def sync_dir(self, path):
+            synced.append(os.path.abspath(path))
+            super().sync_dir(path)
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01),
+                           storage=Recording())
+    d = os.path.join(root, "t1")
+    where = {"none": None, "elsewhere": Pointer(str(tmp_path / "latest"), "t1"),
+             "beside": Pointer(os.path.join(root, "latest"), "t1")}[pointer]
+    ck.begin(d, tag="t1", pointer=where)
+    ck.save(sample_state(), os.path.join(d, "model.pt"))
+    assert ck.end().committed
+    ck.close()
+    if pointer == "beside":  # the pointer's atomic replace syncs the directory holding both
+        assert (tmp_path / "save" / "latest").read_text() == "t1"
+    else:
+        assert os.path.abspath(root) in synced, synced
+
+
 def test_a_crash_between_the_two_renames_is_finished_before_the_next_load_or_save(tmp_path, capsys):
     """Without an atomic exchange, the old checkpoint is renamed away, then the new one into
     place: a crash in between leaves the name missing and the new one committed beside it.
