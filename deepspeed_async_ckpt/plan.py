@@ -139,21 +139,37 @@ def _show(value) -> str:
     return format(value, "g") if _is_real(value) else repr(value)
 
 
-def _check_int(name: str, value, minimum: int = 1) -> None:
+#: Bounds no real cluster reaches, far outside (1000x the largest models and clusters, a
+#: byte per second to a petabyte per second, up to 31 years): inputs beyond them are typos,
+#: and would overflow or divide by zero in the arithmetic, or give a plan of nonsense.
+MAX_PARAMS = 10**16
+MAX_COUNT = 10**8
+MIN_GBPS, MAX_GBPS = 1e-9, 1e6
+MAX_SECONDS = 1e9
+
+
+def _check_int(name: str, value, minimum: int = 1, maximum: int = MAX_COUNT) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
         raise PlanInputError(name, f"{name} must be an integer >= {minimum}, got {_show(value)}")
     if value < minimum:
         raise PlanInputError(name, f"{name} must be >= {minimum}, got {value}")
+    if value > maximum:
+        raise PlanInputError(name, f"{name} must be <= {maximum:g}, got {value:g}")
 
 
-def _check_positive(name: str, value) -> None:
+def _check_positive(name: str, value, low: float = 0.0, high: float = MAX_SECONDS) -> None:
+    """``value`` in (0, high], and not below ``low`` (where it divides: a bandwidth)."""
     if not _is_real(value) or not math.isfinite(value) or value <= 0:
         raise PlanInputError(name, f"{name} must be > 0, got {_show(value)}")
+    if value < low or value > high:
+        raise PlanInputError(name, f"{name} must be between {low:g} and {high:g}, got {_show(value)}")
 
 
-def _check_non_negative(name: str, value) -> None:
+def _check_non_negative(name: str, value, high: float = MAX_SECONDS) -> None:
     if not _is_real(value) or not math.isfinite(value) or value < 0:
         raise PlanInputError(name, f"{name} must be >= 0, got {_show(value)}")
+    if value > high:
+        raise PlanInputError(name, f"{name} must be <= {high:g}, got {_show(value)}")
 
 
 def _check_choice(name: str, value, allowed) -> None:
@@ -242,9 +258,13 @@ class PlanInputs:
         if (self.params is None) == (self.shape is None):
             raise PlanInputError("params", "exactly one of params or shape must be given")
         if self.params is not None:
-            _check_int("params", self.params)
+            _check_int("params", self.params, maximum=MAX_PARAMS)
         if self.shape is not None and not isinstance(self.shape, ModelShape):
             raise PlanInputError("shape", f"shape must be a ModelShape, got {type(self.shape).__name__}")
+        if self.shape is not None and estimate_params(self.shape) > MAX_PARAMS:
+            raise PlanInputError("shape.hidden_size",
+                                 f"the model shape gives {estimate_params(self.shape):.3g} parameters, "
+                                 f"more than {MAX_PARAMS:g}: check hidden_size and num_layers")
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)
         for name in ("tp", "pp", "dp", "gpus_per_node"):
@@ -254,12 +274,12 @@ class PlanInputs:
         for name in ("storage_write_gbps", "storage_write_gbps_per_node",
                      "storage_read_gbps", "storage_read_gbps_per_node"):
             if getattr(self, name) is not None:
-                _check_positive(name, getattr(self, name))
+                _check_positive(name, getattr(self, name), MIN_GBPS, MAX_GBPS)
         if self.storage_write_gbps is None and self.storage_write_gbps_per_node is None:
             raise PlanInputError("storage_write_gbps",
                                  "storage_write_gbps or storage_write_gbps_per_node is required (> 0)")
 
-        _check_positive("mtbf_hours", self.mtbf_hours)
+        _check_positive("mtbf_hours", self.mtbf_hours, 1e-6, MAX_SECONDS / 3600)
         _check_non_negative("restart_s", self.restart_s)
 
         given = [name for name in TARGETS if getattr(self, name) is not None]
@@ -277,7 +297,7 @@ class PlanInputs:
 
         _check_choice("mode", self.mode, MODES)
         if self.d2h_gbps is not None:
-            _check_positive("d2h_gbps", self.d2h_gbps)
+            _check_positive("d2h_gbps", self.d2h_gbps, MIN_GBPS, MAX_GBPS)
         _check_choice("pcie_gen", self.pcie_gen, tuple(PCIE_D2H_GBPS))
         if self.step_time_s is not None:
             _check_non_negative("step_time_s", self.step_time_s)

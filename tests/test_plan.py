@@ -529,3 +529,52 @@ def test_a_null_padded_vocab_size_falls_back_to_vocab_size(tmp_path, capsys):
     assert cli.main(["plan", "--model-config", str(model), "--write-gbps", "10",
                      "--mtbf-hours", "5", "--json"]) == 0, capsys.readouterr().err
     assert json.loads(capsys.readouterr().out)["inputs"]["shape"]["vocab_size"] == 100
+
+
+@pytest.mark.parametrize("extra,flag", [
+    (["--dp", "1000000000000"], "--dp"),
+    (["--read-gbps", "1e-320"], "--read-gbps"),
+    (["--write-gbps", "1e-300"], "--write-gbps"),
+    (["--mtbf-hours", "1e-300"], "--mtbf-hours"),
+    (["--step-time", "1e300"], "--step-time"),
+    (["--restart-s", "1e300"], "--restart-s"),
+    (["--params", "1e308"], "--params"),
+])
+def test_magnitudes_no_cluster_has_are_refused_naming_the_flag(capsys, extra, flag):
+    """Absurd magnitudes (found by an audit) gave an OverflowError or ZeroDivisionError
+    traceback out of the plan's arithmetic, or a plan of nonsense ('interval 0 s')."""
+    assert cli.main(AUDIT_PLAN + extra) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and flag in err, err
+
+
+def test_a_shape_with_more_parameters_than_any_model_is_refused(capsys):
+    argv = ["plan", "--num-layers", "100000", "--hidden-size", "100000000", "--vocab-size", "1000",
+            "--write-gbps", "10", "--mtbf-hours", "50000"]
+    assert cli.main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "--hidden-size" in err, err
+
+
+def test_every_corner_of_the_bounds_gives_a_finite_plan():
+    """Inputs at the bounds' extremes, in every combination: no overflow, no division by
+    zero, nothing infinite or NaN in the plan or its table."""
+    import itertools
+    import math
+
+    from deepspeed_async_ckpt.plan import MAX_COUNT, MAX_GBPS, MAX_PARAMS, MAX_SECONDS, MIN_GBPS
+
+    corners = dict(params=[1, MAX_PARAMS], tp=[1, MAX_COUNT], pp=[1, MAX_COUNT], dp=[1, MAX_COUNT],
+                   gpus_per_node=[1, MAX_COUNT], storage_write_gbps=[MIN_GBPS, MAX_GBPS],
+                   storage_read_gbps=[None, MIN_GBPS, MAX_GBPS],
+                   mtbf_hours=[1e-6, MAX_SECONDS / 3600], restart_s=[0, MAX_SECONDS],
+                   step_time_s=[None, 0, MAX_SECONDS], d2h_gbps=[None, MIN_GBPS, MAX_GBPS])
+    targets = [{}, {"target_checkpoint_time_s": MAX_SECONDS}, {"target_overhead_fraction": 1e-9},
+               {"target_checkpoints_per_failure": MAX_SECONDS}]
+    for combo in itertools.product(*corners.values()):
+        kw = {k: v for k, v in zip(corners, combo) if v is not None}
+        for target in targets:
+            plan = make_plan(PlanInputs(**kw, **target))
+            cli.format_plan(plan)
+            values = json.loads(json.dumps(plan.to_dict(), allow_nan=False))  # raises on inf/NaN
+            assert all(math.isfinite(v) for v in values.values() if isinstance(v, float)), (kw, target)
