@@ -508,8 +508,8 @@ def _verify_here(ckpt_dir: str, rank: int, world_size: int, wanted: Callable[[st
     if wanted is not None:
         try:  # from .metadata, which the check below has not yet verified
             reads = _reads_of_load(ckpt_dir, wanted)
-        except Exception as exc:  # damaged: unpickling it fails in any way
+        except Exception as exc:  # damaged (unpickling it fails in any way), or unreadable
+            why = "" if isinstance(exc, OSError) else ": file truncated or corrupted"
             raise IntegrityError(f"{os.path.join(ckpt_dir, torch_dist.DCP_METADATA_FILE)} cannot "
-                                 f"be read ({type(exc).__name__}: {exc}): file truncated or "
-                                 "corrupted") from exc
+                                 f"be read ({type(exc).__name__}: {exc}){why}") from exc
     verify_checkpoint(ckpt_dir, rank=rank, world_size=world_size, manifest=manifest, reads=reads)

@@ -359,6 +359,30 @@ def test_verify_accepts_megatron_checkpoints_and_rejects_partial_ones(tmp_path):
         verify_checkpoint_dir(str(tmp_path), skip=("optimizer", "model"))
 
 
+def test_a_metadata_file_that_cannot_be_read_is_not_called_corrupted(tmp_path, monkeypatch):
+    """Reading .metadata failing with an OSError (permissions, an I/O error) was reported as
+    'file truncated or corrupted', sending the user after damage that is not there."""
+    import errno
+
+    from megatron_adapter import checkpointer as mcp
+
+    (tmp_path / ".async_ckpt").mkdir()
+    for name in torch_dist.MARKER_FILES:
+        (tmp_path / name).write_text("{}")
+    monkeypatch.setattr(mcp, "read_manifest", lambda d: {"files": {}})
+
+    def denied(ckpt_dir, wanted):
+        raise PermissionError(errno.EACCES, "Permission denied", os.path.join(ckpt_dir, ".metadata"))
+
+    monkeypatch.setattr(mcp, "_reads_of_load", denied)
+    with pytest.raises(IntegrityError) as info:
+        verify_checkpoint_dir(str(tmp_path), request={"model": {}})
+    assert "Permission denied" in str(info.value) and "corrupted" not in str(info.value), info.value
+    monkeypatch.setattr(mcp, "_reads_of_load", lambda d, w: (_ for _ in ()).throw(EOFError("Ran out of input")))
+    with pytest.raises(IntegrityError, match="truncated or corrupted"):
+        verify_checkpoint_dir(str(tmp_path), request={"model": {}})
+
+
 def test_megatron_lm_loads_skip_what_its_flags_leave_out():
     """Megatron-LM builds its load request itself; the hook tells verification what its
     flags leave out, and which top-level names those are (chained optimizers' included)."""
