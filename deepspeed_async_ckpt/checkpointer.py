@@ -93,8 +93,10 @@ class CheckpointHandle:
 
     def __init__(self, ckpt_dir: str, tag: str, save_id: str, pointer: Pointer | None,
                  write_dir: str | None = None, swap_at_commit: bool = True,
-                 late_files: tuple[str, ...] = ()) -> None:
+                 late_files: tuple[str, ...] = (), rotation: bool = True) -> None:
         self.ckpt_dir, self.tag, self.save_id, self.pointer = ckpt_dir, tag, save_id, pointer
+        self.rotation = rotation
+        """False for a save that moves no pointer: retention neither counts nor removes it."""
         self.write_dir = write_dir or ckpt_dir
         """Where this save's files go: ``ckpt_dir``, or, when that already held files, a
         staging directory beside it that the commit swaps in (see :meth:`AsyncCheckpointer.begin`)."""
@@ -399,7 +401,7 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------ save path
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
               swap_at_commit: bool = True, late_files: Iterable[str] = (),
-              own_pointer: str | None = None) -> CheckpointHandle:
+              own_pointer: str | None = None, rotation: bool = True) -> CheckpointHandle:
         """Start a checkpoint (collective: every rank). If a previous save failed on any rank,
         raises on every rank (the failing one gets its own error) and starts nothing.
 
@@ -414,7 +416,9 @@ class AsyncCheckpointer:
         :func:`~.commit.record_late_files`; until then the checkpoint does not verify.
         ``own_pointer``: the path of a pointer the caller writes itself, after the commit
         (Megatron's tracker), instead of ``pointer``: rank 0 removes the temporaries of it
-        that a killed process left, as it does ``pointer``'s."""
+        that a killed process left, as it does ``pointer``'s. ``rotation=False``: a checkpoint
+        saved aside (DeepSpeed's ``save_latest=False``: a "best" model, say), which retention
+        neither counts nor removes (its manifest says ``"rotation": false``)."""
         self._check_open()
         if self._current is not None:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
@@ -469,7 +473,8 @@ class AsyncCheckpointer:
             save_id, write_dir = _write_dir(ckpt_dir, save_id)
             staged = write_dir != ckpt_dir
             self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
-                                             swap_at_commit, tuple(late_files))
+                                             swap_at_commit, tuple(late_files),
+                                             rotation=rotation)
             if staged and not swap_at_commit and self.rank == 0:
                 with self._lock:
                     self._unswapped.add(self._current)
@@ -1161,7 +1166,8 @@ class AsyncCheckpointer:
                 manifest = commit(self.storage, handle.write_dir, tag=handle.tag, save_id=handle.save_id,
                                   world_size=self.world_size, checksum=cfg.checksum,
                                   timeout_s=cfg.commit_timeout_s, pointer=handle.pointer,
-                                  replaces=handle.ckpt_dir if swap else None, late_files=handle.late_files)
+                                  replaces=handle.ckpt_dir if swap else None, late_files=handle.late_files,
+                                  rotation=handle.rotation)
             handle.times["committed"] = time.perf_counter()
             if manifest is not None:
                 self._announce(handle, manifest)

@@ -120,16 +120,19 @@ def poll_delay(waited_s: float) -> float:
 
 def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
            checksum: str, timeout_s: float, pointer: Pointer | None,
-           replaces: str | None = None, late_files: Sequence[str] = ()) -> dict:
+           replaces: str | None = None, late_files: Sequence[str] = (),
+           rotation: bool = True) -> dict:
     """Rank 0: wait for every rank's record, write the manifest, swap ``ckpt_dir`` in for
     ``replaces`` if given (a staging directory, see :func:`replace_checkpoint`), then move the
     pointer. If the commit fails, the files the replicas were writing in shares are removed (a
     rank's own temporary files are removed by that rank). ``late_files``: files the caller
     writes after the commit (see :func:`record_late_files`), listed in the manifest so that
-    verification requires them."""
+    verification requires them. ``rotation=False``: a save that moves no pointer (DeepSpeed's
+    ``save_latest=False``), which retention must leave alone (see :func:`retire_checkpoints`)."""
     try:
         manifest = _commit(storage, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
-                           checksum=checksum, timeout_s=timeout_s, late_files=late_files)
+                           checksum=checksum, timeout_s=timeout_s, late_files=late_files,
+                           rotation=rotation)
     except CommitError:
         suffix = temporary_path("", save_id)
         try:
@@ -157,7 +160,8 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
 
 
 def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
-            checksum: str, timeout_s: float, late_files: Sequence[str] = ()) -> dict:
+            checksum: str, timeout_s: float, late_files: Sequence[str] = (),
+            rotation: bool = True) -> dict:
     start = time.monotonic()
     deadline = start + timeout_s
     meta = os.path.join(ckpt_dir, META_DIR)
@@ -208,6 +212,8 @@ def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_si
                 "checksum": checksum, "committed_at": time.time(), "files": files, "ranks": ranks}
     if late_files:
         manifest["late_files"] = sorted(late_files)
+    if not rotation:  # absent (as in manifests before session 19) means in the rotation
+        manifest["rotation"] = False
     write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
                       json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
@@ -439,7 +445,7 @@ def _checkpoint_candidates(save_dir: str) -> list[os.DirEntry]:
     return [e for e in entries if not e.name.startswith(META_DIR) and e.is_dir(follow_symlinks=False)]
 
 
-def _scan_checkpoints(save_dir: str) -> tuple[dict[str, float], dict[str, float]]:
+def _scan_checkpoints(save_dir: str, *, rotation_only: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """This engine's checkpoints directly under ``save_dir``, in one pass over their manifests:
     the committed ones (name -> commit time) and those that can never be loaded (name -> last
     change): partial ones (begun, never committed: a save a crash or a failure cut short;
@@ -447,7 +453,8 @@ def _scan_checkpoints(save_dir: str) -> tuple[dict[str, float], dict[str, float]
     unfinalized ones (committed, their late files never recorded: a Megatron save whose
     markers a crash or failure cut off; its commit time). Other engines' directories are in
     neither, nor is one whose manifest is damaged: it may have been whole, and someone should
-    look at it."""
+    look at it. ``rotation_only``: leave out the committed ones saved aside (``"rotation":
+    false``: saved without moving a pointer)."""
     committed: dict[str, float] = {}
     abandoned: dict[str, float] = {}
     for entry in _checkpoint_candidates(save_dir):
@@ -463,6 +470,8 @@ def _scan_checkpoints(save_dir: str) -> tuple[dict[str, float], dict[str, float]
                 pass
             continue
         finalized = is_finalized(entry.path, manifest)
+        if rotation_only and finalized and manifest.get("rotation") is False:
+            continue
         (committed if finalized else abandoned)[entry.name] = float(manifest["committed_at"])
     return committed, abandoned
 
@@ -493,7 +502,9 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
                        committed_now: str | None = None) -> list[str]:
     """Retention, on rank 0 once a commit has moved the pointer: remove the committed
     checkpoints of ``save_dir`` beyond the ``keep_last`` most recently committed, except those
-    whose name ``keep`` accepts (e.g. every N-th iteration). With ``committed_now`` (the name
+    whose name ``keep`` accepts (e.g. every N-th iteration) and those saved aside, without
+    moving a pointer (a "best" model kept with DeepSpeed's ``save_latest=False``): neither
+    counted nor removed. With ``committed_now`` (the name
     of the checkpoint whose commit this follows), also this engine's checkpoints that can
     never be loaded and were last changed before that commit (see :func:`_scan_checkpoints`):
     a crash during a save otherwise leaves one behind for good, as large as a checkpoint.
@@ -509,7 +520,7 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
     save_dir = os.path.abspath(save_dir)
     remove_trash(storage, save_dir)  # removals a crash cut short
     removed = []
-    committed, abandoned = _scan_checkpoints(save_dir)
+    committed, abandoned = _scan_checkpoints(save_dir, rotation_only=True)
     before = None if committed_now is None else committed.get(committed_now)
     if committed_now is not None and before is None:
         logger.warning("async checkpoint: %s is not a committed checkpoint of %s: checkpoints "

@@ -101,7 +101,9 @@ class AsyncCheckpointEngine(CheckpointEngine):
         if self._ds_engine is None:  # not inside save_checkpoint: save_16bit_model (see save)
             return
         pointer = Pointer(os.path.join(info.save_dir, "latest"), info.tag) if info.save_latest else None
-        self.checkpointer.begin(os.path.join(info.save_dir, info.tag), tag=info.tag, pointer=pointer)
+        # save_latest=False keeps a checkpoint aside (a "best" model): out of keep_last's rotation
+        self.checkpointer.begin(os.path.join(info.save_dir, info.tag), tag=info.tag, pointer=pointer,
+                                rotation=info.save_latest)
         self._replicated = None
         ds = self._ds_engine
         if ds is not None and not self._node_local and not ds.zero_optimization_partition_weights() \

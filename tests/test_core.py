@@ -1764,6 +1764,36 @@ def test_keep_last_counts_tags_that_start_with_a_dot(tmp_path, caplog):
     assert (tmp_path / ".git" / "objects" / "x").read_text() == "y"
 
 
+def test_keep_last_leaves_a_checkpoint_saved_without_moving_the_pointer(tmp_path):
+    """DeepSpeed's ``save_checkpoint(d, tag="best", save_latest=False)``, the usual way to keep
+    the best model aside: with ``keep_last``, the next saves' retention removed it like any
+    older checkpoint (found by an audit, session 19). Such a save is begun with
+    ``rotation=False`` (the DeepSpeed plugin passes ``save_latest``): never counted, never
+    removed; saved again in the rotation, it joins it."""
+    root = str(tmp_path)
+
+    def aside(tag):
+        d = os.path.join(root, tag)
+        ck.begin(d, tag=tag, pointer=None, rotation=False)
+        ck.save(sample_state(), os.path.join(d, "model.pt"))
+        return ck.end()
+
+    ck = make("sync", keep_last=1)
+    aside("best")
+    for tag in ("s1", "s2", "s3"):
+        save_one(ck, root, sample_state(), tag=tag)
+    aside("best")  # saved again aside: still aside
+    save_one(ck, root, sample_state(), tag="s4")
+    ck.wait()
+    assert sorted(os.listdir(tmp_path)) == ["best", "latest", "s4"]
+    assert "rotation" not in read_manifest(os.path.join(root, "s4"))  # manifests as before
+    verify_checkpoint(os.path.join(root, "best"))
+    save_one(ck, root, sample_state(), tag="best")  # with the pointer: in the rotation
+    save_one(ck, root, sample_state(), tag="s5")
+    ck.close()
+    assert sorted(os.listdir(tmp_path)) == ["latest", "s5"]
+
+
 def test_keep_last_does_not_count_a_checkpoint_never_finalized_and_removes_it_once_older(tmp_path):
     """A checkpoint whose late files (Megatron's markers) were never recorded cannot be loaded:
     counted among the ``keep_last`` newest, it kept the place of a loadable one; never removed,

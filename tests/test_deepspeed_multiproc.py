@@ -296,6 +296,7 @@ def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
     assert sorted(n for n in os.listdir(ckpt) if n.startswith("global_step")) == ["global_step2", "global_step4"]
     from deepspeed_async_ckpt.commit import abandoned_checkpoints, verify_checkpoint
     verify_checkpoint(os.path.join(ckpt, "global_step2"))
+    verify_checkpoint(os.path.join(ckpt, "best"))  # saved aside (save_latest=False): kept
     # the killed save is this engine's, partial: the next commit's retention removes it
     assert abandoned_checkpoints(ckpt, before=time.time() + 1) == ["global_step4"]
     # the previous checkpoint loads in a fresh run (load phase restores `latest`)

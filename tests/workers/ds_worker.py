@@ -5,7 +5,8 @@ Phases:
           the model states written whole by the first replica; DeepSpeed's
           TorchCheckpointEngine), keep training (mutating every tensor), destroy.
   load    in a fresh process, load each saved variant and dump the restored engine state.
-  kill    save and commit twice (keep_last=1), then SIGKILL one rank in the middle of the
+  kill    save and commit twice (keep_last=1; a "best" saved aside between them with
+          save_latest=False), then SIGKILL one rank in the middle of the
           next persist (with --resave, of the tag `latest` names, saved again two steps on).
   diskfull  one rank's disk fills mid-persist; the next save raises on every rank, then recovers.
   diskfull-load  the same failure, then load_checkpoint: refused on every rank, a retry loads.
@@ -196,6 +197,8 @@ def phase_kill(args):
     for step in (1, 2):
         train(engine, args, 1, start=step - 1)
         engine.save_checkpoint(save_dir)
+        if step == 1:  # a "best" model kept aside: retention must leave it (save_latest=False)
+            engine.save_checkpoint(save_dir, tag="best", save_latest=False)
     engine.checkpoint_engine.checkpointer.wait()  # global_step2 is committed
     torch.distributed.barrier()
     if torch.distributed.get_rank() == args.kill_rank:
