@@ -34,6 +34,7 @@ import inspect
 import itertools
 import logging
 import os
+import socket
 import sys
 import threading
 from typing import Any, Callable
@@ -74,7 +75,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
         initialized = dist.is_available() and dist.is_initialized()
         world_size = dist.get_world_size() if initialized else 1
         self._node_local = bool(getattr(config_params, "use_node_local_storage", False))
-        check_node_local(self._node_local, world_size, int(os.environ.get("LOCAL_WORLD_SIZE", world_size)))
+        if self._node_local and world_size > 1:
+            check_node_local(True, world_size, _ranks_on_this_node(world_size))
         self.checkpointer = AsyncCheckpointer(
             async_config, rank=dist.get_rank() if initialized else 0, world_size=world_size,
             on_commit=_log_commit)
@@ -266,6 +268,25 @@ def check_node_local(node_local: bool, world_size: int, local_world_size: int) -
             f"nodes ({world_size} ranks, {local_world_size} per node): rank 0 commits from every "
             "rank's record in the checkpoint directory, which must be one filesystem all ranks "
             "see; turn one of the two off")
+
+
+#: Ranks per node, as launchers say it: torchrun, DeepSpeed's own launcher, Open MPI, Slurm.
+_LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                         "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+
+
+def _ranks_on_this_node(world_size: int) -> int:
+    """Collective: how many ranks share this rank's node. Host names (all-gathered: every
+    launcher, or none) and each launcher's own variable count; the smaller wins, so ranks on
+    two nodes are seen as such if either says so (containers may share a host name)."""
+    hosts: list[Any] = [None] * world_size
+    dist.all_gather_object(hosts, socket.gethostname())
+    local = hosts.count(hosts[dist.get_rank()])
+    for name in _LOCAL_SIZE_VARIABLES:
+        value = os.environ.get(name, "")
+        if value.isdigit() and int(value) > 0:
+            local = min(local, int(value))
+    return local
 
 
 def use_checkpoint_engine(ds_engine: Any, checkpoint_engine: Any) -> None:

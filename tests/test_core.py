@@ -10,6 +10,7 @@ import shutil
 import threading
 import time
 import zlib
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -128,6 +129,44 @@ def test_deepspeed_node_local_storage_across_nodes_is_a_config_error():
         check_node_local(True, 16, 8)
     check_node_local(True, 8, 8)  # one node
     check_node_local(False, 16, 8)
+
+
+@pytest.mark.parametrize("env,hosts,refused", [
+    ({"LOCAL_SIZE": "1"}, ["node0", "node0"], True),  # DeepSpeed's launcher: LOCAL_SIZE, no LOCAL_WORLD_SIZE
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, ["node0", "node0"], True),  # mpirun
+    ({}, ["node0", "node1"], True),  # srun and others: no variable, the host names tell
+    ({}, ["node0", "node0"], False),  # one node
+    ({"LOCAL_WORLD_SIZE": "2"}, ["node0", "node0"], False),
+])
+def test_node_local_storage_across_nodes_is_refused_whatever_the_launcher(monkeypatch, env, hosts, refused):
+    """The check read torchrun's LOCAL_WORLD_SIZE only, defaulting to the world size: under
+    DeepSpeed's own launcher (LOCAL_SIZE), mpirun or srun, node-local storage across nodes was
+    accepted and every commit then waited commit_timeout_s and failed (found by an audit)."""
+    import torch.distributed as dist
+
+    from deepspeed_async_ckpt import deepspeed_plugin
+    from deepspeed_async_ckpt.errors import ConfigError
+
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, *a, **k: out.__setitem__(slice(None), hosts))
+
+    def build():
+        engine = deepspeed_plugin.AsyncCheckpointEngine(
+            SimpleNamespace(use_node_local_storage=True),
+            AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), zero_stage=1)
+        engine.checkpointer.close()
+
+    if refused:
+        with pytest.raises(ConfigError, match="use_node_local_storage"):
+            build()
+    else:
+        build()
 
 
 @pytest.mark.parametrize("tag", ["", ".", "..", "a/b", "../escape", ".async_ckpt_x"])
