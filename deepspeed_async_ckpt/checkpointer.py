@@ -315,6 +315,21 @@ def cancel_flush_at_exit(method: Callable[[], None]) -> None:
         _exit_flushes[:] = [ref for ref in _exit_flushes if ref() not in (None, method)]
 
 
+def _forget_in_child() -> None:
+    """In a forked child (a DataLoader worker, say): the parent's checkpointers have no
+    threads here, so nothing they hold will ever commit. The child must not flush them at its
+    exit (it would wait for ever for the parent's save in flight) and must not use them."""
+    global _exit_lock
+    _exit_lock = threading.Lock()  # another thread of the parent may have held it at the fork
+    _exit_flushes.clear()
+    for ck in list(_open_checkpointers):
+        ck._forked = True
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _run_exit_flushes() -> None:
     while True:
         with _exit_lock:
@@ -391,6 +406,10 @@ class AsyncCheckpointer:
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._closed = False
+        self._pid = os.getpid()
+        self._forked = False
+        """True in a child forked from the process that made this checkpointer (see
+        :func:`_forget_in_child`): its threads do not run there."""
         self._replaced_seen: list[str] | None = None
         """Inside :meth:`collective_load`: what :meth:`load` found replaced, for its end."""
         self.history: collections.deque[CheckpointHandle] = collections.deque(maxlen=64)
@@ -668,6 +687,7 @@ class AsyncCheckpointer:
     def fence(self) -> None:
         """Call before parameters or optimizer state are modified (the optimizer step, or any
         in-place edit outside it: see :func:`fence_all`)."""
+        self._check_not_forked()
         t0 = time.perf_counter()
         if self._current is not None:  # fenced inside a save: its copies must come first
             self._start_background(self._current)
@@ -701,6 +721,7 @@ class AsyncCheckpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every sealed checkpoint is committed and the retention its commit
         started (``keep_last``) is done; raise a background error if any."""
+        self._check_not_forked()
         deadline = None if timeout is None else time.monotonic() + timeout
         while True:
             with self._lock:
@@ -1002,7 +1023,11 @@ class AsyncCheckpointer:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Flush: wait for every checkpoint to commit, then stop the background threads."""
+        """Flush: wait for every checkpoint to commit, then stop the background threads. In a
+        forked child (whose copy of this checkpointer has no threads): only marks it closed."""
+        if self._forked:
+            self._closed = True
+            return
         if self._closed:  # (by a commit callback, say: its thread could not wait for itself)
             self._drain_reports()
             return
@@ -1047,8 +1072,15 @@ class AsyncCheckpointer:
                   file=sys.stderr)
 
     def _check_open(self) -> None:
+        self._check_not_forked()
         if self._closed:
             raise AsyncCheckpointError("the checkpointer is closed")
+
+    def _check_not_forked(self) -> None:
+        if self._forked:
+            raise AsyncCheckpointError(f"this checkpointer belongs to process {self._pid}; this is a "
+                                       "child forked from it, where its background threads do not "
+                                       "run: save from the parent, or make a checkpointer here")
 
     def _busy(self, ckpt_dir: str) -> bool:
         return any(h.ckpt_dir == ckpt_dir for h in self._pending())

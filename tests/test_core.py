@@ -910,6 +910,79 @@ def test_script_that_returns_right_after_saving_commits_its_last_checkpoint(tmp_
                 torch.load(os.path.join(root, "expected.pt"), weights_only=True), "at exit")
 
 
+FORK_SCRIPT = """
+import multiprocessing, os, sys, time, torch
+import deepspeed_async_ckpt.checkpointer as checkpointer
+from deepspeed_async_ckpt.commit import Pointer
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+
+real_write_file = checkpointer.write_file
+def slow_write_file(*args, **kwargs):  # the save is in flight when the children are forked
+    time.sleep(1.0)
+    return real_write_file(*args, **kwargs)
+checkpointer.write_file = slow_write_file
+
+def child():  # a DataLoader worker's life: some work, then return
+    pass
+
+def main(root, how):
+    ck = checkpointer.AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05))
+    ck.begin(root + "/t1", tag="t1", pointer=Pointer(root + "/latest", "t1"))
+    ck.save({"w": torch.randn(1 << 16)}, root + "/t1/model.pt")
+    ck.end()
+    t0 = time.perf_counter()
+    if how == "multiprocessing":
+        p = multiprocessing.get_context("fork").Process(target=child, daemon=True)  # as DataLoader's
+        p.start()
+        p.join(10)
+        code = p.exitcode
+    else:
+        pid = os.fork()
+        if pid == 0:  # a plain fork whose child exits through the interpreter
+            try:
+                ck.wait()
+            except Exception as exc:
+                print("child:", type(exc).__name__, exc, flush=True)
+            sys.exit(0)
+        for _ in range(100):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                code = os.waitstatus_to_exitcode(status)
+                break
+            time.sleep(0.1)
+        else:
+            os.kill(pid, 9)
+            code = None
+    print(f"child exit {code} after {time.perf_counter() - t0:.2f} s", flush=True)
+    ck.wait()
+    ck.close()
+
+main(sys.argv[1], sys.argv[2])
+"""
+
+
+@pytest.mark.parametrize("how", ["multiprocessing", "os.fork"])
+def test_a_child_forked_during_a_save_exits_at_once_and_the_parent_commits(tmp_path, repo_env, how):
+    """A DataLoader worker forked while a save was in flight inherited the exit flush: at its
+    exit it waited for the parent's commit, which no thread of the child would ever make (a
+    DataLoader waited 5 s per worker and killed it; a plain fork never exited). Found by an
+    audit, session 19. In the child the checkpointer is closed: using it raises, it never hangs."""
+    import re
+    import subprocess
+    import sys
+
+    root = str(tmp_path)
+    out = subprocess.run([sys.executable, "-c", FORK_SCRIPT, root, how], env=repo_env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    found = re.search(r"child exit (\S+) after ([0-9.]+) s", out.stdout)
+    assert found and found.group(1) == "0" and float(found.group(2)) < 0.9, out.stdout + out.stderr
+    if how == "os.fork":
+        assert "child: AsyncCheckpointError" in out.stdout and "fork" in out.stdout, out.stdout
+    assert (tmp_path / "latest").read_text() == "t1"
+    verify_checkpoint(os.path.join(root, "t1"))
+
+
 def test_disk_full_surfaces_at_next_save_and_previous_checkpoint_survives(tmp_path):
     state = sample_state()
     storage = FailingStorage(budget=10**9)
