@@ -30,3 +30,8 @@ class CommitError(AsyncCheckpointError):
 
 class IntegrityError(AsyncCheckpointError):
     """A checkpoint file does not match its manifest (size or checksum), or is uncommitted."""
+
+
+def describe(exc: BaseException) -> str:
+    """An error's message for another's, never blank: ``KeyboardInterrupt()`` prints as ''."""
+    return str(exc) or type(exc).__name__

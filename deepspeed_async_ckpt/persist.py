@@ -29,7 +29,7 @@ from typing import BinaryIO, Callable, Sequence
 import torch
 import xxhash
 
-from .errors import PersistError
+from .errors import PersistError, describe
 from .snapshot import FilePlan, TensorItem
 from .storage import DIRECT_ALIGN, Storage, buffer_address, temporary_path
 
@@ -280,9 +280,9 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
             os.unlink(tmp)
         except OSError:
             pass
-        if isinstance(exc, PersistError):
+        if isinstance(exc, PersistError) or not isinstance(exc, Exception):  # Ctrl-C stays Ctrl-C
             raise
-        raise PersistError(f"writing {path} failed: {exc}") from exc
+        raise PersistError(f"writing {path} failed: {describe(exc)}") from exc
 
 
 def _write_archive(sink: _ChecksumSink, f: BinaryIO, plan: FilePlan, pending: list[TensorItem],

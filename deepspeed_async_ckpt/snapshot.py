@@ -31,7 +31,7 @@ from typing import Any, Iterable
 
 import torch
 
-from .errors import SnapshotError
+from .errors import SnapshotError, describe
 from .storage import DIRECT_ALIGN, aligned_size, host_buffer  # every buffer starts on a page: O_DIRECT can write it
 
 
@@ -289,7 +289,7 @@ class TensorItem:
         """Block until the host copy is complete; returns it (flat uint8)."""
         self.wait_copied()
         if self.error is not None:
-            raise SnapshotError(f"staging {self.what} failed: {self.error}") from self.error
+            raise SnapshotError(f"staging {self.what} failed: {describe(self.error)}") from self.error
         return self.host
 
     def cancel(self) -> None:
@@ -508,7 +508,7 @@ class Stager:
                 item.host = src.detach().to("cpu", copy=True).contiguous().view(-1).view(torch.uint8) \
                     if item.nbytes else torch.empty(0, dtype=torch.uint8)
             except Exception as exc:  # named as the copier's failures are
-                raise SnapshotError(f"staging {item.what} failed: {exc}") from exc
+                raise SnapshotError(f"staging {item.what} failed: {describe(exc)}") from exc
             item.src = None
             self._count(item.nbytes)
             item._set_issued()
@@ -543,6 +543,8 @@ class Stager:
             item.error = exc
             item.src = None
             item._set_issued()
+            if not isinstance(exc, Exception):  # Ctrl-C on the training thread: still Ctrl-C
+                raise
         return True
 
     def _copy(self, item: TensorItem, ready: Any = None) -> None:
@@ -568,6 +570,8 @@ class Stager:
             self._count(item.nbytes, pooled=aligned_size(item.nbytes))
         except BaseException as exc:  # surfaced by wait_staged / fence
             item.error = exc
+            if not isinstance(exc, Exception):  # Ctrl-C on the training thread: still Ctrl-C
+                raise
         finally:
             item.src = None
             item._set_issued()
@@ -592,9 +596,16 @@ class Stager:
                 if self._pending and self._pending[0] is item:
                     self._pending.popleft()
             if item.error is not None:
-                raise SnapshotError(f"staging {item.what} failed: {item.error}") from item.error
+                raise SnapshotError(f"staging {item.what} failed: {describe(item.error)}") from item.error
             if item._cuda_event is not None:
                 torch.cuda.current_stream().wait_event(item._cuda_event)
+
+    def forget_issued(self) -> None:
+        """Drop the queued items already copied or failed, once their saves are over (the
+        checkpointer's ``wait``): a loop that never fences does not keep them for good, and a
+        later fence does not raise again a staging error the save's failure reported."""
+        with self._lock:
+            self._pending = collections.deque(item for item in self._pending if not item._issued)
 
     def _copy_one_from_the_back(self) -> bool:
         """Copy the last queued item that has its buffer and that no thread has taken; False if
