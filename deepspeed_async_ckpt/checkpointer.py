@@ -731,6 +731,7 @@ class AsyncCheckpointer:
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             if not handle.wait_committed(left):
                 raise CommitError(f"checkpoint {handle.tag!r} not committed within {timeout} s")
+        self._stager.forget_issued()  # those saves are over: their items need no fence
         while True:
             with self._lock:
                 retiring = self._retiring[0] if self._retiring else None
@@ -862,14 +863,26 @@ class AsyncCheckpointer:
             if not self._closed:
                 if self._retirer is None:
                     self._retirer = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-retirer")
-                while self._retiring and self._retiring[0].done() and not self._retiring[0].exception():
-                    self._retiring.popleft()  # nobody called wait() meanwhile
+                self._prune_retiring()  # nobody called wait() meanwhile
                 future = self._retirer.submit(fn, *args, **kwargs)
                 self._retiring.append(future)
                 return future
         done: Future = Future()  # closed: here, outside the lock (fn may take it)
         done.set_result(fn(*args, **kwargs))
         return done
+
+    def _prune_retiring(self) -> None:
+        """Under ``_lock``: drop the retention futures that are done, except the first that
+        failed (for :meth:`wait` to raise once); a loop that never waits keeps no others."""
+        kept: collections.deque[Future] = collections.deque()
+        failed = False
+        for future in self._retiring:
+            if future.done():
+                if future.exception() is None or failed:
+                    continue
+                failed = True
+            kept.append(future)
+        self._retiring = kept
 
     def swap_in(self, handle: CheckpointHandle) -> None:
         """Rank 0, for a save begun with ``swap_at_commit=False``, once it is committed and

@@ -983,6 +983,106 @@ def test_a_child_forked_during_a_save_exits_at_once_and_the_parent_commits(tmp_p
     verify_checkpoint(os.path.join(root, "t1"))
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_ctrl_c_while_the_training_thread_copies_is_a_keyboard_interrupt(tmp_path, monkeypatch, mode):
+    """Ctrl-C landing while the training thread copies (a sync save; the fence helping the
+    copier) was caught with the copy's errors and came back as a SnapshotError or PersistError
+    with an empty reason: ``except KeyboardInterrupt`` handlers never ran, and loops catching
+    ``Exception`` trained on (found by an audit, session 19). The save is still abandoned
+    cleanly: the previous checkpoint stays, the next save commits."""
+    from deepspeed_async_ckpt import snapshot
+
+    root = str(tmp_path)
+    ck = make(mode)
+    save_one(ck, root, sample_state(), tag="t1")
+    ck.fence()
+    ck.wait()
+    real_copy = torch.Tensor.copy_
+    on_this_thread = threading.current_thread()
+
+    def interrupted(self, *args, **kwargs):
+        if threading.current_thread() is on_this_thread:
+            raise KeyboardInterrupt
+        return real_copy(self, *args, **kwargs)
+
+    if mode == "async":  # the copier never gets there: the fence copies from the back
+        hold = threading.Event()
+        real_stage = snapshot.Stager.stage
+        monkeypatch.setattr(snapshot.Stager, "stage", lambda self, *a, **k: (hold.wait(), real_stage(self, *a, **k)))
+    monkeypatch.setattr(torch.Tensor, "copy_", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        save_one(ck, root, sample_state(), tag="t2", eager=())
+        ck.fence()
+    monkeypatch.undo()
+    if mode == "async":
+        hold.set()
+    if ck.is_open:
+        ck.end(commit=False)
+    if mode == "async":  # the writer's failure of that save, reported once, named (not blank)
+        with pytest.raises(AsyncCheckpointError, match="failed: KeyboardInterrupt"):
+            ck.wait()
+    else:  # sync: the interrupt was the report, the save abandoned
+        ck.wait()
+    save_one(ck, root, sample_state(), tag="t3")
+    ck.fence()
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "t3"
+    verify_checkpoint(os.path.join(root, "t1"))
+
+
+def test_saves_waited_for_without_a_fence_leave_nothing_queued_for_one(tmp_path):
+    """A loop that saves and waits but never fences (evaluation, the end of an epoch) kept
+    every lazy item of every save queued for a fence that never came (200 after 20 saves;
+    found by an audit, session 19)."""
+    ck = make()
+    for step in range(20):
+        save_one(ck, str(tmp_path), {f"w{i}": torch.randn(64) for i in range(10)}, tag=f"t{step}", eager=())
+        ck.wait()
+    left = len(ck._stager._pending)
+    ck.close()
+    assert left == 0
+
+
+def test_a_staging_error_reported_by_wait_is_not_raised_again_by_a_later_fence(tmp_path):
+    """The order the existing test does not take: wait() raises a save's staging failure
+    first; a later save commits; the next fence raised the old failure again (found by an
+    audit, session 19)."""
+    ck = make(gb=64 * 1024 / 1024**3)
+    save_one(ck, str(tmp_path), {"w": torch.zeros(32 * 1024)}, tag="big", eager=())  # > pool
+    with pytest.raises(PersistError, match="big/model.pt"):
+        ck.wait()
+    save_one(ck, str(tmp_path), {"w": torch.ones(16)}, tag="t1", eager=())
+    ck.wait()
+    try:
+        ck.fence()
+    finally:
+        ck.close()
+    assert (tmp_path / "latest").read_text() == "t1"
+
+
+def test_retention_futures_do_not_pile_up_after_one_retention_bug(tmp_path):
+    """After one retention raised (a user's ``keep``, say), every later retention future was
+    kept until someone called wait(): a loop that never waits held all of them (found by an
+    audit, session 19). The one error is still raised once."""
+    boom = {"on": True}
+
+    def keep(name):
+        if boom.pop("on", False):
+            raise ValueError("a retention bug")
+        return False
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=0))
+    for step in range(12):
+        handle = save_one(ck, str(tmp_path), {"w": torch.randn(16)}, tag=f"t{step}", eager=())
+        ck.fence()
+        handle.wait_committed()
+        ck.retire_older_later(handle, keep_last=1, keep=keep).exception()
+    held = len(ck._retiring)
+    with pytest.raises(ValueError, match="a retention bug"):
+        ck.close()
+    assert held <= 2, held
+
+
 def test_disk_full_surfaces_at_next_save_and_previous_checkpoint_survives(tmp_path):
     state = sample_state()
     storage = FailingStorage(budget=10**9)
