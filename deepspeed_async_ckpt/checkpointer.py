@@ -407,6 +407,8 @@ class AsyncCheckpointer:
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
+        self._owner: threading.Thread | None = None
+        """The thread that began the last save (the training loop's)."""
         self._forked = False
         """True in a child forked from the process that made this checkpointer (see
         :func:`_forget_in_child`): its threads do not run there."""
@@ -439,6 +441,7 @@ class AsyncCheckpointer:
         saved aside (DeepSpeed's ``save_latest=False``: a "best" model, say), which retention
         neither counts nor removes (its manifest says ``"rotation": false``)."""
         self._check_open()
+        self._owner = threading.current_thread()
         if self._current is not None:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {self._current.tag!r} is "
                                        "still open: call end() first")
@@ -1077,7 +1080,18 @@ class AsyncCheckpointer:
         """Host pool bytes those copies took so far (each record rounded up to whole pages)."""
         return self._stager.pooled_bytes
 
+    def join_training_thread(self) -> None:
+        """At interpreter exit: if the saves come from a thread other than this one (training
+        in a non-daemon thread, the main thread returned), let it finish first. Python runs the
+        exit flush before it joins such threads, and closing under a save being made abandons
+        it. Python would wait for that thread right after anyway."""
+        owner = self._owner
+        if owner is not None and owner is not threading.current_thread() and owner.is_alive() \
+                and not owner.daemon:
+            owner.join()
+
     def _at_exit(self) -> None:
+        self.join_training_thread()
         try:
             self.close()
         except BaseException as exc:  # nothing left to raise to at interpreter exit

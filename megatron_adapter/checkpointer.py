@@ -315,6 +315,7 @@ class MegatronCheckpointer:
         return self.engine.staged_bytes
 
     def _at_exit(self) -> None:
+        self.engine.join_training_thread()
         try:
             self.close()
         except BaseException as exc:

@@ -910,6 +910,44 @@ def test_script_that_returns_right_after_saving_commits_its_last_checkpoint(tmp_
                 torch.load(os.path.join(root, "expected.pt"), weights_only=True), "at exit")
 
 
+THREAD_EXIT_SCRIPT = """
+import os, sys, threading, time, torch
+from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.commit import Pointer
+root = sys.argv[1]
+ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+entered = threading.Event()
+def train():  # the training loop in a non-daemon thread; the main thread returns
+    try:
+        d = os.path.join(root, "t0")
+        ck.begin(d, tag="t0", pointer=Pointer(os.path.join(root, "latest"), "t0"))
+        ck.save({"w": torch.ones(1024)}, os.path.join(d, "model.pt"))
+        entered.set()
+        time.sleep(0.5)  # the framework's save goes on
+        ck.end(); ck.fence(); ck.wait()
+    except BaseException as exc:
+        print(f"trainer: {type(exc).__name__}: {exc}", flush=True)
+threading.Thread(target=train).start()
+entered.wait()
+"""
+
+
+def test_the_exit_flush_waits_for_a_training_thread_still_saving(tmp_path, repo_env):
+    """Training in a non-daemon thread, the main thread returning: Python runs the exit
+    flush before it joins that thread, and the flush closed the checkpointer under the save
+    being made (``end() without begin()``, nothing committed). Found by an audit, session 19.
+    The flush now joins the thread that began the open save first."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", THREAD_EXIT_SCRIPT, str(tmp_path)], env=repo_env,
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and "trainer:" not in out.stdout, out.stdout + out.stderr
+    assert (tmp_path / "latest").read_text() == "t0"
+    verify_checkpoint(str(tmp_path / "t0"))
+
+
 FORK_SCRIPT = """
 import multiprocessing, os, sys, time, torch
 import deepspeed_async_ckpt.checkpointer as checkpointer
