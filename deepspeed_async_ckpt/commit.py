@@ -56,8 +56,17 @@ def write_text_atomic(storage: Storage, path: str, text: str | bytes, *, durable
     directory. ``durable=False``: temp file and rename only, for what others must see whole but
     a crash may lose (a rank's record: see :func:`write_rank_record`)."""
     tmp = temporary_path(path, os.getpid())
-    storage.write_small(tmp, text.encode() if isinstance(text, str) else text, durable=durable)
-    storage.replace(tmp, path, durable=durable)
+    try:
+        storage.write_small(tmp, text.encode() if isinstance(text, str) else text, durable=durable)
+        storage.replace(tmp, path, durable=durable)
+    except OSError as exc:  # a full disk, say: no temporary left, and the file named
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        if exc.filename is None:
+            raise OSError(exc.errno, exc.strerror or str(exc), path) from exc
+        raise
 
 
 def _rank_record_path(ckpt_dir: str, rank: int, save_id: str) -> str:

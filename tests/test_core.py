@@ -1121,6 +1121,36 @@ def test_retention_futures_do_not_pile_up_after_one_retention_bug(tmp_path):
     assert held <= 2, held
 
 
+@pytest.mark.parametrize("victim", ["manifest.json", "latest", "rank_00000"])
+def test_disk_full_on_a_small_commit_file_names_it_and_leaves_no_temporary(tmp_path, victim):
+    """A full disk when the rank record, the manifest or ``latest`` was written gave an
+    error naming no file ("[Errno 28] No space left on device") and left its 0-byte
+    temporary behind (found by an audit, session 19)."""
+    class Full(LocalStorage):
+        def write_small(self, path, data, *, durable=True):
+            if os.path.basename(path).startswith(victim):
+                open(path, "wb").close()  # created, then the write fails, as on a full disk
+                raise OSError(errno.ENOSPC, "No space left on device")
+            super().write_small(path, data, durable=durable)
+
+    root = str(tmp_path)
+    ck = make("sync")
+    save_one(ck, root, sample_state(), tag="t1")
+    ck.close()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01,
+                                                 commit_timeout_s=2), storage=Full())
+    with pytest.raises(AsyncCheckpointError) as info:
+        save_one(ck, root, sample_state(), tag="t2")
+        ck.wait()
+    assert victim in str(info.value) and "No space left" in str(info.value), info.value
+    if ck.is_open:
+        ck.end(commit=False)
+    ck.close()
+    left = [os.path.join(d, n) for d, _, names in os.walk(root) for n in names if ".tmp." in n]
+    assert left == [], left
+    assert (tmp_path / "latest").read_text() == "t1"
+
+
 def test_disk_full_surfaces_at_next_save_and_previous_checkpoint_survives(tmp_path):
     state = sample_state()
     storage = FailingStorage(budget=10**9)
