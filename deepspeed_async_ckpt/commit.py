@@ -531,7 +531,8 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
     removed = []
     committed, abandoned = _scan_checkpoints(save_dir, rotation_only=True)
     before = None if committed_now is None else committed.get(committed_now)
-    if committed_now is not None and before is None:
+    if committed_now is not None and before is None \
+            and os.path.lexists(os.path.join(save_dir, committed_now)):  # gone: an earlier pass's
         logger.warning("async checkpoint: %s is not a committed checkpoint of %s: checkpoints "
                        "that never committed are left there", committed_now, save_dir)
     unloadable = [] if before is None else sorted(n for n, changed in abandoned.items() if changed < before)

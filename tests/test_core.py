@@ -2044,6 +2044,30 @@ def test_keep_last_counts_tags_that_start_with_a_dot(tmp_path, caplog):
     assert (tmp_path / ".git" / "objects" / "x").read_text() == "y"
 
 
+def test_retention_for_a_checkpoint_an_earlier_pass_removed_says_nothing(tmp_path, caplog):
+    """Saves committing faster than retention runs: a queued pass for a checkpoint that an
+    earlier pass already removed warned that it "is not a committed checkpoint" (136 times in
+    150 saves; found by an audit, session 19). A directory there that never committed still
+    warns."""
+    import logging
+    import threading as _threading
+
+    from deepspeed_async_ckpt.commit import retire_checkpoints
+
+    root = str(tmp_path)
+    ck = make("sync")
+    save_one(ck, root, sample_state(), tag="t1")
+    ck.close()
+    args = dict(keep_last=1, protected=set, lock=_threading.Lock())
+    with caplog.at_level(logging.WARNING):
+        retire_checkpoints(LocalStorage(), root, committed_now="t0", **args)
+    assert "not a committed checkpoint" not in caplog.text
+    (tmp_path / "t9").mkdir()
+    with caplog.at_level(logging.WARNING):
+        retire_checkpoints(LocalStorage(), root, committed_now="t9", **args)
+    assert "t9 is not a committed checkpoint" in caplog.text
+
+
 def test_keep_last_leaves_a_checkpoint_saved_without_moving_the_pointer(tmp_path):
     """DeepSpeed's ``save_checkpoint(d, tag="best", save_latest=False)``, the usual way to keep
     the best model aside: with ``keep_last``, the next saves' retention removed it like any
