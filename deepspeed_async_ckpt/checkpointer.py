@@ -37,9 +37,9 @@ from typing import Any, Callable, Iterable
 import torch
 import xxhash
 
-from .commit import (META_DIR, Pointer, check_checkpoint_dir, commit, find_checkpoint_dir,
-                     finish_replacements, make_checkpoint_dir, read_manifest,
-                     remove_stale_temporaries, remove_trash, replace_checkpoint,
+from .commit import (META_DIR, Pointer, check_checkpoint_dir, claim_save_dir, commit,
+                     find_checkpoint_dir, finish_replacements, make_checkpoint_dir, read_manifest,
+                     release_save_dir, remove_stale_temporaries, remove_trash, replace_checkpoint,
                      retire_checkpoints, staging_dir, verify_checkpoint, verify_file,
                      write_rank_failure, write_rank_record)
 from .config import AsyncCheckpointConfig
@@ -196,6 +196,7 @@ def _without_key(exchange: Callable[[str, str | None], tuple[str, dict[int, str]
 
 #: How an exchange's error for a rank whose ``key`` differs from rank 0's begins.
 _ELSEWHERE = "works in "
+_REFUSED = "refused: "  # rank 0's message in begin's exchange: the save directory is another job's
 
 
 def exchange_across_ranks(value: str, error: str | None, key: str = "") -> tuple[str, dict[int, str]]:
@@ -407,6 +408,9 @@ class AsyncCheckpointer:
         self._lock = threading.Lock()
         self._closed = False
         self._pid = os.getpid()
+        self._claimed: dict[str, str | None] = {}
+        """Rank 0: the save directories this checkpointer claimed (see
+        :func:`~.commit.claim_save_dir`), each with the key to release at close."""
         self._owner: threading.Thread | None = None
         """The thread that began the last save (the training loop's)."""
         self._forked = False
@@ -455,7 +459,13 @@ class AsyncCheckpointer:
         try:
             local, more = self._take_background_errors()
             save_id = uuid.uuid4().hex[:16]
-            if self.rank == 0:  # decided by rank 0 alone, before any rank can write: staged?
+            refused: AsyncCheckpointError | None = None
+            if self.rank == 0 and os.path.isdir(os.path.dirname(ckpt_dir)):
+                try:  # before anything in it is touched (another job's staging, say)
+                    self._claim(os.path.dirname(ckpt_dir))
+                except AsyncCheckpointError as exc:
+                    refused = exc
+            if self.rank == 0 and refused is None:  # decided by rank 0 alone, before any rank can write: staged?
                 try:  # never raise before the exchange: the other ranks would wait in it
                     try:
                         self.recover(os.path.dirname(ckpt_dir))
@@ -469,14 +479,24 @@ class AsyncCheckpointer:
                         save_id += _STAGED
                     if local is None:  # before the exchange, so before another rank writes into it
                         made = self._make_write_dir(ckpt_dir, save_id)
+                        if made is not None and os.path.dirname(ckpt_dir) in made[1]:
+                            try:  # the save directory is new: claimed as soon as it exists
+                                self._claim(os.path.dirname(ckpt_dir))
+                            except AsyncCheckpointError as exc:  # another job made it meanwhile
+                                refused = exc
                 except Exception as exc:  # a Storage of the user's: every rank raises it, below
                     if local is None:
                         local = exc
                     else:  # an earlier save's failure goes first; this one is only logged
                         logger.warning("async checkpoint: preparing %s failed: %s", ckpt_dir, exc)
-            save_id, failed = self._exchange(save_id, None if local is None else
-                                             f"{type(local).__name__}: {local}", key=ckpt_dir)
+            message = f"{_REFUSED}{refused}" if refused is not None else \
+                None if local is None else f"{type(local).__name__}: {local}"
+            save_id, failed = self._exchange(save_id, message, key=ckpt_dir)
             try:
+                if refused is not None:
+                    raise refused
+                if failed.get(0, "").startswith(_REFUSED):  # rank 0's refusal, in its words
+                    raise AsyncCheckpointError(f"rank 0: {failed[0][len(_REFUSED):]}")
                 if local is not None:
                     raise _reraise(local, more)
                 elsewhere = {r: m for r, m in failed.items() if m.startswith(_ELSEWHERE)}
@@ -490,6 +510,8 @@ class AsyncCheckpointer:
                                       "committed one is intact) on rank(s) " + by_rank(failed))
             except BaseException:
                 if made is not None:  # refused: nothing of it is left
+                    if os.path.dirname(ckpt_dir) in made[1]:  # its lock too, if claimed here
+                        self._unclaim(os.path.dirname(ckpt_dir))
                     _remove_if_empty(made)
                 raise
             save_id, write_dir = _write_dir(ckpt_dir, save_id)
@@ -1061,6 +1083,10 @@ class AsyncCheckpointer:
             if retirer is not None:
                 retirer.shutdown(wait=True)
             self._stager.close()
+            for key in self._claimed.values():
+                if key is not None:
+                    release_save_dir(key)
+            self._claimed.clear()
             cancel_flush_at_exit(self._at_exit)
             _open_checkpointers.discard(self)
             self._drain_reports()
@@ -1079,6 +1105,19 @@ class AsyncCheckpointer:
     def pooled_bytes(self) -> int:
         """Host pool bytes those copies took so far (each record rounded up to whole pages)."""
         return self._stager.pooled_bytes
+
+    def _claim(self, save_dir: str) -> None:
+        """Rank 0: claim ``save_dir`` for this process on its first save there (see
+        :func:`~.commit.claim_save_dir`)."""
+        save_dir = os.path.abspath(save_dir)
+        if save_dir not in self._claimed:
+            self._claimed[save_dir] = claim_save_dir(save_dir)
+
+    def _unclaim(self, save_dir: str) -> None:
+        """Undo :meth:`_claim` of a save directory this begin made and then gave up."""
+        key = self._claimed.pop(os.path.abspath(save_dir), None)
+        if key is not None:
+            release_save_dir(key, remove=True)
 
     def join_training_thread(self) -> None:
         """At interpreter exit: if the saves come from a thread other than this one (training

@@ -26,7 +26,7 @@ from _compare import assert_same
 from conftest import REPO
 from launch import spawn, stop
 
-from deepspeed_async_ckpt.commit import verify_checkpoint
+from deepspeed_async_ckpt.commit import LOCK_FILE, verify_checkpoint
 
 TRAIN = os.path.join(REPO, "scripts", "ds_train.py")
 CONFIG = os.path.join(REPO, "configs", "deepspeed_async.json")  # ZeRO-1, keep_last 3
@@ -130,7 +130,7 @@ def test_training_killed_at_random_moments_resumes_to_exactly_the_uninterrupted_
     assert (chaos_dir / "latest").read_text() == f"global_step{STEPS}", where
     kept = [f"global_step{STEPS - EVERY * i}" for i in (2, 1, 0)]
     # (DeepSpeed copies its recovery scripts beside the checkpoints)
-    left_over = sorted(set(os.listdir(chaos_dir)) - {"zero_to_fp32.py", "zero_to_torch.py"})
+    left_over = sorted(set(os.listdir(chaos_dir)) - {"zero_to_fp32.py", "zero_to_torch.py", LOCK_FILE})
     assert left_over == sorted(["latest", *kept]), (where, os.listdir(chaos_dir))
     for name in kept:
         verify_checkpoint(str(chaos_dir / name))

@@ -17,7 +17,8 @@ import torch
 import xxhash
 
 from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
-from deepspeed_async_ckpt.commit import META_DIR, REMOVING_PREFIX, Pointer, read_manifest, verify_checkpoint
+from deepspeed_async_ckpt.commit import (LOCK_FILE, META_DIR, REMOVING_PREFIX, Pointer, read_manifest,
+                                         verify_checkpoint)
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import (AsyncCheckpointError, CommitError, IntegrityError, PersistError,
                                          SnapshotError)
@@ -25,6 +26,11 @@ from deepspeed_async_ckpt.snapshot import HostBufferPool
 from deepspeed_async_ckpt.storage import LocalStorage
 
 from _compare import assert_same
+
+
+def listing(path) -> list[str]:
+    """A directory's names, sorted, without the save directory's lock (see claim_save_dir)."""
+    return sorted(n for n in os.listdir(path) if n != LOCK_FILE)
 
 
 def make(mode="async", gb=0.01, **kw):
@@ -114,8 +120,8 @@ def test_a_directory_whose_name_cannot_be_a_checkpoint_is_refused_and_nothing_is
     save_one(ck, save_dir, sample_state(), tag="s2")  # the next save works, retention as before
     ck.wait()
     ck.close()
-    assert sorted(os.listdir(runs)) == ["a", "b"] and sorted(os.listdir(runs / "b")) == ["latest", "s2"]
-    assert sorted(os.listdir(runs / "a")) == ["latest", "s1"]
+    assert listing(runs) == ["a", "b"] and listing(runs / "b") == ["latest", "s2"]
+    assert listing(runs / "a") == ["latest", "s1"]
 
 
 def test_deepspeed_node_local_storage_across_nodes_is_a_config_error():
@@ -948,6 +954,57 @@ def test_the_exit_flush_waits_for_a_training_thread_still_saving(tmp_path, repo_
     verify_checkpoint(str(tmp_path / "t0"))
 
 
+OTHER_JOB_SCRIPT = """
+import os, sys, time, torch
+from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.commit import Pointer
+root = sys.argv[1]
+ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01))
+ck.begin(root + "/a1", tag="a1", pointer=Pointer(root + "/latest", "a1"))
+ck.save({"w": torch.ones(16)}, root + "/a1/model.pt")
+ck.end()
+print("saved", flush=True)
+sys.stdin.readline()  # the job goes on until told to end
+ck.close()
+"""
+
+
+def test_a_second_job_saving_into_the_same_directory_is_refused_naming_the_first(tmp_path, repo_env):
+    """Two jobs given one save directory (a requeued job while the old one still runs) swept
+    each other's staging directories and temporaries, and retention removed the other's
+    checkpoints: both failed with unrelated-looking errors, and one's ``latest`` ended up
+    naming the other's model (found by an audit, session 19). Rank 0 now holds an exclusive
+    lock on the save directory from its first save until close(); another process's first
+    save there is refused, naming the holder, with nothing touched. Checkpointers of one
+    process share it; loads do not take it; it goes with the process."""
+    import subprocess
+    import sys
+
+    root = str(tmp_path)
+    first = subprocess.Popen([sys.executable, "-c", OTHER_JOB_SCRIPT, root], env=repo_env,
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert first.stdout.readline().strip() == "saved"
+        ck = make("sync")
+        with pytest.raises(AsyncCheckpointError, match=f"another process.*pid {first.pid}"):
+            save_one(ck, root, sample_state(), tag="b1")
+        assert listing(root) == ["a1", "latest"] and (tmp_path / LOCK_FILE).is_file()
+        assert (tmp_path / "latest").read_text() == "a1"
+        other = make("sync")  # within this process, saves elsewhere are not affected
+        save_one(other, str(tmp_path / "mine"), sample_state(), tag="m1")
+        other.close()
+    finally:
+        first.communicate("end\n", timeout=60)
+    assert first.returncode == 0
+    save_one(ck, root, sample_state(), tag="b1")  # the first job ended: the lock went with it
+    again = make("sync")  # a second checkpointer of this process shares it
+    save_one(again, root, sample_state(), tag="b2")
+    again.close()
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "b2"
+
+
 FORK_SCRIPT = """
 import multiprocessing, os, sys, time, torch
 import deepspeed_async_ckpt.checkpointer as checkpointer
@@ -1248,7 +1305,7 @@ def test_a_save_cut_short_is_partial_refused_by_loads_and_removed_by_retention_a
     ck.fence()
     ck.wait()
     assert good.retired == ["bad"]
-    assert sorted(os.listdir(tmp_path)) == ["good", "latest", "writing"]
+    assert listing(tmp_path) == ["good", "latest", "writing"]
     ck.close()
 
 
@@ -1506,7 +1563,7 @@ def test_resaving_the_pointers_checkpoint_keeps_it_whole_until_the_new_one_commi
     ck.fence()
     ck.wait()  # also the deletions: the old checkpoint, the failed save's staging directory
     assert handle.committed and handle.write_dir != handle.ckpt_dir
-    assert sorted(os.listdir(root)) == ["latest", "t"]
+    assert listing(root) == ["latest", "t"]
     verify_checkpoint(str(tmp_path / "t"))
     assert _steps(tmp_path / "t" / "model.pt") == 9
     assert (tmp_path / "t" / "notes.txt").read_text() == "the user's"
@@ -1556,7 +1613,7 @@ def test_files_carried_over_into_a_resave_are_durable_before_the_swap(tmp_path):
     assert all(log.index(link) < swap for link in links)
     assert (tmp_path / "t" / "tokenizer.json").read_text() == "{}"
     assert (tmp_path / "t" / "extra" / "notes.txt").read_text() == "the user's"
-    assert sorted(os.listdir(tmp_path / "t" / "extra")) == ["notes.txt"]
+    assert listing(tmp_path / "t" / "extra") == ["notes.txt"]
     ck.close()
 
 
@@ -1632,7 +1689,7 @@ def test_a_crash_between_the_two_renames_is_finished_before_the_next_load_or_sav
         fresh.close()
         verify_checkpoint(str(tmp_path / "t"))
         assert _steps(tmp_path / "t" / "model.pt") == 9
-        left = sorted(n for n in os.listdir(root) if n != "staged")
+        left = sorted(n for n in os.listdir(root) if n not in ("staged", LOCK_FILE))
         assert left == (["latest", "t"] if way == "load" else ["latest", "t", "u"])
 
 
@@ -1646,17 +1703,17 @@ def test_staging_left_by_a_crash_before_the_swap_is_removed_and_the_old_checkpoi
     (tmp_path / ".async_ckpt_staging.0123456789abcdef.t" / META_DIR).mkdir(parents=True)
     (tmp_path / ".async_ckpt_staging.0123456789abcdef.t" / "model.pt").write_bytes(b"partial")
     shutil.copytree(tmp_path / "t", tmp_path / ".async_ckpt_staging.fedcba9876543210.t")
-    before = sorted(os.listdir(root))
+    before = listing(root)
     fresh = make()
     # a load leaves them: the directory may be another job's (a trainer re-saving the tag
     # while an evaluation job loads it), whose staging directory is not abandoned at all
     fresh.wait_all_ranks(action="load", recover=root)
     fresh.wait()
-    assert sorted(os.listdir(root)) == before
+    assert listing(root) == before
     save_one(fresh, root, sample_state(), tag="u")
     fresh.wait()
     fresh.close()
-    assert sorted(os.listdir(root)) == ["latest", "t", "u"]
+    assert listing(root) == ["latest", "t", "u"]
     verify_checkpoint(str(tmp_path / "t"))
 
 
@@ -1669,7 +1726,7 @@ def test_replacing_a_directory_removed_meanwhile_renames_the_staged_one_into_pla
     staged.mkdir()
     (staged / "model.pt").write_bytes(b"new")
     replace_checkpoint(LocalStorage(fsync=True), str(staged), str(tmp_path / "t"), save_id="ab")
-    assert sorted(os.listdir(tmp_path)) == ["t"] and (tmp_path / "t" / "model.pt").read_bytes() == b"new"
+    assert listing(tmp_path) == ["t"] and (tmp_path / "t" / "model.pt").read_bytes() == b"new"
 
 
 def test_a_file_whose_name_starts_with_two_dots_is_staged_like_any_other(tmp_path):
@@ -1686,7 +1743,7 @@ def test_a_file_whose_name_starts_with_two_dots_is_staged_like_any_other(tmp_pat
         ck.end()
     ck.wait()
     ck.close()
-    assert sorted(os.listdir(root)) == ["latest", "t"]
+    assert listing(root) == ["latest", "t"]
     verify_checkpoint(str(tmp_path / "t"))
     assert _steps(tmp_path / "t" / "..model.pt") == 9
 
@@ -1723,7 +1780,7 @@ def test_a_committed_staged_save_awaiting_its_swap_is_neither_swept_nor_retired(
     ck.swap_in(handle)
     ck.wait()
     ck.close()
-    assert sorted(os.listdir(root)) == ["latest", "t", "u"]
+    assert listing(root) == ["latest", "t", "u"]
     verify_checkpoint(d)
     assert _steps(tmp_path / "t" / "model.pt") == 9
 
@@ -1737,7 +1794,7 @@ def test_a_staged_save_whose_swap_is_abandoned_is_swept_and_the_old_one_stays(tm
     save_one(ck, root, sample_state(), tag="u")  # its begin() sweeps the staging directory
     ck.wait()
     ck.close()
-    assert sorted(os.listdir(root)) == ["latest", "t", "u"]
+    assert listing(root) == ["latest", "t", "u"]
     verify_checkpoint(d)
     assert _steps(tmp_path / "t" / "model.pt") == sample_state()["global_steps"] != 9
 
@@ -1807,7 +1864,7 @@ def test_saving_again_a_directory_whose_save_is_in_flight_does_not_wait_for_it(t
     ck.close()
     assert first.committed and second.committed
     assert first.times["committed"] < second.times["committed"]
-    assert sorted(os.listdir(root)) == ["latest", "t"]
+    assert listing(root) == ["latest", "t"]
     assert _steps(tmp_path / "t" / "model.pt") == 9
     verify_checkpoint(str(tmp_path / "t"))
 
@@ -2017,7 +2074,7 @@ def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path
     ck.close()
     assert retired == [["partial"], [], ["s0"], ["s1"], ["s2"]]
     assert "s4 committed; removed older checkpoint(s) s2" in caplog.text  # said in the log
-    assert sorted(os.listdir(root)) == ["damaged", "latest", "notes.txt", "s3", "s4", "torch_engine"]
+    assert listing(root) == ["damaged", "latest", "notes.txt", "s3", "s4", "torch_engine"]
     assert (tmp_path / "torch_engine" / "global_step1" / "mp_rank_00_model_states.pt").read_bytes() == b"x"
     assert os.listdir(tmp_path / "damaged" / META_DIR) == ["manifest.json"]
     assert (tmp_path / "latest").read_text() == "s4"
@@ -2039,7 +2096,7 @@ def test_keep_last_counts_tags_that_start_with_a_dot(tmp_path, caplog):
         save_one(ck, str(tmp_path), sample_state(), tag=tag)
     ck.close()
     assert "is not a committed checkpoint" not in caplog.text
-    assert sorted(os.listdir(tmp_path)) == [".c", ".git", "latest"]
+    assert listing(tmp_path) == [".c", ".git", "latest"]
     assert (tmp_path / "latest").read_text() == ".c"
     assert (tmp_path / ".git" / "objects" / "x").read_text() == "y"
 
@@ -2089,13 +2146,13 @@ def test_keep_last_leaves_a_checkpoint_saved_without_moving_the_pointer(tmp_path
     aside("best")  # saved again aside: still aside
     save_one(ck, root, sample_state(), tag="s4")
     ck.wait()
-    assert sorted(os.listdir(tmp_path)) == ["best", "latest", "s4"]
+    assert listing(tmp_path) == ["best", "latest", "s4"]
     assert "rotation" not in read_manifest(os.path.join(root, "s4"))  # manifests as before
     verify_checkpoint(os.path.join(root, "best"))
     save_one(ck, root, sample_state(), tag="best")  # with the pointer: in the rotation
     save_one(ck, root, sample_state(), tag="s5")
     ck.close()
-    assert sorted(os.listdir(tmp_path)) == ["latest", "s5"]
+    assert listing(tmp_path) == ["latest", "s5"]
 
 
 def test_keep_last_does_not_count_a_checkpoint_never_finalized_and_removes_it_once_older(tmp_path):
@@ -2132,7 +2189,7 @@ def test_keep_last_does_not_count_a_checkpoint_never_finalized_and_removes_it_on
     save("e", late=("markers.json",), record=False)  # committed after "d", not finalized yet
     assert ck.retire_older(handle) == ["a", "b"]
     ck.close()
-    assert sorted(os.listdir(root)) == ["c", "d", "e"]
+    assert listing(root) == ["c", "d", "e"]
 
 
 def test_keep_last_never_takes_a_directory_from_under_a_save_being_begun(tmp_path):
@@ -2165,7 +2222,7 @@ def test_keep_last_never_takes_a_directory_from_under_a_save_being_begun(tmp_pat
     ck.close()
     assert seen == {"retired": [], "a_exists": True}
     assert handle.retired == ["b"]  # the re-saved "a" is now the newest; "b" goes
-    assert sorted(os.listdir(root)) == ["a", "latest"]
+    assert listing(root) == ["a", "latest"]
     verify_checkpoint(str(tmp_path / "a"))
     assert torch.load(tmp_path / "a" / "model.pt", weights_only=False)["global_steps"] == 7
 
@@ -2194,7 +2251,7 @@ def test_a_retention_bug_is_raised_by_one_wait_not_every_later_one(tmp_path):
     save_one(ck, str(tmp_path), sample_state(), tag="s2")
     ck.wait()
     ck.close()
-    assert sorted(os.listdir(tmp_path)) == ["latest", "s2"]
+    assert listing(tmp_path) == ["latest", "s2"]
 
 
 def test_keep_last_failure_to_remove_keeps_the_commit_and_retries_next_time(tmp_path, caplog):
@@ -2218,13 +2275,13 @@ def test_keep_last_failure_to_remove_keeps_the_commit_and_retries_next_time(tmp_
     assert f"deleting {os.path.join(root, REMOVING_PREFIX + 's0')} failed" in caplog.text
     assert "Permission denied" in caplog.text
     # s0 was renamed away (it is no longer a checkpoint) but could not be deleted; s1 went
-    assert sorted(os.listdir(root)) == [REMOVING_PREFIX + "s0", "latest", "s2"]
+    assert listing(root) == [REMOVING_PREFIX + "s0", "latest", "s2"]
     Undeletable.fail = set()
     handle = save_one(ck, root, sample_state(), tag="s3")
     ck.wait()
     ck.close()
     assert handle.retired == ["s2"]
-    assert sorted(os.listdir(root)) == ["latest", "s3"]
+    assert listing(root) == ["latest", "s3"]
     verify_checkpoint(str(tmp_path / "s3"))
 
 
@@ -2249,7 +2306,7 @@ def test_a_tag_that_was_a_symbolic_link_is_replaced_and_retention_goes_on(tmp_pa
         save_one(ck, root, sample_state(), tag=f"global_step{i}")
         ck.wait()
     ck.close()
-    assert sorted(os.listdir(root)) == ["global_step4", "global_step5", "latest"]
+    assert listing(root) == ["global_step4", "global_step5", "latest"]
 
 
 @pytest.mark.parametrize("mode", ["sync", "async"])
@@ -2284,7 +2341,7 @@ def test_keep_last_removes_on_its_own_thread_so_saves_and_commits_do_not_wait(tm
     ck.wait()
     ck.close()
     assert [h.retired for h in handles] == [["s0"], ["s1"]]
-    assert sorted(os.listdir(root)) == ["latest", "s2"]
+    assert listing(root) == ["latest", "s2"]
     verify_checkpoint(str(tmp_path / "s2"))
 
 
@@ -2302,7 +2359,7 @@ def test_retention_queued_after_close_runs_in_the_caller(tmp_path):
     thread.start()
     thread.join(10)
     assert not thread.is_alive(), "retire_older_later deadlocked on a closed checkpointer"
-    assert result["f"].result(0) == ["a"] and sorted(os.listdir(tmp_path)) == ["b", "latest"]
+    assert result["f"].result(0) == ["a"] and listing(tmp_path) == ["b", "latest"]
 
 
 @pytest.mark.gpu
@@ -2634,9 +2691,9 @@ def test_the_checkpoint_directory_appears_with_its_marker_over_an_empty_one_or_b
         make_checkpoint_dir(storage, str(tmp_path / name), "0123")
         assert (tmp_path / name / META_DIR).is_dir(), name
     assert (tmp_path / "busy" / "zero_pp_rank_1.pt.tmp.ab").read_bytes() == b"x"
-    assert sorted(os.listdir(tmp_path)) == ["busy", "empty", "new"]
+    assert listing(tmp_path) == ["busy", "empty", "new"]
     make_checkpoint_dir(storage, str(tmp_path / "new"), "4567")  # already marked: unchanged
-    assert sorted(os.listdir(tmp_path)) == ["busy", "empty", "new"]
+    assert listing(tmp_path) == ["busy", "empty", "new"]
 
 
 def test_stale_pointer_temporaries_of_other_processes_are_removed_by_the_next_save(tmp_path):
@@ -2651,7 +2708,7 @@ def test_stale_pointer_temporaries_of_other_processes_are_removed_by_the_next_sa
     save_one(ck, str(tmp_path), sample_state())
     ck.wait()
     ck.close()
-    assert sorted(os.listdir(tmp_path)) == ["latest", "latest.tmp.1", "notes.tmp.1", "t1"]
+    assert listing(tmp_path) == ["latest", "latest.tmp.1", "notes.tmp.1", "t1"]
     verify_checkpoint(str(tmp_path / "latest.tmp.1"))
 
 
@@ -2717,12 +2774,12 @@ def test_retention_leaves_a_checkpoint_whose_commit_callback_still_runs(tmp_path
     save_one(ck, str(tmp_path), sample_state(), tag="t1")
     save_one(ck, str(tmp_path), sample_state(), tag="t2")
     ck.wait()  # t2 committed and its retention done: t1 is still being uploaded
-    assert sorted(os.listdir(tmp_path)) == ["latest", "t1", "t2"]
+    assert listing(tmp_path) == ["latest", "t1", "t2"]
     release.set()
     save_one(ck, str(tmp_path), sample_state(), tag="t3")
     ck.close()
     assert [tag for tag, n in read] == ["t1", "t2", "t3"] and all(n > 0 for _, n in read)
-    assert sorted(os.listdir(tmp_path)) == ["latest", "t3"]
+    assert listing(tmp_path) == ["latest", "t3"]
 
 
 def test_close_from_a_commit_callback_stops_everything(tmp_path):
@@ -2790,7 +2847,7 @@ def test_a_refused_save_leaves_what_was_there_and_removes_what_begin_made(tmp_pa
         with pytest.raises(CommitError, match="disk full"):
             ck.begin(str(tmp_path / "run" / name if name == "fresh" else tmp_path / name), tag=name)
         ck.close()
-    assert sorted(os.listdir(tmp_path)) == ["mine"] and os.listdir(tmp_path / "mine") == []
+    assert listing(tmp_path) == ["mine"] and os.listdir(tmp_path / "mine") == []
 
 
 def _object_store_checkpointer(failing: str):
@@ -2836,7 +2893,7 @@ def test_a_checkpoint_left_for_its_callback_goes_once_the_callback_is_done(tmp_p
         save_one(ck, str(tmp_path), sample_state(), tag=tag)
         ck.wait()
     ck.close()
-    assert sorted(os.listdir(tmp_path)) == ["latest", "t3"]
+    assert listing(tmp_path) == ["latest", "t3"]
 
 
 def test_a_report_after_close_runs_after_those_queued_before(tmp_path):

@@ -13,7 +13,7 @@ import torch
 
 from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
 from deepspeed_async_ckpt.cli import main as cli
-from deepspeed_async_ckpt.commit import verify_checkpoint
+from deepspeed_async_ckpt.commit import LOCK_FILE, verify_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "workers"))
@@ -78,7 +78,7 @@ def test_a_save_killed_at_any_filesystem_operation_leaves_a_loadable_checkpoint(
         ck.close()
         assert (out / str(r["n"]) / "latest").read_text() == "t3", where
         verify_checkpoint(os.path.join(root, "t3"))
-        assert sorted(os.listdir(root)) == ["latest", "t3"], where
+        assert sorted(os.listdir(root)) == [LOCK_FILE, "latest", "t3"], where
         assert sorted(os.listdir(os.path.join(root, "t3"))) == [".async_ckpt", "model.pt", "optim.pt"], where
     # the crash points span the commit: the old checkpoint before it, the new one after
     assert outcomes[0] == 1 and outcomes[-1] == 2 and outcomes == sorted(outcomes), outcomes
@@ -108,7 +108,7 @@ def test_a_megatron_save_killed_at_any_filesystem_operation_leaves_the_tracked_i
         assert r["tracker"] != 2 or r["loaded"] == 2, where
         if r["exit"] == 0:
             assert (r["tracker"], r["loaded"]) == (new_iteration, 2), where
-        assert r["after"] == {"tracker": 3, "listing": ["iter_0000003", "latest_checkpointed_iteration.txt"],
+        assert r["after"] == {"tracker": 3, "listing": [LOCK_FILE, "iter_0000003", "latest_checkpointed_iteration.txt"],
                               "files": [".async_ckpt", ".metadata", "__0_0.distcp", "__0_1.distcp",
                                         "common.pt", "metadata.json"]}, where
     loaded = [r["loaded"] for r in runs]

@@ -330,7 +330,8 @@ def test_sigkill_while_resaving_the_tag_latest_names_keeps_that_checkpoint(tmp_p
         assert state["global_steps"] == 2
     # the load leaves the staging directory (it could be another job's save in flight); the
     # next save's rank 0 removes it (tests/test_core.py, the staging left by a crash)
-    assert [n for n in os.listdir(os.path.join(out, "killed")) if n.startswith(".async_ckpt")] == staging
+    assert [n for n in os.listdir(os.path.join(out, "killed"))
+            if n.startswith(".async_ckpt_staging.")] == staging
 
 
 def test_disk_full_on_one_rank_raises_on_every_rank_at_next_save(tmp_path, repo_env):

@@ -31,7 +31,7 @@ pytest.importorskip("megatron.core")
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from launch import launch  # noqa: E402
 
-from deepspeed_async_ckpt.commit import META_DIR, read_manifest  # noqa: E402
+from deepspeed_async_ckpt.commit import LOCK_FILE, META_DIR, read_manifest  # noqa: E402
 from deepspeed_async_ckpt.errors import IntegrityError  # noqa: E402
 from megatron_adapter.checkpointer import read_tracker, verify_checkpoint_dir  # noqa: E402
 
@@ -290,7 +290,7 @@ def test_resaving_the_trackers_iteration_keeps_it_whole_until_the_new_one_is_fin
         {i["adam_steps"][0] for i in infos(out, "resave_second").values()}  # two different states
     save_dir = os.path.join(out, "ckpt_resave")
     iteration = read_tracker(save_dir)
-    assert sorted(os.listdir(save_dir)) == [f"iter_{iteration:07d}", "latest_checkpointed_iteration.txt"]
+    assert sorted(os.listdir(save_dir)) == [LOCK_FILE, f"iter_{iteration:07d}", "latest_checkpointed_iteration.txt"]
     verify_checkpoint_dir(os.path.join(save_dir, f"iter_{iteration:07d}"))
 
 
@@ -438,7 +438,7 @@ def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path,
             "--save-retain-interval", 3, "--async-ckpt", "--async-ckpt-config", CONFIG]
     run(PRETRAIN, args, env)
     assert read_tracker(str(save)) == 7
-    assert sorted(os.listdir(save)) == ["iter_0000003", "iter_0000006", "iter_0000007",
+    assert sorted(os.listdir(save)) == [LOCK_FILE, "iter_0000003", "iter_0000006", "iter_0000007",
                                         "latest_checkpointed_iteration.txt"]
     for it in (3, 6, 7):
         verify_checkpoint_dir(str(save / f"iter_{it:07d}"))
