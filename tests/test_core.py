@@ -2850,6 +2850,20 @@ def test_a_refused_save_leaves_what_was_there_and_removes_what_begin_made(tmp_pa
     assert listing(tmp_path) == ["mine"] and os.listdir(tmp_path / "mine") == []
 
 
+def test_rank_0_refusing_a_save_directory_is_raised_by_every_rank_in_its_words(tmp_path):
+    """The other ranks learn of rank 0's refusal (another job's save directory) through
+    begin's exchange, and raise it as rank 0's, not as 'a previous checkpoint failed'."""
+    refusal = "refused: save directory 'x' is being saved into by another process (host h, pid 7)"
+    exchange = lambda value, error, key="": (value, {0: refusal})  # noqa: E731
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), rank=1,
+                           world_size=2, exchange=exchange)
+    with pytest.raises(AsyncCheckpointError, match=r"^rank 0: save directory 'x' is being saved "
+                                                   r"into by another process \(host h, pid 7\)$"):
+        ck.begin(str(tmp_path / "t1"), tag="t1")
+    ck.close()
+    assert listing(tmp_path) == []
+
+
 def _object_store_checkpointer(failing: str):
     """Rank 0 of 2, whose ``Storage.<failing>`` raises a RuntimeError (an object store's
     client, say); and the list of errors its exchange was sent."""
