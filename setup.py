@@ -29,7 +29,7 @@ setup(
     py_modules=["deepspeed_async_ckpt_autoload"],
     packages=find_packages(include=["deepspeed_async_ckpt", "deepspeed_async_ckpt.*",
                                     "megatron_adapter", "megatron_adapter.*"]),
-    install_requires=["torch>=2.4", "deepspeed>=0.17", "nvidia-ml-py", "xxhash>=3.0"],
+    install_requires=["torch>=2.7", "deepspeed>=0.17", "nvidia-ml-py", "xxhash>=3.0"],
     extras_require={
         "megatron": ["megatron-core>=0.16,<0.17"],
         "test": ["pytest>=8", "pytest-timeout", "megatron-core>=0.16,<0.17", "matplotlib"],

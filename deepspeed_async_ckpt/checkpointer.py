@@ -44,7 +44,7 @@ from .commit import (META_DIR, Pointer, check_checkpoint_dir, claim_save_dir, co
                      write_rank_failure, write_rank_record)
 from .config import AsyncCheckpointConfig
 from .errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
-from .persist import FileRecord, Share, split_items, write_file
+from .persist import FileRecord, Share, check_torch_writer, split_items, write_file
 from .snapshot import (FilePlan, HostBufferPool, Stager, TensorItem, plan_file, storage_addresses,
                        tensor_ids)
 from .storage import LocalStorage, Storage, aligned_size, temporary_path
@@ -370,6 +370,7 @@ class AsyncCheckpointer:
                  exchange: Callable[..., tuple[str, dict[int, str]]] | None = None,
                  on_commit: Callable[[CommitInfo], None] | None = None,
                  ) -> None:
+        check_torch_writer()  # before any thread starts: a clear error, not a failed first save
         self.config = config
         self._commit_callbacks: list[Callable[[CommitInfo], None]] = [on_commit] if on_commit else []
         self._reporter: ThreadPoolExecutor | None = None  # commit callbacks, started on first use

@@ -93,6 +93,19 @@ def split_items(sizes: Sequence[int], shares: int) -> tuple[int, ...]:
     return tuple(cuts)
 
 
+def check_torch_writer() -> None:
+    """Raise ``PersistError`` unless torch's zip writer takes a storage alignment (the third
+    argument of ``torch._C.PyTorchFileWriter``, which lays record data out on pages for
+    direct I/O): older torch releases have no such argument, and every save would fail."""
+    import io
+
+    try:
+        torch._C.PyTorchFileWriter(io.BytesIO(), False, DIRECT_ALIGN)
+    except TypeError as exc:
+        raise PersistError(f"torch {torch.__version__} is too old for this engine: its zip writer "
+                           f"takes no storage alignment ({exc}); install torch 2.7 or later") from None
+
+
 class _Crc32:
     """zlib's CRC-32 behind hashlib's ``update``/``hexdigest`` interface."""
 
