@@ -29,6 +29,7 @@ import importlib.util
 import json
 import os
 import random
+import shutil
 import sys
 import time
 from typing import Any
@@ -325,6 +326,12 @@ def save_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, sch
     if dist.get_rank() == 0:
         with open(tracker_path(args.save), "w", encoding="utf-8") as f:
             f.write(str(iteration))
+        # --save-retain-interval as Megatron-LM applies it: once the tracker moved, the
+        # previous checkpoint of this run goes unless its iteration is a multiple of N
+        previous = getattr(args, "_previous_save", None)
+        if args.save_retain_interval and previous is not None and previous % args.save_retain_interval:
+            shutil.rmtree(checkpoint_dir(args.save, previous), ignore_errors=True)
+    args._previous_save = iteration
     dist.barrier()
     return None
 

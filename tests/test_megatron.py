@@ -430,15 +430,23 @@ def test_resume_from_a_truncated_common_pt_names_it(straight_run, tmp_path, env)
         assert f"IntegrityError: {common}: size" in log and "file truncated" in log, log[-3000:]
 
 
-def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path, env):
+@pytest.mark.parametrize("engine", ["async", "megatron-core"])
+def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path, env, engine):
     """Megatron-LM's ``--save-retain-interval``, which routed saves honour: a checkpoint every
-    iteration, only iterations 3 and 6 (multiples of 3) and the newest, 7, are left."""
+    iteration, only iterations 3 and 6 (multiples of 3) and the newest, 7, are left. With
+    ``"enabled": false`` (megatron-core's own saves) it was ignored until session 19 (found
+    by an audit): every checkpoint stayed."""
     save = tmp_path / "ckpt"
+    config = CONFIG
+    if engine == "megatron-core":
+        config = tmp_path / "off.json"
+        config.write_text('{"enabled": false}')
     args = [*TINY_GPT, "--train-iters", 7, "--save", save, "--save-interval", 1,
-            "--save-retain-interval", 3, "--async-ckpt", "--async-ckpt-config", CONFIG]
+            "--save-retain-interval", 3, "--async-ckpt", "--async-ckpt-config", config]
     run(PRETRAIN, args, env)
     assert read_tracker(str(save)) == 7
-    assert sorted(os.listdir(save)) == [LOCK_FILE, "iter_0000003", "iter_0000006", "iter_0000007",
+    lock = [LOCK_FILE] if engine == "async" else []
+    assert sorted(os.listdir(save)) == [*lock, "iter_0000003", "iter_0000006", "iter_0000007",
                                         "latest_checkpointed_iteration.txt"]
     for it in (3, 6, 7):
         verify_checkpoint_dir(str(save / f"iter_{it:07d}"))
