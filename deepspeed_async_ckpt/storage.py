@@ -517,9 +517,18 @@ class DirectFile:
     def close(self) -> None:
         if self._fd < 0:
             return
+        interrupted: BaseException | None = None
+        while self._io is not None:  # every write, and its buffer's use, is over: only then
+            try:                     # the descriptor goes (its number is reused at once)
+                self._io.shutdown(wait=True)
+                break
+            except BaseException as exc:  # Ctrl-C in the join: join again, raise it after
+                interrupted = interrupted or exc
+                if isinstance(exc, Exception):  # not an interruption: joining again won't help
+                    break
         try:
-            if self._io is not None:
-                self._io.shutdown(wait=True)  # every write, and its buffer's use, is over
+            if interrupted is not None:
+                raise interrupted
         finally:
             os.close(self._fd)
             self._fd = -1

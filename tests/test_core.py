@@ -762,6 +762,44 @@ def _direct_file_or_skip(path):
     return f
 
 
+def test_ctrl_c_while_a_direct_file_closes_never_closes_the_fd_under_a_write(tmp_path, monkeypatch):
+    """Closing a DirectFile joins its I/O thread, then closes the descriptor. Ctrl-C landing
+    in the join (a sync save runs on the training thread) went straight to ``os.close`` while
+    the I/O thread could still ``pwritev`` to that descriptor number, which another open may
+    reuse at once: checkpoint bytes into an unrelated file (found by an audit, session 19)."""
+    import mmap
+
+    f = _direct_file_or_skip(tmp_path / "f")
+    events = []
+    release = threading.Event()
+    real_pwrite = f._pwrite
+
+    def slow_pwrite(parts, offset):
+        release.wait(10)
+        real_pwrite(parts, offset)
+        events.append("written")
+
+    monkeypatch.setattr(f, "_pwrite", slow_pwrite)
+    real_close = os.close
+    monkeypatch.setattr(os, "close", lambda fd: (events.append("closed") if fd == f._fd else None, real_close(fd)))
+    buf = mmap.mmap(-1, 2 * f._SMALL)
+    f.write_stable(memoryview(buf))
+    real_shutdown = f._io.shutdown
+    calls = []
+
+    def interrupted_shutdown(wait=True):
+        calls.append(wait)
+        if len(calls) == 1:  # Ctrl-C in the join; the write is still running
+            threading.Timer(0.2, release.set).start()
+            raise KeyboardInterrupt
+        real_shutdown(wait=wait)
+
+    monkeypatch.setattr(f._io, "shutdown", interrupted_shutdown)
+    with pytest.raises(KeyboardInterrupt):
+        f.close()
+    assert events == ["written", "closed"], events
+
+
 def _write_records_like_deepspeed(f, n_large=4):
     """Per large record, as in a DeepSpeed file: a page of zip header, two small page-aligned
     records (a bias and a norm), another header, the large record (its last page partial)."""
