@@ -38,7 +38,8 @@ import torch
 import xxhash
 
 from .commit import (META_DIR, Pointer, check_checkpoint_dir, claim_save_dir, commit,
-                     find_checkpoint_dir, finish_replacements, make_checkpoint_dir, read_manifest,
+                     find_checkpoint_dir, finish_replacements, forget_claims_in_child,
+                     make_checkpoint_dir, read_manifest,
                      release_save_dir, remove_stale_temporaries, remove_trash, replace_checkpoint,
                      retire_checkpoints, staging_dir, verify_checkpoint, verify_file,
                      write_rank_failure, write_rank_record)
@@ -325,6 +326,8 @@ def _forget_in_child() -> None:
     _exit_flushes.clear()
     for ck in list(_open_checkpointers):
         ck._forked = True
+        _open_checkpointers.discard(ck)  # fence_all() in the child skips them
+    forget_claims_in_child()  # the parent's save-directory locks are the parent's
 
 
 if hasattr(os, "register_at_fork"):
@@ -1126,9 +1129,10 @@ class AsyncCheckpointer:
         exit flush before it joins such threads, and closing under a save being made abandons
         it. Python would wait for that thread right after anyway."""
         owner = self._owner
-        if owner is not None and owner is not threading.current_thread() and owner.is_alive() \
-                and not owner.daemon:
-            owner.join()
+        if owner is None or owner is threading.current_thread() or owner.daemon:
+            return
+        while self._current is not None and owner.is_alive():  # a save still open, nothing more:
+            owner.join(0.1)  # an idle pool worker that saved earlier is never joined
 
     def _at_exit(self) -> None:
         self.join_training_thread()

@@ -79,8 +79,9 @@ def claim_save_dir(save_dir: str) -> str | None:
         try:
             os.makedirs(key, exist_ok=True)
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
-        except OSError as exc:  # the save's own writes will fail and say why
-            logger.warning("async checkpoint: cannot open %s: %s", path, exc)
+        except OSError as exc:  # not ours to open (another user's?): saves go on unlocked
+            logger.warning("async checkpoint: cannot open %s (%s): two jobs saving into %s "
+                           "would not be told apart", path, exc, save_dir)
             return None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -103,6 +104,21 @@ def claim_save_dir(save_dir: str) -> str | None:
         os.pwrite(fd, f"{socket.gethostname()} {os.getpid()}\n".encode(), 0)
         _claims[key] = [fd, 1]
         return key
+
+
+def forget_claims_in_child() -> None:
+    """In a forked child: the parent's claims are not the child's. Its copies of the lock
+    files' descriptors are closed (the parent's own still hold the locks), so the parent can
+    claim again after its checkpointer closes, and a checkpointer made in the child must
+    claim for itself (and is refused where the parent saves)."""
+    global _claims_lock
+    _claims_lock = threading.Lock()  # the parent may have held it at the fork
+    for fd, _ in _claims.values():
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+    _claims.clear()
 
 
 def release_save_dir(key: str, *, remove: bool = False) -> None:

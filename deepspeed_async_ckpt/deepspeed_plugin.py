@@ -277,15 +277,17 @@ _LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCA
 
 def _ranks_on_this_node(world_size: int) -> int:
     """Collective: how many ranks share this rank's node. Host names (all-gathered: every
-    launcher, or none) and each launcher's own variable count; the smaller wins, so ranks on
-    two nodes are seen as such if either says so (containers may share a host name)."""
+    launcher, or none) and the innermost launcher's variable (the first set, in the order of
+    :data:`_LOCAL_SIZE_VARIABLES`: torchrun under srun sets its own for its children) count;
+    the smaller wins, so ranks on two nodes are seen as such if either says so (containers
+    may share a host name)."""
     hosts: list[Any] = [None] * world_size
     dist.all_gather_object(hosts, socket.gethostname())
     local = hosts.count(hosts[dist.get_rank()])
     for name in _LOCAL_SIZE_VARIABLES:
         value = os.environ.get(name, "")
         if value.isdigit() and int(value) > 0:
-            local = min(local, int(value))
+            return min(local, int(value))
     return local
 
 

@@ -156,6 +156,8 @@ def test_deepspeed_node_local_storage_across_nodes_is_a_config_error():
     ({}, ["node0", "node1"], True),  # srun and others: no variable, the host names tell
     ({}, ["node0", "node0"], False),  # one node
     ({"LOCAL_WORLD_SIZE": "2"}, ["node0", "node0"], False),
+    # srun --ntasks-per-node=1 torchrun --nproc-per-node 2: torchrun's own variable wins
+    ({"LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "1"}, ["node0", "node0"], False),
 ])
 def test_node_local_storage_across_nodes_is_refused_whatever_the_launcher(monkeypatch, env, hosts, refused):
     """The check read torchrun's LOCAL_WORLD_SIZE only, defaulting to the world size: under
@@ -166,7 +168,7 @@ def test_node_local_storage_across_nodes_is_refused_whatever_the_launcher(monkey
     from deepspeed_async_ckpt import deepspeed_plugin
     from deepspeed_async_ckpt.errors import ConfigError
 
-    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE"):
+    for name in deepspeed_plugin._LOCAL_SIZE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -1054,6 +1056,89 @@ def test_a_second_job_saving_into_the_same_directory_is_refused_naming_the_first
     again.close()
     ck.close()
     assert (tmp_path / "latest").read_text() == "b2"
+
+
+POOL_EXIT_SCRIPT = """
+import sys, torch
+from concurrent.futures import ThreadPoolExecutor
+from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.commit import Pointer
+root = sys.argv[1]
+ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+def save():
+    ck.begin(root + "/t0", tag="t0", pointer=Pointer(root + "/latest", "t0"))
+    ck.save({"w": torch.ones(16)}, root + "/t0/model.pt")
+    ck.end()
+pool = ThreadPoolExecutor(1)
+pool.submit(save).result()  # the pool's worker stays, idle, until exit
+print("returning", flush=True)
+"""
+
+
+def test_saves_from_an_idle_pool_worker_do_not_hold_up_the_exit(tmp_path, repo_env):
+    """The exit flush waiting for the training thread must not wait for a pool worker that
+    saved earlier and now idles: concurrent.futures stops it only after our hook (a review
+    of session 19's fix found every exit hanging)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", POOL_EXIT_SCRIPT, str(tmp_path)], env=repo_env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0 and "returning" in out.stdout, out.stderr
+    assert (tmp_path / "latest").read_text() == "t0"
+
+
+FORK_LOCK_SCRIPT = """
+import os, sys, time, torch
+from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, fence_all
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.commit import Pointer
+root = sys.argv[1]
+def make():
+    return AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01))
+def save(ck, tag):
+    ck.begin(root + "/" + tag, tag=tag, pointer=Pointer(root + "/latest", tag))
+    ck.save({"w": torch.ones(16)}, root + "/" + tag + "/model.pt")
+    ck.end()
+ck = make()
+save(ck, "a1")
+r, w = os.pipe()
+pid = os.fork()
+if pid == 0:  # a long-lived child (a persistent DataLoader worker, an evaluation process)
+    mine = make()
+    fence_all()  # the parent's checkpointer is not the child's to fence
+    try:
+        save(mine, "child1")
+        print("child saved into the parent's directory", flush=True)
+    except Exception as exc:
+        print("child refused:", "pid %d" % os.getppid() in str(exc), flush=True)
+    os.read(r, 1)
+    os._exit(0)
+time.sleep(1.0)
+ck.close()
+again = make()  # the parent re-creates its checkpointer while the child lives
+save(again, "a2")
+again.close()
+print("parent saved again", flush=True)
+os.write(w, b"x")
+os.waitpid(pid, 0)
+"""
+
+
+def test_a_forked_child_neither_holds_nor_shares_the_parents_save_directory_lock(tmp_path, repo_env):
+    """flock belongs to the open file description, which a fork shares: the child held the
+    parent's lock (the parent, re-creating its checkpointer, was refused naming itself) and
+    saved into the parent's directory unrefused; fence_all() in the child raised on the
+    parent's checkpointer (a review of session 19's changes)."""
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", FORK_LOCK_SCRIPT, str(tmp_path)], env=repo_env,
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "child refused: True" in out.stdout and "parent saved again" in out.stdout, out.stdout + out.stderr
+    assert (tmp_path / "latest").read_text() == "a2"
 
 
 FORK_SCRIPT = """
