@@ -286,14 +286,14 @@ class PlanInputs:
         if len(given) > 1:
             raise PlanInputError(given[1], f"give at most one target, got {', '.join(given)}")
         if self.target_checkpoint_time_s is not None:
-            _check_positive("target_checkpoint_time_s", self.target_checkpoint_time_s)
+            _check_positive("target_checkpoint_time_s", self.target_checkpoint_time_s, 1e-6)
         if self.target_overhead_fraction is not None:
             f = self.target_overhead_fraction
             if not _is_real(f) or not (0 < f < 1):
                 raise PlanInputError("target_overhead_fraction",
                                      f"target_overhead_fraction must be in (0, 1), got {_show(f)}")
         if self.target_checkpoints_per_failure is not None:
-            _check_positive("target_checkpoints_per_failure", self.target_checkpoints_per_failure)
+            _check_positive("target_checkpoints_per_failure", self.target_checkpoints_per_failure, 1e-6)
 
         _check_choice("mode", self.mode, MODES)
         if self.d2h_gbps is not None:
