@@ -907,7 +907,10 @@ class AsyncCheckpointer:
         failed = False
         for future in self._retiring:
             if future.done():
-                if future.exception() is None or failed:
+                if future.exception() is None:
+                    continue
+                if failed:  # the first is raised by wait(); this one is only logged
+                    logger.warning("async checkpoint: retention failed again: %r", future.exception())
                     continue
                 failed = True
             kept.append(future)
