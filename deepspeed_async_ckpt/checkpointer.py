@@ -1128,9 +1128,11 @@ class AsyncCheckpointer:
 
     def join_training_thread(self) -> None:
         """At interpreter exit: if the saves come from a thread other than this one (training
-        in a non-daemon thread, the main thread returned), let it finish first. Python runs the
-        exit flush before it joins such threads, and closing under a save being made abandons
-        it. Python would wait for that thread right after anyway."""
+        in a non-daemon thread, the main thread returned) and a save it began is still open
+        (between ``begin`` and ``end``), wait until it ends or the thread does. Python runs the
+        exit flush before it joins such threads, and closing under an open save abandons it.
+        Nothing more: a pool worker that saved earlier and now idles stops only after this
+        hook, so waiting for it would hang the exit."""
         owner = self._owner
         if owner is None or owner is threading.current_thread() or owner.daemon:
             return
