@@ -44,7 +44,7 @@ from .commit import (META_DIR, Pointer, check_checkpoint_dir, claim_save_dir, co
                      retire_checkpoints, staging_dir, verify_checkpoint, verify_file,
                      write_rank_failure, write_rank_record)
 from .config import AsyncCheckpointConfig
-from .errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
+from .errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError, describe
 from .persist import FileRecord, Share, check_torch_writer, split_items, write_file
 from .snapshot import (FilePlan, HostBufferPool, Stager, TensorItem, plan_file, storage_addresses,
                        tensor_ids)
@@ -489,8 +489,11 @@ class AsyncCheckpointer:
                             except AsyncCheckpointError as exc:  # another job made it meanwhile
                                 refused = exc
                 except Exception as exc:  # a Storage of the user's: every rank raises it, below
-                    if local is None:
-                        local = exc
+                    if local is None:  # this save refused, not "a previous checkpoint failed"
+                        refused = AsyncCheckpointError(
+                            f"preparing checkpoint {ckpt_dir!r} failed, nothing was written (the "
+                            f"last committed one is intact): {type(exc).__name__}: {describe(exc)}")
+                        refused.__cause__ = exc
                     else:  # an earlier save's failure goes first; this one is only logged
                         logger.warning("async checkpoint: preparing %s failed: %s", ckpt_dir, exc)
             message = f"{_REFUSED}{refused}" if refused is not None else \

@@ -3027,9 +3027,18 @@ def test_a_storage_error_of_another_kind_before_the_exchange_reaches_every_rank(
     OSError raised before the exchange, and the other ranks waited in it for good. It now
     travels in the exchange, and every rank raises."""
     ck, sent = _object_store_checkpointer("makedirs")
-    with pytest.raises(AsyncCheckpointError, match="503 Slow Down"):
+    with pytest.raises(AsyncCheckpointError, match="503 Slow Down") as info:
         ck.begin(str(tmp_path / "s1"), tag="s1")
     assert len(sent) == 1 and "503 Slow Down" in sent[0]
+    # this save's own preparation failed: not worded as an earlier save's failure (until
+    # session 19 it was, on every rank), and the checkpoint it was for is named
+    assert "previous checkpoint" not in str(info.value) and "s1" in str(info.value), info.value
+    other = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), rank=1,
+                              world_size=2, exchange=lambda value, error, key="": (value, {0: sent[0]}))
+    with pytest.raises(AsyncCheckpointError) as info:
+        other.begin(str(tmp_path / "s1"), tag="s1")
+    assert str(info.value).startswith("rank 0: preparing checkpoint") and "503" in str(info.value), info.value
+    other.close()
     ck.close()
 
 
