@@ -693,6 +693,14 @@ def _manifest_problem(manifest: object) -> str | None:
     for key, kind in _MANIFEST_FIELDS.items():
         if not isinstance(manifest.get(key), kind):
             return f"{key!r} missing or of the wrong type"
+    name, _, version = manifest["format"].rpartition("/")
+    if name != FORMAT.rpartition("/")[0] or not version.isdigit():
+        return f"format {manifest['format']!r} is not this engine's"
+    if int(version) > int(FORMAT.rpartition("/")[2]):
+        return (f"format {manifest['format']!r} is newer than this version of deepspeed_async_ckpt "
+                f"reads ({FORMAT!r}): upgrade it")
+    if manifest["checksum"] not in HASHERS:
+        return f"checksum {manifest['checksum']!r} unknown to this version"
     if not 0 <= manifest["committed_at"] < 253402300800:  # a time (before year 10000), not NaN
         return f"'committed_at' {manifest['committed_at']!r} is not a time"
     late = manifest.get("late_files", [])
@@ -709,6 +717,8 @@ def _manifest_problem(manifest: object) -> str | None:
                 isinstance(seg, list) and len(seg) == 3 and all(isinstance(v, int) for v in seg[:2])
                 and isinstance(seg[2], str) for seg in segments):
             return f"file {rel!r} has malformed segments"
+        if "segments" not in entry and not isinstance(entry.get(manifest["checksum"]), str):
+            return f"file {rel!r} has no {manifest['checksum']} checksum"
     return None
 
 

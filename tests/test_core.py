@@ -3278,6 +3278,34 @@ def test_list_with_an_unreadable_directory_exits_with_a_message(tmp_path, capsys
     assert err.startswith("error: cannot list the save directory") and "Permission denied" in err, err
 
 
+@pytest.mark.parametrize("damage,problem", [
+    (lambda m: m["files"]["model.pt"].pop("xxh128"), "has no xxh128 checksum"),
+    (lambda m: m.update(format="deepspeed_async_ckpt/2"), "newer than this version"),
+    (lambda m: m.update(format="someone_else/1"), "is not this engine's"),
+    (lambda m: m.update(checksum="blake9"), "unknown to this version"),
+])
+def test_a_manifest_this_version_cannot_check_is_named_not_the_intact_file(tmp_path, capsys, damage, problem):
+    """A file entry without a checksum made the intact file "CORRUPT ... does not match
+    manifest None" while `list` said committed; a manifest of a newer format (or another
+    algorithm) would have done the same (found by an audit, session 19). The manifest is
+    named as what cannot be read, everywhere."""
+    ck = make("sync")
+    save_one(ck, str(tmp_path), sample_state())
+    ck.close()
+    path = tmp_path / "t1" / META_DIR / "manifest.json"
+    manifest = json.loads(path.read_text())
+    damage(manifest)
+    path.write_text(json.dumps(manifest))
+    with pytest.raises(IntegrityError, match=f"its manifest .* {problem}"):
+        verify_checkpoint(str(tmp_path / "t1"))
+    assert cli_main(["verify", str(tmp_path)]) == 1
+    err = capsys.readouterr().err
+    assert "manifest" in err and problem in err and "model.pt" not in err.split("manifest")[0], err
+    assert cli_main(["list", "--json", str(tmp_path)]) == 0
+    (row,) = json.loads(capsys.readouterr().out)
+    assert row["state"] == "damaged" and problem in row["problem"], row
+
+
 def test_a_damaged_file_three_directories_down_fails_verification(tmp_path):
     """A file saved in a subdirectory of the checkpoint is listed in its manifest; damaged, it
     must fail verification and loading, however deep it lies. Three directories down, the
