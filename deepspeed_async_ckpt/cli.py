@@ -137,6 +137,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
                            committed_at=manifest["committed_at"],
                            files=len(manifest["files"]), world_size=manifest["world_size"],
                            bytes=sum(e["bytes"] for e in manifest["files"].values()))
+                if manifest.get("rotation") is False:  # saved aside: keep_last never removes it
+                    row["rotation"] = False
         rows.append(row)
     order = {"committed": 0, "unfinalized": 1, "damaged": 2, "partial": 3, "staged": 4,
              "being removed": 5, "other": 6}
@@ -151,7 +153,8 @@ def _cmd_list(args: argparse.Namespace) -> int:
         detail = f"{r['rank_records']} rank record(s)" if r["state"] == "partial" else \
             f"replaces {r['replaces']}" if r["state"] == "staged" else \
             "manifest unreadable: see `verify`" if r["state"] == "damaged" else \
-            "committed, markers never written" if r["state"] == "unfinalized" else ""
+            "committed, markers never written" if r["state"] == "unfinalized" else \
+            "kept aside (save_latest=False): keep_last never removes it" if r.get("rotation") is False else ""
         table.append((r["name"], r["state"], when, str(r.get("files", "-")),
                       _bytes_text(r["bytes"]) if "bytes" in r else "-",
                       str(r.get("world_size", "-")), "<- pointer" if r["pointer"] else detail))

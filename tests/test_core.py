@@ -2265,7 +2265,7 @@ def test_retention_for_a_checkpoint_an_earlier_pass_removed_says_nothing(tmp_pat
     assert "t9 is not a committed checkpoint" in caplog.text
 
 
-def test_keep_last_leaves_a_checkpoint_saved_without_moving_the_pointer(tmp_path):
+def test_keep_last_leaves_a_checkpoint_saved_without_moving_the_pointer(tmp_path, capsys):
     """DeepSpeed's ``save_checkpoint(d, tag="best", save_latest=False)``, the usual way to keep
     the best model aside: with ``keep_last``, the next saves' retention removed it like any
     older checkpoint (found by an audit, session 19). Such a save is begun with
@@ -2289,6 +2289,11 @@ def test_keep_last_leaves_a_checkpoint_saved_without_moving_the_pointer(tmp_path
     assert listing(tmp_path) == ["best", "latest", "s4"]
     assert "rotation" not in read_manifest(os.path.join(root, "s4"))  # manifests as before
     verify_checkpoint(os.path.join(root, "best"))
+    assert cli_main(["list", "--json", root]) == 0  # list says which are kept aside
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["best"].get("rotation") is False and "rotation" not in rows["s4"], rows
+    assert cli_main(["list", root]) == 0
+    assert "kept aside" in next(line for line in capsys.readouterr().out.splitlines() if line.startswith("best"))
     save_one(ck, root, sample_state(), tag="best")  # with the pointer: in the rotation
     save_one(ck, root, sample_state(), tag="s5")
     ck.close()
