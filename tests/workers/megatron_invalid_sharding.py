@@ -40,3 +40,6 @@ ckpt.close()
 result["tracker"] = read_tracker(save_dir)
 with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
     json.dump(result, f)
+# All written: leave before interpreter teardown, where a gloo worker thread can abort the
+# process ("terminate called without an active exception"; README, "CPU and CI").
+os._exit(0)

@@ -30,3 +30,6 @@ except Exception as exc:
     result["error"] = f"{type(exc).__name__}: {exc}"
 with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
     json.dump(result, f)
+# All written: leave before interpreter teardown, where a gloo worker thread can abort the
+# process ("terminate called without an active exception"; README, "CPU and CI").
+os._exit(0)
