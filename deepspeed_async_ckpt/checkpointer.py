@@ -460,32 +460,33 @@ class AsyncCheckpointer:
         with self._dirs_lock:  # before the exchange, so before any rank writes into it
             self._beginning = ckpt_dir  # retention leaves it alone (see retire_older)
         made: tuple[str, list[str]] | None = None
+        save_dir = os.path.dirname(ckpt_dir)
         try:
             local, more = self._take_background_errors()
             save_id = uuid.uuid4().hex[:16]
             refused: AsyncCheckpointError | None = None
-            if self.rank == 0 and os.path.isdir(os.path.dirname(ckpt_dir)):
+            if self.rank == 0 and os.path.isdir(save_dir):
                 try:  # before anything in it is touched (another job's staging, say)
-                    self._claim(os.path.dirname(ckpt_dir))
+                    self._claim(save_dir)
                 except AsyncCheckpointError as exc:
                     refused = exc
             if self.rank == 0 and refused is None:  # decided by rank 0 alone, before any rank can write: staged?
                 try:  # never raise before the exchange: the other ranks would wait in it
                     try:
-                        self.recover(os.path.dirname(ckpt_dir))
+                        self.recover(save_dir)
                         for path in (pointer.path if pointer is not None else None, own_pointer):
                             if path is not None:
                                 remove_stale_temporaries(self.storage, path)
                     except OSError as exc:
                         logger.warning("async checkpoint: cleaning up %s failed: %s",
-                                       os.path.dirname(ckpt_dir), exc)
+                                       save_dir, exc)
                     if self._busy(ckpt_dir) or _holds_files(ckpt_dir):
                         save_id += _STAGED
                     if local is None:  # before the exchange, so before another rank writes into it
                         made = self._make_write_dir(ckpt_dir, save_id)
-                        if made is not None and os.path.dirname(ckpt_dir) in made[1]:
+                        if made is not None and save_dir in made[1]:
                             try:  # the save directory is new: claimed as soon as it exists
-                                self._claim(os.path.dirname(ckpt_dir))
+                                self._claim(save_dir)
                             except AsyncCheckpointError as exc:  # another job made it meanwhile
                                 refused = exc
                 except Exception as exc:  # a Storage of the user's: every rank raises it, below
@@ -517,8 +518,8 @@ class AsyncCheckpointer:
                                       "committed one is intact) on rank(s) " + by_rank(failed))
             except BaseException:
                 if made is not None:  # refused: nothing of it is left
-                    if os.path.dirname(ckpt_dir) in made[1]:  # its lock too, if claimed here
-                        self._unclaim(os.path.dirname(ckpt_dir))
+                    if save_dir in made[1]:  # its lock too, if claimed here
+                        self._unclaim(save_dir)
                     _remove_if_empty(made)
                 raise
             save_id, write_dir = _write_dir(ckpt_dir, save_id)

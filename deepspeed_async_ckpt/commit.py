@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 META_DIR = ".async_ckpt"
 MANIFEST = "manifest.json"
 FORMAT = "deepspeed_async_ckpt/1"
+_FORMAT_NAME, _FORMAT_VERSION = FORMAT.rpartition("/")[0], int(FORMAT.rpartition("/")[2])
 
 
 @dataclass(frozen=True)
@@ -76,8 +77,7 @@ def claim_save_dir(save_dir: str) -> str | None:
             _claims[key][1] += 1
             return key
         path = os.path.join(key, LOCK_FILE)
-        try:
-            os.makedirs(key, exist_ok=True)
+        try:  # the save directory exists: begin claims it once it does
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
         except OSError as exc:  # not ours to open (another user's?): saves go on unlocked
             logger.warning("async checkpoint: cannot open %s (%s): two jobs saving into %s "
@@ -694,9 +694,9 @@ def _manifest_problem(manifest: object) -> str | None:
         if not isinstance(manifest.get(key), kind):
             return f"{key!r} missing or of the wrong type"
     name, _, version = manifest["format"].rpartition("/")
-    if name != FORMAT.rpartition("/")[0] or not version.isdigit():
+    if name != _FORMAT_NAME or not version.isdigit():
         return f"format {manifest['format']!r} is not this engine's"
-    if int(version) > int(FORMAT.rpartition("/")[2]):
+    if int(version) > _FORMAT_VERSION:
         return (f"format {manifest['format']!r} is newer than this version of deepspeed_async_ckpt "
                 f"reads ({FORMAT!r}): upgrade it")
     if manifest["checksum"] not in HASHERS:

@@ -261,9 +261,9 @@ class PlanInputs:
             _check_int("params", self.params, maximum=MAX_PARAMS)
         if self.shape is not None and not isinstance(self.shape, ModelShape):
             raise PlanInputError("shape", f"shape must be a ModelShape, got {type(self.shape).__name__}")
-        if self.shape is not None and estimate_params(self.shape) > MAX_PARAMS:
+        if self.shape is not None and (n := estimate_params(self.shape)) > MAX_PARAMS:
             raise PlanInputError("shape.hidden_size",
-                                 f"the model shape gives {estimate_params(self.shape):.3g} parameters, "
+                                 f"the model shape gives {n:.3g} parameters, "
                                  f"more than {MAX_PARAMS:g}: check hidden_size and num_layers")
         _check_choice("precision", self.precision, PRECISIONS)
         _check_choice("optimizer", self.optimizer, OPTIMIZERS)

@@ -924,6 +924,15 @@ class FailingStorage(LocalStorage):
         return W()
 
 
+def run_script(script: str, env: dict, *args: str, timeout: float = 120):
+    """Run ``script`` (Python source) in a fresh interpreter with ``args``; its completed process."""
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", script, *args], env=env, capture_output=True,
+                          text=True, timeout=timeout)
+
+
 EXIT_SCRIPT = """
 import sys, time, torch
 import deepspeed_async_ckpt.checkpointer as checkpointer
@@ -953,12 +962,8 @@ print("returning", flush=True)
 def test_script_that_returns_right_after_saving_commits_its_last_checkpoint(tmp_path, repo_env):
     # The usual end of a training script: save, then return. The interpreter's exit must let
     # the save finish (not refuse its writes as Python's thread pools shut down) and commit it.
-    import subprocess
-    import sys
-
     root = str(tmp_path)
-    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, root], env=repo_env, capture_output=True,
-                         text=True, timeout=120)
+    out = run_script(EXIT_SCRIPT, repo_env, root)
     assert out.returncode == 0, out.stderr
     assert "not committed" not in out.stderr, out.stderr
     assert "returning" in out.stdout
@@ -997,11 +1002,7 @@ def test_the_exit_flush_waits_for_a_training_thread_still_saving(tmp_path, repo_
     flush before it joins that thread, and the flush closed the checkpointer under the save
     being made (``end() without begin()``, nothing committed). Found by an audit, session 19.
     The flush now joins the thread that began the open save first."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", THREAD_EXIT_SCRIPT, str(tmp_path)], env=repo_env,
-                         capture_output=True, text=True, timeout=120)
+    out = run_script(THREAD_EXIT_SCRIPT, repo_env, str(tmp_path))
     assert out.returncode == 0 and "trainer:" not in out.stdout, out.stdout + out.stderr
     assert (tmp_path / "latest").read_text() == "t0"
     verify_checkpoint(str(tmp_path / "t0"))
@@ -1080,11 +1081,7 @@ def test_saves_from_an_idle_pool_worker_do_not_hold_up_the_exit(tmp_path, repo_e
     """The exit flush waiting for the training thread must not wait for a pool worker that
     saved earlier and now idles: concurrent.futures stops it only after our hook (a review
     of session 19's fix found every exit hanging)."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", POOL_EXIT_SCRIPT, str(tmp_path)], env=repo_env,
-                         capture_output=True, text=True, timeout=60)
+    out = run_script(POOL_EXIT_SCRIPT, repo_env, str(tmp_path), timeout=60)
     assert out.returncode == 0 and "returning" in out.stdout, out.stderr
     assert (tmp_path / "latest").read_text() == "t0"
 
@@ -1131,11 +1128,7 @@ def test_a_forked_child_neither_holds_nor_shares_the_parents_save_directory_lock
     parent's lock (the parent, re-creating its checkpointer, was refused naming itself) and
     saved into the parent's directory unrefused; fence_all() in the child raised on the
     parent's checkpointer (a review of session 19's changes)."""
-    import subprocess
-    import sys
-
-    out = subprocess.run([sys.executable, "-c", FORK_LOCK_SCRIPT, str(tmp_path)], env=repo_env,
-                         capture_output=True, text=True, timeout=60)
+    out = run_script(FORK_LOCK_SCRIPT, repo_env, str(tmp_path), timeout=60)
     assert out.returncode == 0, out.stderr
     assert "child refused: True" in out.stdout and "parent saved again" in out.stdout, out.stdout + out.stderr
     assert (tmp_path / "latest").read_text() == "a2"
@@ -1199,12 +1192,8 @@ def test_a_child_forked_during_a_save_exits_at_once_and_the_parent_commits(tmp_p
     DataLoader waited 5 s per worker and killed it; a plain fork never exited). Found by an
     audit, session 19. In the child the checkpointer is closed: using it raises, it never hangs."""
     import re
-    import subprocess
-    import sys
-
     root = str(tmp_path)
-    out = subprocess.run([sys.executable, "-c", FORK_SCRIPT, root, how], env=repo_env,
-                         capture_output=True, text=True, timeout=120)
+    out = run_script(FORK_SCRIPT, repo_env, root, how)
     assert out.returncode == 0, out.stderr
     found = re.search(r"child exit (\S+) after ([0-9.]+) s", out.stdout)
     assert found and found.group(1) == "0" and float(found.group(2)) < 0.9, out.stdout + out.stderr
