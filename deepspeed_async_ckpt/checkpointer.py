@@ -63,6 +63,17 @@ def _reraise(exc: BaseException, more: int = 0) -> AsyncCheckpointError:
     return err
 
 
+def _this_save_failed(handle: "CheckpointHandle", exc: BaseException) -> BaseException:
+    """A sync save's own failure, raised by its ``end``: as it is where it says what failed
+    (a commit error; Ctrl-C), else named as this checkpoint's."""
+    if isinstance(exc, AsyncCheckpointError) or not isinstance(exc, Exception):
+        return exc
+    err = PersistError(f"checkpoint {handle.ckpt_dir!r} (tag {handle.tag}) not committed (the last "
+                       f"committed one is intact): {type(exc).__name__}: {describe(exc)}")
+    err.__cause__ = exc
+    return err
+
+
 @dataclass(frozen=True)
 class CommitInfo:
     """What rank 0 knows of a checkpoint once it is committed: what the commit log line says,
@@ -695,7 +706,9 @@ class AsyncCheckpointer:
                      tmp=temporary_path(path, save_id))
 
     def end(self, *, commit: bool = True) -> CheckpointHandle:
-        """Seal the open checkpoint; in sync mode, return only once it is committed.
+        """Seal the open checkpoint. In sync mode, return once this rank's files are persisted
+        and, on rank 0, the checkpoint is committed; raise this save's failure here (the
+        adapters then share the outcome across ranks, so that every rank knows it).
 
         ``commit=False`` abandons it (the framework's save raised midway): its files still
         drain from the pool, but it is never recorded or committed.
@@ -714,6 +727,10 @@ class AsyncCheckpointer:
             self._commits.put(handle)
         else:
             self._commit_one(handle)
+            if handle.error is not None:  # this save's failure, not "a previous checkpoint's"
+                with self._lock:
+                    self._errors.remove(handle.error)
+                raise _this_save_failed(handle, handle.error)
             self.raise_background_error()
         return handle
 

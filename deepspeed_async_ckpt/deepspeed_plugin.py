@@ -44,10 +44,10 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.utils import logger as ds_logger
 
-from .checkpointer import AsyncCheckpointer, CommitInfo, Replicas
+from .checkpointer import AsyncCheckpointer, CommitInfo, Replicas, by_rank, exchange_across_ranks
 from .commit import Pointer, check_name
 from .config import CONFIG_KEY, AsyncCheckpointConfig
-from .errors import ConfigError
+from .errors import CommitError, ConfigError, describe
 from .storage import aligned_size, temporary_path
 
 ENGINE_NAME = "AsyncCheckpointEngine"
@@ -92,6 +92,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._eager_keys: tuple[str, ...] = _DEEPSPEED_EAGER_KEYS
         self._buffers: list[torch.Tensor] = []  # the model's: a forward may update them
         self._reserved = False  # the host pool was sized after the first optimizer step
+        self._held: Exception | None = None  # sync mode: this save's first write error
+        self._tag = ""  # the tag of the save begun last
         self.reservation: threading.Thread | None = None
         """The thread faulting the host pool in after the first optimizer step, if any."""
 
@@ -106,6 +108,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         # save_latest=False keeps a checkpoint aside (a "best" model): out of keep_last's rotation
         self.checkpointer.begin(os.path.join(info.save_dir, info.tag), tag=info.tag, pointer=pointer,
                                 rotation=info.save_latest)
+        self._tag = str(info.tag)
         self._replicated = None
         ds = self._ds_engine
         if ds is not None and not self._node_local and not ds.zero_optimization_partition_weights() \
@@ -123,8 +126,15 @@ class AsyncCheckpointEngine(CheckpointEngine):
                 if replicas.rank != 0:  # DeepSpeed's rule: the first replica writes it
                     return
                 replicas = None
-        self.checkpointer.save(state_dict, path, eager_keys=self._eager_keys,
-                               eager_tensors=self._buffers, replicas=replicas)
+        try:
+            self.checkpointer.save(state_dict, path, eager_keys=self._eager_keys,
+                                   eager_tensors=self._buffers, replicas=replicas)
+        except Exception as exc:
+            if self.checkpointer.config.is_async:
+                raise
+            # Sync mode writes here: raised now, the error would leave the other ranks in
+            # DeepSpeed's closing barrier for good. Held for end_save, which shares it.
+            self._held = self._held or exc
 
     def _save_now(self, state_dict: Any, path: str) -> None:
         """A file DeepSpeed writes through this engine outside ``save_checkpoint``:
@@ -181,10 +191,38 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._buffers = list(module.buffers()) if isinstance(module, torch.nn.Module) else []
 
     def end_save(self, ok: bool) -> None:
+        held, self._held = self._held, None
         self._ds_engine = self._replicated = None
         self._buffers = []
-        if self.checkpointer.is_open:
-            self.checkpointer.end(commit=ok)
+        if not self.checkpointer.is_open:
+            return
+        if ok and not self.checkpointer.config.is_async:
+            self._end_sync(held)
+            return
+        if held is not None:  # DeepSpeed raised after it (its own error goes up)
+            logger.error("async checkpoint: a file of this save failed first: %s", held)
+        self.checkpointer.end(commit=ok)
+
+    def _end_sync(self, held: Exception | None) -> None:
+        """Sync mode, DeepSpeed's ``save_checkpoint`` done on this rank and so on every rank
+        (its last step is a barrier): end the checkpoint (rank 0 commits it), then share the
+        outcome in one exchange. Every rank returns once the checkpoint is committed, or raises
+        if it is not: a rank whose write failed its own error, the others naming it. Before,
+        the failing rank raised inside DeepSpeed's save and the others waited in its barrier
+        for good, and ranks other than 0 returned before rank 0 had committed."""
+        tag = self._tag
+        error: Exception | None = held
+        try:
+            self.checkpointer.end(commit=held is None)  # a failed file: abandoned
+        except Exception as exc:
+            error = error or exc
+        _, failed = exchange_across_ranks("", None if error is None else
+                                          f"{type(error).__name__}: {describe(error)}")
+        if error is not None:
+            raise error
+        if failed:
+            raise CommitError(f"checkpoint {tag} was not committed (the last committed one is "
+                              f"intact), because of rank(s) {by_rank(failed)}")
 
     def before_optimizer_step(self) -> None:
         self.checkpointer.fence()

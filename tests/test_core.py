@@ -2776,6 +2776,33 @@ def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path, m
     r0.close()
     r1.close()
 
+def test_a_sync_end_raises_its_own_saves_failure_not_a_previous_ones(tmp_path):
+    """A sync save's ``end`` raises that save's failure as it is (rank 1's part failed: rank
+    0's commit error naming it); it used to be wrapped as "a previous checkpoint failed",
+    which the next save's ``begin`` says of an async one. Sync DeepSpeed saves raise it from
+    ``save_checkpoint`` on every rank (tests/test_deepspeed_multiproc.py)."""
+    same = lambda v, e, key="": ("same-id", {})  # noqa: E731
+    r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync"), rank=0, world_size=2,
+                           exchange=same)
+    r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync"), rank=1, world_size=2,
+                           storage=FailingStorage(budget=1000), exchange=same)
+    d = str(tmp_path / "t1")
+    r0.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
+    r1.begin(d, tag="t1")
+    with pytest.raises(PersistError, match="No space left"):
+        r1.save(sample_state(), os.path.join(d, "rank1.pt"))
+    r1.end(commit=False)
+    r0.save({"module": {"w": torch.ones(10)}}, os.path.join(d, "rank0.pt"))
+    with pytest.raises(CommitError) as info:
+        r0.end()
+    assert str(info.value).startswith(f"checkpoint {d!r} (tag t1) not committed: rank(s) 1 failed"), info.value
+    assert "No space left" in str(info.value)
+    assert not (tmp_path / "latest").exists()
+    r0.wait()  # raised once: nothing left to report
+    r0.close()
+    r1.close()
+
+
 def test_split_items_balances_contiguous_runs_and_never_cuts_at_empty_records():
     from deepspeed_async_ckpt.persist import split_items
 

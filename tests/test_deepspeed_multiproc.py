@@ -350,6 +350,31 @@ def test_disk_full_on_one_rank_raises_on_every_rank_at_next_save(tmp_path, repo_
 
 
 @pytest.mark.parametrize("failing", [0, 1])
+def test_sync_mode_disk_full_on_one_rank_raises_from_that_save_on_every_rank(tmp_path, repo_env, failing):
+    """Sync mode: the failing rank raised its write error out of DeepSpeed's save_checkpoint
+    while the others went on into its closing barrier and waited there for good (DeepSpeed's
+    own engine does the same). The error is now held until DeepSpeed's save is done on every
+    rank, then shared: every rank raises from that save_checkpoint, the failing one its own
+    error, the others naming it; nothing moved `latest`, and the next save commits."""
+    out = str(tmp_path)
+    run_ranks(repo_env, 2, "diskfull-sync", "--out", out, "--kill-rank", failing, timeout=120)
+    results = [json.load(open(os.path.join(out, f"diskfull_sync_rank{r}.json"))) for r in (0, 1)]
+    mine, theirs = results[failing]["raised"], results[1 - failing]["raised"]
+    assert mine is not None and mine.startswith("PersistError") and "No space left on device" in mine, results
+    assert f"zero_pp_rank_{failing}" in mine or "model_states" in mine, mine  # names the file
+    assert theirs is not None and theirs.startswith("CommitError"), results
+    assert f"rank(s) {failing}" in theirs and "No space left on device" in theirs, theirs
+    assert "global_step4" in theirs, theirs
+    for r in results:
+        assert r["latest_before"] == r["latest_after_failure"] == "global_step2", r
+        assert r["latest_after_recovery"] == "recovered", r
+    from deepspeed_async_ckpt.commit import verify_checkpoint
+    for tag in ("global_step2", "recovered"):
+        verify_checkpoint(os.path.join(out, "ckpt", tag))
+    assert not os.path.exists(os.path.join(out, "ckpt", "global_step4", ".async_ckpt", "manifest.json"))
+
+
+@pytest.mark.parametrize("failing", [0, 1])
 def test_disk_full_on_one_rank_refuses_load_checkpoint_on_every_rank_then_retry_loads(tmp_path, repo_env,
                                                                                     failing):
     # failing=0: rank 1 has no error of its own and learns of rank 0's failure only through the

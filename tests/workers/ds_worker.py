@@ -10,6 +10,7 @@ Phases:
           next persist (with --resave, of the tag `latest` names, saved again two steps on).
   diskfull  one rank's disk fills mid-persist; the next save raises on every rank, then recovers.
   diskfull-load  the same failure, then load_checkpoint: refused on every rank, a retry loads.
+  diskfull-sync  the same failure in sync mode: that save_checkpoint raises on every rank.
   exit    save, train one more step, and return without destroy(): interpreter exit commits.
   sigterm each rank gets SIGTERM; its handler's flag makes the loop save and return (committed).
   engines check which checkpoint engine DeepSpeed builds for several configs.
@@ -378,6 +379,30 @@ def phase_diskfull_load(args):
         json.dump(result, f)
 
 
+def phase_diskfull_sync(args):
+    """Sync mode: --kill-rank's write fails inside save_checkpoint. Every rank must raise from
+    that save_checkpoint (none left waiting in DeepSpeed's barrier for the one that raised),
+    `latest` stays, and the next save, with space again, commits on every rank."""
+    engine = init(args, ds_config(args, {"enabled": True, "mode": "sync", "host_buffer_gb": 0.05}))
+    rank = torch.distributed.get_rank()
+    save_dir = os.path.join(args.out, "ckpt")
+    ckpt = engine.checkpoint_engine.checkpointer
+    train(engine, args, 2)
+    engine.save_checkpoint(save_dir)  # global_step2: committed when save_checkpoint returns
+    result = {"rank": rank, "latest_before": read_latest(save_dir)}
+    restore = fill_disk(ckpt) if rank == args.kill_rank else (lambda: None)
+    train(engine, args, 2, start=2)
+    result["raised"] = error_of(lambda: engine.save_checkpoint(save_dir))  # global_step4
+    restore()
+    result["latest_after_failure"] = read_latest(save_dir)
+    train(engine, args, 1, start=4)
+    engine.save_checkpoint(save_dir, tag="recovered")
+    result["latest_after_recovery"] = read_latest(save_dir)  # sync: committed on every rank
+    engine.destroy()
+    with open(os.path.join(args.out, f"diskfull_sync_rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def phase_buffers(args):
     import deepspeed
     from _copier import hold_copier_until_fence
@@ -565,7 +590,7 @@ def phase_engines(args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("phase", choices=["save", "load", "kill", "exit", "sigterm", "engines", "diskfull",
-                                     "diskfull-load", "buffers", "export", "moe", "universal", "gathered"])
+                                     "diskfull-load", "diskfull-sync", "buffers", "export", "moe", "universal", "gathered"])
     p.add_argument("--out", required=True)
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
@@ -581,8 +606,9 @@ def main():
      "sigterm": phase_sigterm,
      "engines": phase_engines, "buffers": phase_buffers, "export": phase_export, "moe": phase_moe,
      "universal": phase_universal, "gathered": phase_gathered,
-     "diskfull": phase_diskfull, "diskfull-load": phase_diskfull_load}[args.phase](args)
-    if args.phase in ("save", "load", "diskfull", "diskfull-load", "engines", "buffers", "export", "moe",
+     "diskfull": phase_diskfull, "diskfull-load": phase_diskfull_load,
+     "diskfull-sync": phase_diskfull_sync}[args.phase](args)
+    if args.phase in ("save", "load", "diskfull", "diskfull-load", "diskfull-sync", "engines", "buffers", "export", "moe",
                       "universal", "gathered"):
         # These end with engine.destroy(): everything is committed and written. Skip the
         # interpreter's finalization, where a gloo worker thread still releasing a ZeRO-3
