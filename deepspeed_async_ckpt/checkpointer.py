@@ -208,6 +208,8 @@ def _without_key(exchange: Callable[[str, str | None], tuple[str, dict[int, str]
 
 #: How an exchange's error for a rank whose ``key`` differs from rank 0's begins.
 _ELSEWHERE = "works in "
+#: How long ``close`` waits for the committer to finish once no save is left to wait for.
+_COMMITTER_JOIN_S = 60.0
 _REFUSED = "refused: "  # rank 0's message in begin's exchange: the save directory is another job's
 
 
@@ -1104,17 +1106,21 @@ class AsyncCheckpointer:
         finally:
             self._closed = True
             self._commits.put(None)
-            self._committer.join(timeout=60)
+            self._committer.join(timeout=_COMMITTER_JOIN_S)
             self._writers.shutdown(wait=True)
             with self._lock:
                 retirer = self._retirer
             if retirer is not None:
                 retirer.shutdown(wait=True)
             self._stager.close()
-            for key in self._claimed.values():
-                if key is not None:
-                    release_save_dir(key)
-            self._claimed.clear()
+            if self._committer.is_alive():  # close interrupted (Ctrl-C), a commit still running:
+                logger.warning("async checkpoint: closed while a commit still runs; the save "
+                               "directory stays locked until it ends with the process")
+            else:  # released under a running commit, another job could sweep its directory
+                for key in self._claimed.values():
+                    if key is not None:
+                        release_save_dir(key)
+                self._claimed.clear()
             cancel_flush_at_exit(self._at_exit)
             _open_checkpointers.discard(self)
             self._drain_reports()

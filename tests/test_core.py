@@ -1059,6 +1059,35 @@ def test_a_second_job_saving_into_the_same_directory_is_refused_naming_the_first
     assert (tmp_path / "latest").read_text() == "b2"
 
 
+def test_a_close_interrupted_while_a_commit_runs_keeps_the_save_directory_locked(tmp_path, monkeypatch):
+    """Ctrl-C in ``close`` while rank 0's commit still ran (waiting for a slow rank, say): the
+    save directory's lock was released after the committer's join gave up, with the commit
+    still to write its manifest and pointer, so another job could start sweeping the directory
+    under it (noticed in session 19). The lock now stays until the process ends."""
+    from deepspeed_async_ckpt import checkpointer as checkpointer_module
+    from deepspeed_async_ckpt import commit as commit_module
+
+    root = str(tmp_path)
+    release = threading.Event()
+    real_commit = checkpointer_module.commit
+    monkeypatch.setattr(checkpointer_module, "commit",
+                        lambda *a, **k: (release.wait(30), real_commit(*a, **k))[1])
+    monkeypatch.setattr(checkpointer_module, "_COMMITTER_JOIN_S", 0.2)
+    ck = make("async")
+    save_one(ck, root, sample_state(), tag="t1")
+    key = os.path.realpath(root)
+    assert key in commit_module._claims
+    monkeypatch.setattr(ck, "wait", lambda *a, **k: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        ck.close()
+    assert key in commit_module._claims  # still locked: the commit has not run
+    release.set()
+    ck._committer.join(30)
+    assert (tmp_path / "latest").read_text() == "t1"
+    verify_checkpoint(os.path.join(root, "t1"))
+    commit_module.release_save_dir(key)  # what this process's end would do
+
+
 POOL_EXIT_SCRIPT = """
 import sys, torch
 from concurrent.futures import ThreadPoolExecutor
