@@ -943,7 +943,7 @@ real_write_file = checkpointer.write_file
 def slow_write_file(*args, **kwargs):  # still writing when the script returns
     time.sleep(0.5)
     return real_write_file(*args, **kwargs)
-checkpointer.write_file = held_write_file
+checkpointer.write_file = slow_write_file
 
 root = sys.argv[1]
 torch.manual_seed(0)
