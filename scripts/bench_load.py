@@ -33,10 +33,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29613"), ("RANK", "0"),
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from launch import free_port  # a fixed port failed when another run held it
+
+    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
         os.environ.setdefault(key, value)
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
     import deepspeed
     import torch
 
