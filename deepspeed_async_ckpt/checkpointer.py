@@ -66,7 +66,7 @@ def _reraise(exc: BaseException, more: int = 0) -> AsyncCheckpointError:
 def _this_save_failed(handle: "CheckpointHandle", exc: BaseException) -> BaseException:
     """A sync save's own failure, raised by its ``end``: as it is where it says what failed
     (a commit error; Ctrl-C), else named as this checkpoint's."""
-    if isinstance(exc, AsyncCheckpointError) or not isinstance(exc, Exception):
+    if isinstance(exc, (AsyncCheckpointError, KeyboardInterrupt, SystemExit)):
         return exc
     err = PersistError(f"checkpoint {handle.ckpt_dir!r} (tag {handle.tag}) not committed (the last "
                        f"committed one is intact): {type(exc).__name__}: {describe(exc)}")

@@ -97,7 +97,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     import os
 
     from .commit import (MANIFEST, META_DIR, REMOVING_PREFIX, STAGING_PREFIX, is_finalized,
-                         read_manifest)
+                         linked_checkpoints, read_manifest)
     from .errors import IntegrityError
 
     save_dir = args.save_dir
@@ -109,11 +109,18 @@ def _cmd_list(args: argparse.Namespace) -> int:
     except OSError as exc:
         raise CliError(f"cannot list the save directory {save_dir!r}: {exc.strerror or exc}") from None
     rows = []
+    linked = linked_checkpoints(save_dir)
     for name in names:
         path = os.path.join(save_dir, name)
-        if not os.path.isdir(path) or os.path.islink(path):
+        if os.path.islink(path) and os.path.isdir(path):  # best -> global_step900, say
+            rows.append({"name": name, "state": "link", "pointer": name == pointed,
+                         "target": os.readlink(path)})
+            continue
+        if not os.path.isdir(path):
             continue
         row = {"name": name, "state": "other", "pointer": name == pointed}
+        if name in linked:  # retention keeps it
+            row["linked_from"] = sorted(linked[name])
         if name.startswith(REMOVING_PREFIX):
             row["state"] = "being removed"
         elif name.startswith(STAGING_PREFIX):
@@ -141,7 +148,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
                     row["rotation"] = False
         rows.append(row)
     order = {"committed": 0, "unfinalized": 1, "damaged": 2, "partial": 3, "staged": 4,
-             "being removed": 5, "other": 6}
+             "being removed": 5, "link": 6, "other": 7}
     rows.sort(key=lambda r: (order[r["state"]], -r.get("committed_at", 0), r["name"]))
     if args.json:
         print(json.dumps(rows, indent=1))
@@ -154,7 +161,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
             f"replaces {r['replaces']}" if r["state"] == "staged" else \
             "manifest unreadable: see `verify`" if r["state"] == "damaged" else \
             "committed, markers never written" if r["state"] == "unfinalized" else \
-            "kept aside (save_latest=False): keep_last never removes it" if r.get("rotation") is False else ""
+            "kept aside (save_latest=False): keep_last never removes it" if r.get("rotation") is False else \
+            f"-> {r['target']}" if r["state"] == "link" else \
+            f"linked from {', '.join(r['linked_from'])}: keep_last keeps it" if r.get("linked_from") else ""
         table.append((r["name"], r["state"], when, str(r.get("files", "-")),
                       _bytes_text(r["bytes"]) if "bytes" in r else "-",
                       str(r.get("world_size", "-")), "<- pointer" if r["pointer"] else detail))

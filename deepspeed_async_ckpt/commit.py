@@ -600,9 +600,10 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
                        committed_now: str | None = None) -> list[str]:
     """Retention, on rank 0 once a commit has moved the pointer: remove the committed
     checkpoints of ``save_dir`` beyond the ``keep_last`` most recently committed, except those
-    whose name ``keep`` accepts (e.g. every N-th iteration) and those saved aside, without
-    moving a pointer (a "best" model kept with DeepSpeed's ``save_latest=False``): neither
-    counted nor removed. With ``committed_now`` (the name
+    whose name ``keep`` accepts (e.g. every N-th iteration) or a symbolic link in ``save_dir``
+    names (:func:`linked_checkpoints`), which stay, and those saved aside, without moving a
+    pointer (a "best" model kept with DeepSpeed's ``save_latest=False``): neither counted nor
+    removed. With ``committed_now`` (the name
     of the checkpoint whose commit this follows), also this engine's checkpoints that can
     never be loaded and were last changed before that commit (see :func:`_scan_checkpoints`):
     a crash during a save otherwise leaves one behind for good, as large as a checkpoint.
@@ -625,8 +626,9 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
         logger.warning("async checkpoint: %s is not a committed checkpoint of %s: checkpoints "
                        "that never committed are left there", committed_now, save_dir)
     unloadable = [] if before is None else sorted(n for n, changed in abandoned.items() if changed < before)
+    linked = linked_checkpoints(save_dir)
     for name in _newest_first(committed)[keep_last:] + unloadable:
-        if keep is not None and keep(name):
+        if (keep is not None and keep(name)) or name in linked:
             continue
         path = os.path.join(save_dir, name)
         with lock:
@@ -641,6 +643,24 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
         removed.append(name)  # no longer a checkpoint, deleted or not
         _delete(storage, trash)
     return removed
+
+
+def linked_checkpoints(save_dir: str) -> dict[str, list[str]]:
+    """Entries of ``save_dir`` that symbolic links in it name (``best -> global_step900``):
+    name -> the links' names. Retention keeps them: whoever made the link meant to keep what
+    it names, and removing it would leave the link dangling."""
+    real = os.path.realpath(save_dir)
+    linked: dict[str, list[str]] = {}
+    try:
+        entries = list(os.scandir(save_dir))
+    except OSError:
+        return linked
+    for entry in entries:
+        if entry.is_symlink():
+            target = os.path.realpath(entry.path)
+            if os.path.dirname(target) == real and target != real:
+                linked.setdefault(os.path.basename(target), []).append(entry.name)
+    return linked
 
 
 def find_checkpoint_dir(path: str) -> str | None:

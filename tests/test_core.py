@@ -2474,6 +2474,38 @@ def test_a_tag_that_was_a_symbolic_link_is_replaced_and_retention_goes_on(tmp_pa
     assert listing(root) == ["global_step4", "global_step5", "latest"]
 
 
+def test_keep_last_keeps_a_checkpoint_a_symbolic_link_names(tmp_path, capsys):
+    """``ln -s global_step1 best`` in the save directory: retention removed global_step1 like
+    any older checkpoint and left ``best`` dangling (noticed in session 19). A checkpoint a
+    link in the save directory names now stays while the link does; ``list`` shows the link
+    and what it keeps. Links elsewhere, or dangling, change nothing."""
+    root = str(tmp_path)
+    ck = make("sync", keep_last=1)
+    for tag in ("global_step1", "global_step2"):
+        save_one(ck, root, sample_state(), tag=tag)
+    os.symlink("global_step1", os.path.join(root, "best"))
+    os.symlink(str(tmp_path.parent), os.path.join(root, "up"))  # outside: ignored
+    os.symlink("gone", os.path.join(root, "dangling"))
+    for tag in ("global_step3", "global_step4"):
+        save_one(ck, root, sample_state(), tag=tag)
+    ck.wait()
+    assert listing(root) == ["best", "dangling", "global_step1", "global_step4", "latest", "up"]
+    verify_checkpoint(os.path.join(root, "best"))
+    assert cli_main(["list", "--json", root]) == 0
+    rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
+    assert rows["best"]["state"] == "link" and rows["best"]["target"] == "global_step1", rows
+    assert rows["global_step1"]["state"] == "committed" and rows["global_step1"]["linked_from"] == ["best"]
+    assert "linked_from" not in rows["global_step4"] and "dangling" not in rows, rows
+    assert cli_main(["list", root]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert "linked from best: keep_last keeps it" in next(line for line in out if line.startswith("global_step1"))
+    assert "-> global_step1" in next(line for line in out if line.startswith("best"))
+    os.unlink(os.path.join(root, "best"))  # unlinked: it ages out with the next commit
+    save_one(ck, root, sample_state(), tag="global_step5")
+    ck.close()
+    assert listing(root) == ["dangling", "global_step5", "latest", "up"]
+
+
 @pytest.mark.parametrize("mode", ["sync", "async"])
 def test_keep_last_removes_on_its_own_thread_so_saves_and_commits_do_not_wait(tmp_path, mode):
     """Deleting a checkpoint can take as long as saving it (0.2 s per GiB on this VM's ext4,
