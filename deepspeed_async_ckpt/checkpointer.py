@@ -730,8 +730,9 @@ class AsyncCheckpointer:
         else:
             self._commit_one(handle)
             if handle.error is not None:  # this save's failure, not "a previous checkpoint's"
-                with self._lock:
-                    self._errors.remove(handle.error)
+                with self._lock:  # (unless another thread's wait() took it meanwhile)
+                    if handle.error in self._errors:
+                        self._errors.remove(handle.error)
                 raise _this_save_failed(handle, handle.error)
             self.raise_background_error()
         return handle

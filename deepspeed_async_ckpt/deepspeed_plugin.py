@@ -211,10 +211,10 @@ class AsyncCheckpointEngine(CheckpointEngine):
         the failing rank raised inside DeepSpeed's save and the others waited in its barrier
         for good, and ranks other than 0 returned before rank 0 had committed."""
         tag = self._tag
-        error: Exception | None = held
+        error: BaseException | None = held
         try:
             self.checkpointer.end(commit=held is None)  # a failed file: abandoned
-        except Exception as exc:
+        except BaseException as exc:  # Ctrl-C too: the other ranks are in the exchange
             error = error or exc
         _, failed = exchange_across_ranks("", None if error is None else
                                           f"{type(error).__name__}: {describe(error)}")

@@ -209,6 +209,33 @@ def test_deepspeed_tags_that_are_not_one_plain_name_are_refused(tmp_path, tag):
     assert os.listdir(tmp_path) == []
 
 
+def test_a_ctrl_c_in_a_sync_deepspeed_saves_end_still_joins_the_exchange(tmp_path, monkeypatch):
+    """Sync mode: the other ranks wait for this one in the exchange that ends a DeepSpeed save;
+    a Ctrl-C in its commit left them there until the process group timed out (found by a
+    review, session 20). It joins the exchange with the interrupt, then raises it."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from deepspeed_async_ckpt import deepspeed_plugin
+
+    engine = deepspeed_plugin.AsyncCheckpointEngine(
+        None, AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01))
+    import types
+    engine.begin_save(types.SimpleNamespace(zero_optimization_partition_weights=lambda: True), None)
+    engine.create(CheckpointCommitInfo(tag="t1", save_dir=str(tmp_path), save_latest=True))
+    engine.save({"w": torch.ones(4)}, str(tmp_path / "t1" / "model.pt"))
+    exchanged = []
+    monkeypatch.setattr(deepspeed_plugin, "exchange_across_ranks",
+                        lambda value, error, key="": (exchanged.append(error), ("", {}))[1])
+    monkeypatch.setattr(engine.checkpointer, "end",
+                        lambda commit=True: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        engine.end_save(True)
+    assert exchanged == ["KeyboardInterrupt: KeyboardInterrupt"], exchanged
+    monkeypatch.undo()
+    engine.checkpointer.end(commit=False)
+    engine.cleanup()
+
+
 def test_sync_and_async_modes_write_identical_files(tmp_path):
     state = sample_state()
     for mode in ("async", "sync"):
@@ -2862,6 +2889,45 @@ def test_a_sync_end_raises_its_own_saves_failure_not_a_previous_ones(tmp_path):
     r0.wait()  # raised once: nothing left to report
     r0.close()
     r1.close()
+
+
+def test_a_sync_end_raises_its_failure_even_when_another_threads_wait_took_it(tmp_path, monkeypatch):
+    """Sync ``end`` on a training thread while another thread waits (the exit flush's close,
+    say) and takes the background errors first: ``end`` raised ``ValueError: list.remove(x)``
+    in place of its save's error (found by a review, session 20). Both now report it."""
+    from deepspeed_async_ckpt import checkpointer as checkpointer_module
+
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(checkpointer_module, "commit", disk_full)
+    root = str(tmp_path)
+    ck = make("sync")
+    result = {}
+    taken = threading.Event()
+
+    def wait_for_it():
+        try:
+            ck.wait()
+        except AsyncCheckpointError as exc:
+            result["wait"] = exc
+        taken.set()
+
+    handle = ck.begin(os.path.join(root, "t1"), tag="t1", pointer=Pointer(os.path.join(root, "latest"), "t1"))
+    ck.save(sample_state(), os.path.join(root, "t1", "model.pt"))
+    real_set = handle._committed.set
+
+    def committed_then_the_other_thread_waits():  # it takes the error before end() looks
+        real_set()
+        threading.Thread(target=wait_for_it).start()
+        taken.wait(10)
+
+    handle._committed.set = committed_then_the_other_thread_waits
+    with pytest.raises(PersistError, match="No space left") as info:
+        ck.end()
+    assert "t1" in str(info.value)
+    assert "No space left" in str(result.get("wait")), result
+    ck.close()
 
 
 def test_split_items_balances_contiguous_runs_and_never_cuts_at_empty_records():
