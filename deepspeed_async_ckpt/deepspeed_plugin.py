@@ -130,11 +130,18 @@ class AsyncCheckpointEngine(CheckpointEngine):
             self.checkpointer.save(state_dict, path, eager_keys=self._eager_keys,
                                    eager_tensors=self._buffers, replicas=replicas)
         except Exception as exc:
-            if self.checkpointer.config.is_async:
+            if not self.hold(exc):
                 raise
-            # Sync mode writes here: raised now, the error would leave the other ranks in
-            # DeepSpeed's closing barrier for good. Held for end_save, which shares it.
-            self._held = self._held or exc
+
+    def hold(self, exc: Exception) -> bool:
+        """Sync mode, inside ``save_checkpoint``: keep ``exc`` (a write of this save failed,
+        or a step of DeepSpeed's own that runs on some ranks only) for :meth:`end_save`,
+        which shares it, and return True. Raised at once, it would leave the other ranks in
+        DeepSpeed's closing barrier for good. Async mode: False (raise it)."""
+        if self.checkpointer.config.is_async or self._ds_engine is None:
+            return False
+        self._held = self._held or exc
+        return True
 
     def _save_now(self, state_dict: Any, path: str) -> None:
         """A file DeepSpeed writes through this engine outside ``save_checkpoint``:
@@ -519,6 +526,22 @@ def install() -> bool:
                 return _ORIGINALS["load"](self, *args, **kwargs)
         return _ORIGINALS["load"](self, *args, **kwargs)
 
+    recovery = getattr(engine_cls, "_copy_recovery_script", None)
+    if recovery is not None:
+        _ORIGINALS["recovery"] = recovery
+
+        @functools.wraps(recovery)
+        def _copy_recovery_script(self, *args, **kwargs):
+            # rank 0 alone copies zero_to_fp32.py into the checkpoint: a failure there (the
+            # disk that just failed our writes) must not leave the others in the barrier
+            try:
+                return recovery(self, *args, **kwargs)
+            except Exception as exc:
+                engine = getattr(self, "checkpoint_engine", None)
+                if not (isinstance(engine, AsyncCheckpointEngine) and engine.hold(exc)):
+                    raise
+
+        engine_cls._copy_recovery_script = _copy_recovery_script
     ds_engine.create_checkpoint_engine = create_checkpoint_engine
     engine_cls._take_model_step = _take_model_step
     engine_cls.save_checkpoint = save_checkpoint
@@ -590,6 +613,8 @@ def uninstall() -> None:
     engine_cls._take_model_step = _ORIGINALS["step"]
     engine_cls.save_checkpoint = _ORIGINALS["save"]
     engine_cls.load_checkpoint = _ORIGINALS["load"]
+    if "recovery" in _ORIGINALS:
+        engine_cls._copy_recovery_script = _ORIGINALS["recovery"]
     _ORIGINALS.clear()
 
 

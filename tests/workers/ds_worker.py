@@ -390,7 +390,18 @@ def phase_diskfull_sync(args):
     train(engine, args, 2)
     engine.save_checkpoint(save_dir)  # global_step2: committed when save_checkpoint returns
     result = {"rank": rank, "latest_before": read_latest(save_dir)}
-    restore = fill_disk(ckpt) if rank == args.kill_rank else (lambda: None)
+    restore = fill_disk(ckpt) if args.kill_rank in (rank, -1) else (lambda: None)
+    if args.kill_rank == -1 and rank == 0:  # every rank's disk full: rank 0's own copy of
+        import deepspeed.runtime.engine as ds_engine  # zero_to_fp32.py fails too
+
+        real_copyfile = ds_engine.copyfile
+
+        def no_space(*a, **k):
+            raise OSError(28, "No space left on device")
+
+        ds_engine.copyfile = no_space
+        restore_fs = restore
+        restore = lambda: (restore_fs(), setattr(ds_engine, "copyfile", real_copyfile))  # noqa: E731
     train(engine, args, 2, start=2)
     result["raised"] = error_of(lambda: engine.save_checkpoint(save_dir))  # global_step4
     restore()
