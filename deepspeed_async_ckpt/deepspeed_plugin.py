@@ -17,7 +17,9 @@ It holds no I/O logic. What it translates (checked against DeepSpeed 0.19.8's so
   (:class:`~.checkpointer.Replicas`); with ``split_replicated_files`` off, only the first
   replica writes it, as DeepSpeed's own engine does.
 - ``save_checkpoint`` is wrapped to seal the checkpoint when DeepSpeed's save returns and to
-  freeze ``client_state`` eagerly; ``load_checkpoint`` first waits for pending saves on every
+  freeze ``client_state`` eagerly (in sync mode it also holds a failed write, and rank 0's
+  failed copy of ``zero_to_fp32.py``, until DeepSpeed's closing barrier, then shares the
+  outcome so that every rank raises or returns committed); ``load_checkpoint`` first waits for pending saves on every
   rank and, if a save failed on any rank, refuses on every rank (rather than leaving the other
   ranks hanging in DeepSpeed's load collectives).
 - DeepSpeed's in-place weight edits outside the optimizer step (the hybrid engine's LoRA
