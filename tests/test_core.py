@@ -1156,9 +1156,11 @@ def save(ck, tag):
     ck.end()
 ck = make()
 save(ck, "a1")
-r, w = os.pipe()
+r, w = os.pipe()  # the parent tells the child it saved again
+tried_r, tried_w = os.pipe()  # the child tells the parent it tried to save
 pid = os.fork()
 if pid == 0:  # a long-lived child (a persistent DataLoader worker, an evaluation process)
+    os.close(w)  # the parent's end only: a parent that dies ends the read below
     mine = make()
     fence_all()  # the parent's checkpointer is not the child's to fence
     try:
@@ -1166,9 +1168,10 @@ if pid == 0:  # a long-lived child (a persistent DataLoader worker, an evaluatio
         print("child saved into the parent's directory", flush=True)
     except Exception as exc:
         print("child refused:", "pid %d" % os.getppid() in str(exc), flush=True)
+    os.write(tried_w, b"x")
     os.read(r, 1)
     os._exit(0)
-time.sleep(1.0)
+os.read(tried_r, 1)  # not a sleep: a child slower than it claimed after the parent's close
 ck.close()
 again = make()  # the parent re-creates its checkpointer while the child lives
 save(again, "a2")
@@ -3077,7 +3080,7 @@ def test_retention_leaves_a_checkpoint_whose_commit_callback_still_runs(tmp_path
 def test_close_from_a_commit_callback_stops_everything(tmp_path):
     """close() called from inside a commit callback cannot wait for that callback's own thread
     (it raised ``cannot join current thread`` and left the copier running)."""
-    errors = []
+    errors, stopped = [], threading.Event()
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
 
     def stop(info):
@@ -3085,14 +3088,13 @@ def test_close_from_a_commit_callback_stops_everything(tmp_path):
             ck.close()
         except BaseException as exc:  # noqa: BLE001
             errors.append(exc)
+        finally:
+            stopped.set()
 
     ck.add_commit_callback(stop)
     save_one(ck, str(tmp_path), sample_state())
     ck.wait()
-    for _ in range(200):
-        if ck._closed and not ck._stager._thread.is_alive():
-            break
-        time.sleep(0.01)
+    assert stopped.wait(30)  # the callback's close() has returned
     assert not errors and ck._closed and not ck._stager._thread.is_alive()
 
 

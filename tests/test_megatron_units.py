@@ -146,12 +146,12 @@ def test_a_truncated_metadata_is_named_by_every_check():
 
 
 def test_wait_gives_up_at_its_timeout():
-    """``wait(timeout=0.5)`` with a save that takes 3 s: rank 0 waited for every finalization
-    without a bound first, so it returned after 3 s, without an error (found by an audit)."""
+    """``wait(timeout=0.5)`` with a save held until that wait returns: rank 0 waited for every
+    finalization without a bound first, so it returned once the save was done, without an
+    error (found by an audit). An error here means wait gave up before the save finished."""
     result = _run_one_rank("megatron_wait_timeout.py")
     assert result["error"] and result["error"].startswith("CommitError:"), result
     assert "not committed and finalized" in result["error"], result
-    assert result["seconds"] < 2, result
 
 
 def test_a_sharding_megatron_refuses_fails_the_save_on_every_rank_at_once(tmp_path):

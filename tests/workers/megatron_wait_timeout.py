@@ -1,10 +1,12 @@
-"""One rank: an async save whose file takes 3 s to open, then ``wait(timeout=0.5)``. Prints
-one JSON line: wait's error and how long it took."""
+"""One rank: an async save whose file is held open-pending until ``wait(timeout=0.5)`` has
+returned (so a wait that ignores its timeout never sees it commit), then that wait. Prints one
+JSON line: wait's error and how long it took."""
 
 import json
 import os
 import sys
 import tempfile
+import threading
 import time
 
 import _one_megatron_rank  # noqa: F401  (first: the process group, the shim, parallel state)
@@ -16,9 +18,12 @@ from deepspeed_async_ckpt.storage import LocalStorage
 from megatron_adapter.checkpointer import MegatronCheckpointer
 
 
+waited = threading.Event()  # set once wait() has returned or raised
+
+
 class SlowStorage(LocalStorage):
     def open_write(self, path):
-        time.sleep(3)
+        waited.wait(60)  # a wait without a bound returns after 60 s, without an error
         return super().open_write(path)
 
 
@@ -32,6 +37,7 @@ try:
 except Exception as exc:
     error = f"{type(exc).__name__}: {exc}"
 seconds = time.monotonic() - t0
+waited.set()
 ckpt.close()
 print(json.dumps({"error": error, "seconds": seconds}))
 sys.stdout.flush()
