@@ -95,7 +95,6 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._buffers: list[torch.Tensor] = []  # the model's: a forward may update them
         self._reserved = False  # the host pool was sized after the first optimizer step
         self._held: Exception | None = None  # sync mode: this save's first write error
-        self._tag = ""  # the tag of the save begun last
         self.reservation: threading.Thread | None = None
         """The thread faulting the host pool in after the first optimizer step, if any."""
 
@@ -110,7 +109,6 @@ class AsyncCheckpointEngine(CheckpointEngine):
         # save_latest=False keeps a checkpoint aside (a "best" model): out of keep_last's rotation
         self.checkpointer.begin(os.path.join(info.save_dir, info.tag), tag=info.tag, pointer=pointer,
                                 rotation=info.save_latest)
-        self._tag = str(info.tag)
         self._replicated = None
         ds = self._ds_engine
         if ds is not None and not self._node_local and not ds.zero_optimization_partition_weights() \
@@ -219,7 +217,6 @@ class AsyncCheckpointEngine(CheckpointEngine):
         if it is not: a rank whose write failed its own error, the others naming it. Before,
         the failing rank raised inside DeepSpeed's save and the others waited in its barrier
         for good, and ranks other than 0 returned before rank 0 had committed."""
-        tag = self._tag
         error: BaseException | None = held
         try:
             self.checkpointer.end(commit=held is None)  # a failed file: abandoned
@@ -229,8 +226,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
                                           f"{type(error).__name__}: {describe(error)}")
         if error is not None:
             raise error
-        if failed:
-            raise CommitError(f"checkpoint {tag} was not committed (the last committed one is "
+        if failed:  # end() put this save last in the history, raising or not
+            raise CommitError(f"checkpoint {self.checkpointer.history[-1].tag} was not committed (the last committed one is "
                               f"intact), because of rank(s) {by_rank(failed)}")
 
     def before_optimizer_step(self) -> None:
