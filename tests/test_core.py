@@ -2513,12 +2513,12 @@ def test_keep_last_keeps_a_checkpoint_a_symbolic_link_names(tmp_path, capsys):
     and what it keeps. Links elsewhere, or dangling, change nothing."""
     root = str(tmp_path)
     ck = make("sync", keep_last=1)
-    for tag in ("global_step1", "global_step2"):
-        save_one(ck, root, sample_state(), tag=tag)
+    save_one(ck, root, sample_state(), tag="global_step1")
+    ck.wait()  # linked before the next commit's retention pass (on its own thread) can run
     os.symlink("global_step1", os.path.join(root, "best"))
     os.symlink(str(tmp_path.parent), os.path.join(root, "up"))  # outside: ignored
     os.symlink("gone", os.path.join(root, "dangling"))
-    for tag in ("global_step3", "global_step4"):
+    for tag in ("global_step2", "global_step3", "global_step4"):
         save_one(ck, root, sample_state(), tag=tag)
     ck.wait()
     assert listing(root) == ["best", "dangling", "global_step1", "global_step4", "latest", "up"]
