@@ -1,7 +1,8 @@
 """Two ranks (``scripts/launch.py``): saves whose sharding megatron-core's validation refuses,
 on rank 0 only, then a valid one. Argument: an output directory; each rank writes
-``rank<N>.json`` with each invalid save's error and how long it took to raise, and the
-iteration the tracker names after the valid save."""
+``rank<N>.json`` with each invalid save's error, and the iteration the tracker names after
+the valid save; rank 0 also whether rank 1 had raised while rank 0, having raised, was still
+outside any collective (``peer_raised_first``)."""
 
 import json
 import os
@@ -23,17 +24,22 @@ save_dir = os.path.join(out, "ckpt")
 result = {}
 # both ranks hold the main replica of the same whole tensor; then neither does
 for iteration, (case, replica_id) in enumerate((("two_main_replicas", 0), ("no_main_replica", 1)), 1):
-    t0 = time.monotonic()
+    raised = os.path.join(out, f"rank1_raised_{case}")
     try:
         ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), replica_id=replica_id)},
                   save_dir, iteration)
         result[case] = {"error": None}
     except Exception as exc:
-        result[case] = {"error": f"{type(exc).__name__}: {exc}", "seconds": time.monotonic() - t0}
+        result[case] = {"error": f"{type(exc).__name__}: {exc}"}
+        if rank == 1:
+            open(raised, "w").close()
     if rank == 0 and result[case]["error"] is not None:
-        # a trainer that reports the error and goes on: before, rank 1 waited in plan_save's
-        # collective for as long as rank 0 lived, or this long
-        time.sleep(4)
+        # a trainer that reports the error and goes on, outside any collective: before, rank 1
+        # waited in plan_save's collective for as long as rank 0 lived
+        deadline = time.monotonic() + 60
+        while not os.path.exists(raised) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        result[case]["peer_raised_first"] = os.path.exists(raised)
     dist.barrier()  # the next case starts together
 ckpt.save({"w": ShardedTensor.from_rank_offsets("w", torch.ones(4), replica_id=rank)}, save_dir, 3)
 ckpt.close()
