@@ -363,10 +363,11 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
         return ref
 
     def tensor_reduce(t: torch.Tensor) -> tuple:
-        if t.layout != torch.strided or t.is_quantized or t.is_nested:
-            kind = "quantized" if t.is_quantized else "nested" if t.is_nested else str(t.layout)
+        if t.layout != torch.strided or t.is_quantized:
+            kind = "quantized" if t.is_quantized else str(t.layout)
             raise SnapshotError(f"{what}: cannot snapshot a {kind} tensor ({t.dtype}, "
-                                f"{type(t).__name__}); only dense strided tensors are supported")
+                                f"{type(t).__name__}); only dense strided, sparse and nested "
+                                "tensors are supported")
         shape = tuple(t.shape)
         contiguous = strides.get(shape)
         if contiguous is None:
@@ -391,6 +392,11 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
                             (o.data, o.requires_grad, hooks, state))
                 return (torch._utils._rebuild_parameter, (o.data, o.requires_grad, hooks))
             if type(o) is torch.Tensor:
+                if o.layout in _SPARSE_LAYOUTS or o.is_nested:
+                    # as torch.save reduces them: into dense tensors (indices, values, sizes),
+                    # pickled here in turn, each its own record; not the caller's tensors, so
+                    # copied now, never lazily
+                    return o.__reduce_ex__(2)
                 if not o.__dict__:
                     return tensor_reduce(o)
                 # Python attributes (ZeRO-3 sets ds_id on its flat fp32 groups): kept, as
@@ -421,6 +427,12 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
     return FilePlan(pickle_bytes=buf.getvalue(), items=items)
 
 
+#: Layouts whose tensors ``torch.save`` reduces into dense tensors, as nested ones (whose
+#: layout is ``torch.strided``).
+_SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
+                             torch.sparse_bsc})
+
+
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     stride, acc = [], 1
     for n in reversed(shape):
@@ -438,6 +450,8 @@ def tensor_ids(obj: Any, *, except_storages: set[int] = frozenset()) -> set[int]
     while stack:
         o = stack.pop()
         if isinstance(o, torch.Tensor):
+            if o.layout in _SPARSE_LAYOUTS:
+                continue  # no storage of its own; its parts are copied at once anyway
             if not except_storages or o.untyped_storage().data_ptr() not in except_storages:
                 found.add(id(o))
         elif isinstance(o, dict):
@@ -449,7 +463,7 @@ def tensor_ids(obj: Any, *, except_storages: set[int] = frozenset()) -> set[int]
 
 def storage_addresses(tensors: Iterable[torch.Tensor]) -> set[int]:
     """The addresses of the storages behind ``tensors`` (any view of one has the same)."""
-    return {p for t in tensors if (p := t.untyped_storage().data_ptr())}
+    return {p for t in tensors if t.layout not in _SPARSE_LAYOUTS and (p := t.untyped_storage().data_ptr())}
 
 
 class Stager:

@@ -9,7 +9,11 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def assert_same(a, b, path="state"):
-    if isinstance(a, torch.Tensor):
+    if isinstance(a, torch.Tensor) and a.layout == torch.sparse_coo:  # as saved: not coalesced
+        assert isinstance(b, torch.Tensor) and b.layout == a.layout, f"{path}: sparse vs {b!r}"
+        assert a.is_coalesced() == b.is_coalesced(), f"{path}: coalesced differs"
+        assert_same([a.shape, a._indices(), a._values()], [b.shape, b._indices(), b._values()], path)
+    elif isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), f"{path}: tensor vs {type(b).__name__}"
         assert (a.dtype, tuple(a.shape)) == (b.dtype, tuple(b.shape)), \
             f"{path}: {a.dtype}{tuple(a.shape)} vs {b.dtype}{tuple(b.shape)}"

@@ -57,7 +57,9 @@ def storage_bytes(obj) -> int:
     seen, total, stack = set(), 0, [obj]
     while stack:
         o = stack.pop()
-        if isinstance(o, torch.Tensor):
+        if isinstance(o, torch.Tensor) and o.layout == torch.sparse_coo:
+            stack.extend((o._indices(), o._values()))  # the tensors its record holds
+        elif isinstance(o, torch.Tensor):
             s = o.untyped_storage()
             if s.data_ptr() not in seen:
                 seen.add(s.data_ptr())
@@ -173,6 +175,8 @@ def test_async_checkpoint_equals_torch_engine_and_sync_mode(tmp_path, repo_env, 
     for rank in range(nproc):
         ref = torch.load(os.path.join(out, f"dump_torch_rank{rank}.pt"), weights_only=False)
         assert ref["global_steps"] == 3
+        # client_state's sparse mask as it was at the save, not as changed right after it
+        assert ref["client_state"]["mask"]._values().tolist() == [1.0, 2.0, 3.0]
         for variant in ("async", "sync"):
             got = torch.load(os.path.join(out, f"dump_{variant}_rank{rank}.pt"), weights_only=False)
             assert_same(got, ref, f"rank{rank}:{variant}")

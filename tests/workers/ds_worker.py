@@ -103,20 +103,30 @@ def phase_save(args):
         ours.reservation.join()
     pool = ours.checkpointer.pool
     reserved = {"reserved_bytes": pool.held_bytes, "allocations_before_save": pool.allocations}
-    engine.save_checkpoint(os.path.join(args.out, "async"))
+    # a sparse tensor in client_state (DeepSpeed's own engine saves one with torch.save),
+    # changed in place right after each save, which must not see the change
+    values = torch.tensor([1.0, 2.0, 3.0])
+    mask = torch.sparse_coo_tensor([[0, 3, 0], [1, 2, 1]], values.clone(), (4, 4))
+
+    def save(variant):
+        mask._values().copy_(values)
+        engine.save_checkpoint(os.path.join(args.out, variant), client_state={"mask": mask})
+        mask._values().add_(100)
+
+    save("async")
     # The same pipeline run inline, and DeepSpeed's own engine, at the very same state.
     use_checkpoint_engine(engine, AsyncCheckpointEngine(
         engine._config, AsyncCheckpointConfig(enabled=True, mode="sync"), zero_stage=args.zero_stage))
-    engine.save_checkpoint(os.path.join(args.out, "sync"))
+    save("sync")
     engine.checkpoint_engine.cleanup()
     # And without the replicas' shares: the first replica writes the model states whole.
     use_checkpoint_engine(engine, AsyncCheckpointEngine(
         engine._config, AsyncCheckpointConfig(enabled=True, split_replicated_files=False),
         zero_stage=args.zero_stage))
-    engine.save_checkpoint(os.path.join(args.out, "whole"))
+    save("whole")
     engine.checkpoint_engine.cleanup()
     use_checkpoint_engine(engine, TorchCheckpointEngine(engine._config))  # the first replica only
-    engine.save_checkpoint(os.path.join(args.out, "torch"))
+    save("torch")
     use_checkpoint_engine(engine, ours)
     train(engine, args, 2, start=3)  # mutates every parameter and optimizer tensor
     handle = ours.checkpointer.history[0]
@@ -177,11 +187,12 @@ def phase_load(args):
     for variant in args.variants.split(","):
         counter["bytes"] = 0
         with load_error_recorded(args.out, rank):
-            path, _ = engine.load_checkpoint(os.path.join(args.out, variant))
+            path, client = engine.load_checkpoint(os.path.join(args.out, variant))
         hashed[variant] = counter["bytes"]
         assert path is not None, variant
         state = {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
-                 "lr_scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps}
+                 "lr_scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps,
+                 "client_state": {k: v for k, v in client.items() if k == "mask"}}
         torch.save(state, os.path.join(args.out, f"dump_{variant}_rank{rank}.pt"))
     with open(os.path.join(args.out, f"hashed_rank{rank}.json"), "w") as f:
         json.dump(hashed, f)
