@@ -9,6 +9,7 @@ import os
 import shutil
 import threading
 import time
+import types
 import zlib
 from types import SimpleNamespace
 
@@ -423,6 +424,20 @@ def test_sparse_and_nested_tensors_are_saved_as_torch_save_saves_them(tmp_path, 
     ck.close()
     got = torch.load(tmp_path / "e" / "model.pt", weights_only=True)
     assert all(torch.equal(got[k].to_dense(), expected[k].to_dense()) for k in expected if k != "nested")
+
+
+def test_the_pool_estimate_counts_dense_tensors_and_passes_over_sparse_ones():
+    """A sparse buffer in the module made the DeepSpeed plugin's estimate raise (a sparse
+    tensor has no ``data_ptr``), and the pool was then not sized ahead of the first save.
+    Its parts are copied at save time, outside the pool: it counts nothing."""
+    from deepspeed_async_ckpt.deepspeed_plugin import checkpoint_bytes_estimate
+    from deepspeed_async_ckpt.storage import aligned_size
+
+    module = torch.nn.Linear(100, 10)
+    module.register_buffer("mask", torch.eye(10).to_sparse())
+    engine = types.SimpleNamespace(module=module, optimizer=None, save_non_zero_checkpoint=True,
+                                   zero_optimization=lambda: False)
+    assert checkpoint_bytes_estimate(engine) == aligned_size(1000 * 4) + aligned_size(10 * 4)
 
 
 def test_fence_all_and_the_hybrid_engines_lora_fusion_come_before_an_in_place_edit(tmp_path, monkeypatch):
