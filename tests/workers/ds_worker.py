@@ -191,8 +191,9 @@ def phase_load(args):
         hashed[variant] = counter["bytes"]
         assert path is not None, variant
         state = {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
-                 "lr_scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps,
-                 "client_state": {k: v for k, v in client.items() if k == "mask"}}
+                 "lr_scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps}
+        if "mask" in client:  # phase_save's sparse client_state
+            torch.save(client["mask"], os.path.join(args.out, f"mask_{variant}_rank{rank}.pt"))
         torch.save(state, os.path.join(args.out, f"dump_{variant}_rank{rank}.pt"))
     with open(os.path.join(args.out, f"hashed_rank{rank}.json"), "w") as f:
         json.dump(hashed, f)
