@@ -237,6 +237,15 @@ class HostBufferPool:
             self._cond.notify_all()
 
 
+def _version_of(t: torch.Tensor | None) -> int | None:
+    """``t``'s version counter, which every in-place change moves; None where it has none (an
+    inference-mode tensor)."""
+    try:
+        return None if t is None else t._version
+    except RuntimeError:
+        return None
+
+
 class TensorItem:
     """One storage record of a file: a source tensor and, once staged, its host copy.
 
@@ -246,11 +255,12 @@ class TensorItem:
     """
 
     __slots__ = ("key", "src", "nbytes", "eager", "_label", "host", "error", "_pool",
-                 "_cuda_event", "_issued", "_latch", "_claimed")
+                 "_cuda_event", "_issued", "_latch", "_claimed", "_version")
 
     def __init__(self, key: str, src: torch.Tensor | None, nbytes: int, eager: bool,
                  what: str | tuple = "") -> None:
         self.key, self.src, self.nbytes, self.eager = key, src, nbytes, eager
+        self._version = _version_of(src)  # in-place changes before the copy are refused
         self._label = what  # a string, or (file, shape, dtype) formatted by ``what``
         self.host: torch.Tensor | None = None
         self.error: BaseException | None = None
@@ -267,6 +277,18 @@ class TensorItem:
             file, shape, dtype = self._label
             return f"{file}: tensor record {self.key} {tuple(shape)} {dtype}"
         return self._label
+
+    def check_unchanged(self, src: torch.Tensor) -> None:
+        """Raise if ``src`` was changed in place since the save planned it (its version
+        counter moved): its copy would hold values of after the save, or a mix. Changes
+        through ``.data``, which has a counter of its own, are not seen."""
+        now = _version_of(src)
+        if now != self._version:
+            raise SnapshotError(
+                f"changed in place after the save and before its copy (its version went from "
+                f"{self._version} to {now}): the checkpoint would hold values "
+                "of after the save. Code that changes weights or optimizer state outside the "
+                "optimizer step must call deepspeed_async_ckpt.fence_all() first")
 
     def _set_issued(self) -> None:
         """The copy was issued (or failed, or will never happen)."""
@@ -569,6 +591,7 @@ class Stager:
                 return
             src = item.src
             if item.nbytes:
+                item.check_unchanged(src)
                 dst = item.host.view(src.dtype).view(src.shape)
                 if src.is_cuda and self._copy_stream is not None:
                     with torch.cuda.stream(self._copy_stream):
@@ -581,6 +604,7 @@ class Stager:
                     item._cuda_event = event
                 else:
                     dst.copy_(src)
+                    item.check_unchanged(src)  # not even while it was being copied
             self._count(item.nbytes, pooled=aligned_size(item.nbytes))
         except BaseException as exc:  # surfaced by wait_staged / fence
             item.error = exc

@@ -513,7 +513,9 @@ def test_eager_tensors_are_copied_at_save_with_every_view_of_their_memory(tmp_pa
     with torch.no_grad():  # the forward after the save: BatchNorm updates its statistics
         bn.running_mean.add_(100)
         bn.num_batches_tracked.add_(1)
-        weight.add_(1)  # changed before the fence, so the lazy copy takes it
+        # changed before the fence, so the lazy copy takes it (through .data, whose version
+        # counter is its own: an in-place change the engine cannot see, see the next test)
+        weight.data.add_(1)
     ck.fence()
     ck.wait()
     ck.close()
@@ -526,6 +528,63 @@ def test_eager_tensors_are_copied_at_save_with_every_view_of_their_memory(tmp_pa
     offset, length = parts["mean"]
     assert torch.equal(torch.load(io.BytesIO(data[offset:offset + length]), weights_only=True)["m"],
                        torch.arange(2.0, 6.0))
+
+
+@pytest.mark.parametrize("during_copy", [False, True])
+def test_a_lazy_tensor_changed_in_place_before_its_copy_fails_the_save_not_silently(
+        tmp_path, monkeypatch, during_copy):
+    """Weights changed in place after a save and before the next optimizer step (an EMA swap
+    without ``fence_all()``) reached the file with no word: a checkpoint of values from after
+    the save, or a mix. The tensor's version counter at the save is checked before and after
+    its copy: the fence raises naming the file and record, the save is not committed, the
+    previous checkpoint stays ``latest``, and the next save goes on. The copier is held
+    until the fence; with ``during_copy`` the change happens while the copy runs."""
+    from _copier import hold_copier_until_fence
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
+    monkeypatch.setattr(Stager, "fence", Stager.fence)
+    release = hold_copier_until_fence()
+    weight = torch.zeros(8)
+    with torch.inference_mode():  # no version counter: nothing to check, saved as it is
+        frozen = torch.full((4,), 7.0)
+    ck = make()
+    release.set()
+    save_one(ck, str(tmp_path), {"w": weight, "frozen": frozen}, tag="t1", eager=())
+    ck.fence()
+    ck.wait()
+    release.clear()
+    if during_copy:
+        real_copy_ = torch.Tensor.copy_
+
+        def copy_(dst, src, *args, **kwargs):  # the loop's edit lands while the copy runs
+            out = real_copy_(dst, src, *args, **kwargs)
+            if src is not None and src.data_ptr() == weight.data_ptr():
+                with torch.no_grad():
+                    weight.add_(1)
+            return out
+
+        monkeypatch.setattr(torch.Tensor, "copy_", copy_)
+    save_one(ck, str(tmp_path), {"w": weight, "frozen": frozen}, tag="t2", eager=())
+    if not during_copy:
+        with torch.no_grad():
+            weight.add_(1)  # no fence_all() first
+    with pytest.raises(SnapshotError, match=r"t2/model\.pt: tensor record 0 \(8,\) torch\.float32 failed: "
+                                             r"changed in place after the save .*fence_all\(\)"):
+        ck.fence()
+    with pytest.raises(PersistError):
+        ck.wait()
+    monkeypatch.undo()
+    assert (tmp_path / "latest").read_text() == "t1"
+    assert torch.equal(torch.load(tmp_path / "t1" / "model.pt", weights_only=True)["w"], torch.zeros(8))
+    release.set()
+    save_one(ck, str(tmp_path), {"w": weight, "frozen": frozen}, tag="t3", eager=())
+    ck.fence()
+    ck.wait()
+    ck.close()
+    saved = torch.load(tmp_path / "t3" / "model.pt", weights_only=True)
+    assert torch.equal(saved["w"], torch.ones(8)) and torch.equal(saved["frozen"], frozen)
+    assert (tmp_path / "latest").read_text() == "t3"
 
 
 def test_pool_smaller_than_state_streams_and_buffers_are_reused(tmp_path):
@@ -2712,6 +2771,30 @@ def test_cuda_copies_see_kernels_queued_before_the_save(tmp_path, mode):
     ck.close()
     loaded = torch.load(tmp_path / "t1" / "model.pt", map_location="cpu")
     assert torch.equal(loaded["module"]["w"], torch.ones(16 << 20))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: copy stream")
+def test_cuda_a_tensor_changed_before_its_copy_is_issued_fails_the_save(tmp_path, monkeypatch):
+    """With CUDA the copy is only issued (checked then, not after): a kernel that changes the
+    tensor, queued after the save and before the copier issues its copy, fails the save
+    instead of reaching the file."""
+    from _copier import hold_copier_until_fence
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
+    monkeypatch.setattr(Stager, "fence", Stager.fence)
+    hold_copier_until_fence()
+    weight = torch.zeros(1 << 20, device="cuda")
+    ck = make(gb=1)
+    save_one(ck, str(tmp_path), {"w": weight}, eager=())
+    weight.add_(1)  # no fence_all() first
+    with pytest.raises(SnapshotError, match="changed in place after the save"):
+        ck.fence()
+    with pytest.raises(PersistError):
+        ck.wait()
+    ck.close()
+    assert not (tmp_path / "latest").exists()
 
 
 @pytest.mark.gpu
