@@ -341,6 +341,28 @@ def test_sigkill_while_resaving_the_tag_latest_names_keeps_that_checkpoint(tmp_p
             if n.startswith(".async_ckpt_staging.")] == staging
 
 
+def test_weights_edited_after_a_save_without_fence_all_fail_that_save_at_the_next_step(tmp_path, repo_env):
+    """Every rank scales its weights in place right after a save, without ``fence_all()``, the
+    save's copies held until the next step's fence. Before, the edited weights reached the
+    file with no word; now that step raises on every rank naming the model-states file and
+    ``fence_all()``, the save is not committed (``wait()`` raises its failure), ``latest``
+    keeps the previous checkpoint, and a later save commits."""
+    out = str(tmp_path)
+    run_ranks(repo_env, 2, "edit", "--out", out, "--zero-stage", 1)
+    for rank in range(2):
+        result = json.load(open(os.path.join(out, f"edit_rank{rank}.json")))
+        assert result["step"].startswith("SnapshotError: staging "), result
+        assert "model_states.pt: tensor record" in result["step"] and "fence_all()" in result["step"], result
+        assert "changed in place after the save" in result["step"], result
+        assert result["wait"].startswith("PersistError: a previous checkpoint failed") \
+            and "global_step3/mp_rank_00_model_states.pt" in result["wait"], result
+        assert result["latest_after_failure"] == "global_step2"
+        assert result["latest_after_recovery"] == "recovered"
+    from deepspeed_async_ckpt.commit import verify_checkpoint
+    for tag in ("global_step2", "recovered"):
+        verify_checkpoint(os.path.join(out, "ckpt", tag))
+
+
 def test_disk_full_on_one_rank_raises_on_every_rank_at_next_save(tmp_path, repo_env):
     out = str(tmp_path)
     run_ranks(repo_env, 2, "diskfull", "--out", out, "--kill-rank", "1")

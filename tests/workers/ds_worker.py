@@ -20,6 +20,7 @@ Phases:
   moe     an expert-parallel MoE model saved through this engine and DeepSpeed's own, both loaded.
   universal  save through this engine and DeepSpeed's own for ds_to_universal (load: --universal).
   gathered  ZeRO-3: a frozen layer changed through GatheredParameters right after a save.
+  edit    weights changed in place right after a save without fence_all(): the next step raises.
 The test module reads what they write under --out and asserts on it.
 """
 
@@ -454,6 +455,36 @@ def phase_buffers(args):
     engine.destroy()
 
 
+def phase_edit(args):
+    """Weights changed in place right after a save, without fence_all() (an EMA swap, say), on
+    every rank, with the save's copies held until the next step's fence."""
+    from _copier import hold_copier_until_fence
+
+    release = hold_copier_until_fence()
+    engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
+    rank, save_dir = torch.distributed.get_rank(), os.path.join(args.out, "ckpt")
+    train(engine, args, 2)
+    engine.save_checkpoint(save_dir)  # global_step2, copied at the next step's fence
+    train(engine, args, 1, start=2)
+    engine.checkpoint_engine.checkpointer.wait()
+    release.clear()
+    engine.save_checkpoint(save_dir)  # global_step3
+    with torch.no_grad():
+        for p in engine.module.parameters():
+            p.mul_(0.5)
+    result = {"step": error_of(lambda: train(engine, args, 1, start=3))}
+    result["wait"] = error_of(engine.checkpoint_engine.checkpointer.wait)  # global_step3's end
+    result["latest_after_failure"] = read_latest(save_dir)
+    release.set()
+    engine.save_checkpoint(save_dir, tag="recovered")
+    engine.checkpoint_engine.checkpointer.wait()
+    torch.distributed.barrier()
+    result["latest_after_recovery"] = read_latest(save_dir)
+    engine.destroy()
+    with open(os.path.join(args.out, f"edit_rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+
+
 def phase_export(args):
     """save_16bit_model (DeepSpeed's 16-bit weights export) through this engine, then through
     DeepSpeed's own at the same state; then a save_checkpoint, which must still work."""
@@ -613,7 +644,8 @@ def phase_engines(args):
 def main():
     p = argparse.ArgumentParser()
     p.add_argument("phase", choices=["save", "load", "kill", "exit", "sigterm", "engines", "diskfull",
-                                     "diskfull-load", "diskfull-sync", "buffers", "export", "moe", "universal", "gathered"])
+                                     "diskfull-load", "diskfull-sync", "buffers", "export", "moe", "universal", "gathered",
+                                     "edit"])
     p.add_argument("--out", required=True)
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
@@ -630,9 +662,9 @@ def main():
      "engines": phase_engines, "buffers": phase_buffers, "export": phase_export, "moe": phase_moe,
      "universal": phase_universal, "gathered": phase_gathered,
      "diskfull": phase_diskfull, "diskfull-load": phase_diskfull_load,
-     "diskfull-sync": phase_diskfull_sync}[args.phase](args)
+     "diskfull-sync": phase_diskfull_sync, "edit": phase_edit}[args.phase](args)
     if args.phase in ("save", "load", "diskfull", "diskfull-load", "diskfull-sync", "engines", "buffers", "export", "moe",
-                      "universal", "gathered"):
+                      "universal", "gathered", "edit"):
         # These end with engine.destroy(): everything is committed and written. Skip the
         # interpreter's finalization, where a gloo worker thread still releasing a ZeRO-3
         # all-gather's tensors takes the GIL and aborts the rank ("terminate called without an
