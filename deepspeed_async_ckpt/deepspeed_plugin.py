@@ -270,8 +270,9 @@ def checkpoint_bytes_estimate(ds_engine: Any, model_share: float = 1.0) -> int:
     sizes: dict[str, list[int]] = {"model": [], "zero": []}
 
     def add(t: Any, part: str) -> None:
-        # (a sparse tensor's parts are copied at save time, outside the pool)
-        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided:
+        # (a sparse or nested tensor's parts are copied at save time, outside the pool)
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided \
+                and not t.is_nested:
             key = (t.data_ptr(), t.numel(), t.dtype)
             if key not in seen:
                 seen.add(key)

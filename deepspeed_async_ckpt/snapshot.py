@@ -427,6 +427,8 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
                 return (torch._tensor._rebuild_from_type_v2,
                         (func, torch.Tensor, args, torch._utils._get_obj_state(o)))
             if isinstance(o, torch.Tensor):
+                if o.layout == torch.jagged:  # torch.nested's NestedTensor: reduced as above
+                    return o.__reduce_ex__(2)
                 raise SnapshotError(f"{what}: cannot snapshot tensor subclass {type(o).__name__}")
             return NotImplemented
 
@@ -472,7 +474,7 @@ def tensor_ids(obj: Any, *, except_storages: set[int] = frozenset()) -> set[int]
     while stack:
         o = stack.pop()
         if isinstance(o, torch.Tensor):
-            if o.layout in _SPARSE_LAYOUTS:
+            if o.layout in _SPARSE_LAYOUTS or o.layout == torch.jagged:
                 continue  # no storage of its own; its parts are copied at once anyway
             if not except_storages or o.untyped_storage().data_ptr() not in except_storages:
                 found.add(id(o))
@@ -485,7 +487,8 @@ def tensor_ids(obj: Any, *, except_storages: set[int] = frozenset()) -> set[int]
 
 def storage_addresses(tensors: Iterable[torch.Tensor]) -> set[int]:
     """The addresses of the storages behind ``tensors`` (any view of one has the same)."""
-    return {p for t in tensors if t.layout not in _SPARSE_LAYOUTS and (p := t.untyped_storage().data_ptr())}
+    return {p for t in tensors
+            if t.layout not in _SPARSE_LAYOUTS and t.layout != torch.jagged and (p := t.untyped_storage().data_ptr())}
 
 
 class Stager:
