@@ -255,7 +255,7 @@ class TensorItem:
     """
 
     __slots__ = ("key", "src", "nbytes", "eager", "_label", "host", "error", "_pool",
-                 "_cuda_event", "_issued", "_latch", "_claimed", "_version")
+                 "_cuda_event", "_issued", "_latch", "_claimed", "_version", "_job")
 
     def __init__(self, key: str, src: torch.Tensor | None, nbytes: int, eager: bool,
                  what: str | tuple = "") -> None:
@@ -270,6 +270,7 @@ class TensorItem:
         self._latch = threading.Lock()  # held until the copy is issued; waiters pass through
         self._latch.acquire()
         self._claimed = False  # a thread took it to copy (the copier, or the fence helping)
+        self._job: object = None  # the save's items submitted together (Stager.submit)
 
     @property
     def what(self) -> str:
@@ -532,7 +533,9 @@ class Stager:
     def submit(self, items: Iterable[TensorItem]) -> None:
         """Queue lazy items for the background copier (called on the training thread)."""
         ready = self.ready_event()
-        items = list(items)
+        items, job = list(items), object()
+        for item in items:
+            item._job = job
         with self._lock:
             self._pending.extend(items)
             self._queued_bytes += sum(aligned_size(item.nbytes) for item in items)
@@ -636,6 +639,8 @@ class Stager:
             with self._lock:  # done with it, failed or not: an error is raised once
                 if self._pending and self._pending[0] is item:
                     self._pending.popleft()
+                if item.error is not None:  # and once per save: the rest of it failed with it
+                    self._pending = collections.deque(i for i in self._pending if i._job is not item._job)
             if item.error is not None:
                 raise SnapshotError(f"staging {item.what} failed: {describe(item.error)}") from item.error
             if item._cuda_event is not None:

@@ -634,6 +634,44 @@ def test_a_staging_error_is_raised_by_one_fence_and_the_next_save_goes_on(tmp_pa
     assert (tmp_path / "latest").read_text() == "t1"
 
 
+@pytest.mark.parametrize("cause", ["too_big", "changed"])
+def test_a_failed_save_is_raised_by_one_fence_however_many_of_its_records_failed(tmp_path, monkeypatch, cause):
+    """Each failed record of a save raised at its own fence: a save whose every weight was
+    changed before its copy (an EMA swap without fence_all(), say) raised at as many
+    optimizer steps as it had records (found by a reviewer), and a loop that caught the
+    error skipped a step each time. The first fence raises; the save's other records, in
+    every file, are not waited for by a fence again; wait() reports the save."""
+    from _copier import hold_copier_until_fence
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
+    monkeypatch.setattr(Stager, "fence", Stager.fence)
+    release = hold_copier_until_fence()
+    size = 32 * 1024 if cause == "too_big" else 16  # 128 KiB records: larger than the pool
+    tensors = [torch.zeros(size) for _ in range(4)]
+    ck = make(gb=64 * 1024 / 1024**3)
+    d = tmp_path / "t"
+    ck.begin(str(d), tag="t", pointer=Pointer(str(tmp_path / "latest"), "t"))
+    ck.save({"a": tensors[0], "b": tensors[1]}, str(d / "model.pt"), eager_keys=())
+    ck.save({"c": tensors[2], "d": tensors[3]}, str(d / "optim.pt"), eager_keys=())
+    ck.end()
+    if cause == "changed":
+        for t in tensors:
+            t.add_(1)
+    with pytest.raises(SnapshotError, match=r"t/model\.pt: tensor record 0"):
+        ck.fence()
+    for _ in range(3):  # the next optimizer steps
+        ck.fence()
+    with pytest.raises(PersistError):
+        ck.wait()
+    release.set()
+    save_one(ck, str(tmp_path), {"w": torch.ones(16)}, tag="t2", eager=())
+    ck.fence()
+    ck.wait()
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "t2"
+
+
 def test_pool_blocks_until_release():
     page = 4096
     pool = HostBufferPool(10 * page, pin=False)
