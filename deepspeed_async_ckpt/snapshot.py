@@ -363,13 +363,14 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
     storage_types = {dtype: getattr(torch, name)
                      for dtype, name in torch.storage._dtype_to_storage_type_map().items()}
     strides: dict[tuple, tuple] = {}  # shape -> its contiguous stride (shapes repeat: m, v, w)
+    lazy_parameter_data: dict[int, torch.Tensor] = {}  # id -> the data of a lazy nn.Parameter
 
     def storage_ref(t: torch.Tensor) -> _StorageRef:
         ptr = t.untyped_storage().data_ptr()
         # a conjugate or negative view reads the same memory as other values: its own record
         view_key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device,
                     t.is_conj(), t.is_neg()) if ptr else (id(t),)
-        eager = id(t) not in lazy_tensor_ids
+        eager = id(t) not in lazy_tensor_ids and id(t) not in lazy_parameter_data
         if view_key in by_view:
             ref, item = by_view[view_key]
             item.eager = item.eager or eager
@@ -408,12 +409,17 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
             if not isinstance(o, torch.Tensor):  # first: Parameter's isinstance runs Python code
                 return NotImplemented
             if isinstance(o, torch.nn.Parameter):
+                # its data as a plain tensor sharing o's version counter (``o.data`` has one of
+                # its own), copied lazily where o may be (held, so that its id stays its own)
+                data = o.detach()
+                if id(o) in lazy_tensor_ids:
+                    lazy_parameter_data[id(data)] = data
                 state = torch._utils._get_obj_state(o)
                 hooks: collections.OrderedDict = collections.OrderedDict()
                 if state:
                     return (torch._utils._rebuild_parameter_with_state,
-                            (o.data, o.requires_grad, hooks, state))
-                return (torch._utils._rebuild_parameter, (o.data, o.requires_grad, hooks))
+                            (data, o.requires_grad, hooks, state))
+                return (torch._utils._rebuild_parameter, (data, o.requires_grad, hooks))
             if type(o) is torch.Tensor:
                 if o.layout in _SPARSE_LAYOUTS or o.is_nested:
                     # as torch.save reduces them: into dense tensors (indices, values, sizes),

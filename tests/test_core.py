@@ -589,6 +589,46 @@ def test_a_lazy_tensor_changed_in_place_before_its_copy_fails_the_save_not_silen
     assert (tmp_path / "latest").read_text() == "t3"
 
 
+def test_parameters_in_a_state_are_copied_lazily_and_checked_like_their_detached_tensors(tmp_path, monkeypatch):
+    """An ``nn.Parameter`` in a state (``state_dict(keep_vars=True)``) was reduced through
+    ``p.data``, a new tensor each time, never among the lazy ones: copied before ``save``
+    returned, a stall the same weights as detached tensors do not cost (found by a reviewer).
+    Its data is now copied lazily, and an in-place change before its copy fails the save as
+    for any lazy tensor; it still loads as an ``nn.Parameter``."""
+    from _copier import hold_copier_until_fence
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
+    monkeypatch.setattr(Stager, "fence", Stager.fence)
+    release = hold_copier_until_fence()
+    model = torch.nn.Linear(4, 2)
+    at_save = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    ck = make()
+    d = tmp_path / "t1"
+    ck.begin(str(d), tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
+    ck.save({"model": model.state_dict(keep_vars=True)}, str(d / "model.pt"), eager_keys=())
+    items = list(ck._current.items)
+    ck.end()
+    assert len(items) == 2 and not any(i.eager for i in items)  # left to the copier
+    ck.fence()  # the optimizer step's
+    with torch.no_grad():
+        model.weight.add_(1)
+    ck.wait()
+    saved = torch.load(d / "model.pt", weights_only=True)["model"]
+    assert type(saved["weight"]) is torch.nn.Parameter
+    assert_same({k: v.detach() for k, v in saved.items()}, at_save)
+    release.clear()
+    save_one(ck, str(tmp_path), {"model": model.state_dict(keep_vars=True)}, tag="t2", eager=())
+    with torch.no_grad():
+        model.bias.mul_(2)  # no fence_all() first
+    with pytest.raises(SnapshotError, match="changed in place after the save"):
+        ck.fence()
+    with pytest.raises(PersistError):
+        ck.wait()
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "t1"
+
+
 def test_pool_smaller_than_state_streams_and_buffers_are_reused(tmp_path):
     big = {"module": {f"p{i}": torch.randn(64, 1024) for i in range(8)}}  # 8 x 256 KiB = 2 MiB
     cap_gb = 600 * 1024 / 1024**3  # 600 KiB: at most 2 records in flight
