@@ -3,7 +3,8 @@
 Phases:
   save    train, then at one step save four ways (this engine async, sync, and async with
           the model states written whole by the first replica; DeepSpeed's
-          TorchCheckpointEngine), keep training (mutating every tensor), destroy.
+          TorchCheckpointEngine), each with a sparse client_state changed right after it,
+          keep training (mutating every tensor), destroy.
   load    in a fresh process, load each saved variant and dump the restored engine state.
   kill    save and commit twice (keep_last=1; a "best" saved aside between them with
           save_latest=False), then SIGKILL one rank in the middle of the
