@@ -50,6 +50,19 @@ def sample_state():
     }
 
 
+@pytest.fixture
+def held_copier(monkeypatch):
+    """The background copier held until the training thread's next fence, for this test only
+    (``tests/_copier.py``): the returned event, set by every fence; ``clear()`` it to hold the
+    next save's copies."""
+    from _copier import hold_copier_until_fence
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
+    monkeypatch.setattr(Stager, "fence", Stager.fence)
+    return hold_copier_until_fence()
+
+
 def save_one(ck, root, state, tag="t1", eager=("client",)):
     d = os.path.join(root, tag)
     ck.begin(d, tag=tag, pointer=Pointer(os.path.join(root, "latest"), tag))
@@ -327,17 +340,12 @@ def test_fence_copies_from_the_back_while_a_slow_copier_works_from_the_front(tmp
     assert_same(torch.load(tmp_path / "t1" / "model.pt", weights_only=True), expected)
 
 
-def test_a_relative_save_dir_commits_where_it_was_saved_after_a_chdir(tmp_path, monkeypatch):
+def test_a_relative_save_dir_commits_where_it_was_saved_after_a_chdir(tmp_path, monkeypatch, held_copier):
     """``save_checkpoint("ckpt")``, then ``os.chdir`` before the background commit: DeepSpeed's
     own engine writes ``latest`` inside the call. The pointer was kept relative and written by
     the committer relative to the new working directory: into another ``ckpt/`` there
-    (a resume then loaded an older checkpoint), or, with none, the commit failed."""
-    from _copier import hold_copier_until_fence
-    from deepspeed_async_ckpt.snapshot import Stager
-
-    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
-    monkeypatch.setattr(Stager, "fence", Stager.fence)
-    hold_copier_until_fence()  # nothing is committed before the chdir
+    (a resume then loaded an older checkpoint), or, with none, the commit failed. The copier
+    is held (``held_copier``), so nothing is committed before the chdir."""
     (tmp_path / "run").mkdir()
     (tmp_path / "elsewhere" / "ckpt").mkdir(parents=True)
     monkeypatch.chdir(tmp_path / "run")
@@ -442,23 +450,19 @@ def test_the_pool_estimate_counts_dense_tensors_and_passes_over_sparse_ones():
     assert checkpoint_bytes_estimate(engine) == aligned_size(1000 * 4) + aligned_size(10 * 4)
 
 
-def test_fence_all_and_the_hybrid_engines_lora_fusion_come_before_an_in_place_edit(tmp_path, monkeypatch):
+def test_fence_all_and_the_hybrid_engines_lora_fusion_come_before_an_in_place_edit(tmp_path, monkeypatch, held_copier):
     """Weights changed in place outside the optimizer step, after a save and before the next
     step: DeepSpeed's hybrid engine fuses LoRA products into the frozen weights in generate()
     (``_fuse_lora_layer``: ``weight.data += scaling * A @ B``), a user swaps EMA weights in for
     an evaluation. Only the optimizer step waited for the save's lazy copies, so the edit
     reached the file (a reviewer's run: off by 0.5, also after a resume). The patched fusion
     and ``fence_all()`` fence first; the copier is held until a fence here."""
-    from _copier import hold_copier_until_fence
     from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
     import deepspeed_async_ckpt
     from deepspeed_async_ckpt.deepspeed_plugin import patch_weight_editors, unpatch_weight_editors
-    from deepspeed_async_ckpt.snapshot import Stager
 
-    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
-    monkeypatch.setattr(Stager, "fence", Stager.fence)
-    release = hold_copier_until_fence()
+    release = held_copier
     monkeypatch.setattr(DeepSpeedHybridEngine, "_fuse_lora_layer", DeepSpeedHybridEngine._fuse_lora_layer)
     patch_weight_editors()
     try:
@@ -491,16 +495,10 @@ def test_fence_all_and_the_hybrid_engines_lora_fusion_come_before_an_in_place_ed
         unpatch_weight_editors()
 
 
-def test_eager_tensors_are_copied_at_save_with_every_view_of_their_memory(tmp_path, monkeypatch):
+def test_eager_tensors_are_copied_at_save_with_every_view_of_their_memory(tmp_path, held_copier):
     """``eager_tensors`` (a model's buffers) are copied before ``save``/``save_packed`` return,
     and so is any saved tensor viewing their memory (a state dict holds detached views); the
     others wait for the copier, held here until the fence, so they have the fence's values."""
-    from _copier import hold_copier_until_fence
-    from deepspeed_async_ckpt.snapshot import Stager
-
-    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
-    monkeypatch.setattr(Stager, "fence", Stager.fence)
-    hold_copier_until_fence()
     bn = torch.nn.BatchNorm1d(8)
     bn.running_mean.copy_(torch.arange(8.0))
     weight = torch.zeros(8)
@@ -534,19 +532,14 @@ def test_eager_tensors_are_copied_at_save_with_every_view_of_their_memory(tmp_pa
 
 @pytest.mark.parametrize("during_copy", [False, True])
 def test_a_lazy_tensor_changed_in_place_before_its_copy_fails_the_save_not_silently(
-        tmp_path, monkeypatch, during_copy):
+        tmp_path, monkeypatch, during_copy, held_copier):
     """Weights changed in place after a save and before the next optimizer step (an EMA swap
     without ``fence_all()``) reached the file with no word: a checkpoint of values from after
     the save, or a mix. The tensor's version counter at the save is checked before and after
     its copy: the fence raises naming the file and record, the save is not committed, the
     previous checkpoint stays ``latest``, and the next save goes on. The copier is held
     until the fence; with ``during_copy`` the change happens while the copy runs."""
-    from _copier import hold_copier_until_fence
-    from deepspeed_async_ckpt.snapshot import Stager
-
-    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
-    monkeypatch.setattr(Stager, "fence", Stager.fence)
-    release = hold_copier_until_fence()
+    release = held_copier
     weight = torch.zeros(8)
     with torch.inference_mode():  # no version counter: nothing to check, saved as it is
         frozen = torch.full((4,), 7.0)
@@ -589,18 +582,13 @@ def test_a_lazy_tensor_changed_in_place_before_its_copy_fails_the_save_not_silen
     assert (tmp_path / "latest").read_text() == "t3"
 
 
-def test_parameters_in_a_state_are_copied_lazily_and_checked_like_their_detached_tensors(tmp_path, monkeypatch):
+def test_parameters_in_a_state_are_copied_lazily_and_checked_like_their_detached_tensors(tmp_path, held_copier):
     """An ``nn.Parameter`` in a state (``state_dict(keep_vars=True)``) was reduced through
     ``p.data``, a new tensor each time, never among the lazy ones: copied before ``save``
     returned, a stall the same weights as detached tensors do not cost (found by a reviewer).
     Its data is now copied lazily, and an in-place change before its copy fails the save as
     for any lazy tensor; it still loads as an ``nn.Parameter``."""
-    from _copier import hold_copier_until_fence
-    from deepspeed_async_ckpt.snapshot import Stager
-
-    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
-    monkeypatch.setattr(Stager, "fence", Stager.fence)
-    release = hold_copier_until_fence()
+    release = held_copier
     model = torch.nn.Linear(4, 2)
     at_save = {k: v.detach().clone() for k, v in model.state_dict().items()}
     ck = make()
@@ -675,18 +663,13 @@ def test_a_staging_error_is_raised_by_one_fence_and_the_next_save_goes_on(tmp_pa
 
 
 @pytest.mark.parametrize("cause", ["too_big", "changed"])
-def test_a_failed_save_is_raised_by_one_fence_however_many_of_its_records_failed(tmp_path, monkeypatch, cause):
+def test_a_failed_save_is_raised_by_one_fence_however_many_of_its_records_failed(tmp_path, cause, held_copier):
     """Each failed record of a save raised at its own fence: a save whose every weight was
     changed before its copy (an EMA swap without fence_all(), say) raised at as many
     optimizer steps as it had records (found by a reviewer), and a loop that caught the
     error skipped a step each time. The first fence raises; the save's other records, in
     every file, are not waited for by a fence again; wait() reports the save."""
-    from _copier import hold_copier_until_fence
-    from deepspeed_async_ckpt.snapshot import Stager
-
-    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
-    monkeypatch.setattr(Stager, "fence", Stager.fence)
-    release = hold_copier_until_fence()
+    release = held_copier
     size = 32 * 1024 if cause == "too_big" else 16  # 128 KiB records: larger than the pool
     tensors = [torch.zeros(size) for _ in range(4)]
     ck = make(gb=64 * 1024 / 1024**3)
@@ -2855,16 +2838,10 @@ def test_cuda_copies_see_kernels_queued_before_the_save(tmp_path, mode):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: copy stream")
-def test_cuda_a_tensor_changed_before_its_copy_is_issued_fails_the_save(tmp_path, monkeypatch):
+def test_cuda_a_tensor_changed_before_its_copy_is_issued_fails_the_save(tmp_path, held_copier):
     """With CUDA the copy is only issued (checked then, not after): a kernel that changes the
     tensor, queued after the save and before the copier issues its copy, fails the save
     instead of reaching the file."""
-    from _copier import hold_copier_until_fence
-    from deepspeed_async_ckpt.snapshot import Stager
-
-    monkeypatch.setattr(Stager, "_copy", Stager._copy)  # undone after the test
-    monkeypatch.setattr(Stager, "fence", Stager.fence)
-    hold_copier_until_fence()
     weight = torch.zeros(1 << 20, device="cuda")
     ck = make(gb=1)
     save_one(ck, str(tmp_path), {"w": weight}, eager=())
