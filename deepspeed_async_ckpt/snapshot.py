@@ -462,6 +462,8 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
 #: layout is ``torch.strided``).
 _SPARSE_LAYOUTS = frozenset({torch.sparse_coo, torch.sparse_csr, torch.sparse_csc, torch.sparse_bsr,
                              torch.sparse_bsc})
+#: Layouts whose tensors have no storage to ask for: sparse ones, and torch.nested's jagged.
+_STORAGELESS_LAYOUTS = _SPARSE_LAYOUTS | {torch.jagged}
 
 
 def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
@@ -481,8 +483,8 @@ def tensor_ids(obj: Any, *, except_storages: set[int] = frozenset()) -> set[int]
     while stack:
         o = stack.pop()
         if isinstance(o, torch.Tensor):
-            if o.layout in _SPARSE_LAYOUTS or o.layout == torch.jagged:
-                continue  # no storage of its own; its parts are copied at once anyway
+            if o.layout in _STORAGELESS_LAYOUTS:
+                continue  # its parts are copied at once anyway
             if not except_storages or o.untyped_storage().data_ptr() not in except_storages:
                 found.add(id(o))
         elif isinstance(o, dict):
@@ -494,8 +496,7 @@ def tensor_ids(obj: Any, *, except_storages: set[int] = frozenset()) -> set[int]
 
 def storage_addresses(tensors: Iterable[torch.Tensor]) -> set[int]:
     """The addresses of the storages behind ``tensors`` (any view of one has the same)."""
-    return {p for t in tensors
-            if t.layout not in _SPARSE_LAYOUTS and t.layout != torch.jagged and (p := t.untyped_storage().data_ptr())}
+    return {p for t in tensors if t.layout not in _STORAGELESS_LAYOUTS and (p := t.untyped_storage().data_ptr())}
 
 
 class Stager:
