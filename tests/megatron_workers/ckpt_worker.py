@@ -21,6 +21,7 @@ import json
 import os
 import shutil
 import sys
+import threading
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -98,7 +99,7 @@ class Rank:
                                            self.iteration, metadata=self.metadata,
                                            is_loading=is_loading, with_rng=with_rng)
 
-    def train_step(self, checkpointers=()) -> None:
+    def train_step(self, checkpointers=(), before_fence=None) -> None:
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         a = self.args
@@ -109,6 +110,8 @@ class Rank:
                                     model=[self.ddp], num_microbatches=a.num_microbatches,
                                     seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
                                     forward_only=False)
+        if before_fence is not None:
+            before_fence()
         for ckpt in checkpointers:
             ckpt.fence()
         self.optimizer.step()
@@ -170,11 +173,20 @@ def engine_config(mode: str, host_buffer_gb: float = 0.25) -> AsyncCheckpointCon
 
 
 class SlowStorage(LocalStorage):
-    """Each file takes a few ms to open: with a host pool smaller than the checkpoint, copies
-    then wait for writes to free room, and are still outstanding when the next optimizer step
-    comes. The fence must hold that step back, or the checkpoint holds post-step values."""
+    """Files open only once ``released`` is set (right before the next step's fence), and
+    then a few ms each: with a host pool smaller than the checkpoint, copies wait for writes
+    to free room, and are still outstanding when the optimizer step comes. The fence must
+    hold that step back, or the save fails (an in-place change before the copy) or holds
+    post-step values. With the delay alone, a fast machine could finish a small rank's save
+    before the step (CI, once), and the copies were done during forward and backward anyway:
+    the test passed with the fence removed."""
+
+    def __init__(self, fsync: bool) -> None:
+        super().__init__(fsync=fsync)
+        self.released = threading.Event()
 
     def open_write(self, path: str):
+        self.released.wait(60)
         time.sleep(0.01)
         return super().open_write(path)
 
@@ -258,7 +270,8 @@ def run_save(r: Rank, out: str, steps: int, interop: bool) -> None:
     # The next optimizer step changes every weight: the async checkpoints must not see it.
     # With the tiny pool, a rank that writes more than the pool holds is still copying now.
     records["replica"]["outstanding_at_step"] = not handles["replica"].wait_persisted(0)
-    r.train_step(checkpointers.values())
+    # the writes go on once forward and backward are done, right before the fence
+    r.train_step(checkpointers.values(), before_fence=saves["replica"][2].released.set)
     for name, ckpt in checkpointers.items():
         ckpt.wait()
         records[name]["staged_bytes"] = ckpt.staged_bytes
