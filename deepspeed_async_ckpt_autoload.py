@@ -1,7 +1,9 @@
 """Run at interpreter start by ``deepspeed_async_ckpt.pth`` (a regular ``pip install .``).
 
 When ``deepspeed.runtime.engine`` is first imported, patch it so the ``"async_checkpoint"``
-config key takes effect; no code change is needed in the training script. This module imports
+config key takes effect; no code change is needed in the training script. When
+``transformers.trainer_utils`` is first imported, adapt Trainer's checkpoint rotation and
+resume to saves still in flight (``deepspeed_async_ckpt/hf_trainer.py``). This module imports
 nothing heavy, and not the package itself, so the package is resolved only when DeepSpeed is
 actually used (a working tree on ``PYTHONPATH`` then wins over an installed copy).
 
@@ -79,14 +81,32 @@ class _PostImportHook:
         return spec
 
 
+def _on_trainer_utils_import(module) -> None:
+    try:
+        from deepspeed_async_ckpt.hf_trainer import install
+
+        install(module)
+    except Exception as exc:  # never break `import transformers`
+        print(f"deepspeed_async_ckpt: adapting transformers' Trainer to asynchronous saves failed "
+              f"(its save_total_limit rotation and resume_from_checkpoint=True do not know about "
+              f"saves in flight): {type(exc).__name__}: {exc}. {ENV_SWITCH}=0 turns "
+              "auto-activation off.", file=sys.stderr)
+
+
+def hook_import(target: str, hook) -> None:
+    """Run ``hook(module)`` once ``target`` is imported: now if it already is."""
+    if target in sys.modules:
+        hook(sys.modules[target])
+    else:
+        sys.meta_path.insert(0, _PostImportHook(target, hook))
+
+
 def register() -> None:
     if not enabled():
         return
-    target = "deepspeed.runtime.engine"
-    if target in sys.modules:
-        _on_engine_import(sys.modules[target])
-    else:
-        sys.meta_path.insert(0, _PostImportHook(target, _on_engine_import))
+    hook_import("deepspeed.runtime.engine", _on_engine_import)
+    # Hugging Face Trainer's checkpoint rotation and resume (deepspeed_async_ckpt/hf_trainer.py)
+    hook_import("transformers.trainer_utils", _on_trainer_utils_import)
 
 
 register()

@@ -32,7 +32,9 @@ setup(
     install_requires=["torch>=2.7", "deepspeed>=0.17", "nvidia-ml-py", "xxhash>=3.0"],
     extras_require={
         "megatron": ["megatron-core>=0.16,<0.17"],
-        "test": ["pytest>=8", "pytest-timeout", "megatron-core>=0.16,<0.17", "matplotlib"],
+        "hf": ["transformers>=5,<6", "accelerate>=1.0"],
+        "test": ["pytest>=8", "pytest-timeout", "megatron-core>=0.16,<0.17", "matplotlib",
+                 "transformers>=5,<6", "accelerate>=1.0"],
     },
     entry_points={"console_scripts": ["ds-async-ckpt=deepspeed_async_ckpt.cli:main"]},
     cmdclass={"build_py": build_py},

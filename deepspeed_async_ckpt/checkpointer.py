@@ -371,6 +371,21 @@ def fence_all() -> None:
             checkpointer.fence()
 
 
+def saving_dirs() -> set[str]:
+    """Real paths of the checkpoint directories that this process's open checkpointers have
+    begun and not yet committed or failed (or, on rank 0, not yet swapped in): directories that
+    must be neither deleted nor resumed from yet (see :mod:`.hf_trainer`)."""
+    dirs: set[str] = set()
+    for checkpointer in list(_open_checkpointers):
+        if checkpointer._closed:
+            continue
+        current = checkpointer._current  # before _pending(), as in retire_older's protected()
+        dirs.update(h.ckpt_dir for h in checkpointer._pending())
+        if current is not None:
+            dirs.add(current.ckpt_dir)
+    return {os.path.realpath(d) for d in dirs}
+
+
 class AsyncCheckpointer:
     """Snapshot, persist and commit checkpoints for one rank.
 

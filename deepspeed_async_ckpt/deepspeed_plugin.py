@@ -46,6 +46,7 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.utils import logger as ds_logger
 
+from . import hf_trainer
 from .checkpointer import AsyncCheckpointer, CommitInfo, Replicas, by_rank, exchange_across_ranks
 from .commit import Pointer, check_name
 from .config import CONFIG_KEY, AsyncCheckpointConfig
@@ -83,6 +84,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
             async_config, rank=dist.get_rank() if initialized else 0, world_size=world_size,
             on_commit=_log_commit)
         patch_weight_editors()
+        hf_trainer.check_installed()
         # Every data-parallel replica saves the model-states file and writes a share of it
         # (ZeRO-3 has one model-states file per rank; MoE's expert files follow other rules;
         # node-local storage gives each node its own copy). Unknown stage: not split.
@@ -446,9 +448,12 @@ _ORIGINALS: dict[str, Any] = {}
 
 
 def install() -> bool:
-    """Patch DeepSpeed so the config key takes effect. Idempotent; returns True if it patched."""
+    """Patch DeepSpeed so the config key takes effect, and adapt transformers' Trainer (see
+    :mod:`.hf_trainer`; now, or when it is imported). Idempotent; returns True if it patched
+    DeepSpeed."""
     import deepspeed.runtime.engine as ds_engine
 
+    hf_trainer.install()
     if _ORIGINALS:
         return False
     engine_cls = ds_engine.DeepSpeedEngine
@@ -607,6 +612,7 @@ def uninstall() -> None:
     import deepspeed.runtime.engine as ds_engine
 
     unpatch_weight_editors()
+    hf_trainer.uninstall()
     if not _ORIGINALS:
         return
     engine_cls = ds_engine.DeepSpeedEngine

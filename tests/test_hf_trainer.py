@@ -1,0 +1,273 @@
+"""Hugging Face Trainer with this engine (deepspeed_async_ckpt/hf_trainer.py): its
+save_total_limit rotation and resume_from_checkpoint=True against saves still in flight.
+
+The in-process tests build Trainer-style output directories with the core API (a
+``checkpoint-N`` save directory holding ``global_stepN`` and DeepSpeed's ``latest``) and call
+transformers' own functions, wrapped; the slow ones train a tiny GPT-2 with Trainer under
+DeepSpeed ZeRO-2 on 2 gloo ranks (tests/workers/hf_worker.py)."""
+
+import json
+import logging
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import transformers.trainer_utils as trainer_utils  # the test extra installs transformers 5.x
+
+from deepspeed_async_ckpt import AsyncCheckpointConfig, AsyncCheckpointer, Pointer, hf_trainer
+from deepspeed_async_ckpt.commit import MANIFEST, META_DIR
+from launch import launch
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+WORKER = os.path.join(REPO, "tests", "workers", "hf_worker.py")
+
+
+@pytest.fixture(autouse=True)
+def wrapped():
+    """transformers.trainer_utils with this package's wrappers, for this module's tests (the
+    .pth hook may have installed them already: then they stay)."""
+    patched = hf_trainer.install(trainer_utils)
+    assert trainer_utils.rotate_checkpoints is hf_trainer.rotate_checkpoints
+    yield
+    if patched:
+        hf_trainer.uninstall()
+
+
+@pytest.fixture
+def ck():
+    checkpointer = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01))
+    yield checkpointer
+    checkpointer.close()
+
+
+def begin_save(ck, run, step):
+    """What Trainer and DeepSpeed do for the save at ``step``: Trainer's own files into
+    ``checkpoint-N``, then the DeepSpeed checkpoint ``global_stepN`` (left open)."""
+    save_dir = os.path.join(run, f"checkpoint-{step}")
+    os.makedirs(save_dir, exist_ok=True)
+    with open(os.path.join(save_dir, "trainer_state.json"), "w") as f:
+        json.dump({"global_step": step}, f)
+    tag = f"global_step{step}"
+    ck.begin(os.path.join(save_dir, tag), tag=tag, pointer=Pointer(os.path.join(save_dir, "latest"), tag))
+    ck.save({"module": {"w": torch.full((8,), float(step))}},
+            os.path.join(save_dir, tag, "mp_rank_00_model_states.pt"))
+    return save_dir
+
+
+def committed(ck, run, step):
+    save_dir = begin_save(ck, run, step)
+    ck.end()
+    return save_dir
+
+
+def cut_short(ck, run, step):
+    """A save a crash cut short: files and rank records, no manifest, no ``latest``."""
+    save_dir = committed(ck, run, step)
+    os.remove(os.path.join(save_dir, f"global_step{step}", META_DIR, MANIFEST))
+    os.remove(os.path.join(save_dir, "latest"))
+    return save_dir
+
+
+def plain(run, step):
+    """A checkpoint-N without this engine's checkpoints (DeepSpeed's own engine, or no DeepSpeed)."""
+    save_dir = os.path.join(run, f"checkpoint-{step}")
+    os.makedirs(os.path.join(save_dir, f"global_step{step}"))
+    with open(os.path.join(save_dir, "latest"), "w") as f:
+        f.write(f"global_step{step}")
+    return save_dir
+
+
+def names(run):
+    return sorted(n for n in os.listdir(run) if n.startswith("checkpoint-"))
+
+
+def test_resume_skips_checkpoints_whose_save_never_committed(tmp_path, ck, caplog):
+    """Trainer resumed from the highest-numbered checkpoint-N, which after a crash mid-persist
+    held no committed DeepSpeed checkpoint: DeepSpeed found no `latest` and Trainer raised."""
+    run = str(tmp_path)
+    committed(ck, run, 2)
+    cut_short(ck, run, 4)
+    with caplog.at_level(logging.WARNING, logger=hf_trainer.__name__):
+        assert trainer_utils.get_last_checkpoint(run) == os.path.join(run, "checkpoint-2")
+    assert "not resuming from" in caplog.text and "checkpoint-4" in caplog.text
+    assert hf_trainer._ORIGINALS["get_last_checkpoint"](run) == os.path.join(run, "checkpoint-4")
+
+    plain(run, 6)  # not this engine's: Trainer's own judgement
+    assert trainer_utils.get_last_checkpoint(run) == os.path.join(run, "checkpoint-6")
+    shutil.rmtree(os.path.join(run, "checkpoint-6"))
+
+    os.remove(os.path.join(run, "checkpoint-2", "latest"))  # committed, but DeepSpeed cannot find it
+    assert trainer_utils.get_last_checkpoint(run) is None
+
+
+def test_rotation_counts_committed_checkpoints_and_keeps_the_save_in_flight(tmp_path, ck):
+    """save_total_limit=1: Trainer kept only the newest checkpoint-N, the one still being
+    written, and deleted the last committed one."""
+    run = str(tmp_path)
+    committed(ck, run, 2)
+    committed(ck, run, 4)
+    begin_save(ck, run, 6)  # in flight (begun, not ended)
+    trainer_utils.rotate_checkpoints(run, save_total_limit=1)
+    assert names(run) == ["checkpoint-4", "checkpoint-6"]
+    ck.end()
+    trainer_utils.rotate_checkpoints(run, save_total_limit=1)
+    assert names(run) == ["checkpoint-6"]
+    assert trainer_utils.get_last_checkpoint(run) == os.path.join(run, "checkpoint-6")
+
+
+def test_rotation_deletes_never_committed_checkpoints_older_than_the_newest_resumable(tmp_path, ck):
+    run = str(tmp_path)
+    committed(ck, run, 2)
+    cut_short(ck, run, 4)
+    committed(ck, run, 6)
+    cut_short(ck, run, 8)  # newer than every resumable one: kept until one is newer
+    trainer_utils.rotate_checkpoints(run, save_total_limit=2)
+    assert names(run) == ["checkpoint-2", "checkpoint-6", "checkpoint-8"]
+    committed(ck, run, 10)
+    trainer_utils.rotate_checkpoints(run, save_total_limit=2)
+    assert names(run) == ["checkpoint-10", "checkpoint-6"]
+    trainer_utils.rotate_checkpoints(run, save_total_limit=None)  # no limit: nothing deleted
+    assert names(run) == ["checkpoint-10", "checkpoint-6"]
+
+
+@pytest.mark.parametrize("limit,best,use_mtime", [(1, None, False), (2, None, True), (1, 3, False),
+                                                   (2, 1, False), (3, None, False), (0, None, False)])
+def test_without_this_engine_the_wrappers_do_what_transformers_does(tmp_path, limit, best, use_mtime):
+    """Directories holding no checkpoint of this engine are judged as Trainer judges them."""
+    for variant in ("original", "wrapped"):
+        run = tmp_path / variant
+        for step in (1, 2, 3, 4, 5):
+            plain(str(run), step)
+            os.utime(run / f"checkpoint-{step}", (1000 + 10 * step, 1000 + 10 * step))
+        (run / "checkpoint-x").mkdir()
+    originals = hf_trainer._ORIGINALS
+    for variant, rotate, last in (("original", originals["rotate_checkpoints"], originals["get_last_checkpoint"]),
+                                  ("wrapped", trainer_utils.rotate_checkpoints, trainer_utils.get_last_checkpoint)):
+        run = str(tmp_path / variant)
+        rotate(run, save_total_limit=limit, use_mtime=use_mtime,
+               best_model_checkpoint=os.path.join(run, f"checkpoint-{best}") if best else None)
+        assert os.path.basename(last(run)) == "checkpoint-5"
+    assert names(tmp_path / "original") == names(tmp_path / "wrapped")
+    assert len(names(tmp_path / "wrapped")) < 6 or limit == 0
+
+
+def test_install_rebinds_names_imported_before_it_and_uninstall_restores_them(wrapped):
+    import transformers.trainer as trainer
+
+    assert trainer.get_last_checkpoint is hf_trainer.get_last_checkpoint
+    assert trainer.rotate_checkpoints is hf_trainer.rotate_checkpoints
+    assert trainer.sort_checkpoints is hf_trainer.sort_checkpoints
+    originals = dict(hf_trainer._ORIGINALS)
+    hf_trainer.uninstall()
+    try:
+        assert trainer.rotate_checkpoints is originals["rotate_checkpoints"]
+        assert trainer_utils.get_last_checkpoint is originals["get_last_checkpoint"]
+    finally:
+        assert hf_trainer.install(trainer_utils)
+    assert trainer.rotate_checkpoints is hf_trainer.rotate_checkpoints
+
+
+def test_the_engine_warns_when_trainer_is_imported_without_the_wrappers(monkeypatch, caplog):
+    monkeypatch.setattr(hf_trainer, "_ORIGINALS", {})
+    monkeypatch.setattr(hf_trainer, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger=hf_trainer.__name__):
+        hf_trainer.check_installed()
+        hf_trainer.check_installed()
+    assert caplog.text.count("save_total_limit") == 1
+
+
+def test_auto_activation_wraps_trainer_utils_when_transformers_is_imported(repo_env):
+    """The .pth hook (no code change in the training script); off with DS_ASYNC_CKPT_AUTOLOAD=0,
+    where deepspeed_async_ckpt.install() after the import does it."""
+    probe = ("import deepspeed_async_ckpt_autoload, sys\n"
+             "import transformers.trainer as t\n"
+             "from deepspeed_async_ckpt import hf_trainer\n"
+             "print(t.rotate_checkpoints is hf_trainer.rotate_checkpoints,"
+             " t.get_last_checkpoint is hf_trainer.get_last_checkpoint)\n"
+             "if sys.argv[1] == 'install':\n"
+             "    import deepspeed_async_ckpt; deepspeed_async_ckpt.install()\n"
+             "    print(t.rotate_checkpoints is hf_trainer.rotate_checkpoints,"
+             " t.get_last_checkpoint is hf_trainer.get_last_checkpoint)\n")
+    runs = {
+        "on": ([sys.executable, "-c", probe, "-"], repo_env),
+        "off": ([sys.executable, "-c", probe, "install"], dict(repo_env, DS_ASYNC_CKPT_AUTOLOAD="0")),
+    }
+    out = {k: subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+           for k, (cmd, env) in runs.items()}
+    assert out["on"].returncode == 0, out["on"].stderr[-2000:]
+    assert out["on"].stdout.split() == ["True", "True"]
+    assert out["off"].returncode == 0, out["off"].stderr[-2000:]
+    assert out["off"].stdout.split() == ["False", "False", "True", "True"]
+
+
+def run_trainer(repo_env, out, *args, expect):
+    os.makedirs(out, exist_ok=True)
+    codes = launch(WORKER, ["--out", str(out), *[str(a) for a in args]], 2, timeout=300,
+                   env=repo_env, log_prefix=os.path.join(str(out), f"log{len(os.listdir(out))}"))
+    assert expect(codes), f"rank exit codes {codes} for {args}; logs in {out}"
+
+
+def seen(out) -> dict:
+    with open(os.path.join(out, "seen.json")) as f:
+        return json.load(f)
+
+
+@pytest.mark.slow
+def test_trainer_rotation_leaves_saves_in_flight_alone_and_every_save_commits(tmp_path, repo_env):
+    """save_total_limit=1, the saves of steps 2 and 4 both still being written when Trainer
+    rotates after step 4's: Trainer deleted checkpoint-2 under the save writing it, which
+    failed (and the job with it, at its next save)."""
+    out = tmp_path / "out"
+    run_trainer(repo_env, out, "--limit", 1, "--hold-from", 2, "--release-at", 4,
+                expect=lambda codes: codes == [0, 0])
+    at = seen(out)
+    assert at["4"] == {"checkpoint-2": None, "checkpoint-4": None}  # both in flight, both kept
+    assert at["6"]["checkpoint-4"] == "global_step4"  # committed, so rotation could go on
+    run = out / "run"
+    for name in names(run):  # every checkpoint left can be resumed from
+        assert hf_trainer.why_not_resumable(str(run / name)) is None, name
+    assert "checkpoint-6" in names(run) and "checkpoint-2" not in names(run)
+
+
+@pytest.mark.slow
+def test_trainer_killed_mid_save_with_save_total_limit_1_resumes_from_the_last_committed(tmp_path, repo_env):
+    """Rank 0 SIGKILLed while step 4's save is still being written (save_total_limit=1): Trainer
+    had already deleted checkpoint-2, the only committed checkpoint, and resume_from_checkpoint=
+    True picked checkpoint-4 and raised. Now checkpoint-2 is kept and resumed from, bitwise."""
+    out = tmp_path / "out"
+    run_trainer(repo_env, out, "--limit", 1, "--hold-from", 4, "--kill-at", 4,
+                expect=lambda codes: codes[0] == -9)
+    assert seen(out)["4"] == {"checkpoint-2": "global_step2", "checkpoint-4": None}
+    run = out / "run"
+    assert names(run) == ["checkpoint-2", "checkpoint-4"]
+    assert not (run / "checkpoint-4" / "latest").exists()
+    saved = torch.load(run / "checkpoint-2" / "global_step2" / "mp_rank_00_model_states.pt",
+                       weights_only=False)["module"]
+
+    run_trainer(repo_env, out, "--limit", 1, "--resume", expect=lambda codes: codes == [0, 0])
+    for rank in (0, 1):
+        resumed = torch.load(out / f"resumed_rank{rank}.pt")
+        assert resumed["global_step"] == 2
+        assert resumed["module"].keys() == saved.keys()
+        for name, tensor in saved.items():
+            assert torch.equal(resumed["module"][name], tensor), (rank, name)
+    for name in names(run):
+        assert hf_trainer.why_not_resumable(str(run / name)) is None, name
+    assert "checkpoint-6" in names(run)
+
+
+def test_a_failing_adaptation_does_not_break_importing_transformers(tmp_path, repo_env):
+    broken = tmp_path / "broken" / "deepspeed_async_ckpt"
+    broken.mkdir(parents=True)
+    (broken / "__init__.py").write_text("")
+    (broken / "hf_trainer.py").write_text("def install(module):\n    raise KeyError('rotate_checkpoints')\n")
+    out = subprocess.run([sys.executable, "-c", "import transformers.trainer_utils; print('imported')"],
+                         env=dict(repo_env, PYTHONPATH=f"{broken.parent}{os.pathsep}{REPO}"),
+                         capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert out.returncode == 0 and out.stdout.split()[-1] == "imported", out.stderr[-2000:]
+    assert "adapting transformers' Trainer to asynchronous saves failed" in out.stderr
+    assert "KeyError: 'rotate_checkpoints'" in out.stderr

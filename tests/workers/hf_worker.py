@@ -1,0 +1,111 @@
+"""One rank of the Hugging Face Trainer tests (started by scripts/launch.py): a tiny GPT-2 trained
+by ``transformers.Trainer`` under DeepSpeed ZeRO-2 with the ``async_checkpoint`` key, a
+checkpoint every 2 steps into ``<out>/run/checkpoint-N``.
+
+  --limit K       Trainer's save_total_limit
+  --hold-from S   rank 0's checkpoint writes are held from the save at step S on ...
+  --release-at R  ... until Trainer's on_save at step R (after its rotation), so those saves are
+                  still in flight when Trainer rotates
+  --kill-at K     rank 0 SIGKILLs itself in on_save at step K (its held save never commits)
+  --resume        train(resume_from_checkpoint=True); the weights Trainer resumed with are
+                  dumped to <out>/resumed_rank{r}.pt
+
+At every on_save, rank 0 records what ``<out>/run`` holds to ``<out>/seen.json``: per step, each
+``checkpoint-N`` with its ``latest`` (or null). The test module asserts on those files.
+"""
+
+import argparse
+import json
+import os
+import signal
+import sys
+import threading
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import torch  # noqa: E402
+
+import deepspeed_async_ckpt  # noqa: E402
+
+p = argparse.ArgumentParser()
+p.add_argument("--out", required=True)
+p.add_argument("--max-steps", type=int, default=6)
+p.add_argument("--limit", type=int, default=None)
+p.add_argument("--hold-from", type=int, default=0)
+p.add_argument("--release-at", type=int, default=0)
+p.add_argument("--kill-at", type=int, default=0)
+p.add_argument("--resume", action="store_true")
+args = p.parse_args()
+RANK = int(os.environ["RANK"])
+RUN = os.path.join(args.out, "run")
+
+deepspeed_async_ckpt.install()  # a no-op where the .pth hook already did it (pip install .)
+
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
+
+import deepspeed_async_ckpt.checkpointer as checkpointer  # noqa: E402
+
+hold, released = [False], threading.Event()
+if RANK == 0 and args.hold_from:
+    real_write_file = checkpointer.write_file
+
+    def held_write_file(*a, **kw):
+        if hold[0]:
+            released.wait()
+        return real_write_file(*a, **kw)
+
+    checkpointer.write_file = held_write_file
+
+
+def listing() -> dict:
+    seen = {}
+    for name in sorted(os.listdir(RUN)):
+        latest = os.path.join(RUN, name, "latest")
+        seen[name] = open(latest).read().strip() if os.path.exists(latest) else None
+    return seen
+
+
+class Probe(TrainerCallback):
+    def on_step_end(self, targs, state, control, **kw):
+        if args.hold_from and state.global_step == args.hold_from:
+            hold[0] = True  # this step's save (it follows on_step_end) and later ones
+
+    def on_save(self, targs, state, control, **kw):
+        if RANK != 0:
+            return
+        path = os.path.join(args.out, "seen.json")
+        seen = json.load(open(path)) if os.path.exists(path) else {}
+        seen[str(state.global_step)] = listing()
+        with open(path, "w") as f:
+            json.dump(seen, f)
+        if state.global_step == args.kill_at:
+            os.kill(os.getpid(), signal.SIGKILL)
+        if state.global_step == args.release_at:
+            hold[0] = False
+            released.set()
+
+    def on_train_begin(self, targs, state, control, model=None, **kw):
+        if args.resume:  # Trainer has loaded the checkpoint by now
+            weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
+            torch.save({"global_step": state.global_step, "module": weights},
+                       os.path.join(args.out, f"resumed_rank{RANK}.pt"))
+
+
+ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
+      "train_batch_size": "auto", "gradient_clipping": "auto",
+      "zero_optimization": {"stage": 2},  # no "optimizer": Trainer's torch AdamW
+      "async_checkpoint": {"enabled": True, "host_buffer_gb": 0.05, "writer_threads": 2}}
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
+tokens = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(1))
+data = [{"input_ids": row, "labels": row} for row in tokens]
+targs = TrainingArguments(output_dir=RUN, max_steps=args.max_steps, per_device_train_batch_size=4,
+                          learning_rate=1e-3, save_strategy="steps", save_steps=2,
+                          save_total_limit=args.limit, logging_steps=1, report_to=[], deepspeed=ds,
+                          use_cpu=True)  # accelerate counts the gloo ranks only with use_cpu
+trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Probe()])
+trainer.train(resume_from_checkpoint=True if args.resume else None)
+engine_name = type(trainer.model_wrapped.checkpoint_engine).__name__
+assert engine_name == "AsyncCheckpointEngine", engine_name
+print(f"rank {RANK}: trained to step {trainer.state.global_step}", flush=True)
