@@ -128,6 +128,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
                 if replicas.rank != 0:  # DeepSpeed's rule: the first replica writes it
                     return
                 replicas = None
+            else:
+                state_dict = with_rank0_shared_params(state_dict, self._ds_engine, replicas)
         try:
             self.checkpointer.save(state_dict, path, eager_keys=self._eager_keys,
                                    eager_tensors=self._buffers, replicas=replicas)
@@ -257,6 +259,35 @@ def data_parallel_replicas() -> Replicas:
     return Replicas(rank=groups._get_sequence_data_parallel_rank(),
                     size=groups._get_sequence_data_parallel_world_size(),
                     group=groups._get_sequence_data_parallel_group())
+
+
+def with_rank0_shared_params(state_dict: Any, ds_engine: Any, replicas: Replicas) -> Any:
+    """The model-states ``state_dict`` of a replica of global rank 0 with ``shared_params`` as
+    rank 0 has it. DeepSpeed lists tied parameters (``_get_shared_params``) on global rank 0
+    only, so with any tied weight (tied embeddings) the replicas' files differed and the first
+    replica wrote the file alone (found by a Trainer run of GPT-2). Computed here as DeepSpeed
+    computes it, without ZeRO-3 (no shares there); if it still differs from rank 0's, the
+    replicas' digests say so and the first replica writes the file alone, as before."""
+    if not isinstance(state_dict, dict) or state_dict.get("shared_params") != {} \
+            or dist.get_rank() == 0 or dist.get_global_rank(replicas.group or dist.group.WORLD, 0) != 0:
+        return state_dict
+    shared: dict[str, str] = {}
+    first_name: dict[int, str] = {}
+
+    def walk(module: torch.nn.Module, prefix: str) -> None:  # DeepSpeed's order, dict included
+        for name, param in module.named_parameters(recurse=False):
+            if param is None:
+                continue
+            if param.data_ptr() in first_name:
+                shared[prefix + name] = first_name[param.data_ptr()]
+            else:
+                first_name[param.data_ptr()] = prefix + name
+        for name, child in module.named_children():
+            if child is not None:
+                walk(child, prefix + name + ".")
+
+    walk(ds_engine.module, "")
+    return dict(state_dict, shared_params=shared) if shared else state_dict
 
 
 def checkpoint_bytes_estimate(ds_engine: Any, model_share: float = 1.0) -> int:

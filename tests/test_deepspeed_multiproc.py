@@ -71,20 +71,22 @@ def storage_bytes(obj) -> int:
     return total
 
 
+# tied: two layers share a weight (tied embeddings' shape), which DeepSpeed records in the
+# model-states file's `shared_params` on global rank 0 only
 CASES = [
-    pytest.param(2, 0, 0, 0, id="2ranks-zero0-fp32"),
-    pytest.param(2, 1, 1, 0, id="2ranks-zero1-bf16"),
-    pytest.param(2, 2, 0, 0, id="2ranks-zero2-fp32"),
-    pytest.param(2, 3, 1, 0, id="2ranks-zero3-bf16"),
-    pytest.param(4, 2, 1, 0, id="4ranks-zero2-bf16"),
-    pytest.param(2, 0, 0, 2, id="2ranks-pipeline2-fp32"),
+    pytest.param(2, 0, 0, 0, 0, id="2ranks-zero0-fp32"),
+    pytest.param(2, 1, 1, 0, 1, id="2ranks-zero1-bf16-tied"),
+    pytest.param(2, 2, 0, 0, 0, id="2ranks-zero2-fp32"),
+    pytest.param(2, 3, 1, 0, 0, id="2ranks-zero3-bf16"),
+    pytest.param(4, 2, 1, 0, 1, id="4ranks-zero2-bf16-tied"),
+    pytest.param(2, 0, 0, 2, 0, id="2ranks-pipeline2-fp32"),
 ]
 
 
-@pytest.mark.parametrize("nproc,zero,bf16,pp", CASES)
-def test_async_checkpoint_equals_torch_engine_and_sync_mode(tmp_path, repo_env, nproc, zero, bf16, pp):
+@pytest.mark.parametrize("nproc,zero,bf16,pp,tied", CASES)
+def test_async_checkpoint_equals_torch_engine_and_sync_mode(tmp_path, repo_env, nproc, zero, bf16, pp, tied):
     out = str(tmp_path)
-    flags = ["--out", out, "--zero-stage", zero, "--bf16", bf16, "--pipeline-stages", pp]
+    flags = ["--out", out, "--zero-stage", zero, "--bf16", bf16, "--pipeline-stages", pp, "--tied", tied]
     run_ranks(repo_env, nproc, "save", *flags)
 
     torch_files = sorted(glob.glob(os.path.join(out, "torch", "global_step3", "*.pt")))
@@ -130,6 +132,8 @@ def test_async_checkpoint_equals_torch_engine_and_sync_mode(tmp_path, repo_env, 
         assert stats["staged_bytes"] == stats["planned_bytes"] == expected, (rank, stats, own)
         if not pp and zero < 3:  # (else a model-states file per rank or pipeline stage)
             assert ("mp_rank_00_model_states.pt" in own) == (split or rank == 0), (rank, own)
+    if tied:  # what rank 0 alone lists (the other replicas' states: none), yet split below
+        assert torch.load(model_file, weights_only=False)["shared_params"] == {"3.weight": "0.weight"}
     if split:  # one share per rank, each with records, together the file end to end
         assert sorted(shares) == list(range(nproc)) and all(shares.values()), shares
         assert sum(shares.values()) == storage_bytes(torch.load(model_file, weights_only=False))

@@ -69,6 +69,8 @@ def init(args, config):
         torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
     torch.manual_seed(1234)
     model = build_model(HIDDEN, LAYERS, args.pipeline_stages)
+    if getattr(args, "tied", 0):  # one weight used by two layers, as tied embeddings are
+        model[3].weight = model[0].weight
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
     return engine
 
@@ -651,6 +653,7 @@ def main():
     p.add_argument("--zero-stage", type=int, default=1)
     p.add_argument("--bf16", type=int, default=0)
     p.add_argument("--pipeline-stages", type=int, default=0)
+    p.add_argument("--tied", type=int, default=0, help="the first two Linear layers share their weight")
     p.add_argument("--variants", default="async,sync,torch")
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--partial", type=int, default=0)
