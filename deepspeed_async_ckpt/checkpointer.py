@@ -1162,6 +1162,22 @@ class AsyncCheckpointer:
         save_dir = os.path.abspath(save_dir)
         if save_dir not in self._claimed:
             self._claimed[save_dir] = claim_save_dir(save_dir)
+        self._release_idle_claims(keep=save_dir)
+
+    def _release_idle_claims(self, keep: str) -> None:
+        """Rank 0: give back the claims of the save directories other than ``keep`` that no
+        save and no background task of this checkpointer uses any more. A job that saves into
+        a new directory each time (Hugging Face Trainer's ``checkpoint-N``) kept one lock file
+        open per save until :meth:`close`, and failed with "Too many open files" after some
+        hundreds of saves (found by a review, session 22)."""
+        busy = {os.path.dirname(h.ckpt_dir) for h in self._pending()}
+        with self._lock:
+            if any(not f.done() for f in self._retiring):
+                return  # retention or a deletion may still work there: the next begin
+        for save_dir in [d for d in self._claimed if d != keep and d not in busy]:
+            key = self._claimed.pop(save_dir)
+            if key is not None:
+                release_save_dir(key)
 
     def _unclaim(self, save_dir: str) -> None:
         """Undo :meth:`_claim` of a save directory this begin made and then gave up."""

@@ -1280,6 +1280,47 @@ def test_a_second_job_saving_into_the_same_directory_is_refused_naming_the_first
     assert (tmp_path / "latest").read_text() == "b2"
 
 
+def test_a_save_directory_is_unlocked_once_saves_go_elsewhere(tmp_path, held_copier):
+    """Hugging Face Trainer saves into a new directory each time (``checkpoint-N``): the
+    checkpointer kept each one's lock file open until close(), one descriptor per save, and a
+    long run failed with "Too many open files" (found by a review, session 22). A directory is
+    unlocked once a save begins elsewhere and none of its own is still in flight."""
+    import fcntl
+
+    from deepspeed_async_ckpt import commit as commit_module
+
+    def locked(save_dir):  # by this process's claim: flock conflicts across open files
+        fd = os.open(os.path.join(save_dir, LOCK_FILE), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    def fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    ck = make("async")
+    dirs = [str(tmp_path / f"checkpoint-{n}") for n in range(40)]
+    held_copier.clear()  # the first save stays in flight until the next fence
+    save_one(ck, dirs[0], sample_state(), tag="global_step0")
+    save_one(ck, dirs[1], sample_state(), tag="global_step1")
+    assert locked(dirs[0]) and locked(dirs[1])  # the first save is still in flight there
+    ck.fence()
+    ck.wait()
+    before = fds()
+    for n in range(2, len(dirs)):
+        save_one(ck, dirs[n], sample_state(), tag=f"global_step{n}")
+        ck.wait()
+    assert fds() <= before
+    assert [d for d in dirs if locked(d)] == [dirs[-1]]
+    assert [k for k in commit_module._claims if k.startswith(str(tmp_path))] == [os.path.realpath(dirs[-1])]
+    ck.close()
+    assert not locked(dirs[-1])
+
+
 def test_a_close_interrupted_while_a_commit_runs_keeps_the_save_directory_locked(tmp_path, monkeypatch):
     """Ctrl-C in ``close`` while rank 0's commit still ran (waiting for a slow rank, say): the
     save directory's lock was released after the committer's join gave up, with the commit
