@@ -93,12 +93,15 @@ def _on_trainer_utils_import(module) -> None:
               "auto-activation off.", file=sys.stderr)
 
 
-def hook_import(target: str, hook) -> None:
-    """Run ``hook(module)`` once ``target`` is imported: now if it already is."""
+def hook_import(target: str, hook):
+    """Run ``hook(module)`` once ``target`` is imported: now if it already is. Returns the
+    finder left on ``sys.meta_path`` (None if it ran now)."""
     if target in sys.modules:
         hook(sys.modules[target])
-    else:
-        sys.meta_path.insert(0, _PostImportHook(target, hook))
+        return None
+    finder = _PostImportHook(target, hook)
+    sys.meta_path.insert(0, finder)
+    return finder
 
 
 def register() -> None:

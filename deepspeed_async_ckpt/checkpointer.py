@@ -371,6 +371,12 @@ def fence_all() -> None:
             checkpointer.fence()
 
 
+def saves_in_flight() -> list[CheckpointHandle]:
+    """The saves of this process's open checkpointers that are sealed (``end``) and not yet
+    committed or failed (or, on rank 0, not yet swapped in)."""
+    return [h for c in list(_open_checkpointers) if not c._closed for h in c._pending()]
+
+
 def saving_dirs() -> set[str]:
     """Real paths of the checkpoint directories that this process's open checkpointers have
     begun and not yet committed or failed (or, on rank 0, not yet swapped in): directories that

@@ -1,17 +1,20 @@
-"""Hugging Face ``transformers.Trainer`` with this engine: rotation and resume that know a save
-may still be in flight.
+"""Hugging Face ``transformers.Trainer`` with this engine: rotation, resume and Hub pushes that
+know a save may still be in flight.
 
 Trainer saves a DeepSpeed checkpoint into ``<output_dir>/checkpoint-N`` with
 ``engine.save_checkpoint``, which with this engine returns once the save is enqueued. In the
 same call Trainer then deletes older ``checkpoint-*`` directories down to ``save_total_limit``,
-always keeping the newest; and ``train(resume_from_checkpoint=True)`` resumes from the
-highest-numbered one. Neither knew that the newest might not be committed yet:
+always keeping the newest; ``train(resume_from_checkpoint=True)`` resumes from the
+highest-numbered one; and with ``hub_strategy="checkpoint"`` (or ``"all_checkpoints"``) it
+uploads ``checkpoint-N`` in the background right away. None of them knew that the newest might
+not be committed yet:
 
 - rotation deleted the last committed checkpoint while the new one was still being written
   (with ``save_total_limit=1``, a crash then left nothing to resume from), and deleted
   directories that earlier saves were still writing into (those saves failed);
 - after a crash mid-persist, resume picked the ``checkpoint-N`` whose save it cut short, and
-  raised.
+  raised;
+- the Hub got a checkpoint without ``latest``, with temporary files.
 
 :func:`install` wraps three functions of ``transformers.trainer_utils`` (transformers 5.x),
 when that module is first imported (the ``.pth`` hook, see ``deepspeed_async_ckpt_autoload``),
@@ -20,13 +23,16 @@ before ``transformers.trainer`` binds their names:
 - ``sort_checkpoints`` (the list rotation deletes from) leaves out the checkpoints that cannot
   be resumed yet or ever: still being saved by this process, or never committed (a crash or
   failure cut the save short). Trainer's own rule then runs on the rest, so
-  ``save_total_limit`` counts resumable checkpoints, and one still being saved is kept on top,
-  as during a synchronous save;
+  ``save_total_limit`` counts resumable checkpoints, and those still being saved are kept on
+  top, as during a synchronous save;
 - ``rotate_checkpoints`` also deletes the never-committed ones older than the newest
   resumable one (nothing else would);
 - ``get_last_checkpoint`` returns the newest resumable ``checkpoint-N``.
 
-Directories holding no checkpoint of this engine are judged as Trainer judges them.
+When this engine is built (inside ``Trainer.train``), :func:`check_installed` also wraps
+``Trainer._push_from_checkpoint``: with a checkpoint strategy it waits for the checkpoint's
+save to commit first. Directories holding no checkpoint of this engine are judged as Trainer
+judges them.
 """
 
 from __future__ import annotations
@@ -44,37 +50,58 @@ logger = logging.getLogger(__name__)
 TARGET = "transformers.trainer_utils"
 POINTER = "latest"
 """DeepSpeed's pointer file in a save directory (Trainer's ``checkpoint-N``)."""
+WRAPPED = ("sort_checkpoints", "rotate_checkpoints", "get_last_checkpoint")
+PUSHED_CHECKPOINTS = ("checkpoint", "all_checkpoints")
+"""Trainer's ``hub_strategy`` values that upload ``checkpoint-N`` itself."""
 
-SAVING = "its DeepSpeed checkpoint is still being saved"
+SAVING_REASON = "its DeepSpeed checkpoint is still being saved"
 
 _ORIGINALS: dict[str, Any] = {}
 _ROTATE_SIGNATURE: inspect.Signature | None = None
-_hooked = False  # install() waits for transformers' import
+_hook: Any = None  # the post-import hook install() left for transformers' import
 _warned = False
+
+
+class Judgement:
+    """Why Trainer cannot resume from a ``checkpoint-N`` (``reason``; None: it can, or the
+    directory holds no checkpoint of this engine), and whether that is known for good
+    (``never``: its save never committed) rather than for now (still being saved) or unknown
+    (unreadable), which rotation deletes only in the first case."""
+
+    def __init__(self, reason: str | None = None, never: bool = False) -> None:
+        self.reason, self.never = reason, never
+
+
+def judge(path: str) -> Judgement:
+    from .commit import abandoned_checkpoints, committed_checkpoints
+
+    if _being_saved(path):
+        return Judgement(SAVING_REASON)
+    try:
+        committed = committed_checkpoints(path)
+        partial = abandoned_checkpoints(path, before=float("inf"))
+    except OSError:
+        return Judgement()  # unreadable: Trainer's own judgement (and its error)
+    if not committed and not partial:
+        return Judgement()
+    try:
+        with open(os.path.join(path, POINTER), encoding="utf-8") as f:
+            tag = f.read().strip()
+    except FileNotFoundError:
+        return Judgement(f"its DeepSpeed checkpoint was never committed (no {POINTER!r} file)",
+                         never=True)
+    except OSError as exc:
+        return Judgement(f"its {POINTER!r} file cannot be read: {exc}")
+    if tag in partial:
+        return Judgement(f"{POINTER!r} names {tag!r}, which was never committed", never=True)
+    return Judgement()
 
 
 def why_not_resumable(path: str) -> str | None:
     """Why ``Trainer`` cannot resume from the ``checkpoint-N`` directory ``path`` through this
     engine; None when it can, or when ``path`` holds no checkpoint of this engine (Trainer and
     DeepSpeed then judge it as they always do)."""
-    from .commit import abandoned_checkpoints, committed_checkpoints
-
-    if _being_saved(path):
-        return SAVING
-    committed = committed_checkpoints(path)
-    partial = abandoned_checkpoints(path, before=float("inf"))
-    if not committed and not partial:
-        return None
-    try:
-        with open(os.path.join(path, POINTER), encoding="utf-8") as f:
-            tag = f.read().strip()
-    except FileNotFoundError:
-        return f"its DeepSpeed checkpoint was never committed (no {POINTER!r} file)"
-    except OSError as exc:
-        return f"its {POINTER!r} file cannot be read: {exc}"
-    if tag in partial:
-        return f"{POINTER!r} names {tag!r}, which was never committed"
-    return None
+    return judge(path).reason
 
 
 def _being_saved(path: str) -> bool:
@@ -91,9 +118,8 @@ def _checkpoint_number(path: str, prefix: str) -> int | None:
 
 
 def sort_checkpoints(*args: Any, **kwargs: Any) -> list[str]:
-    found = _ORIGINALS["sort_checkpoints"](*args, **kwargs)
     kept = []
-    for path in found:
+    for path in _ORIGINALS["sort_checkpoints"](*args, **kwargs):
         why = why_not_resumable(path)
         if why is None:
             kept.append(path)
@@ -109,20 +135,25 @@ def rotate_checkpoints(*args: Any, **kwargs: Any) -> None:
     given.apply_defaults()
     limit = given.arguments["save_total_limit"]
     if limit is not None and limit > 0:
-        _remove_unresumable(given.arguments["output_dir"], given.arguments["checkpoint_prefix"])
+        _remove_never_committed(given.arguments["output_dir"],
+                                given.arguments.get("checkpoint_prefix", _prefix()),
+                                given.arguments.get("best_model_checkpoint"))
 
 
-def _remove_unresumable(output_dir: str, prefix: str) -> None:
-    """Delete the ``checkpoint-N`` directories whose save never committed (and is not in
-    flight) that are older, by step, than the newest resumable one."""
+def _remove_never_committed(output_dir: str, prefix: str, best: str | None) -> None:
+    """Delete the ``checkpoint-N`` directories whose save never committed that are older, by
+    step, than the newest resumable one (not the best model's: Trainer reads that one at the
+    end of training)."""
     found = _ORIGINALS["sort_checkpoints"](output_dir=output_dir, checkpoint_prefix=prefix)
-    judged = [(path, _checkpoint_number(path, prefix), why_not_resumable(path)) for path in found]
-    resumable = [n for _, n, why in judged if why is None and n is not None]
+    judged = [(path, _checkpoint_number(path, prefix), judge(path)) for path in found]
+    resumable = [n for _, n, j in judged if j.reason is None and n is not None]
     if not resumable:
         return
-    for path, number, why in judged:
-        if why not in (None, SAVING) and number is not None and number < max(resumable):
-            logger.warning("async checkpoint: deleting %s (save_total_limit): %s", path, why)
+    for path, number, judgement in judged:
+        if judgement.never and number is not None and number < max(resumable) \
+                and not (best and os.path.realpath(best) == os.path.realpath(path)):
+            logger.warning("async checkpoint: deleting %s (save_total_limit): %s", path,
+                           judgement.reason)
             shutil.rmtree(path, ignore_errors=True)
 
 
@@ -148,55 +179,92 @@ def _prefix() -> str:
     return getattr(sys.modules.get(TARGET), "PREFIX_CHECKPOINT_DIR", "checkpoint")
 
 
+def _push_from_checkpoint(self: Any, checkpoint_folder: str, *args: Any, **kwargs: Any) -> Any:
+    strategy = getattr(self.args, "hub_strategy", None)
+    if getattr(strategy, "value", strategy) in PUSHED_CHECKPOINTS:
+        wait_for_saves_in(checkpoint_folder)
+    return _ORIGINALS["push"](self, checkpoint_folder, *args, **kwargs)
+
+
+def wait_for_saves_in(path: str) -> None:
+    """Block until this process's saves into ``path`` (a ``checkpoint-N``) are committed or
+    have failed (a failure is raised at the next save, as always)."""
+    checkpointer = sys.modules.get(f"{__package__}.checkpointer")
+    if checkpointer is None:
+        return
+    real = os.path.realpath(path)
+    for handle in checkpointer.saves_in_flight():
+        target = os.path.realpath(handle.ckpt_dir)
+        if target == real or target.startswith(real + os.sep):
+            logger.info("async checkpoint: waiting for %s to commit before Trainer uploads %s",
+                        handle.ckpt_dir, path)
+            handle.wait_committed()
+
+
 def install(module: Any = None) -> bool:
     """Wrap ``transformers.trainer_utils``' functions (see the module docstring); with no
     ``module``, the one imported, or, if transformers is not imported yet, when it is.
     Idempotent; returns True if it patched now."""
-    global _hooked
-    if _ORIGINALS:
+    global _hook, _ROTATE_SIGNATURE
+    if "rotate_checkpoints" in _ORIGINALS:
         return False
     if module is None:
         module = sys.modules.get(TARGET)
         if module is None:
-            if not _hooked:
+            if _hook is None:
                 from deepspeed_async_ckpt_autoload import hook_import
 
-                hook_import(TARGET, install)
-                _hooked = True
+                _hook = hook_import(TARGET, install)
             return False
-    if not all(callable(getattr(module, name, None))
-               for name in ("sort_checkpoints", "rotate_checkpoints", "get_last_checkpoint")):
+    if not all(callable(getattr(module, name, None)) for name in WRAPPED):
         return False  # transformers < 5: see check_installed()
-    global _ROTATE_SIGNATURE
-    _ROTATE_SIGNATURE = inspect.signature(module.rotate_checkpoints)
-    wrappers = {"sort_checkpoints": sort_checkpoints, "rotate_checkpoints": rotate_checkpoints,
-                "get_last_checkpoint": get_last_checkpoint}
-    for name in wrappers:
+    signature = inspect.signature(module.rotate_checkpoints)
+    if not {"output_dir", "save_total_limit"} <= set(signature.parameters):
+        return False  # a rotation these wrappers do not know: see check_installed()
+    _ROTATE_SIGNATURE = signature
+    for name in WRAPPED:
         _ORIGINALS[name] = getattr(module, name)
     # transformers.trainer (and the package's lazy attributes) bind these names at import: if
     # they were imported before us, rebind them there too.
-    for holder in (module, sys.modules.get("transformers.trainer"), sys.modules.get("transformers")):
-        for name, wrapper in wrappers.items():
-            if holder is not None and vars(holder).get(name) is _ORIGINALS[name]:
-                setattr(holder, name, wrapper)
+    for holder in _holders(module):
+        for name in WRAPPED:
+            if vars(holder).get(name) is _ORIGINALS[name]:
+                setattr(holder, name, globals()[name])
     return True
 
 
+def _holders(module: Any = None) -> list[Any]:
+    found = [module or sys.modules.get(TARGET), sys.modules.get("transformers.trainer"),
+             sys.modules.get("transformers")]
+    return [m for m in found if m is not None]
+
+
 def uninstall() -> None:
-    """Undo :func:`install` (tests)."""
-    for holder in (sys.modules.get(TARGET), sys.modules.get("transformers.trainer"),
-                   sys.modules.get("transformers")):
-        for name, original in _ORIGINALS.items():
-            if holder is not None and vars(holder).get(name) is globals()[name]:
-                setattr(holder, name, original)
+    """Undo :func:`install` and :func:`check_installed`'s patch (tests)."""
+    global _hook
+    for holder in _holders():
+        for name in WRAPPED:
+            if name in _ORIGINALS and vars(holder).get(name) is globals()[name]:
+                setattr(holder, name, _ORIGINALS[name])
+    if "push" in _ORIGINALS:
+        sys.modules["transformers.trainer"].Trainer._push_from_checkpoint = _ORIGINALS["push"]
+    if _hook is not None and _hook in sys.meta_path:
+        sys.meta_path.remove(_hook)
+    _hook = None
     _ORIGINALS.clear()
 
 
 def check_installed() -> None:
-    """Warn once, when this engine is built in a process that has imported Trainer's helpers
-    without the wrappers (transformers < 5, or auto-activation off without ``install()``)."""
+    """When this engine is built: wrap ``Trainer._push_from_checkpoint`` if Trainer is
+    imported, and warn once if Trainer's helpers are imported without the wrappers
+    (transformers < 5, or auto-activation off without ``install()``)."""
     global _warned
-    if _warned or _ORIGINALS or TARGET not in sys.modules:
+    trainer = sys.modules.get("transformers.trainer")
+    push = getattr(getattr(trainer, "Trainer", None), "_push_from_checkpoint", None)
+    if push is not None and "push" not in _ORIGINALS:
+        _ORIGINALS["push"] = push
+        trainer.Trainer._push_from_checkpoint = _push_from_checkpoint
+    if _warned or "rotate_checkpoints" in _ORIGINALS or TARGET not in sys.modules:
         return
     _warned = True
     logger.warning("async checkpoint: transformers' Trainer is imported, but its checkpoint "
@@ -205,4 +273,3 @@ def check_installed() -> None:
                    "or deepspeed_async_ckpt.install()): rotation may delete the last committed "
                    "checkpoint while a new one is written, and resume may pick one a crash cut "
                    "short")
-

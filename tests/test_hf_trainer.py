@@ -134,6 +134,75 @@ def test_rotation_deletes_never_committed_checkpoints_older_than_the_newest_resu
     assert names(run) == ["checkpoint-10", "checkpoint-6"]
 
 
+def test_rotation_deletes_only_on_evidence_and_never_the_best_model(tmp_path, ck):
+    """A `latest` that cannot be read (an I/O error, a stale handle) is no evidence that the
+    save never committed: kept. The best model's checkpoint, which Trainer reads at the end of
+    training, is not deleted either, even if its save never committed."""
+    run = str(tmp_path)
+    committed(ck, run, 2)
+    os.remove(os.path.join(run, "checkpoint-2", "latest"))
+    os.mkdir(os.path.join(run, "checkpoint-2", "latest"))  # open() raises IsADirectoryError
+    cut_short(ck, run, 4)
+    cut_short(ck, run, 6)
+    committed(ck, run, 8)
+    assert "cannot be read" in hf_trainer.why_not_resumable(os.path.join(run, "checkpoint-2"))
+    trainer_utils.rotate_checkpoints(run, save_total_limit=1,
+                                     best_model_checkpoint=os.path.join(run, "checkpoint-4"))
+    assert names(run) == ["checkpoint-2", "checkpoint-4", "checkpoint-8"]
+
+
+def test_a_checkpoint_pushed_to_the_hub_is_committed_first(tmp_path, ck, monkeypatch):
+    """hub_strategy="checkpoint": Trainer uploads checkpoint-N in the background right after
+    saving it, so the Hub got it without `latest` and with temporary files. The push now waits
+    for the save to commit; with other strategies (model files only, written by Trainer
+    itself) it does not wait."""
+    import threading
+    import types
+
+    import transformers.trainer as trainer
+    from deepspeed_async_ckpt import checkpointer as checkpointer_module
+
+    pushed = []
+    monkeypatch.setattr(trainer.Trainer, "_push_from_checkpoint",  # undone after, as are:
+                        lambda self, folder: pushed.append((folder, hf_trainer.why_not_resumable(folder))))
+    monkeypatch.setattr(hf_trainer, "_ORIGINALS", {k: v for k, v in hf_trainer._ORIGINALS.items() if k != "push"})
+    hf_trainer.check_installed()  # what building the engine does
+    assert trainer.Trainer._push_from_checkpoint is hf_trainer._push_from_checkpoint
+
+    released, waiting = threading.Event(), threading.Event()
+    real_write, real_wait = checkpointer_module.write_file, checkpointer_module.CheckpointHandle.wait_committed
+    monkeypatch.setattr(checkpointer_module, "write_file", lambda *a, **k: (released.wait(60), real_write(*a, **k))[1])
+    monkeypatch.setattr(checkpointer_module.CheckpointHandle, "wait_committed",
+                        lambda self, timeout=None: (waiting.set(), real_wait(self, timeout))[1])
+    releaser = threading.Thread(target=lambda: (waiting.wait(60), released.set()))
+    releaser.start()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    try:
+        run = str(tmp_path)
+        for strategy, step in (("every_save", 2), ("checkpoint", 4)):
+            folder = begin_save(ck, run, step)
+            ck.end()
+            trainer.Trainer._push_from_checkpoint(types.SimpleNamespace(args=types.SimpleNamespace(
+                hub_strategy=strategy)), folder)
+        assert pushed[0] == (os.path.join(run, "checkpoint-2"), hf_trainer.SAVING_REASON)
+        assert pushed[1] == (os.path.join(run, "checkpoint-4"), None)  # committed by then
+    finally:
+        released.set()
+        releaser.join()
+        ck.close()
+
+
+def test_a_rotation_it_does_not_know_is_left_alone():
+    import types
+
+    unknown = types.SimpleNamespace(sort_checkpoints=lambda *a: [], get_last_checkpoint=lambda f: None,
+                                    rotate_checkpoints=lambda folder, keep: None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(hf_trainer, "_ORIGINALS", {})
+        assert not hf_trainer.install(unknown)
+        assert "rotate_checkpoints" not in hf_trainer._ORIGINALS
+
+
 @pytest.mark.parametrize("limit,best,use_mtime", [(1, None, False), (2, None, True), (1, 3, False),
                                                    (2, 1, False), (3, None, False), (0, None, False)])
 def test_without_this_engine_the_wrappers_do_what_transformers_does(tmp_path, limit, best, use_mtime):
@@ -172,6 +241,9 @@ def test_install_rebinds_names_imported_before_it_and_uninstall_restores_them(wr
 
 
 def test_the_engine_warns_when_trainer_is_imported_without_the_wrappers(monkeypatch, caplog):
+    import transformers.trainer as trainer
+
+    monkeypatch.setattr(trainer.Trainer, "_push_from_checkpoint", trainer.Trainer._push_from_checkpoint)
     monkeypatch.setattr(hf_trainer, "_ORIGINALS", {})
     monkeypatch.setattr(hf_trainer, "_warned", False)
     with caplog.at_level(logging.WARNING, logger=hf_trainer.__name__):
@@ -222,11 +294,11 @@ def test_trainer_rotation_leaves_saves_in_flight_alone_and_every_save_commits(tm
     rotates after step 4's: Trainer deleted checkpoint-2 under the save writing it, which
     failed (and the job with it, at its next save)."""
     out = tmp_path / "out"
-    run_trainer(repo_env, out, "--limit", 1, "--hold-from", 2, "--release-at", 4,
+    run_trainer(repo_env, out, "--limit", 1, "--hold-from", 2, "--release-at", 4, "--settle-at", 5,
                 expect=lambda codes: codes == [0, 0])
     at = seen(out)
     assert at["4"] == {"checkpoint-2": None, "checkpoint-4": None}  # both in flight, both kept
-    assert at["6"]["checkpoint-4"] == "global_step4"  # committed, so rotation could go on
+    assert at["6"]["checkpoint-4"] == "global_step4"  # committed (settled at step 5): rotated on
     run = out / "run"
     for name in names(run):  # every checkpoint left can be resumed from
         assert hf_trainer.why_not_resumable(str(run / name)) is None, name
@@ -239,7 +311,7 @@ def test_trainer_killed_mid_save_with_save_total_limit_1_resumes_from_the_last_c
     had already deleted checkpoint-2, the only committed checkpoint, and resume_from_checkpoint=
     True picked checkpoint-4 and raised. Now checkpoint-2 is kept and resumed from, bitwise."""
     out = tmp_path / "out"
-    run_trainer(repo_env, out, "--limit", 1, "--hold-from", 4, "--kill-at", 4,
+    run_trainer(repo_env, out, "--limit", 1, "--settle-at", 3, "--hold-from", 4, "--kill-at", 4,
                 expect=lambda codes: codes[0] == -9)
     assert seen(out)["4"] == {"checkpoint-2": "global_step2", "checkpoint-4": None}
     run = out / "run"

@@ -6,6 +6,7 @@ checkpoint every 2 steps into ``<out>/run/checkpoint-N``.
   --hold-from S   rank 0's checkpoint writes are held from the save at step S on ...
   --release-at R  ... until Trainer's on_save at step R (after its rotation), so those saves are
                   still in flight when Trainer rotates
+  --settle-at S   rank 0 waits for its saves to commit at the end of step S
   --kill-at K     rank 0 SIGKILLs itself in on_save at step K (its held save never commits)
   --resume        train(resume_from_checkpoint=True); the weights Trainer resumed with are
                   dumped to <out>/resumed_rank{r}.pt
@@ -34,6 +35,7 @@ p.add_argument("--max-steps", type=int, default=6)
 p.add_argument("--limit", type=int, default=None)
 p.add_argument("--hold-from", type=int, default=0)
 p.add_argument("--release-at", type=int, default=0)
+p.add_argument("--settle-at", type=int, default=0)
 p.add_argument("--kill-at", type=int, default=0)
 p.add_argument("--resume", action="store_true")
 args = p.parse_args()
@@ -70,6 +72,8 @@ class Probe(TrainerCallback):
     def on_step_end(self, targs, state, control, **kw):
         if args.hold_from and state.global_step == args.hold_from:
             hold[0] = True  # this step's save (it follows on_step_end) and later ones
+        if RANK == 0 and state.global_step == args.settle_at:
+            trainer.model_wrapped.checkpoint_engine.checkpointer.wait()
 
     def on_save(self, targs, state, control, **kw):
         if RANK != 0:
