@@ -30,8 +30,8 @@ before ``transformers.trainer`` binds their names:
 - ``get_last_checkpoint`` returns the newest resumable ``checkpoint-N``.
 
 When this engine is built (inside ``Trainer.train``), :func:`check_installed` also wraps
-``Trainer._push_from_checkpoint``: with a checkpoint strategy it waits for the checkpoint's
-save to commit first. Directories holding no checkpoint of this engine are judged as Trainer
+Trainer's Hub uploads: ``_push_from_checkpoint`` with a checkpoint strategy waits for that
+checkpoint's save to commit first, and ``push_to_hub`` for the saves into ``output_dir``. Directories holding no checkpoint of this engine are judged as Trainer
 judges them.
 """
 
@@ -183,7 +183,20 @@ def _push_from_checkpoint(self: Any, checkpoint_folder: str, *args: Any, **kwarg
     strategy = getattr(self.args, "hub_strategy", None)
     if getattr(strategy, "value", strategy) in PUSHED_CHECKPOINTS:
         wait_for_saves_in(checkpoint_folder)
-    return _ORIGINALS["push"](self, checkpoint_folder, *args, **kwargs)
+    return _ORIGINALS["_push_from_checkpoint"](self, checkpoint_folder, *args, **kwargs)
+
+
+def _finish_current_push(self: Any, *args: Any, **kwargs: Any) -> Any:
+    # Trainer.push_to_hub calls it between save_model (under ZeRO-3 without gathered 16-bit
+    # weights, a DeepSpeed checkpoint in output_dir) and uploading output_dir
+    if getattr(self.args, "push_to_hub", False):
+        wait_for_saves_in(self.args.output_dir)
+    return _ORIGINALS["_finish_current_push"](self, *args, **kwargs)
+
+
+TRAINER_METHODS = {"_push_from_checkpoint": _push_from_checkpoint,
+                   "_finish_current_push": _finish_current_push}
+"""Trainer's methods that upload to the Hub, wrapped by :func:`check_installed`."""
 
 
 def wait_for_saves_in(path: str) -> None:
@@ -246,8 +259,9 @@ def uninstall() -> None:
         for name in WRAPPED:
             if name in _ORIGINALS and vars(holder).get(name) is globals()[name]:
                 setattr(holder, name, _ORIGINALS[name])
-    if "push" in _ORIGINALS:
-        sys.modules["transformers.trainer"].Trainer._push_from_checkpoint = _ORIGINALS["push"]
+    for name in TRAINER_METHODS:
+        if name in _ORIGINALS:
+            setattr(sys.modules["transformers.trainer"].Trainer, name, _ORIGINALS[name])
     if _hook is not None and _hook in sys.meta_path:
         sys.meta_path.remove(_hook)
     _hook = None
@@ -255,15 +269,16 @@ def uninstall() -> None:
 
 
 def check_installed() -> None:
-    """When this engine is built: wrap ``Trainer._push_from_checkpoint`` if Trainer is
-    imported, and warn once if Trainer's helpers are imported without the wrappers
+    """When this engine is built: wrap Trainer's Hub uploads (:data:`TRAINER_METHODS`) if
+    Trainer is imported, and warn once if Trainer's helpers are imported without the wrappers
     (transformers < 5, or auto-activation off without ``install()``)."""
     global _warned
-    trainer = sys.modules.get("transformers.trainer")
-    push = getattr(getattr(trainer, "Trainer", None), "_push_from_checkpoint", None)
-    if push is not None and "push" not in _ORIGINALS:
-        _ORIGINALS["push"] = push
-        trainer.Trainer._push_from_checkpoint = _push_from_checkpoint
+    trainer_class = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
+    for name, wrapper in TRAINER_METHODS.items():
+        method = getattr(trainer_class, name, None)
+        if method is not None and name not in _ORIGINALS:
+            _ORIGINALS[name] = method
+            setattr(trainer_class, name, wrapper)
     if _warned or "rotate_checkpoints" in _ORIGINALS or TARGET not in sys.modules:
         return
     _warned = True

@@ -6,6 +6,7 @@ The in-process tests build Trainer-style output directories with the core API (a
 transformers' own functions, wrapped; the slow ones train a tiny GPT-2 with Trainer under
 DeepSpeed ZeRO-2 on 2 gloo ranks (tests/workers/hf_worker.py)."""
 
+import glob
 import json
 import logging
 import os
@@ -151,11 +152,12 @@ def test_rotation_deletes_only_on_evidence_and_never_the_best_model(tmp_path, ck
     assert names(run) == ["checkpoint-2", "checkpoint-4", "checkpoint-8"]
 
 
-def test_a_checkpoint_pushed_to_the_hub_is_committed_first(tmp_path, ck, monkeypatch):
+def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, monkeypatch):
     """hub_strategy="checkpoint": Trainer uploads checkpoint-N in the background right after
     saving it, so the Hub got it without `latest` and with temporary files. The push now waits
     for the save to commit; with other strategies (model files only, written by Trainer
-    itself) it does not wait."""
+    itself) it does not wait. push_to_hub uploads output_dir, where save_model put a DeepSpeed
+    checkpoint under ZeRO-3 without gathered weights: it waits for that too."""
     import threading
     import types
 
@@ -165,9 +167,14 @@ def test_a_checkpoint_pushed_to_the_hub_is_committed_first(tmp_path, ck, monkeyp
     pushed = []
     monkeypatch.setattr(trainer.Trainer, "_push_from_checkpoint",  # undone after, as are:
                         lambda self, folder: pushed.append((folder, hf_trainer.why_not_resumable(folder))))
-    monkeypatch.setattr(hf_trainer, "_ORIGINALS", {k: v for k, v in hf_trainer._ORIGINALS.items() if k != "push"})
+    monkeypatch.setattr(trainer.Trainer, "_finish_current_push",  # push_to_hub's, before its upload
+                        lambda self: pushed.append((self.args.output_dir, [
+                            hf_trainer.why_not_resumable(d) for d in glob.glob(self.args.output_dir + "/*/")])))
+    monkeypatch.setattr(hf_trainer, "_ORIGINALS", {k: v for k, v in hf_trainer._ORIGINALS.items()
+                                                   if k not in hf_trainer.TRAINER_METHODS})
     hf_trainer.check_installed()  # what building the engine does
     assert trainer.Trainer._push_from_checkpoint is hf_trainer._push_from_checkpoint
+    assert trainer.Trainer._finish_current_push is hf_trainer._finish_current_push
 
     released, waiting = threading.Event(), threading.Event()
     real_write, real_wait = checkpointer_module.write_file, checkpointer_module.CheckpointHandle.wait_committed
@@ -186,6 +193,22 @@ def test_a_checkpoint_pushed_to_the_hub_is_committed_first(tmp_path, ck, monkeyp
                 hub_strategy=strategy)), folder)
         assert pushed[0] == (os.path.join(run, "checkpoint-2"), hf_trainer.SAVING_REASON)
         assert pushed[1] == (os.path.join(run, "checkpoint-4"), None)  # committed by then
+        # push_to_hub after save_model wrote a DeepSpeed checkpoint into output_dir itself
+        released.clear()
+        waiting.clear()
+        releaser = threading.Thread(target=lambda: (waiting.wait(60), released.set()))
+        releaser.start()
+        for push_to_hub in (False, True):
+            out = os.path.join(run, f"out-{push_to_hub}")
+            ck.begin(os.path.join(out, "global_step6"), tag="global_step6",
+                     pointer=Pointer(os.path.join(out, "latest"), "global_step6"))
+            ck.save({"w": torch.ones(4)}, os.path.join(out, "global_step6", "mp_rank_00_model_states.pt"))
+            ck.end()
+            trainer.Trainer._finish_current_push(types.SimpleNamespace(args=types.SimpleNamespace(
+                push_to_hub=push_to_hub, output_dir=out)))
+        # without push_to_hub (the end of train() calls it too) it does not wait
+        assert pushed[2] == (os.path.join(run, "out-False"), [hf_trainer.SAVING_REASON])
+        assert pushed[3] == (os.path.join(run, "out-True"), [None])
     finally:
         released.set()
         releaser.join()
