@@ -37,6 +37,7 @@ judges them.
 
 from __future__ import annotations
 
+import atexit
 import inspect
 import logging
 import os
@@ -59,6 +60,8 @@ SAVING_REASON = "its DeepSpeed checkpoint is still being saved"
 _ORIGINALS: dict[str, Any] = {}
 _ROTATE_SIGNATURE: inspect.Signature | None = None
 _hook: Any = None  # the post-import hook install() left for transformers' import
+_deferred: dict[str, tuple[tuple, dict]] = {}  # output_dir -> a rotation to run again at exit
+_exit_registered = False
 _warned = False
 
 
@@ -130,14 +133,44 @@ def sort_checkpoints(*args: Any, **kwargs: Any) -> list[str]:
 
 
 def rotate_checkpoints(*args: Any, **kwargs: Any) -> None:
-    _ORIGINALS["rotate_checkpoints"](*args, **kwargs)
     given = _ROTATE_SIGNATURE.bind(*args, **kwargs)
     given.apply_defaults()
     limit = given.arguments["save_total_limit"]
-    if limit is not None and limit > 0:
-        _remove_never_committed(given.arguments["output_dir"],
-                                given.arguments.get("checkpoint_prefix", _prefix()),
-                                given.arguments.get("best_model_checkpoint"))
+    if limit is None or limit <= 0:
+        _ORIGINALS["rotate_checkpoints"](*args, **kwargs)
+        return
+    output_dir = given.arguments["output_dir"]
+    prefix = given.arguments.get("checkpoint_prefix", _prefix())
+    # before the rotation: a save that commits during it may have been left out all the same
+    found = _ORIGINALS["sort_checkpoints"](output_dir=output_dir, checkpoint_prefix=prefix)
+    in_flight = any(_being_saved(path) for path in found)
+    _ORIGINALS["rotate_checkpoints"](*args, **kwargs)
+    _remove_never_committed(output_dir, prefix, given.arguments.get("best_model_checkpoint"))
+    if in_flight:
+        _rotate_again_at_exit(os.path.realpath(output_dir), args, kwargs)
+    else:
+        _deferred.pop(os.path.realpath(output_dir), None)
+
+
+def _rotate_again_at_exit(key: str, args: tuple, kwargs: dict) -> None:
+    """Trainer rotates only right after a save: when training ends with its last save in
+    flight, the checkpoint before it would stay, one more than ``save_total_limit``. This
+    rotation runs again at interpreter exit (``atexit``), after the engine's own exit flush
+    (``threading``'s exit hooks, which run first) has committed that save."""
+    global _exit_registered
+    _deferred[key] = (args, kwargs)
+    if not _exit_registered:
+        _exit_registered = True
+        atexit.register(_rotate_at_exit)
+
+
+def _rotate_at_exit() -> None:
+    for args, kwargs in list(_deferred.values()):
+        try:
+            rotate_checkpoints(*args, **kwargs)
+        except Exception as exc:  # at exit: nobody to raise to
+            logger.warning("async checkpoint: Trainer's checkpoint rotation at exit failed: %r", exc)
+    _deferred.clear()
 
 
 def _remove_never_committed(output_dir: str, prefix: str, best: str | None) -> None:
