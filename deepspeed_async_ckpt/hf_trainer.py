@@ -29,10 +29,12 @@ before ``transformers.trainer`` binds their names:
   resumable one (nothing else would);
 - ``get_last_checkpoint`` returns the newest resumable ``checkpoint-N``.
 
-When this engine is built (inside ``Trainer.train``), :func:`check_installed` also wraps
-Trainer's Hub uploads: ``_push_from_checkpoint`` with a checkpoint strategy waits for that
-checkpoint's save to commit first, and ``push_to_hub`` for the saves into ``output_dir``. Directories holding no checkpoint of this engine are judged as Trainer
-judges them.
+A rotation that left a save in flight out runs again at interpreter exit, once that save has
+committed. When this engine is built (inside ``Trainer.train``), :func:`check_installed` also
+wraps Trainer's Hub uploads: ``_push_from_checkpoint`` with a checkpoint strategy waits for
+that checkpoint's save to commit first, and ``push_to_hub`` for the saves into
+``output_dir``. Directories holding no checkpoint of this engine are judged as Trainer judges
+them.
 """
 
 from __future__ import annotations
