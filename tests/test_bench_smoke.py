@@ -99,3 +99,24 @@ def test_load_benchmark_times_every_engine(tmp_path, repo_env):
         assert len(t["cold"]) == (1 if res["cold_measured"] else 0)
     assert all(b > 0 for b in res["bytes"].values())
     assert not (tmp_path / "work").exists()
+
+
+@pytest.mark.slow
+def test_quick_trainer_benchmark_measures_both_engines(tmp_path, repo_env):
+    """``scripts/bench_hf_trainer.py --quick``: a Trainer run per engine, each save timed."""
+    out = tmp_path / "hf.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_hf_trainer.py"), "--quick",
+                           "--out", str(out), "--work-dir", str(tmp_path)],
+                          cwd=REPO, env=repo_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "| this engine (async) |" in proc.stdout
+    res = json.loads(out.read_text())
+    assert res["raw"]["torch"]["engine_class"] == "TorchCheckpointEngine"
+    assert res["raw"]["async"]["engine_class"] == "AsyncCheckpointEngine"
+    for name, raw in res["raw"].items():
+        assert len(raw["save"]) == len(raw["save_model"]) == len(raw["deepspeed"]) == 3, name
+        # Trainer's save holds its two parts; the checkpoint left holds the whole state
+        assert all(s > m + d > 0 for s, m, d in zip(raw["save"], raw["save_model"], raw["deepspeed"])), name
+        assert raw["bytes"] > 4 * raw["params"], name  # fp32 weights alone are 4 bytes a parameter
+    assert len(res["raw"]["async"]["commit_s"]) == 3 and all(t > 0 for t in res["raw"]["async"]["commit_s"])
+    assert os.listdir(tmp_path) == ["hf.json"]  # the runs' directories are removed
