@@ -1,5 +1,5 @@
 """One rank of the Hugging Face Trainer tests (started by scripts/launch.py): a tiny GPT-2 trained
-by ``transformers.Trainer`` under DeepSpeed ZeRO-2 with the ``async_checkpoint`` key, a
+by ``transformers.Trainer`` under DeepSpeed ZeRO-2 (``--stage``) with the ``async_checkpoint`` key, a
 checkpoint every 2 steps into ``<out>/run/checkpoint-N``.
 
   --limit K       Trainer's save_total_limit
@@ -38,6 +38,7 @@ p.add_argument("--release-at", type=int, default=0)
 p.add_argument("--settle-at", type=int, default=0)
 p.add_argument("--kill-at", type=int, default=0)
 p.add_argument("--resume", action="store_true")
+p.add_argument("--stage", type=int, default=2, help="ZeRO stage (3: 16-bit weights gathered for save_model)")
 args = p.parse_args()
 RANK = int(os.environ["RANK"])
 RUN = os.path.join(args.out, "run")
@@ -90,7 +91,7 @@ class Probe(TrainerCallback):
             released.set()
 
     def on_train_begin(self, targs, state, control, model=None, **kw):
-        if args.resume:  # Trainer has loaded the checkpoint by now
+        if args.resume:  # Trainer has loaded the checkpoint by now (ZeRO-3: this rank's partitions)
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
             torch.save({"global_step": state.global_step, "module": weights},
                        os.path.join(args.out, f"resumed_rank{RANK}.pt"))
@@ -98,7 +99,8 @@ class Probe(TrainerCallback):
 
 ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
       "train_batch_size": "auto", "gradient_clipping": "auto",
-      "zero_optimization": {"stage": 2},  # no "optimizer": Trainer's torch AdamW
+      "zero_optimization": {"stage": args.stage,  # no "optimizer": Trainer's torch AdamW
+                            "stage3_gather_16bit_weights_on_model_save": args.stage == 3},
       "async_checkpoint": {"enabled": True, "host_buffer_gb": 0.05, "writer_threads": 2}}
 torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
