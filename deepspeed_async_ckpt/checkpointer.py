@@ -416,6 +416,7 @@ class AsyncCheckpointer:
         """Checkpoint directories whose commit callbacks are queued or running: retention
         leaves them (a callback may be uploading the checkpoint), and runs again when the last
         of them is done."""
+        self._reports = 0  # reports (commit callbacks included) queued or running
         self._last_retention: tuple[CheckpointHandle, int | None, Callable[[str], bool] | None] | None = None
         self.rank, self.world_size = rank, world_size
         self.storage = storage or LocalStorage(fsync=config.fsync, direct_io=config.direct_io)
@@ -561,7 +562,7 @@ class AsyncCheckpointer:
             self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
                                              swap_at_commit, tuple(late_files),
                                              rotation=rotation)
-            if staged and not swap_at_commit and self.rank == 0:
+            if not swap_at_commit and self.rank == 0:  # in use until swap_in / abandon_swap
                 with self._lock:
                     self._unswapped.add(self._current)
         finally:
@@ -1175,11 +1176,15 @@ class AsyncCheckpointer:
         save and no background task of this checkpointer uses any more. A job that saves into
         a new directory each time (Hugging Face Trainer's ``checkpoint-N``) kept one lock file
         open per save until :meth:`close`, and failed with "Too many open files" after some
-        hundreds of saves (found by a review, session 22)."""
+        hundreds of saves (found by a review, session 22). In use: saves in flight, saves
+        begun with ``swap_at_commit=False`` until :meth:`swap_in` (the Megatron adapter's
+        markers), and, for any directory, commit callbacks and reports still queued or running
+        and retention or deletions still to run. (The Megatron adapter writes its tracker and
+        queues its retention after :meth:`swap_in`; it saves into one directory throughout.)"""
         busy = {os.path.dirname(h.ckpt_dir) for h in self._pending()}
         with self._lock:
-            if any(not f.done() for f in self._retiring):
-                return  # retention or a deletion may still work there: the next begin
+            if self._reports or any(not f.done() for f in self._retiring):
+                return  # a callback may read a checkpoint, retention delete one: the next begin
         for save_dir in [d for d in self._claimed if d != keep and d not in busy]:
             key = self._claimed.pop(save_dir)
             if key is not None:
@@ -1259,18 +1264,23 @@ class AsyncCheckpointer:
                 logger.warning("async checkpoint: a commit callback failed: %s: %s",
                                type(exc).__name__, exc)
             finally:
-                if about is not None:
-                    with self._lock:
-                        self._reporting[about] -= 1
-                        released = not self._reporting[about]
-                        if released:
-                            del self._reporting[about]
-                        last = self._last_retention
-                    # the retention that left it for this callback: again, now that it may go
-                    if released and last is not None and about != last[0].ckpt_dir and \
-                            os.path.dirname(last[0].ckpt_dir) == os.path.dirname(about):
-                        self.retire_older_later(last[0], keep_last=last[1], keep=last[2])
+                try:
+                    if about is not None:
+                        with self._lock:
+                            self._reporting[about] -= 1
+                            released = not self._reporting[about]
+                            if released:
+                                del self._reporting[about]
+                            last = self._last_retention
+                        # the retention that left it for this callback: again, now that it may go
+                        if released and last is not None and about != last[0].ckpt_dir and \
+                                os.path.dirname(last[0].ckpt_dir) == os.path.dirname(about):
+                            self.retire_older_later(last[0], keep_last=last[1], keep=last[2])
+                finally:
+                    with self._lock:  # only now: that retention is queued (_release_idle_claims)
+                        self._reports -= 1
         with self._lock:
+            self._reports += 1
             if about is not None:
                 self._reporting[about] += 1
             if not self._closed:

@@ -46,6 +46,7 @@ import os
 import re
 import shutil
 import sys
+import threading
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -166,6 +167,14 @@ def _rotate_again_at_exit(key: str, args: tuple, kwargs: dict) -> None:
         atexit.register(_rotate_at_exit)
 
 
+def _forget_in_child() -> None:
+    _deferred.clear()  # a forked child's exit must not rotate its parent's checkpoints
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
+
+
 def _rotate_at_exit() -> None:
     for args, kwargs in list(_deferred.values()):
         try:
@@ -216,20 +225,36 @@ def _prefix() -> str:
 
 def _push_from_checkpoint(self: Any, checkpoint_folder: str, *args: Any, **kwargs: Any) -> Any:
     strategy = getattr(self.args, "hub_strategy", None)
-    if getattr(strategy, "value", strategy) in PUSHED_CHECKPOINTS:
+    previous = getattr(self, "push_in_progress", None)
+    skipped = not getattr(self.args, "hub_always_push", False) and previous is not None \
+        and not previous.is_done()  # Trainer's rule: this push will not happen
+    if getattr(strategy, "value", strategy) in PUSHED_CHECKPOINTS and self.is_world_process_zero() \
+            and not skipped:
         wait_for_saves_in(checkpoint_folder)
     return _ORIGINALS["_push_from_checkpoint"](self, checkpoint_folder, *args, **kwargs)
 
 
+_pushing = threading.local()  # inside Trainer.push_to_hub, on this thread
+
+
+def push_to_hub(self: Any, *args: Any, **kwargs: Any) -> Any:
+    _pushing.depth = getattr(_pushing, "depth", 0) + 1
+    try:
+        return _ORIGINALS["push_to_hub"](self, *args, **kwargs)
+    finally:
+        _pushing.depth -= 1
+
+
 def _finish_current_push(self: Any, *args: Any, **kwargs: Any) -> Any:
-    # Trainer.push_to_hub calls it between save_model (under ZeRO-3 without gathered 16-bit
-    # weights, a DeepSpeed checkpoint in output_dir) and uploading output_dir
-    if getattr(self.args, "push_to_hub", False):
+    # push_to_hub calls it between save_model (under ZeRO-3 without gathered 16-bit weights, a
+    # DeepSpeed checkpoint in output_dir) and uploading output_dir (also with args.push_to_hub
+    # off); the end of train() calls it too, where nothing is uploaded from output_dir
+    if getattr(_pushing, "depth", 0):
         wait_for_saves_in(self.args.output_dir)
     return _ORIGINALS["_finish_current_push"](self, *args, **kwargs)
 
 
-TRAINER_METHODS = {"_push_from_checkpoint": _push_from_checkpoint,
+TRAINER_METHODS = {"_push_from_checkpoint": _push_from_checkpoint, "push_to_hub": push_to_hub,
                    "_finish_current_push": _finish_current_push}
 """Trainer's methods that upload to the Hub, wrapped by :func:`check_installed`."""
 

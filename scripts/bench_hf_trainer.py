@@ -52,7 +52,7 @@ def child(args) -> dict:
                               save_steps=args.save_every, save_total_limit=1, report_to=[],
                               logging_steps=10_000, deepspeed=ds, use_cpu=True)
     trainer = Trainer(model=model, args=targs, train_dataset=data)
-    timings: dict[str, list[float]] = {"save": [], "save_model": [], "deepspeed": []}
+    timings: dict[str, list[float]] = {"save": [], "save_model": [], "deepspeed": [], "rotation": []}
 
     def timed(fn, key):
         def run(*a, **k):
@@ -63,6 +63,9 @@ def child(args) -> dict:
                 timings[key].append(time.perf_counter() - start)
         return run
 
+    import transformers.trainer as trainer_module
+
+    trainer_module.rotate_checkpoints = timed(trainer_module.rotate_checkpoints, "rotation")
     trainer._save_checkpoint = timed(trainer._save_checkpoint, "save")
     trainer.save_model = timed(trainer.save_model, "save_model")
     trainer._save_optimizer_and_scheduler = timed(trainer._save_optimizer_and_scheduler, "deepspeed")
@@ -99,6 +102,7 @@ def summarize(name: str, raw: dict) -> dict:
            "stall_s": statistics.median(raw["save"][later]),
            "save_model_s": statistics.median(raw["save_model"][later]),
            "deepspeed_s": statistics.median(raw["deepspeed"][later]),
+           "rotation_s": statistics.median(raw["rotation"][later]),
            "step_s": statistics.median(others),
            "next_step_s": statistics.median(after) if after else None}
     if "commit_s" in raw:
@@ -111,7 +115,7 @@ def main() -> int:
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=768)
     p.add_argument("--saves", type=int, default=4)
-    p.add_argument("--save-every", type=int, default=3)
+    p.add_argument("--save-every", type=int, default=3, help="at least 2 (a step after a save, and one not)")
     p.add_argument("--quick", action="store_true", help="a tiny model, 3 saves: a smoke run")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "bench_results", "hf_trainer.json"))
     p.add_argument("--work-dir", default=None)
@@ -119,6 +123,8 @@ def main() -> int:
     args = p.parse_args()
     if args.quick:
         args.layers, args.hidden, args.saves, args.save_every = 2, 64, 3, 2
+    if args.save_every < 2 or args.saves < 2:
+        p.error("--save-every and --saves must be at least 2")
     if args.engine:
         print("RESULT " + json.dumps(child(args)), flush=True)
         return 0
@@ -149,12 +155,13 @@ def main() -> int:
     print(f"GPT-2 {rows[0]['params_m']:.0f}M, ZeRO-1 fp32 Adam, 1 rank (OMP_NUM_THREADS=1), "
           f"checkpoint-N {rows[0]['checkpoint_gb']:.2f} GB, a save every {args.save_every} steps; medians of "
           f"saves 2-{args.saves}")
-    print("| engine | Trainer's save (stall) | its save_model | its DeepSpeed save | 1st save | step | "
-          "next step | save to commit |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| engine | Trainer's save (stall) | its save_model | its DeepSpeed save | its rotation | 1st save | "
+          "step | next step | save to commit |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['engine']} | {f(r['stall_s'])} | {f(r['save_model_s'])} | {f(r['deepspeed_s'])} | "
-              f"{f(r['first_save_s'])} | {f(r['step_s'])} | {f(r['next_step_s'])} | {f(r.get('commit_s'))} |")
+              f"{f(r['rotation_s'])} | {f(r['first_save_s'])} | {f(r['step_s'])} | {f(r['next_step_s'])} | "
+              f"{f(r.get('commit_s'))} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump({"date": time.strftime("%Y-%m-%d"), "config": vars(args), "rows": rows, "raw": raw}, fh, indent=1)

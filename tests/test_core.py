@@ -1321,6 +1321,54 @@ def test_a_save_directory_is_unlocked_once_saves_go_elsewhere(tmp_path, held_cop
     assert not locked(dirs[-1])
 
 
+def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses_it(tmp_path):
+    """The first version of the release above (a review found it, session 22) let a save
+    elsewhere unlock a directory whose commit callback was still reading a checkpoint there
+    (another job could then retire it under the callback), or whose save, begun with
+    ``swap_at_commit=False`` (the Megatron adapter), was committed but not yet swapped in."""
+    import fcntl
+
+    def locked(save_dir):
+        fd = os.open(os.path.join(save_dir, LOCK_FILE), os.O_RDWR)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return False
+        except BlockingIOError:
+            return True
+        finally:
+            os.close(fd)
+
+    release, reading = threading.Event(), threading.Event()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01, keep_last=1),
+                           on_commit=lambda info: (reading.set(), release.wait(30)))
+    d1, d2, d3, d4 = (str(tmp_path / f"d{n}") for n in range(1, 5))
+    try:
+        save_one(ck, d1, sample_state(), tag="a1")
+        assert reading.wait(30)
+        save_one(ck, d2, sample_state(), tag="b1")  # d1's callback is still reading a1
+        assert locked(d1)
+    finally:
+        release.set()
+    ck.wait()
+    deadline = time.monotonic() + 30  # wait() does not wait for callbacks: until they are done
+    while ck._reports and time.monotonic() < deadline:
+        time.sleep(0.001)
+    save_one(ck, d3, sample_state(), tag="c1")
+    assert not locked(d1) and not locked(d2) and locked(d3)
+    ck.close()
+
+    ck = make("sync")  # no callbacks, no retention
+    handle = ck.begin(os.path.join(d4, "i1"), tag="i1", swap_at_commit=False)  # committed at end()
+    ck.save({"w": torch.ones(4)}, os.path.join(d4, "i1", "model.pt"))
+    ck.end()
+    save_one(ck, d1, sample_state(), tag="a2")
+    assert locked(d4)  # committed, its adapter's late files still to come
+    ck.swap_in(handle)
+    save_one(ck, d2, sample_state(), tag="b2")
+    assert not locked(d4) and not locked(d1) and locked(d2)
+    ck.close()
+
+
 def test_a_close_interrupted_while_a_commit_runs_keeps_the_save_directory_locked(tmp_path, monkeypatch):
     """Ctrl-C in ``close`` while rank 0's commit still ran (waiting for a slow rank, say): the
     save directory's lock was released after the committer's join gave up, with the commit

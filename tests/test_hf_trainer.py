@@ -156,9 +156,11 @@ def test_rotation_deletes_only_on_evidence_and_never_the_best_model(tmp_path, ck
 def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, monkeypatch):
     """hub_strategy="checkpoint": Trainer uploads checkpoint-N in the background right after
     saving it, so the Hub got it without `latest` and with temporary files. The push now waits
-    for the save to commit; with other strategies (model files only, written by Trainer
-    itself) it does not wait. push_to_hub uploads output_dir, where save_model put a DeepSpeed
-    checkpoint under ZeRO-3 without gathered weights: it waits for that too."""
+    for the save to commit, on the rank that pushes, when the push happens; with other
+    strategies (model files only, written by Trainer itself) it does not wait. push_to_hub()
+    uploads output_dir, where save_model put a DeepSpeed checkpoint under ZeRO-3 without
+    gathered weights: it waits for that too, also with args.push_to_hub off (a review found
+    that case, session 22)."""
     import threading
     import types
 
@@ -166,53 +168,75 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, monkeyp
     from deepspeed_async_ckpt import checkpointer as checkpointer_module
 
     pushed = []
+
+    def state(folder):
+        return [hf_trainer.why_not_resumable(d) for d in sorted(glob.glob(folder + "/*/"))] \
+            if not os.path.basename(folder).startswith("checkpoint-") else hf_trainer.why_not_resumable(folder)
+
+    def push_to_hub(self):  # Trainer's: save_model, then _finish_current_push, then the upload
+        self._finish_current_push()
+        pushed.append((self.args.output_dir, state(self.args.output_dir)))
+
     monkeypatch.setattr(trainer.Trainer, "_push_from_checkpoint",  # undone after, as are:
-                        lambda self, folder: pushed.append((folder, hf_trainer.why_not_resumable(folder))))
-    monkeypatch.setattr(trainer.Trainer, "_finish_current_push",  # push_to_hub's, before its upload
-                        lambda self: pushed.append((self.args.output_dir, [
-                            hf_trainer.why_not_resumable(d) for d in glob.glob(self.args.output_dir + "/*/")])))
+                        lambda self, folder: pushed.append((folder, state(folder))))
+    monkeypatch.setattr(trainer.Trainer, "push_to_hub", push_to_hub)
+    monkeypatch.setattr(trainer.Trainer, "_finish_current_push", lambda self: None)
     monkeypatch.setattr(hf_trainer, "_ORIGINALS", {k: v for k, v in hf_trainer._ORIGINALS.items()
                                                    if k not in hf_trainer.TRAINER_METHODS})
     hf_trainer.check_installed()  # what building the engine does
-    assert trainer.Trainer._push_from_checkpoint is hf_trainer._push_from_checkpoint
-    assert trainer.Trainer._finish_current_push is hf_trainer._finish_current_push
+    for name, wrapper in hf_trainer.TRAINER_METHODS.items():
+        assert getattr(trainer.Trainer, name) is wrapper, name
 
     released, waiting = threading.Event(), threading.Event()
     real_write, real_wait = checkpointer_module.write_file, checkpointer_module.CheckpointHandle.wait_committed
     monkeypatch.setattr(checkpointer_module, "write_file", lambda *a, **k: (released.wait(60), real_write(*a, **k))[1])
     monkeypatch.setattr(checkpointer_module.CheckpointHandle, "wait_committed",
                         lambda self, timeout=None: (waiting.set(), real_wait(self, timeout))[1])
-    releaser = threading.Thread(target=lambda: (waiting.wait(60), released.set()))
-    releaser.start()
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
-    try:
-        run = str(tmp_path)
-        for strategy, step in (("every_save", 2), ("checkpoint", 4)):
-            folder = begin_save(ck, run, step)
-            ck.end()
-            trainer.Trainer._push_from_checkpoint(types.SimpleNamespace(args=types.SimpleNamespace(
-                hub_strategy=strategy)), folder)
-        assert pushed[0] == (os.path.join(run, "checkpoint-2"), hf_trainer.SAVING_REASON)
-        assert pushed[1] == (os.path.join(run, "checkpoint-4"), None)  # committed by then
-        # push_to_hub after save_model wrote a DeepSpeed checkpoint into output_dir itself
+
+    def release_when_waited_for():
         released.clear()
         waiting.clear()
-        releaser = threading.Thread(target=lambda: (waiting.wait(60), released.set()))
-        releaser.start()
-        for push_to_hub in (False, True):
-            out = os.path.join(run, f"out-{push_to_hub}")
-            ck.begin(os.path.join(out, "global_step6"), tag="global_step6",
-                     pointer=Pointer(os.path.join(out, "latest"), "global_step6"))
-            ck.save({"w": torch.ones(4)}, os.path.join(out, "global_step6", "mp_rank_00_model_states.pt"))
+        thread = threading.Thread(target=lambda: (waiting.wait(60), released.set()))
+        thread.start()
+        return thread
+
+    def fake_trainer(rank0=True, busy_push=False, **args):
+        previous = types.SimpleNamespace(is_done=lambda: not busy_push)
+        return types.SimpleNamespace(args=types.SimpleNamespace(hub_always_push=False, **args),
+                                     is_world_process_zero=lambda: rank0, push_in_progress=previous,
+                                     _finish_current_push=lambda: trainer.Trainer._finish_current_push(t))
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    releaser = release_when_waited_for()
+    try:
+        run = str(tmp_path)
+        cases = [("every_save", True, False), ("checkpoint", False, False), ("checkpoint", True, True),
+                 ("checkpoint", True, False)]
+        for step, (strategy, rank0, busy_push) in enumerate(cases, start=1):
+            folder = begin_save(ck, run, step)
             ck.end()
-            trainer.Trainer._finish_current_push(types.SimpleNamespace(args=types.SimpleNamespace(
-                push_to_hub=push_to_hub, output_dir=out)))
-        # without push_to_hub (the end of train() calls it too) it does not wait
-        assert pushed[2] == (os.path.join(run, "out-False"), [hf_trainer.SAVING_REASON])
-        assert pushed[3] == (os.path.join(run, "out-True"), [None])
+            t = fake_trainer(rank0, busy_push, hub_strategy=strategy)
+            trainer.Trainer._push_from_checkpoint(t, folder)
+        saving = hf_trainer.SAVING_REASON
+        # no wait: another strategy, another rank, a push Trainer skips; then the one that pushes
+        assert [p[1] for p in pushed] == [saving, saving, saving, None], pushed
+        releaser.join()
+
+        for push_to_hub in (False, True):  # push_to_hub() with args.push_to_hub off, or on
+            releaser = release_when_waited_for()
+            out = os.path.join(run, f"out-{push_to_hub}")
+            ck.begin(os.path.join(out, "global_step9"), tag="global_step9",
+                     pointer=Pointer(os.path.join(out, "latest"), "global_step9"))
+            ck.save({"w": torch.ones(4)}, os.path.join(out, "global_step9", "mp_rank_00_model_states.pt"))
+            ck.end()
+            t = fake_trainer(push_to_hub=push_to_hub, output_dir=out)
+            trainer.Trainer._finish_current_push(t)  # the end of train(): no upload, no wait
+            assert hf_trainer._being_saved(out)
+            trainer.Trainer.push_to_hub(t)
+            assert pushed[-1] == (out, [None])  # uploaded once committed
+            releaser.join()
     finally:
         released.set()
-        releaser.join()
         ck.close()
 
 
