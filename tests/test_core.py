@@ -1280,24 +1280,27 @@ def test_a_second_job_saving_into_the_same_directory_is_refused_naming_the_first
     assert (tmp_path / "latest").read_text() == "b2"
 
 
+def lock_held(save_dir) -> bool:
+    """Whether a process holds ``save_dir``'s claim (this one included: flock conflicts across
+    open files)."""
+    import fcntl
+
+    fd = os.open(os.path.join(save_dir, LOCK_FILE), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 def test_a_save_directory_is_unlocked_once_saves_go_elsewhere(tmp_path, held_copier):
     """Hugging Face Trainer saves into a new directory each time (``checkpoint-N``): the
     checkpointer kept each one's lock file open until close(), one descriptor per save, and a
     long run failed with "Too many open files" (found by a review, session 22). A directory is
     unlocked once a save begins elsewhere and none of its own is still in flight."""
-    import fcntl
-
     from deepspeed_async_ckpt import commit as commit_module
-
-    def locked(save_dir):  # by this process's claim: flock conflicts across open files
-        fd = os.open(os.path.join(save_dir, LOCK_FILE), os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
 
     def fds():
         return len(os.listdir("/proc/self/fd"))
@@ -1307,7 +1310,7 @@ def test_a_save_directory_is_unlocked_once_saves_go_elsewhere(tmp_path, held_cop
     held_copier.clear()  # the first save stays in flight until the next fence
     save_one(ck, dirs[0], sample_state(), tag="global_step0")
     save_one(ck, dirs[1], sample_state(), tag="global_step1")
-    assert locked(dirs[0]) and locked(dirs[1])  # the first save is still in flight there
+    assert lock_held(dirs[0]) and lock_held(dirs[1])  # the first save is still in flight there
     ck.fence()
     ck.wait()
     before = fds()
@@ -1315,10 +1318,10 @@ def test_a_save_directory_is_unlocked_once_saves_go_elsewhere(tmp_path, held_cop
         save_one(ck, dirs[n], sample_state(), tag=f"global_step{n}")
         ck.wait()
     assert fds() <= before
-    assert [d for d in dirs if locked(d)] == [dirs[-1]]
+    assert [d for d in dirs if lock_held(d)] == [dirs[-1]]
     assert [k for k in commit_module._claims if k.startswith(str(tmp_path))] == [os.path.realpath(dirs[-1])]
     ck.close()
-    assert not locked(dirs[-1])
+    assert not lock_held(dirs[-1])
 
 
 def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses_it(tmp_path):
@@ -1326,18 +1329,6 @@ def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses
     elsewhere unlock a directory whose commit callback was still reading a checkpoint there
     (another job could then retire it under the callback), or whose save, begun with
     ``swap_at_commit=False`` (the Megatron adapter), was committed but not yet swapped in."""
-    import fcntl
-
-    def locked(save_dir):
-        fd = os.open(os.path.join(save_dir, LOCK_FILE), os.O_RDWR)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            return False
-        except BlockingIOError:
-            return True
-        finally:
-            os.close(fd)
-
     release, reading = threading.Event(), threading.Event()
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01, keep_last=1),
                            on_commit=lambda info: (reading.set(), release.wait(30)))
@@ -1346,7 +1337,7 @@ def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses
         save_one(ck, d1, sample_state(), tag="a1")
         assert reading.wait(30)
         save_one(ck, d2, sample_state(), tag="b1")  # d1's callback is still reading a1
-        assert locked(d1)
+        assert lock_held(d1)
     finally:
         release.set()
     ck.wait()
@@ -1354,7 +1345,7 @@ def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses
     while ck._reports and time.monotonic() < deadline:
         time.sleep(0.001)
     save_one(ck, d3, sample_state(), tag="c1")
-    assert not locked(d1) and not locked(d2) and locked(d3)
+    assert not lock_held(d1) and not lock_held(d2) and lock_held(d3)
     ck.close()
 
     ck = make("sync")  # no callbacks, no retention
@@ -1362,10 +1353,10 @@ def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses
     ck.save({"w": torch.ones(4)}, os.path.join(d4, "i1", "model.pt"))
     ck.end()
     save_one(ck, d1, sample_state(), tag="a2")
-    assert locked(d4)  # committed, its adapter's late files still to come
+    assert lock_held(d4)  # committed, its adapter's late files still to come
     ck.swap_in(handle)
     save_one(ck, d2, sample_state(), tag="b2")
-    assert not locked(d4) and not locked(d1) and locked(d2)
+    assert not lock_held(d4) and not lock_held(d1) and lock_held(d2)
     ck.close()
 
 
