@@ -19,7 +19,6 @@ import argparse
 import json
 import os
 import signal
-import sys
 import threading
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
