@@ -33,7 +33,8 @@ A rotation that left a save in flight out runs again at interpreter exit, once t
 committed. When this engine is built (inside ``Trainer.train``), :func:`check_installed` also
 wraps Trainer's Hub uploads: ``_push_from_checkpoint`` with a checkpoint strategy waits for
 that checkpoint's save to commit first, and ``push_to_hub`` for the saves into
-``output_dir``. Directories holding no checkpoint of this engine are judged as Trainer judges
+``output_dir``; and the just-in-time checkpoint on SIGTERM marks its checkpoint complete once
+committed. Directories holding no checkpoint of this engine are judged as Trainer judges
 them.
 """
 
@@ -254,9 +255,38 @@ def _finish_current_push(self: Any, *args: Any, **kwargs: Any) -> Any:
     return _ORIGINALS["_finish_current_push"](self, *args, **kwargs)
 
 
-TRAINER_METHODS = {"_push_from_checkpoint": _push_from_checkpoint, "push_to_hub": push_to_hub,
-                   "_finish_current_push": _finish_current_push}
-"""Trainer's methods that upload to the Hub, wrapped by :func:`check_installed`."""
+def execute_jit_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """transformers' just-in-time checkpoint on SIGTERM (``enable_jit_checkpoint``) removes its
+    ``checkpoint-is-incomplete.txt`` sentinel and logs "completed successfully" once
+    ``_save_checkpoint`` returns: here, once the save has also committed. Training stops right
+    after it, so the wait costs nothing that the exit would not; a SIGKILL before the commit
+    now leaves the sentinel in place."""
+    trainer = self.trainer
+    had = "_save_checkpoint" in vars(trainer)
+    save = trainer._save_checkpoint
+
+    def save_then_wait(*save_args: Any, **save_kwargs: Any) -> Any:
+        result = save(*save_args, **save_kwargs)
+        wait_for_saves_in(trainer._get_output_dir(trial=None))
+        return result
+
+    trainer._save_checkpoint = save_then_wait
+    try:
+        return _ORIGINALS["execute_jit_checkpoint"](self, *args, **kwargs)
+    finally:
+        if had:
+            trainer._save_checkpoint = save
+        else:
+            del trainer._save_checkpoint
+
+
+TRAINER_METHODS = {("transformers.trainer", "Trainer"): {
+                       "_push_from_checkpoint": _push_from_checkpoint, "push_to_hub": push_to_hub,
+                       "_finish_current_push": _finish_current_push},
+                   ("transformers.trainer_jit_checkpoint", "CheckpointManager"): {
+                       "execute_jit_checkpoint": execute_jit_checkpoint}}
+"""Trainer's methods that upload to the Hub or end a checkpoint, wrapped by
+:func:`check_installed`: (module, class) -> name -> wrapper."""
 
 
 def wait_for_saves_in(path: str) -> None:
@@ -319,9 +349,10 @@ def uninstall() -> None:
         for name in WRAPPED:
             if name in _ORIGINALS and vars(holder).get(name) is globals()[name]:
                 setattr(holder, name, _ORIGINALS[name])
-    for name in TRAINER_METHODS:
-        if name in _ORIGINALS:
-            setattr(sys.modules["transformers.trainer"].Trainer, name, _ORIGINALS[name])
+    for (module, owner), methods in TRAINER_METHODS.items():
+        for name in methods:
+            if name in _ORIGINALS:
+                setattr(getattr(sys.modules[module], owner), name, _ORIGINALS[name])
     if _hook is not None and _hook in sys.meta_path:
         sys.meta_path.remove(_hook)
     _hook = None
@@ -329,16 +360,18 @@ def uninstall() -> None:
 
 
 def check_installed() -> None:
-    """When this engine is built: wrap Trainer's Hub uploads (:data:`TRAINER_METHODS`) if
-    Trainer is imported, and warn once if Trainer's helpers are imported without the wrappers
-    (transformers < 5, or auto-activation off without ``install()``)."""
+    """When this engine is built: wrap Trainer's Hub uploads and its just-in-time checkpoint
+    (:data:`TRAINER_METHODS`) where transformers has imported them, and warn once if Trainer's
+    helpers are imported without the wrappers (transformers < 5, or auto-activation off
+    without ``install()``)."""
     global _warned
-    trainer_class = getattr(sys.modules.get("transformers.trainer"), "Trainer", None)
-    for name, wrapper in TRAINER_METHODS.items():
-        method = getattr(trainer_class, name, None)
-        if method is not None and name not in _ORIGINALS:
-            _ORIGINALS[name] = method
-            setattr(trainer_class, name, wrapper)
+    for (module, owner), methods in TRAINER_METHODS.items():
+        cls = getattr(sys.modules.get(module), owner, None)
+        for name, wrapper in methods.items():
+            method = getattr(cls, name, None)
+            if method is not None and name not in _ORIGINALS:
+                _ORIGINALS[name] = method
+                setattr(cls, name, wrapper)
     if _warned or "rotate_checkpoints" in _ORIGINALS or TARGET not in sys.modules:
         return
     _warned = True

@@ -39,6 +39,22 @@ def wrapped():
 
 
 @pytest.fixture
+def fresh_trainer_methods(monkeypatch):
+    """Trainer's methods that the engine wraps when it is built (hf_trainer.TRAINER_METHODS),
+    as transformers has them, and restored after the test with whatever wrapped them."""
+    import transformers.trainer  # noqa: F401  (and the JIT checkpoint's module, below)
+    import transformers.trainer_jit_checkpoint  # noqa: F401
+
+    names = set()
+    for (module, owner), methods in hf_trainer.TRAINER_METHODS.items():
+        cls = getattr(sys.modules[module], owner)
+        for name in methods:
+            names.add(name)
+            monkeypatch.setattr(cls, name, hf_trainer._ORIGINALS.get(name, getattr(cls, name)))
+    monkeypatch.setattr(hf_trainer, "_ORIGINALS", {k: v for k, v in hf_trainer._ORIGINALS.items() if k not in names})
+
+
+@pytest.fixture
 def ck():
     checkpointer = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01))
     yield checkpointer
@@ -153,7 +169,7 @@ def test_rotation_deletes_only_on_evidence_and_never_the_best_model(tmp_path, ck
     assert names(run) == ["checkpoint-2", "checkpoint-4", "checkpoint-8"]
 
 
-def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, monkeypatch):
+def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, fresh_trainer_methods, monkeypatch):
     """hub_strategy="checkpoint": Trainer uploads checkpoint-N in the background right after
     saving it, so the Hub got it without `latest` and with temporary files. The push now waits
     for the save to commit, on the rank that pushes, when the push happens; with other
@@ -181,10 +197,8 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, monkeyp
                         lambda self, folder: pushed.append((folder, state(folder))))
     monkeypatch.setattr(trainer.Trainer, "push_to_hub", push_to_hub)
     monkeypatch.setattr(trainer.Trainer, "_finish_current_push", lambda self: None)
-    monkeypatch.setattr(hf_trainer, "_ORIGINALS", {k: v for k, v in hf_trainer._ORIGINALS.items()
-                                                   if k not in hf_trainer.TRAINER_METHODS})
     hf_trainer.check_installed()  # what building the engine does
-    for name, wrapper in hf_trainer.TRAINER_METHODS.items():
+    for name, wrapper in hf_trainer.TRAINER_METHODS[("transformers.trainer", "Trainer")].items():
         assert getattr(trainer.Trainer, name) is wrapper, name
 
     released, waiting = threading.Event(), threading.Event()
@@ -240,6 +254,60 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, monkeyp
         ck.close()
 
 
+def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, ck, fresh_trainer_methods,
+                                                                    monkeypatch):
+    """enable_jit_checkpoint: on SIGTERM Trainer saves, removes its "checkpoint-is-incomplete"
+    sentinel and logs success as soon as _save_checkpoint returns, with this engine before the
+    save is committed (a SIGKILL then left a checkpoint marked complete that was not). The
+    sentinel now goes once the save has committed. transformers' own CheckpointManager runs."""
+    import threading
+    import types
+
+    from transformers.trainer_jit_checkpoint import CheckpointManager
+
+    from deepspeed_async_ckpt import checkpointer as checkpointer_module
+
+    hf_trainer.check_installed()
+    assert CheckpointManager.execute_jit_checkpoint is hf_trainer.execute_jit_checkpoint
+    released, waiting = threading.Event(), threading.Event()
+    real_write, real_wait = checkpointer_module.write_file, checkpointer_module.CheckpointHandle.wait_committed
+    monkeypatch.setattr(checkpointer_module, "write_file", lambda *a, **k: (released.wait(60), real_write(*a, **k))[1])
+    monkeypatch.setattr(checkpointer_module.CheckpointHandle, "wait_committed",
+                        lambda self, timeout=None: (waiting.set(), real_wait(self, timeout))[1])
+    releaser = threading.Thread(target=lambda: (waiting.wait(60), released.set()))
+    releaser.start()
+    run, seen = str(tmp_path), {}
+    ck_async = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+
+    class FakeTrainer:  # what execute_jit_checkpoint uses of Trainer
+        state = types.SimpleNamespace(global_step=7)
+        model = None
+
+        def _get_output_dir(self, trial):
+            return run
+
+        def _save_checkpoint(self, model, trial):
+            begin_save(ck_async, run, 7)
+            ck_async.end()
+
+    real_remove = os.remove
+
+    def remove(path):  # the sentinel's removal: is the save committed by then?
+        seen[os.path.basename(path)] = hf_trainer.why_not_resumable(os.path.join(run, "checkpoint-7"))
+        real_remove(path)
+
+    monkeypatch.setattr(os, "remove", remove)
+    trainer = FakeTrainer()
+    try:
+        CheckpointManager(trainer).execute_jit_checkpoint()
+    finally:
+        released.set()
+        releaser.join()
+        ck_async.close()
+    assert seen == {"checkpoint-is-incomplete.txt": None}
+    assert "_save_checkpoint" not in vars(trainer)  # the wrapper is gone again
+
+
 def test_a_rotation_it_does_not_know_is_left_alone():
     import types
 
@@ -288,10 +356,8 @@ def test_install_rebinds_names_imported_before_it_and_uninstall_restores_them(wr
     assert trainer.rotate_checkpoints is hf_trainer.rotate_checkpoints
 
 
-def test_the_engine_warns_when_trainer_is_imported_without_the_wrappers(monkeypatch, caplog):
-    import transformers.trainer as trainer
-
-    monkeypatch.setattr(trainer.Trainer, "_push_from_checkpoint", trainer.Trainer._push_from_checkpoint)
+def test_the_engine_warns_when_trainer_is_imported_without_the_wrappers(fresh_trainer_methods, monkeypatch,
+                                                                       caplog):
     monkeypatch.setattr(hf_trainer, "_ORIGINALS", {})
     monkeypatch.setattr(hf_trainer, "_warned", False)
     with caplog.at_level(logging.WARNING, logger=hf_trainer.__name__):
