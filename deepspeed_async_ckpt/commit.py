@@ -543,7 +543,7 @@ def _checkpoint_candidates(save_dir: str) -> list[os.DirEntry]:
     return [e for e in entries if not e.name.startswith(META_DIR) and e.is_dir(follow_symlinks=False)]
 
 
-def _scan_checkpoints(save_dir: str, *, rotation_only: bool = False) -> tuple[dict[str, float], dict[str, float]]:
+def scan_checkpoints(save_dir: str, *, rotation_only: bool = False) -> tuple[dict[str, float], dict[str, float]]:
     """This engine's checkpoints directly under ``save_dir``, in one pass over their manifests:
     the committed ones (name -> commit time) and those that can never be loaded (name -> last
     change): partial ones (begun, never committed: a save a crash or a failure cut short;
@@ -580,7 +580,7 @@ def committed_checkpoints(save_dir: str) -> list[str]:
     manifest (other engines' checkpoints, partial or in-progress saves) are not listed, nor
     are those whose late files were never recorded (unusable: a Megatron save whose markers a
     crash or failure cut off; retention would have kept one in place of a loadable one)."""
-    return _newest_first(_scan_checkpoints(save_dir)[0])
+    return _newest_first(scan_checkpoints(save_dir)[0])
 
 
 def _newest_first(committed: dict[str, float]) -> list[str]:
@@ -589,9 +589,9 @@ def _newest_first(committed: dict[str, float]) -> list[str]:
 
 def abandoned_checkpoints(save_dir: str, *, before: float) -> list[str]:
     """Names of this engine's checkpoints directly under ``save_dir`` that can never be loaded
-    (partial or unfinalized, see :func:`_scan_checkpoints`), last changed before ``before``
+    (partial or unfinalized, see :func:`scan_checkpoints`), last changed before ``before``
     (a ``time.time()``)."""
-    return sorted(name for name, changed in _scan_checkpoints(save_dir)[1].items() if changed < before)
+    return sorted(name for name, changed in scan_checkpoints(save_dir)[1].items() if changed < before)
 
 
 def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
@@ -605,7 +605,7 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
     pointer (a "best" model kept with DeepSpeed's ``save_latest=False``): neither counted nor
     removed. With ``committed_now`` (the name
     of the checkpoint whose commit this follows), also this engine's checkpoints that can
-    never be loaded and were last changed before that commit (see :func:`_scan_checkpoints`):
+    never be loaded and were last changed before that commit (see :func:`scan_checkpoints`):
     a crash during a save otherwise leaves one behind for good, as large as a checkpoint.
     Returns the names removed.
 
@@ -619,7 +619,7 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
     save_dir = os.path.abspath(save_dir)
     remove_trash(storage, save_dir)  # removals a crash cut short
     removed = []
-    committed, abandoned = _scan_checkpoints(save_dir, rotation_only=True)
+    committed, abandoned = scan_checkpoints(save_dir, rotation_only=True)
     before = None if committed_now is None else committed.get(committed_now)
     if committed_now is not None and before is None \
             and os.path.lexists(os.path.join(save_dir, committed_now)):  # gone: an earlier pass's

@@ -80,13 +80,12 @@ class Judgement:
 
 
 def judge(path: str) -> Judgement:
-    from .commit import abandoned_checkpoints, committed_checkpoints
+    from .commit import scan_checkpoints
 
     if _being_saved(path):
         return Judgement(SAVING_REASON)
     try:
-        committed = committed_checkpoints(path)
-        partial = abandoned_checkpoints(path, before=float("inf"))
+        committed, partial = scan_checkpoints(path)  # one pass over the tags' manifests
     except OSError:
         return Judgement()  # unreadable: Trainer's own judgement (and its error)
     if not committed and not partial:
@@ -111,12 +110,18 @@ def why_not_resumable(path: str) -> str | None:
     return judge(path).reason
 
 
+def _inside(path: str, real_root: str) -> bool:
+    """Whether ``path`` is ``real_root`` (a real path) or lies under it."""
+    real = os.path.realpath(path)
+    return real == real_root or real.startswith(real_root + os.sep)
+
+
 def _being_saved(path: str) -> bool:
     checkpointer = sys.modules.get(f"{__package__}.checkpointer")
     if checkpointer is None:  # no checkpointer was ever made in this process
         return False
     real = os.path.realpath(path)
-    return any(d == real or d.startswith(real + os.sep) for d in checkpointer.saving_dirs())
+    return any(_inside(d, real) for d in checkpointer.saving_dirs())
 
 
 def _checkpoint_number(path: str, prefix: str) -> int | None:
@@ -297,8 +302,7 @@ def wait_for_saves_in(path: str) -> None:
         return
     real = os.path.realpath(path)
     for handle in checkpointer.saves_in_flight():
-        target = os.path.realpath(handle.ckpt_dir)
-        if target == real or target.startswith(real + os.sep):
+        if _inside(handle.ckpt_dir, real):
             logger.info("async checkpoint: waiting for %s to commit before Trainer uploads %s",
                         handle.ckpt_dir, path)
             handle.wait_committed()
