@@ -13,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import pytest
 import torch
@@ -52,6 +53,37 @@ def fresh_trainer_methods(monkeypatch):
             names.add(name)
             monkeypatch.setattr(cls, name, hf_trainer._ORIGINALS.get(name, getattr(cls, name)))
     monkeypatch.setattr(hf_trainer, "_ORIGINALS", {k: v for k, v in hf_trainer._ORIGINALS.items() if k not in names})
+
+
+class WritesHeld:
+    """Checkpoint writes held until some code waits for a commit
+    (``CheckpointHandle.wait_committed``): a save stays in flight unless the code under test
+    waits for it (else the writes go after 60 s, or at ``released.set()``)."""
+
+    def __init__(self) -> None:
+        self.released, self.waiting = threading.Event(), threading.Event()
+
+    def start(self) -> threading.Thread:
+        """Hold (again), until the next wait; join the returned thread once it has been."""
+        self.released.clear()
+        self.waiting.clear()
+        thread = threading.Thread(target=lambda: (self.waiting.wait(60), self.released.set()))
+        thread.start()
+        return thread
+
+
+@pytest.fixture
+def writes_held(monkeypatch):
+    from deepspeed_async_ckpt import checkpointer as checkpointer_module
+
+    held = WritesHeld()
+    real_write, real_wait = checkpointer_module.write_file, checkpointer_module.CheckpointHandle.wait_committed
+    monkeypatch.setattr(checkpointer_module, "write_file",
+                        lambda *a, **k: (held.released.wait(60), real_write(*a, **k))[1])
+    monkeypatch.setattr(checkpointer_module.CheckpointHandle, "wait_committed",
+                        lambda self, timeout=None: (held.waiting.set(), real_wait(self, timeout))[1])
+    yield held
+    held.released.set()
 
 
 @pytest.fixture
@@ -169,7 +201,8 @@ def test_rotation_deletes_only_on_evidence_and_never_the_best_model(tmp_path, ck
     assert names(run) == ["checkpoint-2", "checkpoint-4", "checkpoint-8"]
 
 
-def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, fresh_trainer_methods, monkeypatch):
+def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, fresh_trainer_methods, writes_held,
+                                                            monkeypatch):
     """hub_strategy="checkpoint": Trainer uploads checkpoint-N in the background right after
     saving it, so the Hub got it without `latest` and with temporary files. The push now waits
     for the save to commit, on the rank that pushes, when the push happens; with other
@@ -177,11 +210,9 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, fresh_t
     uploads output_dir, where save_model put a DeepSpeed checkpoint under ZeRO-3 without
     gathered weights: it waits for that too, also with args.push_to_hub off (a review found
     that case, session 22)."""
-    import threading
     import types
 
     import transformers.trainer as trainer
-    from deepspeed_async_ckpt import checkpointer as checkpointer_module
 
     pushed = []
 
@@ -201,19 +232,6 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, fresh_t
     for name, wrapper in hf_trainer.TRAINER_METHODS[("transformers.trainer", "Trainer")].items():
         assert getattr(trainer.Trainer, name) is wrapper, name
 
-    released, waiting = threading.Event(), threading.Event()
-    real_write, real_wait = checkpointer_module.write_file, checkpointer_module.CheckpointHandle.wait_committed
-    monkeypatch.setattr(checkpointer_module, "write_file", lambda *a, **k: (released.wait(60), real_write(*a, **k))[1])
-    monkeypatch.setattr(checkpointer_module.CheckpointHandle, "wait_committed",
-                        lambda self, timeout=None: (waiting.set(), real_wait(self, timeout))[1])
-
-    def release_when_waited_for():
-        released.clear()
-        waiting.clear()
-        thread = threading.Thread(target=lambda: (waiting.wait(60), released.set()))
-        thread.start()
-        return thread
-
     def fake_trainer(rank0=True, busy_push=False, **args):
         previous = types.SimpleNamespace(is_done=lambda: not busy_push)
         return types.SimpleNamespace(args=types.SimpleNamespace(hub_always_push=False, **args),
@@ -221,7 +239,7 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, fresh_t
                                      _finish_current_push=lambda: trainer.Trainer._finish_current_push(t))
 
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
-    releaser = release_when_waited_for()
+    releaser = writes_held.start()
     try:
         run = str(tmp_path)
         cases = [("every_save", True, False), ("checkpoint", False, False), ("checkpoint", True, True),
@@ -237,7 +255,7 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, fresh_t
         releaser.join()
 
         for push_to_hub in (False, True):  # push_to_hub() with args.push_to_hub off, or on
-            releaser = release_when_waited_for()
+            releaser = writes_held.start()
             out = os.path.join(run, f"out-{push_to_hub}")
             ck.begin(os.path.join(out, "global_step9"), tag="global_step9",
                      pointer=Pointer(os.path.join(out, "latest"), "global_step9"))
@@ -250,32 +268,23 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, ck, fresh_t
             assert pushed[-1] == (out, [None])  # uploaded once committed
             releaser.join()
     finally:
-        released.set()
+        writes_held.released.set()
         ck.close()
 
 
-def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, ck, fresh_trainer_methods,
-                                                                    monkeypatch):
+def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, fresh_trainer_methods,
+                                                                    writes_held, monkeypatch):
     """enable_jit_checkpoint: on SIGTERM Trainer saves, removes its "checkpoint-is-incomplete"
     sentinel and logs success as soon as _save_checkpoint returns, with this engine before the
     save is committed (a SIGKILL then left a checkpoint marked complete that was not). The
     sentinel now goes once the save has committed. transformers' own CheckpointManager runs."""
-    import threading
     import types
 
     from transformers.trainer_jit_checkpoint import CheckpointManager
 
-    from deepspeed_async_ckpt import checkpointer as checkpointer_module
-
     hf_trainer.check_installed()
     assert CheckpointManager.execute_jit_checkpoint is hf_trainer.execute_jit_checkpoint
-    released, waiting = threading.Event(), threading.Event()
-    real_write, real_wait = checkpointer_module.write_file, checkpointer_module.CheckpointHandle.wait_committed
-    monkeypatch.setattr(checkpointer_module, "write_file", lambda *a, **k: (released.wait(60), real_write(*a, **k))[1])
-    monkeypatch.setattr(checkpointer_module.CheckpointHandle, "wait_committed",
-                        lambda self, timeout=None: (waiting.set(), real_wait(self, timeout))[1])
-    releaser = threading.Thread(target=lambda: (waiting.wait(60), released.set()))
-    releaser.start()
+    releaser = writes_held.start()
     run, seen = str(tmp_path), {}
     ck_async = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
 
@@ -301,7 +310,7 @@ def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, c
     try:
         CheckpointManager(trainer).execute_jit_checkpoint()
     finally:
-        released.set()
+        writes_held.released.set()
         releaser.join()
         ck_async.close()
     assert seen == {"checkpoint-is-incomplete.txt": None}
