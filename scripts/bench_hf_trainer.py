@@ -5,11 +5,12 @@ DeepSpeed's own (``TorchCheckpointEngine``), on the same model, one rank with a 
 Each engine runs in a process of its own: a GPT-2 built from its config (no download) trained by
 ``Trainer`` under ZeRO-1 with fp32 Adam, a checkpoint every ``--save-every`` steps. Per save
 (the first left out: it faults the staging memory in), Trainer's whole ``_save_checkpoint``
-(the stall), split into its parts: ``save_model`` (Trainer's own ``model.safetensors`` export,
-written synchronously by Trainer with either engine) and the DeepSpeed checkpoint
-(``_save_optimizer_and_scheduler``, which is ``engine.save_checkpoint``); the step right after a
-save against the others (what waiting at the fence costs); and, for this engine, the time from
-the save to its commit. Prints a table and writes JSON.
+(the stall), with three of its parts: ``save_model`` (Trainer's own ``model.safetensors``
+export, written synchronously by Trainer with either engine), the DeepSpeed checkpoint
+(``_save_optimizer_and_scheduler``, which is ``engine.save_checkpoint``) and the rotation
+(``save_total_limit=1``: deleting the previous checkpoint); the steps right after a save (the
+first save's left out) against the others (what waiting at the fence costs); and, for this
+engine, the time from the save to its commit. Prints a table and writes JSON.
 
     PYTHONPATH=. python scripts/bench_hf_trainer.py --out docs/bench_results/hf_trainer.json
     PYTHONPATH=. python scripts/bench_hf_trainer.py --quick --out bench_out/hf_quick.json
