@@ -121,6 +121,9 @@ class CheckpointHandle:
         self.unwritten: list[tuple[str, list[FilePlan], list[str] | None, Share | None]] = []
         """Files of an open save, handed to the writers when it is sealed."""
         self.files: list[Future] = []
+        self.beside: list[Future] = []
+        """Files written beside it (:meth:`AsyncCheckpointer.write_beside`) into its save
+        directory before it began: this rank's part is persisted once they are durable too."""
         self.nbytes = 0
         self.error: BaseException | None = None
         self.abandoned = False
@@ -377,19 +380,45 @@ def saves_in_flight() -> list[CheckpointHandle]:
     return [h for c in list(_open_checkpointers) if not c._closed for h in c._pending()]
 
 
+def finish_beside(directory: str) -> None:
+    """:meth:`AsyncCheckpointer.finish_beside` of ``directory`` on every open checkpointer of
+    this process."""
+    for checkpointer in list(_open_checkpointers):
+        if not checkpointer._closed:
+            checkpointer.finish_beside(directory)
+
+
 def saving_dirs() -> set[str]:
     """Real paths of the checkpoint directories that this process's open checkpointers have
-    begun and not yet committed or failed (or, on rank 0, not yet swapped in): directories that
-    must be neither deleted nor resumed from yet (see :mod:`.hf_trainer`)."""
+    begun and not yet committed or failed (or, on rank 0, not yet swapped in), and of the files
+    they are still writing beside them (:meth:`AsyncCheckpointer.write_beside`): directories
+    that must be neither deleted nor resumed from yet (see :mod:`.hf_trainer`)."""
     dirs: set[str] = set()
     for checkpointer in list(_open_checkpointers):
         if checkpointer._closed:
             continue
         current = checkpointer._current  # before _pending(), as in retire_older's protected()
         dirs.update(h.ckpt_dir for h in checkpointer._pending())
+        dirs.update(e.directory for e in checkpointer._beside_in() if not e.future.done())
         if current is not None:
             dirs.add(current.ckpt_dir)
     return {os.path.realpath(d) for d in dirs}
+
+
+class _Beside:
+    """A file written beside the checkpoints (:meth:`AsyncCheckpointer.write_beside`), until its
+    write is done and its outcome taken: by a save waiting for it, by
+    :meth:`~AsyncCheckpointer.finish_beside`, or as a background error."""
+
+    __slots__ = ("path", "future", "claimed")
+
+    def __init__(self, path: str, future: Future) -> None:
+        self.path, self.future = path, future
+        self.claimed = False  # its failure is reported by a save or by finish_beside
+
+    @property
+    def directory(self) -> str:
+        return os.path.dirname(self.path)
 
 
 class AsyncCheckpointer:
@@ -443,6 +472,7 @@ class AsyncCheckpointer:
         """Rank 0: staged saves begun with ``swap_at_commit=False``, not yet through
         :meth:`swap_in`. Committed or not, their staging directory is not abandoned and
         their target not to be retired (:meth:`_pending`)."""
+        self._beside: list[_Beside] = []  # files beside the checkpoints, until taken
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
         self._closed = False
@@ -562,6 +592,7 @@ class AsyncCheckpointer:
             self._current = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
                                              swap_at_commit, tuple(late_files),
                                              rotation=rotation)
+            self._current.beside = self._claim_beside(save_dir)
             if not swap_at_commit and self.rank == 0:  # in use until swap_in / abandon_swap
                 with self._lock:
                     self._unswapped.add(self._current)
@@ -759,6 +790,73 @@ class AsyncCheckpointer:
             self.raise_background_error()
         return handle
 
+    # ------------------------------------------------------------------ files beside
+    def write_beside(self, path: str, write: Callable[[str], Any]) -> Future:
+        """Write ``path``, a file of no checkpoint of this engine that sits in a save directory
+        (Hugging Face Trainer's ``model.safetensors`` in ``checkpoint-N``, see
+        :mod:`.hf_trainer`), on a writer thread: ``write(tmp)`` writes it whole under a
+        temporary name, which is then made durable (with ``fsync``) and renamed to ``path``,
+        so ``path`` is whole or absent. ``write`` must own what it writes: no fence covers it.
+
+        Until it is durable, its directory counts as being saved into (:func:`saving_dirs`),
+        and a save into that directory (``begin(<that directory>/<tag>)``) is not persisted on
+        this rank before it is: its failure is then that save's. Otherwise a failure is raised
+        by :meth:`finish_beside`, or else at the next ``begin`` or ``wait``, as a failed
+        save's is. :meth:`close` (and so the exit flush) waits for it."""
+        self._check_open()
+        path = os.path.abspath(path)
+        entry = _Beside(path, self._writers.submit(self._write_beside, path, write))
+        with self._lock:
+            self._beside.append(entry)
+        return entry.future
+
+    def _write_beside(self, path: str, write: Callable[[str], Any]) -> None:
+        tmp = temporary_path(path, uuid.uuid4().hex[:12])
+        try:
+            write(tmp)
+            if self.config.fsync:
+                fd = os.open(tmp, os.O_RDONLY)
+                try:
+                    os.fsync(fd)
+                finally:
+                    os.close(fd)
+            self.storage.replace(tmp, path, durable=self.config.fsync)
+        except BaseException as exc:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise PersistError(f"{path}: writing it in the background failed: "
+                               f"{type(exc).__name__}: {describe(exc)}") from exc
+
+    def _beside_in(self, directory: str | None = None) -> list[_Beside]:
+        """The files beside not yet taken, in ``directory`` (a real path; None: all)."""
+        with self._lock:
+            entries = list(self._beside)
+        return [e for e in entries
+                if directory is None or os.path.realpath(e.directory) == directory]
+
+    def _claim_beside(self, save_dir: str) -> list[Future]:
+        """``begin``: the files beside in its save directory, whose outcome is now the save's."""
+        entries = self._beside_in(os.path.realpath(save_dir))
+        with self._lock:
+            for entry in entries:
+                entry.claimed = True
+        return [e.future for e in entries]
+
+    def finish_beside(self, directory: str | None = None) -> None:
+        """Wait until the files being written beside (:meth:`write_beside`) into
+        ``directory`` (None: all) are durable; raise the first failure among them not
+        reported yet (a :class:`PersistError` naming its path), once."""
+        self._check_not_forked()
+        entries = self._beside_in(None if directory is None else os.path.realpath(directory))
+        for entry in entries:
+            entry.future.exception()  # waits
+        with self._lock:
+            failed = [e for e in entries if e.future.exception() is not None and not e.claimed]
+            for entry in failed:
+                entry.claimed = True
+        if failed:
+            raise failed[0].future.exception()
+
     def fence(self) -> None:
         """Call before parameters or optimizer state are modified (the optimizer step, or any
         in-place edit outside it: see :func:`fence_all`)."""
@@ -794,10 +892,18 @@ class AsyncCheckpointer:
             handle.unsubmitted = []
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every sealed checkpoint is committed and the retention its commit
-        started (``keep_last``) is done; raise a background error if any."""
+        """Block until every file written beside (:meth:`write_beside`) is durable, every
+        sealed checkpoint is committed and the retention its commit started (``keep_last``) is
+        done; raise a background error if any."""
         self._check_not_forked()
         deadline = None if timeout is None else time.monotonic() + timeout
+        for entry in self._beside_in():  # outcome taken below, as a background error
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                entry.future.exception(left)
+            except FutureTimeout:
+                raise AsyncCheckpointError(f"writing {entry.path} did not finish within {timeout} s") \
+                    from None
         while True:
             with self._lock:
                 handle = self._inflight[0] if self._inflight else None
@@ -877,6 +983,10 @@ class AsyncCheckpointer:
         of them are consumed, reported once together, so that a failure is not raised again
         at a later save, after its cause was fixed."""
         with self._lock:
+            for entry in [e for e in self._beside if e.future.done()]:
+                self._beside.remove(entry)
+                if not entry.claimed and entry.future.exception() is not None:
+                    self._errors.append(entry.future.exception())
             errors, self._errors = self._errors, []
         return (errors[0], len(errors) - 1) if errors else (None, 0)
 
@@ -1329,6 +1439,11 @@ class AsyncCheckpointer:
             for fut in handle.files:  # wait for all, so no writer still runs after a failure
                 try:
                     records.append(fut.result())
+                except BaseException as exc:
+                    first_error = first_error or exc
+            for fut in handle.beside:  # Trainer's model.safetensors: durable before the commit
+                try:
+                    fut.result()
                 except BaseException as exc:
                     first_error = first_error or exc
             if first_error is not None:

@@ -1,0 +1,120 @@
+"""Files written beside a checkpoint (AsyncCheckpointer.write_beside): Hugging Face Trainer's
+model.safetensors in checkpoint-N, written in the background. Whole or absent under its name,
+durable before a save into its directory persists, failures reported once."""
+
+import os
+import threading
+
+import pytest
+import torch
+
+from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, finish_beside, saving_dirs
+from deepspeed_async_ckpt.commit import Pointer
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.errors import PersistError
+
+
+@pytest.fixture
+def ck():
+    checkpointer = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    yield checkpointer
+    checkpointer.close()
+
+
+def writer(data: bytes, gate: threading.Event | None = None, error: Exception | None = None):
+    """A ``write(tmp)`` for write_beside: waits for ``gate``, writes half of ``data``, then
+    raises ``error`` or writes the rest."""
+    def write(tmp):
+        if gate is not None:
+            assert gate.wait(60)
+        with open(tmp, "wb") as f:
+            f.write(data[:len(data) // 2])
+            if error is not None:
+                raise error
+            f.write(data[len(data) // 2:])
+    return write
+
+
+def begin_save(ck, save_dir, step=2):
+    tag = f"global_step{step}"
+    ck.begin(os.path.join(save_dir, tag), tag=tag, pointer=Pointer(os.path.join(save_dir, "latest"), tag))
+    ck.save({"w": torch.full((64,), float(step))}, os.path.join(save_dir, tag, "model_states.pt"))
+    return ck.end()
+
+
+def test_a_file_beside_is_whole_or_absent_and_the_save_beside_it_persists_after_it(tmp_path, ck):
+    save_dir = str(tmp_path / "checkpoint-2")
+    os.makedirs(save_dir)
+    path = os.path.join(save_dir, "model.safetensors")
+    gate, data = threading.Event(), os.urandom(1 << 20)
+    future = ck.write_beside(path, writer(data, gate))
+    assert os.path.realpath(save_dir) in saving_dirs()  # Trainer's rotation leaves it alone
+    handle = begin_save(ck, save_dir)
+    for fut in handle.files:
+        fut.result()
+    # this rank's files are durable, the file beside is not: the save is not persisted yet
+    assert not handle.wait_persisted(1.0)
+    assert not os.path.exists(path) and not os.path.exists(os.path.join(save_dir, "latest"))
+    gate.set()
+    assert handle.wait_committed(60) and handle.committed and future.done()
+    with open(path, "rb") as f:
+        assert f.read() == data
+    assert sorted(os.listdir(save_dir)) == [".async_ckpt.lock", "global_step2", "latest",
+                                            "model.safetensors"]  # no temporary left
+    assert os.path.realpath(save_dir) not in saving_dirs()
+
+
+def test_a_failed_write_beside_fails_the_save_beside_it(tmp_path, ck):
+    save_dir = str(tmp_path / "checkpoint-2")
+    os.makedirs(save_dir)
+    path = os.path.join(save_dir, "model.safetensors")
+    gate = threading.Event()
+    ck.write_beside(path, writer(b"x" * 4096, gate, OSError(28, "No space left on device")))
+    handle = begin_save(ck, save_dir)
+    gate.set()
+    with pytest.raises(PersistError, match="model.safetensors: writing it in the background failed: "
+                                           "OSError: .*No space left on device"):
+        ck.wait()
+    assert handle.wait_committed(0) and not handle.committed
+    assert sorted(os.listdir(save_dir)) == [".async_ckpt.lock", "global_step2"]  # no latest, no file
+    ck.wait()  # reported once: the save's failure
+
+
+def test_a_failed_write_beside_is_raised_once_by_finish_beside_or_else_at_the_next_save(tmp_path, ck):
+    out = str(tmp_path)
+    path = os.path.join(out, "checkpoint-2", "model.safetensors")
+    os.makedirs(os.path.dirname(path))
+
+    def failing():
+        future = ck.write_beside(path, writer(b"x" * 4096, error=OSError(5, "Input/output error")))
+        future.exception()  # done: no later save can take it as its own
+        return future
+
+    failing()
+    finish_beside(os.path.join(out, "checkpoint-4"))  # another directory: nothing to raise
+    with pytest.raises(PersistError, match="checkpoint-2/model.safetensors: writing it in the "
+                                           "background failed: OSError: .*Input/output error"):
+        finish_beside(os.path.dirname(path))
+    finish_beside(os.path.dirname(path))  # once
+    begin_save(ck, os.path.join(out, "checkpoint-4"), 4)  # not raised again
+    ck.wait()
+
+    failing()
+    with pytest.raises(PersistError, match="a previous checkpoint failed .*Input/output error"):
+        ck.wait()
+    failing()
+    with pytest.raises(PersistError, match="a previous checkpoint failed .*Input/output error"):
+        begin_save(ck, os.path.join(out, "checkpoint-6"), 6)
+    assert not os.path.exists(os.path.join(out, "checkpoint-6", "global_step6"))  # refused: nothing written
+    assert os.listdir(os.path.dirname(path)) == []  # no temporary left, no partial file
+    ck.wait()
+
+
+def test_closing_waits_for_the_files_beside(tmp_path):
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    path, gate = str(tmp_path / "model.safetensors"), threading.Event()
+    ck.write_beside(path, writer(b"y" * 8192, gate))
+    threading.Timer(0.2, gate.set).start()
+    ck.close()  # what the exit flush does
+    with open(path, "rb") as f:
+        assert f.read() == b"y" * 8192
