@@ -380,12 +380,11 @@ def saves_in_flight() -> list[CheckpointHandle]:
     return [h for c in list(_open_checkpointers) if not c._closed for h in c._pending()]
 
 
-def finish_beside(directory: str) -> None:
-    """:meth:`AsyncCheckpointer.finish_beside` of ``directory`` on every open checkpointer of
-    this process."""
+def wait_beside(directory: str | None = None) -> None:
+    """:meth:`AsyncCheckpointer.wait_beside` on every open checkpointer of this process."""
     for checkpointer in list(_open_checkpointers):
         if not checkpointer._closed:
-            checkpointer.finish_beside(directory)
+            checkpointer.wait_beside(directory)
 
 
 def saving_dirs() -> set[str]:
@@ -407,14 +406,13 @@ def saving_dirs() -> set[str]:
 
 class _Beside:
     """A file written beside the checkpoints (:meth:`AsyncCheckpointer.write_beside`), until its
-    write is done and its outcome taken: by a save waiting for it, by
-    :meth:`~AsyncCheckpointer.finish_beside`, or as a background error."""
+    write is done and its outcome taken: by the save beside it, or as a background error."""
 
-    __slots__ = ("path", "future", "claimed")
+    __slots__ = ("path", "future", "by_save")
 
     def __init__(self, path: str, future: Future) -> None:
         self.path, self.future = path, future
-        self.claimed = False  # its failure is reported by a save or by finish_beside
+        self.by_save = False  # its failure is the failure of the save beside it
 
     @property
     def directory(self) -> str:
@@ -800,9 +798,9 @@ class AsyncCheckpointer:
 
         Until it is durable, its directory counts as being saved into (:func:`saving_dirs`),
         and a save into that directory (``begin(<that directory>/<tag>)``) is not persisted on
-        this rank before it is: its failure is then that save's. Otherwise a failure is raised
-        by :meth:`finish_beside`, or else at the next ``begin`` or ``wait``, as a failed
-        save's is. :meth:`close` (and so the exit flush) waits for it."""
+        this rank before it is: its failure is then that save's (raised at the next ``begin``
+        or ``wait``, on every rank at a ``begin``); otherwise it is raised there itself.
+        :meth:`close` (and so the exit flush) waits for it."""
         self._check_open()
         path = os.path.abspath(path)
         entry = _Beside(path, self._writers.submit(self._write_beside, path, write))
@@ -839,23 +837,16 @@ class AsyncCheckpointer:
         entries = self._beside_in(os.path.realpath(save_dir))
         with self._lock:
             for entry in entries:
-                entry.claimed = True
+                entry.by_save = True
         return [e.future for e in entries]
 
-    def finish_beside(self, directory: str | None = None) -> None:
-        """Wait until the files being written beside (:meth:`write_beside`) into
-        ``directory`` (None: all) are durable; raise the first failure among them not
-        reported yet (a :class:`PersistError` naming its path), once."""
+    def wait_beside(self, directory: str | None = None) -> None:
+        """Wait until the files being written beside (:meth:`write_beside`) into ``directory``
+        (None: all) are written or have failed (a failure is raised as always: by the save
+        beside it, or at the next ``begin`` or ``wait``)."""
         self._check_not_forked()
-        entries = self._beside_in(None if directory is None else os.path.realpath(directory))
-        for entry in entries:
+        for entry in self._beside_in(None if directory is None else os.path.realpath(directory)):
             entry.future.exception()  # waits
-        with self._lock:
-            failed = [e for e in entries if e.future.exception() is not None and not e.claimed]
-            for entry in failed:
-                entry.claimed = True
-        if failed:
-            raise failed[0].future.exception()
 
     def fence(self) -> None:
         """Call before parameters or optimizer state are modified (the optimizer step, or any
@@ -985,7 +976,7 @@ class AsyncCheckpointer:
         with self._lock:
             for entry in [e for e in self._beside if e.future.done()]:
                 self._beside.remove(entry)
-                if not entry.claimed and entry.future.exception() is not None:
+                if not entry.by_save and entry.future.exception() is not None:
                     self._errors.append(entry.future.exception())
             errors, self._errors = self._errors, []
         return (errors[0], len(errors) - 1) if errors else (None, 0)

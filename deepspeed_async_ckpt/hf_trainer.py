@@ -33,9 +33,11 @@ A rotation that left a save in flight out runs again at interpreter exit, once t
 committed. When this engine is built (inside ``Trainer.train``), :func:`check_installed` also
 wraps Trainer's Hub uploads: ``_push_from_checkpoint`` with a checkpoint strategy waits for
 that checkpoint's save to commit first, and ``push_to_hub`` for the saves into
-``output_dir``; and the just-in-time checkpoint on SIGTERM marks its checkpoint complete once
-committed. Directories holding no checkpoint of this engine are judged as Trainer judges
-them.
+``output_dir``; the just-in-time checkpoint on SIGTERM marks its checkpoint complete once
+committed; and a checkpoint's weights export (``model.safetensors``, which Trainer wrote
+before the call returned, most of what was left of its stall) is written by the engine's
+writers, committed with the DeepSpeed checkpoint beside it (:func:`save_model`).
+Directories holding no checkpoint of this engine are judged as Trainer judges them.
 """
 
 from __future__ import annotations
@@ -231,13 +233,91 @@ def _prefix() -> str:
 
 def _push_from_checkpoint(self: Any, checkpoint_folder: str, *args: Any, **kwargs: Any) -> Any:
     strategy = getattr(self.args, "hub_strategy", None)
+    strategy = getattr(strategy, "value", strategy)
     previous = getattr(self, "push_in_progress", None)
     skipped = not getattr(self.args, "hub_always_push", False) and previous is not None \
         and not previous.is_done()  # Trainer's rule: this push will not happen
-    if getattr(strategy, "value", strategy) in PUSHED_CHECKPOINTS and self.is_world_process_zero() \
-            and not skipped:
-        wait_for_saves_in(checkpoint_folder)
+    if self.is_world_process_zero() and not skipped and strategy != "end":
+        if strategy in PUSHED_CHECKPOINTS:
+            wait_for_saves_in(checkpoint_folder)
+        else:  # it copies the model files out of checkpoint_folder: model.safetensors whole
+            _wait_beside(checkpoint_folder)
     return _ORIGINALS["_push_from_checkpoint"](self, checkpoint_folder, *args, **kwargs)
+
+
+_exporting = threading.local()
+"""On the thread inside :func:`save_model` for a checkpoint: ``checkpointer`` (None outside)
+and ``model``, for :func:`safe_save_file`."""
+
+
+def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False,
+               *args: Any, **kwargs: Any) -> Any:
+    """``Trainer.save_model``: inside ``_save_checkpoint`` (``_internal_call``), before the
+    DeepSpeed checkpoint into the same ``checkpoint-N``, with this engine in async mode, the
+    weights export (``model.safetensors``, or its shards) goes to the engine's writers
+    (:func:`safe_save_file`) instead of being written before the call returns. A save called
+    by the user (``trainer.save_model()``, read right after by ``from_pretrained`` or an
+    upload) and ``save_only_model`` (no DeepSpeed checkpoint follows to carry it) stay as they
+    are."""
+    checkpointer = None
+    if _internal_call and not getattr(self.args, "save_only_model", False):
+        checkpointer = _async_checkpointer(self)
+    if checkpointer is None:
+        return _ORIGINALS["save_model"](self, output_dir, _internal_call, *args, **kwargs)
+    # one export's weights in memory at a time (accelerate cloned them for it)
+    checkpointer.wait_beside()
+    _exporting.checkpointer, _exporting.model = checkpointer, getattr(self, "model", None)
+    try:
+        return _ORIGINALS["save_model"](self, output_dir, _internal_call, *args, **kwargs)
+    finally:
+        _exporting.checkpointer = _exporting.model = None
+
+
+def _async_checkpointer(trainer: Any) -> Any:
+    """The open async-mode checkpointer of the DeepSpeed engine ``trainer`` trains with, if any."""
+    if not getattr(trainer, "is_deepspeed_enabled", False):
+        return None
+    engine = getattr(getattr(trainer, "deepspeed", None), "checkpoint_engine", None)
+    checkpointer = getattr(engine, "checkpointer", None)
+    from .checkpointer import AsyncCheckpointer
+
+    if not isinstance(checkpointer, AsyncCheckpointer) or checkpointer._closed \
+            or not checkpointer.config.is_async:
+        return None
+    return checkpointer
+
+
+def safe_save_file(tensors: dict, filename: str, metadata: dict | None = None, *args: Any,
+                   **kwargs: Any) -> Any:
+    """``safetensors.torch.save_file`` as ``transformers.modeling_utils`` calls it from
+    ``save_pretrained``. Inside :func:`save_model` for a checkpoint, the file is written by
+    the engine's writers (:meth:`~.checkpointer.AsyncCheckpointer.write_beside`), whole or not
+    at all, and the DeepSpeed checkpoint that Trainer saves next into the same directory
+    commits only once it is durable. The tensors are accelerate's CPU clones (or, under ZeRO-3,
+    the gathered 16-bit weights), which nothing else changes; any that is on an accelerator or
+    shares memory with the model's parameters or buffers is copied first."""
+    checkpointer = getattr(_exporting, "checkpointer", None)
+    write = _ORIGINALS["safe_save_file"]
+    if checkpointer is None or not tensors or args or kwargs:
+        return write(tensors, filename, metadata, *args, **kwargs)
+    owned = _owned(tensors, getattr(_exporting, "model", None))
+    checkpointer.write_beside(filename, lambda tmp: write(owned, tmp, metadata))
+    return None
+
+
+def _owned(tensors: dict, model: Any) -> dict:
+    """``tensors``, each copied to the CPU if it is elsewhere or shares memory with ``model``
+    (which training goes on changing)."""
+    import torch
+
+    live = set()
+    if isinstance(model, torch.nn.Module):
+        for t in (*model.parameters(), *model.buffers()):
+            if t.device.type == "cpu" and t.numel():
+                live.add(t.untyped_storage().data_ptr())
+    return {name: t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
+            if t.device.type != "cpu" or t.untyped_storage().data_ptr() in live else t
+            for name, t in tensors.items()}
 
 
 _pushing = threading.local()  # inside Trainer.push_to_hub, on this thread
@@ -287,11 +367,25 @@ def execute_jit_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 TRAINER_METHODS = {("transformers.trainer", "Trainer"): {
                        "_push_from_checkpoint": _push_from_checkpoint, "push_to_hub": push_to_hub,
-                       "_finish_current_push": _finish_current_push},
+                       "_finish_current_push": _finish_current_push, "save_model": save_model},
                    ("transformers.trainer_jit_checkpoint", "CheckpointManager"): {
-                       "execute_jit_checkpoint": execute_jit_checkpoint}}
-"""Trainer's methods that upload to the Hub or end a checkpoint, wrapped by
-:func:`check_installed`: (module, class) -> name -> wrapper."""
+                       "execute_jit_checkpoint": execute_jit_checkpoint},
+                   ("transformers.modeling_utils", None): {"safe_save_file": safe_save_file}}
+"""What :func:`check_installed` wraps: Trainer's methods that upload to the Hub, save the
+model or end a checkpoint, and the safetensors writer ``save_pretrained`` calls:
+(module, class or None for the module itself) -> name -> wrapper."""
+
+
+def _owner(module: str, owner: str | None) -> Any:
+    """The class (or, for None, the module) holding a wrapped name, if imported."""
+    found = sys.modules.get(module)
+    return found if owner is None else getattr(found, owner, None)
+
+
+def _wait_beside(path: str) -> None:
+    checkpointer = sys.modules.get(f"{__package__}.checkpointer")
+    if checkpointer is not None:
+        checkpointer.wait_beside(path)
 
 
 def wait_for_saves_in(path: str) -> None:
@@ -300,6 +394,7 @@ def wait_for_saves_in(path: str) -> None:
     checkpointer = sys.modules.get(f"{__package__}.checkpointer")
     if checkpointer is None:
         return
+    checkpointer.wait_beside(path)  # the saves into path wait for them too; pushes of other kinds
     real = os.path.realpath(path)
     for handle in checkpointer.saves_in_flight():
         if _inside(handle.ckpt_dir, real):
@@ -356,7 +451,7 @@ def uninstall() -> None:
     for (module, owner), methods in TRAINER_METHODS.items():
         for name in methods:
             if name in _ORIGINALS:
-                setattr(getattr(sys.modules[module], owner), name, _ORIGINALS[name])
+                setattr(_owner(module, owner), name, _ORIGINALS[name])
     if _hook is not None and _hook in sys.meta_path:
         sys.meta_path.remove(_hook)
     _hook = None
@@ -364,18 +459,19 @@ def uninstall() -> None:
 
 
 def check_installed() -> None:
-    """When this engine is built: wrap Trainer's Hub uploads and its just-in-time checkpoint
-    (:data:`TRAINER_METHODS`) where transformers has imported them, and warn once if Trainer's
+    """When this engine is built: wrap Trainer's Hub uploads, its model export and its
+    just-in-time checkpoint (:data:`TRAINER_METHODS`) where transformers has imported them,
+    and warn once if Trainer's
     helpers are imported without the wrappers (transformers < 5, or auto-activation off
     without ``install()``)."""
     global _warned
     for (module, owner), methods in TRAINER_METHODS.items():
-        cls = getattr(sys.modules.get(module), owner, None)
+        holder = _owner(module, owner)
         for name, wrapper in methods.items():
-            method = getattr(cls, name, None)
+            method = getattr(holder, name, None)
             if method is not None and name not in _ORIGINALS:
                 _ORIGINALS[name] = method
-                setattr(cls, name, wrapper)
+                setattr(holder, name, wrapper)
     if _warned or "rotate_checkpoints" in _ORIGINALS or TARGET not in sys.modules:
         return
     _warned = True

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, finish_beside, saving_dirs
+from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, saving_dirs, wait_beside
 from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import PersistError
@@ -80,34 +80,28 @@ def test_a_failed_write_beside_fails_the_save_beside_it(tmp_path, ck):
     ck.wait()  # reported once: the save's failure
 
 
-def test_a_failed_write_beside_is_raised_once_by_finish_beside_or_else_at_the_next_save(tmp_path, ck):
+def test_a_failed_write_beside_with_no_save_beside_it_is_raised_once_at_the_next_save(tmp_path, ck):
     out = str(tmp_path)
     path = os.path.join(out, "checkpoint-2", "model.safetensors")
     os.makedirs(os.path.dirname(path))
 
     def failing():
-        future = ck.write_beside(path, writer(b"x" * 4096, error=OSError(5, "Input/output error")))
-        future.exception()  # done: no later save can take it as its own
-        return future
+        ck.write_beside(path, writer(b"x" * 4096, error=OSError(5, "Input/output error")))
+        wait_beside(os.path.join(out, "checkpoint-4"))  # another directory: returns at once
+        wait_beside(os.path.dirname(path))  # done: no later save can take it as its own
 
     failing()
-    finish_beside(os.path.join(out, "checkpoint-4"))  # another directory: nothing to raise
-    with pytest.raises(PersistError, match="checkpoint-2/model.safetensors: writing it in the "
-                                           "background failed: OSError: .*Input/output error"):
-        finish_beside(os.path.dirname(path))
-    finish_beside(os.path.dirname(path))  # once
-    begin_save(ck, os.path.join(out, "checkpoint-4"), 4)  # not raised again
+    with pytest.raises(PersistError, match="a previous checkpoint failed .*checkpoint-2/model.safetensors: "
+                                           "writing it in the background failed: OSError: .*Input/output error"):
+        begin_save(ck, os.path.join(out, "checkpoint-4"), 4)
+    assert not os.path.exists(os.path.join(out, "checkpoint-4", "global_step4"))  # refused: nothing written
+    begin_save(ck, os.path.join(out, "checkpoint-4"), 4)  # once
     ck.wait()
-
     failing()
     with pytest.raises(PersistError, match="a previous checkpoint failed .*Input/output error"):
         ck.wait()
-    failing()
-    with pytest.raises(PersistError, match="a previous checkpoint failed .*Input/output error"):
-        begin_save(ck, os.path.join(out, "checkpoint-6"), 6)
-    assert not os.path.exists(os.path.join(out, "checkpoint-6", "global_step6"))  # refused: nothing written
-    assert os.listdir(os.path.dirname(path)) == []  # no temporary left, no partial file
     ck.wait()
+    assert os.listdir(os.path.dirname(path)) == []  # no temporary left, no partial file
 
 
 def test_closing_waits_for_the_files_beside(tmp_path):

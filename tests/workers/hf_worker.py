@@ -12,7 +12,9 @@ checkpoint every 2 steps into ``<out>/run/checkpoint-N``.
                   dumped to <out>/resumed_rank{r}.pt
 
 At every on_save, rank 0 records what ``<out>/run`` holds to ``<out>/seen.json``: per step, each
-``checkpoint-N`` with its ``latest`` (or null). The test module asserts on those files.
+``checkpoint-N`` with its ``latest`` (or null), and under "exports" the files its engine was given
+to write beside the checkpoints (Trainer's model.safetensors). The test module asserts on those
+files.
 """
 
 import argparse
@@ -48,6 +50,16 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 import deepspeed_async_ckpt.checkpointer as checkpointer  # noqa: E402
 
+exports = []
+real_write_beside = checkpointer.AsyncCheckpointer.write_beside
+
+
+def write_beside(self, path, write):
+    exports.append(os.path.relpath(path, RUN))
+    return real_write_beside(self, path, write)
+
+
+checkpointer.AsyncCheckpointer.write_beside = write_beside
 hold, released = [False], threading.Event()
 if RANK == 0 and args.hold_from:
     real_write_file = checkpointer.write_file
@@ -81,6 +93,7 @@ class Probe(TrainerCallback):
         path = os.path.join(args.out, "seen.json")
         seen = json.load(open(path)) if os.path.exists(path) else {}
         seen[str(state.global_step)] = listing()
+        seen["exports"] = exports
         with open(path, "w") as f:
             json.dump(seen, f)
         if state.global_step == args.kill_at:
