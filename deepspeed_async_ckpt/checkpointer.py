@@ -32,7 +32,7 @@ import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass
-from typing import Any, Callable, Iterable
+from typing import Any, BinaryIO, Callable, Iterable
 
 import torch
 import xxhash
@@ -789,12 +789,13 @@ class AsyncCheckpointer:
         return handle
 
     # ------------------------------------------------------------------ files beside
-    def write_beside(self, path: str, write: Callable[[str], Any]) -> Future:
+    def write_beside(self, path: str, write: Callable[[BinaryIO], Any]) -> Future:
         """Write ``path``, a file of no checkpoint of this engine that sits in a save directory
         (Hugging Face Trainer's ``model.safetensors`` in ``checkpoint-N``, see
-        :mod:`.hf_trainer`), on a writer thread: ``write(tmp)`` writes it whole under a
-        temporary name, which is then made durable (with ``fsync``) and renamed to ``path``,
-        so ``path`` is whole or absent. ``write`` must own what it writes: no fence covers it.
+        :mod:`.hf_trainer`), on a writer thread: ``write(f)`` writes it whole into ``f``, a
+        temporary file opened as this engine opens its own (``Storage.open_write``: direct I/O
+        where it can), which is then made durable (with ``fsync``) and renamed to ``path``, so
+        ``path`` is whole or absent. ``write`` must own what it writes: no fence covers it.
 
         Until it is durable, its directory counts as being saved into (:func:`saving_dirs`),
         and a save into that directory (``begin(<that directory>/<tag>)``) is not persisted on
@@ -808,16 +809,12 @@ class AsyncCheckpointer:
             self._beside.append(entry)
         return entry.future
 
-    def _write_beside(self, path: str, write: Callable[[str], Any]) -> None:
+    def _write_beside(self, path: str, write: Callable[[BinaryIO], Any]) -> None:
         tmp = temporary_path(path, uuid.uuid4().hex[:12])
         try:
-            write(tmp)
-            if self.config.fsync:
-                fd = os.open(tmp, os.O_RDONLY)
-                try:
-                    os.fsync(fd)
-                finally:
-                    os.close(fd)
+            with self.storage.open_write(tmp) as f:
+                write(f)
+                self.storage.sync_file(f)
             self.storage.replace(tmp, path, durable=self.config.fsync)
         except BaseException as exc:
             with contextlib.suppress(OSError):

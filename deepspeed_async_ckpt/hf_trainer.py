@@ -292,17 +292,22 @@ def safe_save_file(tensors: dict, filename: str, metadata: dict | None = None, *
     """``safetensors.torch.save_file`` as ``transformers.modeling_utils`` calls it from
     ``save_pretrained``. Inside :func:`save_model` for a checkpoint, the file is written by
     the engine's writers (:meth:`~.checkpointer.AsyncCheckpointer.write_beside`), whole or not
-    at all, and the DeepSpeed checkpoint that Trainer saves next into the same directory
-    commits only once it is durable. The tensors are accelerate's CPU clones (or, under ZeRO-3,
-    the gathered 16-bit weights), which nothing else changes; any that is on an accelerator or
-    shares memory with the model's parameters or buffers is copied first."""
+    at all, byte for byte what that function writes, but with direct I/O
+    (:func:`~.persist.write_safetensors`), and the DeepSpeed checkpoint that Trainer saves
+    next into the same directory commits only once it is durable. The tensors are accelerate's
+    CPU clones (or, under ZeRO-3, the gathered 16-bit weights), which nothing else changes; any
+    that is on an accelerator or shares memory with the model's parameters or buffers is
+    copied first. Tensors that function would refuse (or a dtype not in
+    :data:`~.persist.SAFETENSORS_DTYPES`) go to it, as before."""
+    from .persist import safetensors_writable, write_safetensors
+
     checkpointer = getattr(_exporting, "checkpointer", None)
-    write = _ORIGINALS["safe_save_file"]
-    if checkpointer is None or not tensors or args or kwargs:
-        return write(tensors, filename, metadata, *args, **kwargs)
-    owned = _owned(tensors, getattr(_exporting, "model", None))
-    checkpointer.write_beside(filename, lambda tmp: write(owned, tmp, metadata))
-    return None
+    if checkpointer is not None and tensors and not args and not kwargs:
+        owned = _owned(tensors, getattr(_exporting, "model", None))
+        if safetensors_writable(owned):  # else the library's own error, or file, right here
+            checkpointer.write_beside(filename, lambda f: write_safetensors(f, owned, metadata))
+            return None
+    return _ORIGINALS["safe_save_file"](tensors, filename, metadata, *args, **kwargs)
 
 
 def _owned(tensors: dict, model: Any) -> dict:

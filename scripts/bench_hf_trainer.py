@@ -68,7 +68,8 @@ def child(args) -> dict:
 
     trainer_module.rotate_checkpoints = timed(trainer_module.rotate_checkpoints, "rotation")
     trainer._save_checkpoint = timed(trainer._save_checkpoint, "save")
-    trainer.save_model = timed(trainer.save_model, "save_model")
+    # looked up per call: the engine wraps Trainer.save_model when it is built, inside train()
+    trainer.save_model = timed(lambda *a, **k: type(trainer).save_model(trainer, *a, **k), "save_model")
     trainer._save_optimizer_and_scheduler = timed(trainer._save_optimizer_and_scheduler, "deepspeed")
     steps: list[tuple[int, float]] = []
 
@@ -88,6 +89,7 @@ def child(args) -> dict:
         checkpointer = engine.checkpointer
         checkpointer.wait()
         result["commit_s"] = [h.times["committed"] - h.times["begin"] for h in checkpointer.history]
+        result["fence_wait_s"] = [h.fence_wait_s for h in checkpointer.history]
     ckpt = os.path.join(args.work_dir, f"checkpoint-{args.saves * args.save_every}")
     result["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ckpt) for f in fs)
     result["engine_class"] = type(engine).__name__

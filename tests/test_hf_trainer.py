@@ -342,9 +342,10 @@ def test_a_checkpoints_weights_export_is_written_by_the_engine_and_committed_wit
     hf_trainer.check_installed()
     assert modeling_utils.safe_save_file is hf_trainer.safe_save_file
     assert trainer.Trainer.save_model is hf_trainer.save_model
-    gate, real_write = threading.Event(), hf_trainer._ORIGINALS["safe_save_file"]
-    monkeypatch.setitem(hf_trainer._ORIGINALS, "safe_save_file",
-                        lambda *a, **k: (gate.wait(60), real_write(*a, **k))[1])
+    from deepspeed_async_ckpt import persist
+
+    gate, real_write = threading.Event(), persist.write_safetensors
+    monkeypatch.setattr(persist, "write_safetensors", lambda *a, **k: (gate.wait(60), real_write(*a, **k))[1])
     monkeypatch.setitem(hf_trainer._ORIGINALS, "save_model",  # Trainer's, without DeepSpeed
                         lambda self, output_dir=None, _internal_call=False: self.model.save_pretrained(output_dir))
     exports, real_beside = [], AsyncCheckpointer.write_beside

@@ -22,16 +22,15 @@ def ck():
 
 
 def writer(data: bytes, gate: threading.Event | None = None, error: Exception | None = None):
-    """A ``write(tmp)`` for write_beside: waits for ``gate``, writes half of ``data``, then
+    """A ``write(f)`` for write_beside: waits for ``gate``, writes half of ``data``, then
     raises ``error`` or writes the rest."""
-    def write(tmp):
+    def write(f):
         if gate is not None:
             assert gate.wait(60)
-        with open(tmp, "wb") as f:
-            f.write(data[:len(data) // 2])
-            if error is not None:
-                raise error
-            f.write(data[len(data) // 2:])
+        f.write(data[:len(data) // 2])
+        if error is not None:
+            raise error
+        f.write(data[len(data) // 2:])
     return write
 
 
@@ -112,3 +111,34 @@ def test_closing_waits_for_the_files_beside(tmp_path):
     ck.close()  # what the exit flush does
     with open(path, "rb") as f:
         assert f.read() == b"y" * 8192
+
+
+def test_a_safetensors_file_written_by_the_engine_is_byte_for_byte_the_librarys(tmp_path, ck):
+    """write_safetensors (Trainer's model.safetensors, written with direct I/O from the tensors'
+    memory) writes the bytes safetensors.torch.save_file writes: its layout (by dtype, then by
+    name), header and padding; every dtype it takes, empty and 0-d tensors, non-ASCII names."""
+    from safetensors.torch import load_file, save_file
+
+    from deepspeed_async_ckpt.persist import SAFETENSORS_DTYPES, safetensors_writable, write_safetensors
+
+    torch.manual_seed(0)
+    tensors = {f"layer.{i}.{str(dtype)[6:]}": (torch.randn(257, 3) * 100).to(dtype)
+               for i, dtype in enumerate(SAFETENSORS_DTYPES)}
+    tensors.update({"empty": torch.zeros(0, 4), "scalar": torch.tensor(7, dtype=torch.int64),
+                    "größe": torch.ones(5, dtype=torch.bfloat16), "big": torch.randn(1 << 20)})
+    for metadata in ({"format": "pt"}, None):
+        ours, theirs = str(tmp_path / "ours.safetensors"), str(tmp_path / "theirs.safetensors")
+        assert safetensors_writable(tensors)
+        ck.write_beside(ours, lambda f: write_safetensors(f, tensors, metadata)).result()
+        save_file(tensors, theirs, metadata=metadata)
+        with open(ours, "rb") as a, open(theirs, "rb") as b:
+            assert a.read() == b.read()
+    loaded = load_file(ours)
+    assert loaded.keys() == tensors.keys()
+    for name, tensor in tensors.items():
+        assert loaded[name].dtype == tensor.dtype and torch.equal(loaded[name], tensor), name
+
+    flat = torch.randn(8)
+    for refused in ({"t": torch.randn(4, 3).t()}, {"a": flat[:4], "b": flat[4:]},
+                    {"c": torch.ones(2, dtype=torch.complex64)}, {"s": torch.eye(3).to_sparse()}):
+        assert not safetensors_writable(refused)  # left to the library: its error, or its file
