@@ -380,6 +380,11 @@ def saves_in_flight() -> list[CheckpointHandle]:
     return [h for c in list(_open_checkpointers) if not c._closed for h in c._pending()]
 
 
+def open_checkpointers() -> list[AsyncCheckpointer]:
+    """This process's checkpointers that are not closed."""
+    return [c for c in list(_open_checkpointers) if not c._closed]
+
+
 def wait_beside(directory: str | None = None) -> None:
     """:meth:`AsyncCheckpointer.wait_beside` on every open checkpointer of this process."""
     for checkpointer in list(_open_checkpointers):
