@@ -5,12 +5,14 @@ DeepSpeed's own (``TorchCheckpointEngine``), on the same model, one rank with a 
 Each engine runs in a process of its own: a GPT-2 built from its config (no download) trained by
 ``Trainer`` under ZeRO-1 with fp32 Adam, a checkpoint every ``--save-every`` steps. Per save
 (the first left out: it faults the staging memory in), Trainer's whole ``_save_checkpoint``
-(the stall), with three of its parts: ``save_model`` (Trainer's own ``model.safetensors``
-export, written synchronously by Trainer with either engine), the DeepSpeed checkpoint
-(``_save_optimizer_and_scheduler``, which is ``engine.save_checkpoint``) and the rotation
-(``save_total_limit=1``: deleting the previous checkpoint); the steps right after a save (the
-first save's left out) against the others (what waiting at the fence costs); and, for this
-engine, the time from the save to its commit. Prints a table and writes JSON.
+(the stall), with three of its parts: ``save_model`` (Trainer's ``model.safetensors`` export:
+written by Trainer with DeepSpeed's engine, by the engine's writers with this one), the
+DeepSpeed checkpoint (``_save_optimizer_and_scheduler``, which is ``engine.save_checkpoint``)
+and the rotation (``save_total_limit=1``: deleting the previous checkpoint, on the engine's
+retention thread with this one); the steps right after a save (the first save's left out)
+against the others (waiting at the fence, and the background work competing for the cores);
+what a save costs the run (the stall plus the next step's extra time); and, for this engine,
+the time from the save to its commit. Prints a table and writes JSON.
 
     PYTHONPATH=. python scripts/bench_hf_trainer.py --out docs/bench_results/hf_trainer.json
     PYTHONPATH=. python scripts/bench_hf_trainer.py --quick --out bench_out/hf_quick.json
@@ -108,6 +110,8 @@ def summarize(name: str, raw: dict) -> dict:
            "rotation_s": statistics.median(raw["rotation"][later]),
            "step_s": statistics.median(others),
            "next_step_s": statistics.median(after) if after else None}
+    row["cost_s"] = None if row["next_step_s"] is None else \
+        row["stall_s"] + row["next_step_s"] - row["step_s"]
     if "commit_s" in raw:
         row["commit_s"] = statistics.median(raw["commit_s"][later])
     return row
@@ -117,7 +121,7 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=12)
     p.add_argument("--hidden", type=int, default=768)
-    p.add_argument("--saves", type=int, default=4)
+    p.add_argument("--saves", type=int, default=6)
     p.add_argument("--save-every", type=int, default=3, help="at least 2 (a step after a save, and one not)")
     p.add_argument("--quick", action="store_true", help="a tiny model, 3 saves: a smoke run")
     p.add_argument("--out", default=os.path.join(REPO, "docs", "bench_results", "hf_trainer.json"))
@@ -159,12 +163,12 @@ def main() -> int:
           f"checkpoint-N {rows[0]['checkpoint_gb']:.2f} GB, a save every {args.save_every} steps; medians of "
           f"saves 2-{args.saves}")
     print("| engine | Trainer's save (stall) | its save_model | its DeepSpeed save | its rotation | 1st save | "
-          "step | next step | save to commit |")
-    print("|---|---|---|---|---|---|---|---|---|")
+          "step | next step | cost per save | save to commit |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['engine']} | {f(r['stall_s'])} | {f(r['save_model_s'])} | {f(r['deepspeed_s'])} | "
               f"{f(r['rotation_s'])} | {f(r['first_save_s'])} | {f(r['step_s'])} | {f(r['next_step_s'])} | "
-              f"{f(r.get('commit_s'))} |")
+              f"{f(r['cost_s'])} | {f(r.get('commit_s'))} |")
     os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
     with open(args.out, "w") as fh:
         json.dump({"date": time.strftime("%Y-%m-%d"), "config": vars(args), "rows": rows, "raw": raw}, fh, indent=1)
