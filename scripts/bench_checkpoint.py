@@ -55,6 +55,7 @@ import tempfile
 import threading
 import time
 import zlib
+from typing import Any, Callable
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "scripts", "bench_worker.py")
@@ -745,15 +746,27 @@ def gpu_report(seconds_budget: float = 120.0) -> dict:
     pinned_gbps = nbytes / (time.perf_counter() - t0) / GB
 
     samples: list[dict] = []
+    unsupported: dict[str, str] = {}  # a query this GPU or VM refuses (PCIe counters often are)
     stop = threading.Event()
+
+    def query(key: str, fn: Callable[[], Any]) -> Any:
+        if key in unsupported:
+            return None
+        try:
+            return fn()
+        except pynvml.NVMLError as exc:
+            unsupported[key] = f"{type(exc).__name__}: {exc}"
+            return None
 
     def sample() -> None:
         while not stop.is_set():
-            mem = pynvml.nvmlDeviceGetMemoryInfo(handle)
+            mem = query("mem_used_bytes", lambda: pynvml.nvmlDeviceGetMemoryInfo(handle).used)
             samples.append({"t": time.perf_counter(),
-                            "pcie_tx_kbps": pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_TX_BYTES),
-                            "pcie_rx_kbps": pynvml.nvmlDeviceGetPcieThroughput(handle, pynvml.NVML_PCIE_UTIL_RX_BYTES),
-                            "mem_used_bytes": mem.used})
+                            "pcie_tx_kbps": query("pcie_tx_kbps", lambda: pynvml.nvmlDeviceGetPcieThroughput(
+                                handle, pynvml.NVML_PCIE_UTIL_TX_BYTES)),
+                            "pcie_rx_kbps": query("pcie_rx_kbps", lambda: pynvml.nvmlDeviceGetPcieThroughput(
+                                handle, pynvml.NVML_PCIE_UTIL_RX_BYTES)),
+                            "mem_used_bytes": mem})
             stop.wait(0.02)
 
     a = torch.randn(8192, 8192, device="cuda")
@@ -800,16 +813,20 @@ def gpu_report(seconds_budget: float = 120.0) -> dict:
             stop.set()
             sampler.join()
     steady = results[-1]
+
+    def peak(key: str) -> float:
+        return max((s[key] for s in samples if s[key] is not None), default=0)
+
     return {
         "available": True, "device": name, "bytes": nbytes, "pinned_d2h_gbps": pinned_gbps,
         "compute_s": compute_iters * matmul_s, "copy_s_at_pinned": copy_s, "saves": results,
         "snapshot_fraction_of_pinned": steady["snapshot_gbps"] / pinned_gbps,
         "targets": {"snapshot_fraction": {"value": steady["snapshot_gbps"] / pinned_gbps, "target": 0.85,
                                           "met": steady["snapshot_gbps"] / pinned_gbps >= 0.85}},
-        "nvml": {"samples": len(samples),
-                 "pcie_tx_peak_gbps": max((s["pcie_tx_kbps"] for s in samples), default=0) * 1024 / GB,
-                 "pcie_rx_peak_gbps": max((s["pcie_rx_kbps"] for s in samples), default=0) * 1024 / GB,
-                 "mem_used_peak_bytes": max((s["mem_used_bytes"] for s in samples), default=0),
+        "nvml": {"samples": len(samples), "unsupported": unsupported,
+                 "pcie_tx_peak_gbps": peak("pcie_tx_kbps") * 1024 / GB,
+                 "pcie_rx_peak_gbps": peak("pcie_rx_kbps") * 1024 / GB,
+                 "mem_used_peak_bytes": peak("mem_used_bytes"),
                  "trace": samples[:: max(1, len(samples) // 200)]},
     }
 
