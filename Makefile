@@ -7,7 +7,7 @@ VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
 
-.PHONY: install demo test test-fast test-gpu bench bench-load clean
+.PHONY: install demo test test-fast test-gpu gpu-wheels bench bench-load clean
 
 $(BIN)/python:
 	$(PY) -m venv $(VENV)
@@ -32,6 +32,11 @@ test-fast: install
 test-gpu:
 	$(PY) -m pip install -q ".[test]"
 	ASYNC_CKPT_TEST_BACKEND=nccl $(PY) -m pytest -v -rs -m "slow or gpu" tests/test_deepspeed_multiproc.py tests/test_core.py
+
+# For a lent single-GPU machine that cannot fetch packages (docs/gpu_results.md): the wheels it
+# lacks, into .whl/; there, `python3 scripts/gpu_check.py run --out $OUT` runs every GPU check.
+gpu-wheels: install
+	$(BIN)/python scripts/gpu_check.py wheels
 
 bench: install
 	DS_ACCELERATOR=cpu $(BIN)/python scripts/bench_checkpoint.py --out docs/bench_results/latest.json

@@ -2,7 +2,10 @@
 killed mid-run, resumed from `latest`; then the same model with DeepSpeed's own
 TorchCheckpointEngine, to print each checkpoint's blocking time side by side.
 
-    python scripts/demo.py [--workdir demo_out] [--steps 30] [--kill-at 20]
+    python scripts/demo.py [--workdir demo_out] [--steps 30] [--kill-at 20] [--nproc 2]
+
+The ranks run on the CPU unless ``DS_ACCELERATOR`` says otherwise (``DS_ACCELERATOR=cuda
+scripts/demo.py --nproc 1`` on one GPU, as ``scripts/gpu_check.py`` runs it).
 """
 
 from __future__ import annotations
@@ -22,8 +25,7 @@ from launch import launch  # noqa: E402
 
 def run(tag, workdir, extra, nproc=2, expect_kill=False):
     log = os.path.join(workdir, f"{tag}.jsonl")
-    args = ["--config", os.path.join(REPO, "configs", "deepspeed_async.json"),
-            "--hidden", "1024", "--layers", "6", "--log", log, *extra]
+    args = ["--config", os.path.join(REPO, "configs", "deepspeed_async.json"), "--log", log, *extra]
     print(f"\n$ launch --nproc {nproc} scripts/ds_train.py {' '.join(args)}", flush=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     codes = launch(os.path.join(HERE, "ds_train.py"), args, nproc, timeout=900, env=env)
@@ -46,23 +48,27 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30)
     p.add_argument("--save-every", type=int, default=5)
     p.add_argument("--kill-at", type=int, default=20)
+    p.add_argument("--nproc", type=int, default=2, help="ranks (one GPU each with DS_ACCELERATOR=cuda)")
+    p.add_argument("--hidden", type=int, default=1024)
+    p.add_argument("--layers", type=int, default=6)
     a = p.parse_args()
     shutil.rmtree(a.workdir, ignore_errors=True)
     os.makedirs(a.workdir)
     ours_dir, torch_dir = os.path.join(a.workdir, "ckpt_async"), os.path.join(a.workdir, "ckpt_torch")
-    common = ["--steps", str(a.steps), "--save-every", str(a.save_every)]
+    common = ["--steps", str(a.steps), "--save-every", str(a.save_every), "--hidden", str(a.hidden),
+              "--layers", str(a.layers)]
 
     print(f"1) async engine: train, checkpoint every {a.save_every} steps, SIGKILL every rank "
           f"right after issuing the step-{a.kill_at} checkpoint")
     first = run("async_killed", a.workdir, [*common, "--save-dir", ours_dir, "--kill-at-step", str(a.kill_at)],
-                expect_kill=True)
+                nproc=a.nproc, expect_kill=True)
     with open(os.path.join(ours_dir, "latest")) as f:
         latest = f.read()
     print(f"   killed at step {a.kill_at}; `latest` -> {latest} (a checkpoint still being written "
           f"when the process died is never pointed to)")
 
     print("2) resume from `latest` and finish")
-    second = run("async_resumed", a.workdir, [*common, "--save-dir", ours_dir, "--resume"])
+    second = run("async_resumed", a.workdir, [*common, "--save-dir", ours_dir, "--resume"], nproc=a.nproc)
     resumed = next(e for e in second if e["event"] == "resumed" and e["rank"] == 0)
     with open(os.path.join(ours_dir, "latest")) as f:
         latest = f.read()
@@ -72,13 +78,15 @@ def main() -> int:
     print(f"   checkpoints on disk (keep_last=3 in configs/deepspeed_async.json): {', '.join(kept)}")
 
     print("3) the same model with DeepSpeed's TorchCheckpointEngine (key removed)")
-    third = run("torch", a.workdir, [*common, "--save-dir", torch_dir, "--no-async"])
+    third = run("torch", a.workdir, [*common, "--save-dir", torch_dir, "--no-async"], nproc=a.nproc)
 
     ours, theirs = {**stalls(first), **stalls(second)}, stalls(third)
     step_s = statistics.median(e["step_s"] for e in third if e["event"] == "step" and e["rank"] == 0)
     size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(ours_dir, latest))
                for f in fs if f.endswith(".pt"))
-    print(f"\nCheckpoint of {size / 1e6:.0f} MB (2 ranks, ZeRO-1, Adam); median training step {step_s * 1e3:.0f} ms")
+    where = os.environ.get("DS_ACCELERATOR", "cpu")
+    print(f"\nCheckpoint of {size / 1e6:.0f} MB ({a.nproc} rank(s) on {where}, ZeRO-1, Adam); "
+          f"median training step {step_s * 1e3:.0f} ms")
     print(f"{'step':>6} | {'async stall (ms)':>17} | {'TorchCheckpointEngine (ms)':>27} | {'ratio':>6}")
     for step in sorted(set(ours) & set(theirs)):
         print(f"{step:>6} | {ours[step] * 1e3:>17.1f} | {theirs[step] * 1e3:>27.1f} | {theirs[step] / ours[step]:>5.0f}x")

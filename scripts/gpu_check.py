@@ -1,0 +1,185 @@
+"""The GPU checks in one call: what a session with a lent GPU machine runs, prepared here.
+
+A lent GPU machine (see docs/gpu_results.md) has CUDA, PyTorch, xxhash, nvidia-ml-py and pytest,
+but not DeepSpeed or its pydantic and hjson, nothing can be fetched there, and a session has
+15 minutes of device time in all, the machine's start included. So the wheels it lacks are made
+here, and everything there is one command:
+
+    python scripts/gpu_check.py wheels            # here (reaches PyPI): .whl/, git-ignored
+    # then, with the device tool: run(command="python3 scripts/gpu_check.py run --out $OUT",
+    #                                 carry=[".whl"], timeout_s=480)
+
+``run`` installs ``.whl/`` and this checkout, then runs, each with its own time limit and log:
+1. ``env``: the GPU (``nvidia-smi``), torch, CUDA and DeepSpeed versions;
+2. ``pytest``: the CUDA tests (``-m gpu`` in ``tests/test_core.py``: pinned pool, copy stream,
+   fence; the multi-rank DeepSpeed tests over NCCL need a GPU per rank: ``make test-gpu`` on a
+   machine with several);
+3. ``gpu_report``: ``scripts/bench_checkpoint.py --gpu-report`` (pinned D2H bandwidth, this
+   engine's snapshot bandwidth and stall with compute longer than the copy, NVML samples);
+4. ``demo``: the main job on the GPU (``scripts/demo.py --nproc 1``: DeepSpeed ZeRO-1 over
+   NCCL, async checkpoints, SIGKILL, resume, then the stall against ``TorchCheckpointEngine``).
+It writes ``summary.json`` and one log per step under ``--out`` (six files: the device tool
+brings back eight at most) and prints a table; it exits 1 if a step failed. Where no GPU is
+visible (here) the CUDA tests skip, ``--gpu-report`` says so and the demo runs on the CPU:
+``tests/test_bench_smoke.py`` runs it that way, so the script itself is tested without a GPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import glob
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+WHEELS = os.path.join(REPO, ".whl")
+
+DEVICE_PYTHON = "3.12"
+"""The lent machines' Python (docs: the device tool's KINDS.md): binary wheels are for it."""
+MISSING_THERE = ("hjson", "pydantic", "pydantic-core", "annotated-types", "typing-inspection",
+                 "typing-extensions")
+"""What DeepSpeed needs that the lent machines' image lacks (typing-extensions: pydantic needs
+a recent one), at the versions installed here, which CI tests against."""
+PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+
+
+def wheels(out: str, python_version: str) -> int:
+    """Download the wheels of :data:`MISSING_THERE` for ``python_version`` and build
+    DeepSpeed's (it ships only a source archive) into ``out``, replacing what was there."""
+    from importlib.metadata import version
+
+    shutil.rmtree(out, ignore_errors=True)
+    os.makedirs(out)
+    pins = [f"{name}=={version(name)}" for name in MISSING_THERE]
+    platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
+    subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",
+                    "--python-version", python_version, "--implementation", "cp", *platforms,
+                    "-d", out, *pins], check=True)
+    # DS_BUILD_OPS=0: no compiled ops, a pure-Python wheel; its JIT ops are not used here
+    # (torch's Adam), and DS_ACCELERATOR picks the accelerator at run time
+    subprocess.run([sys.executable, "-m", "pip", "wheel", "-q", "--no-deps", "--no-build-isolation",
+                    "-w", out, f"deepspeed=={version('deepspeed')}"],
+                   check=True, env=dict(os.environ, DS_BUILD_OPS="0"))
+    names = sorted(os.listdir(out))
+    size = sum(os.path.getsize(os.path.join(out, n)) for n in names)
+    print("\n".join(names))
+    print(f"{len(names)} wheels, {size / 2**20:.1f} MiB in {out} (the device tool carries 64 MiB)")
+    return 0
+
+
+def install(wheel_dir: str, site_dir: str) -> dict:
+    """Install the wheels and this checkout into ``site_dir`` and return the environment
+    that puts it first on the path, with its ``.pth`` files read (this package's auto-activation
+    hook is one): a ``sitecustomize`` there adds it as a site directory."""
+    found = sorted(glob.glob(os.path.join(wheel_dir, "*.whl")))
+    subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps",
+                    "--no-build-isolation", "--no-compile", "--upgrade", "--target", site_dir,
+                    *found, REPO], check=True)
+    with open(os.path.join(site_dir, "sitecustomize.py"), "w", encoding="utf-8") as f:
+        f.write("import os, site\nsite.addsitedir(os.path.dirname(os.path.abspath(__file__)))\n")
+    return dict(os.environ, PYTHONPATH=os.pathsep.join(
+        [site_dir, REPO, os.environ.get("PYTHONPATH", "")]), PYTHONUNBUFFERED="1")
+
+
+def step(name: str, cmd: list[str], env: dict, out: str, timeout: float, deadline: float) -> dict:
+    """Run one check with its output in ``<out>/<name>.log``, for ``timeout`` seconds at most
+    and not past ``deadline`` (``time.monotonic()``); never raises."""
+    t0 = time.monotonic()
+    timeout = max(1.0, min(timeout, deadline - t0))
+    log = os.path.join(out, f"{name}.log")
+    with open(log, "w", encoding="utf-8") as f:
+        f.write("$ " + " ".join(cmd) + "\n")
+        f.flush()
+        try:
+            code = subprocess.run(cmd, env=env, cwd=REPO, stdout=f, stderr=subprocess.STDOUT,
+                                  timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = "timeout"
+    result = {"step": name, "exit": code, "seconds": round(time.monotonic() - t0, 1)}
+    print(f"{name:<11} {'ok' if code == 0 else 'FAILED (' + str(code) + ')':<14} "
+          f"{result['seconds']:>6.1f} s  {log}", flush=True)
+    return result
+
+
+def tail_line(path: str, startswith: str) -> str | None:
+    """The last line of ``path`` that starts with ``startswith`` (pytest's and the demo's
+    closing lines), stripped."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [ln.strip() for ln in f if ln.strip().startswith(startswith)]
+    except OSError:
+        return None
+    return lines[-1] if lines else None
+
+
+def run(out: str, wheel_dir: str, quick: bool = False, budget_s: float = 420) -> int:
+    """Install, run the four steps within ``budget_s`` seconds in all (each has its own limit
+    too), write ``summary.json``; ``quick``: a small demo (the smoke test's)."""
+    deadline = time.monotonic() + budget_s
+    os.makedirs(out, exist_ok=True)
+    site_dir = tempfile.mkdtemp(prefix="gpu_check_site_")
+    env = install(wheel_dir, site_dir)
+    import torch  # after pip: the interpreter's own torch, which the wheels do not replace
+
+    gpus = torch.cuda.device_count()
+    env["DS_ACCELERATOR"] = "cuda" if gpus else "cpu"
+    py = sys.executable
+    info = ("import json, subprocess, torch, deepspeed, deepspeed_async_ckpt; print(json.dumps({"
+            "'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpus': [torch.cuda.get_device_name(i)"
+            " for i in range(torch.cuda.device_count())], 'deepspeed': deepspeed.__version__, "
+            "'engine': deepspeed_async_ckpt.__file__}))")
+    # on a GPU a 1.07 GB checkpoint (67M parameters, 16 bytes each under ZeRO-1)
+    demo_args = (["--steps", "8", "--save-every", "2", "--kill-at", "4", "--hidden", "256", "--layers", "2"]
+                 if quick else ["--hidden", "4096", "--layers", "4"] if gpus else [])
+    results = [
+        step("env", ["bash", "-c", f"nvidia-smi -L; {py} -c \"{info}\""], env, out, 60, deadline),
+        step("pytest", [py, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-m", "gpu",
+                        "tests/test_core.py"], env, out, 150, deadline),
+        step("gpu_report", [py, "scripts/bench_checkpoint.py", "--gpu-report",
+                            "--out", os.path.join(out, "gpu_report.json")], env, out, 150, deadline),
+        step("demo", [py, "scripts/demo.py", "--nproc", "1", *demo_args,
+                      "--workdir", tempfile.mkdtemp(prefix="gpu_check_demo_")], env, out, 240, deadline),
+    ]
+    summary = {"gpus": gpus, "steps": results,
+               "pytest": tail_line(os.path.join(out, "pytest.log"), "="),
+               "demo": tail_line(os.path.join(out, "demo.log"), "median")}
+    report = os.path.join(out, "gpu_report.json")
+    if os.path.exists(report):
+        with open(report, encoding="utf-8") as f:
+            gpu = json.load(f).get("gpu", {})
+        summary["gpu_report"] = {k: gpu.get(k) for k in ("available", "reason", "device", "pinned_d2h_gbps",
+                                                         "snapshot_fraction_of_pinned", "compute_s")}
+        if gpu.get("saves"):
+            summary["gpu_report"]["steady_save"] = gpu["saves"][-1]
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump(summary, f, indent=1)
+    print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=1))
+    return 0 if all(r["exit"] == 0 for r in results) else 1
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = p.add_subparsers(dest="command", required=True)
+    w = sub.add_parser("wheels", help="here: build .whl/ for the GPU machine")
+    w.add_argument("--out", default=WHEELS)
+    w.add_argument("--python-version", default=DEVICE_PYTHON)
+    r = sub.add_parser("run", help="there: install .whl/ and run the GPU checks")
+    r.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "bench_out", "gpu_check"))
+    r.add_argument("--wheels", default=WHEELS)
+    r.add_argument("--quick", action="store_true", help="a small demo (8 steps, hidden 256)")
+    r.add_argument("--budget-s", type=float, default=420,
+                   help="seconds for all the steps together (the install comes before)")
+    a = p.parse_args(argv)
+    if a.command == "wheels":
+        return wheels(a.out, a.python_version)
+    return run(a.out, a.wheels, a.quick, a.budget_s)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
