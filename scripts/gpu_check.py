@@ -120,32 +120,13 @@ def tail_line(path: str, startswith: str) -> str | None:
 
 def run(out: str, wheel_dir: str, quick: bool = False, budget_s: float = 420) -> int:
     """Install, run the four steps within ``budget_s`` seconds in all (each has its own limit
-    too), write ``summary.json``; ``quick``: a small demo (the smoke test's)."""
+    too), write ``summary.json``; ``quick``: a small demo (the smoke test's). The installed
+    packages and the demo's checkpoints are removed at the end."""
     deadline = time.monotonic() + budget_s
     os.makedirs(out, exist_ok=True)
-    site_dir = tempfile.mkdtemp(prefix="gpu_check_site_")
-    env = install(wheel_dir, site_dir)
-    import torch  # after pip: the interpreter's own torch, which the wheels do not replace
-
-    gpus = torch.cuda.device_count()
-    env["DS_ACCELERATOR"] = "cuda" if gpus else "cpu"
-    py = sys.executable
-    info = ("import json, subprocess, torch, deepspeed, deepspeed_async_ckpt; print(json.dumps({"
-            "'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpus': [torch.cuda.get_device_name(i)"
-            " for i in range(torch.cuda.device_count())], 'deepspeed': deepspeed.__version__, "
-            "'engine': deepspeed_async_ckpt.__file__}))")
-    # on a GPU a 1.07 GB checkpoint (67M parameters, 16 bytes each under ZeRO-1)
-    demo_args = (["--steps", "8", "--save-every", "2", "--kill-at", "4", "--hidden", "256", "--layers", "2"]
-                 if quick else ["--hidden", "4096", "--layers", "4"] if gpus else [])
-    results = [
-        step("env", ["bash", "-c", f"nvidia-smi -L; {py} -c \"{info}\""], env, out, 60, deadline),
-        step("pytest", [py, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-m", "gpu",
-                        "tests/test_core.py"], env, out, 150, deadline),
-        step("gpu_report", [py, "scripts/bench_checkpoint.py", "--gpu-report",
-                            "--out", os.path.join(out, "gpu_report.json")], env, out, 150, deadline),
-        step("demo", [py, "scripts/demo.py", "--nproc", "1", *demo_args,
-                      "--workdir", tempfile.mkdtemp(prefix="gpu_check_demo_")], env, out, 240, deadline),
-    ]
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
+        env = install(wheel_dir, os.path.join(scratch, "site"))
+        gpus, results = checks(out, env, os.path.join(scratch, "demo"), quick, deadline)
     summary = {"gpus": gpus, "steps": results,
                "pytest": tail_line(os.path.join(out, "pytest.log"), "="),
                "demo": tail_line(os.path.join(out, "demo.log"), "median")}
@@ -161,6 +142,31 @@ def run(out: str, wheel_dir: str, quick: bool = False, budget_s: float = 420) ->
         json.dump(summary, f, indent=1)
     print(json.dumps({k: v for k, v in summary.items() if k != "steps"}, indent=1))
     return 0 if all(r["exit"] == 0 for r in results) else 1
+
+
+def checks(out: str, env: dict, demo_dir: str, quick: bool, deadline: float) -> tuple[int, list[dict]]:
+    """The four steps, with ``env`` from :func:`install`: the GPUs seen and each step's result."""
+    import torch  # the interpreter's own torch (the wheels bring none)
+
+    gpus = torch.cuda.device_count()
+    env = dict(env, DS_ACCELERATOR="cuda" if gpus else "cpu")
+    py = sys.executable
+    info = ("import json, subprocess, torch, deepspeed, deepspeed_async_ckpt; print(json.dumps({"
+            "'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpus': [torch.cuda.get_device_name(i)"
+            " for i in range(torch.cuda.device_count())], 'deepspeed': deepspeed.__version__, "
+            "'engine': deepspeed_async_ckpt.__file__}))")
+    # on a GPU a 1.07 GB checkpoint (67M parameters, 16 bytes each under ZeRO-1)
+    demo_args = (["--steps", "8", "--save-every", "2", "--kill-at", "4", "--hidden", "256", "--layers", "2"]
+                 if quick else ["--hidden", "4096", "--layers", "4"] if gpus else [])
+    return gpus, [
+        step("env", ["bash", "-c", f"nvidia-smi -L; {py} -c \"{info}\""], env, out, 60, deadline),
+        step("pytest", [py, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-m", "gpu",
+                        "tests/test_core.py"], env, out, 150, deadline),
+        step("gpu_report", [py, "scripts/bench_checkpoint.py", "--gpu-report",
+                            "--out", os.path.join(out, "gpu_report.json")], env, out, 150, deadline),
+        step("demo", [py, "scripts/demo.py", "--nproc", "1", *demo_args, "--workdir", demo_dir],
+             env, out, 240, deadline),
+    ]
 
 
 def main(argv: list[str] | None = None) -> int:
