@@ -530,13 +530,18 @@ def seen(out) -> dict:
 def test_trainer_rotation_leaves_saves_in_flight_alone_and_every_save_commits(tmp_path, repo_env):
     """save_total_limit=1, the saves of steps 2 and 4 both still being written when Trainer
     rotates after step 4's: Trainer deleted checkpoint-2 under the save writing it, which
-    failed (and the job with it, at its next save)."""
+    failed (and the job with it, at its next save). Step 6's save is held too until Trainer
+    has rotated after it (until session 24 it was not, and when it committed first, as it did
+    once with two suites on the 2 cores, Trainer rightly deleted checkpoint-4)."""
     out = tmp_path / "out"
-    run_trainer(repo_env, out, "--limit", 1, "--hold-from", 2, "--release-at", 4, "--settle-at", 5,
+    run_trainer(repo_env, out, "--limit", 1, "--hold-from", "2,6", "--release-at", "4,6", "--settle-at", 5,
                 expect=lambda codes: codes == [0, 0])
     at = seen(out)
     assert at["4"] == {"checkpoint-2": None, "checkpoint-4": None}  # both in flight, both kept
-    assert at["6"]["checkpoint-4"] == "global_step4"  # committed (settled at step 5): rotated on
+    # committed (settled at step 5), and the newest resumable while step 6's is in flight
+    # (checkpoint-2, rotated out here, may still be in the trash being deleted: a hidden name)
+    assert {k: v for k, v in at["6"].items() if not k.startswith(".")} == \
+        {"checkpoint-4": "global_step4", "checkpoint-6": None}
     run = out / "run"
     for name in names(run):  # every checkpoint left can be resumed from
         assert hf_trainer.why_not_resumable(str(run / name)) is None, name

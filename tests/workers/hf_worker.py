@@ -5,7 +5,8 @@ checkpoint every 2 steps into ``<out>/run/checkpoint-N``.
   --limit K       Trainer's save_total_limit
   --hold-from S   rank 0's checkpoint writes are held from the save at step S on ...
   --release-at R  ... until Trainer's on_save at step R (after its rotation), so those saves are
-                  still in flight when Trainer rotates
+                  still in flight when Trainer rotates; both take comma lists, one hold window
+                  per pair (2,6 and 4,6: held from step 2 to 4, and again at step 6)
   --settle-at S   rank 0 waits for its saves to commit at the end of step S
   --kill-at K     rank 0 SIGKILLs itself in on_save at step K (its held save never commits)
   --resume        train(resume_from_checkpoint=True); the weights Trainer resumed with are
@@ -34,13 +35,15 @@ p = argparse.ArgumentParser()
 p.add_argument("--out", required=True)
 p.add_argument("--max-steps", type=int, default=6)
 p.add_argument("--limit", type=int, default=None)
-p.add_argument("--hold-from", type=int, default=0)
-p.add_argument("--release-at", type=int, default=0)
+p.add_argument("--hold-from", type=lambda v: [int(s) for s in v.split(",")], default=[])
+p.add_argument("--release-at", type=lambda v: [int(s) for s in v.split(",")], default=[])
 p.add_argument("--settle-at", type=int, default=0)
 p.add_argument("--kill-at", type=int, default=0)
 p.add_argument("--resume", action="store_true")
 p.add_argument("--stage", type=int, default=2, help="ZeRO stage (3: 16-bit weights gathered for save_model)")
 args = p.parse_args()
+if len(args.hold_from) != len(args.release_at) and args.release_at:
+    p.error("--hold-from and --release-at: one release step per hold step")
 RANK = int(os.environ["RANK"])
 RUN = os.path.join(args.out, "run")
 
@@ -82,7 +85,8 @@ def listing() -> dict:
 
 class Probe(TrainerCallback):
     def on_step_end(self, targs, state, control, **kw):
-        if args.hold_from and state.global_step == args.hold_from:
+        if state.global_step in args.hold_from:
+            released.clear()
             hold[0] = True  # this step's save (it follows on_step_end) and later ones
         if RANK == 0 and state.global_step == args.settle_at:
             trainer.model_wrapped.checkpoint_engine.checkpointer.wait()
@@ -98,7 +102,7 @@ class Probe(TrainerCallback):
             json.dump(seen, f)
         if state.global_step == args.kill_at:
             os.kill(os.getpid(), signal.SIGKILL)
-        if state.global_step == args.release_at:
+        if state.global_step in args.release_at:
             hold[0] = False
             released.set()
 
