@@ -29,6 +29,9 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(REPO, "scripts"))
+from launch import free_port  # noqa: E402
+
 ENGINES = {"torch": "DeepSpeed TorchCheckpointEngine", "async": "this engine (async)"}
 
 
@@ -137,7 +140,7 @@ def main() -> int:
         return 0
 
     env = dict(os.environ, OMP_NUM_THREADS="1", DS_ACCELERATOR="cpu", RANK="0", LOCAL_RANK="0",
-               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT="29631")
+               WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
     env["PYTHONPATH"] = os.pathsep.join([REPO, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     rows, raw = [], {}
     for name in ENGINES:
@@ -146,7 +149,9 @@ def main() -> int:
             cmd = [sys.executable, os.path.abspath(__file__), "--engine", name, "--work-dir", work,
                    "--layers", str(args.layers), "--hidden", str(args.hidden),
                    "--saves", str(args.saves), "--save-every", str(args.save_every)]
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=3600)
+            # a free port per run: a fixed one failed with EADDRINUSE beside another job
+            proc = subprocess.run(cmd, env=dict(env, MASTER_PORT=str(free_port())), capture_output=True,
+                                  text=True, timeout=3600)
             line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
             if proc.returncode != 0 or not line:
                 print(proc.stdout[-3000:] + proc.stderr[-3000:], file=sys.stderr)
