@@ -6,6 +6,11 @@ TORCH_PIP_ARGS ?=
 VENV    ?= .venv
 BIN     := $(VENV)/bin
 PYTEST  := $(BIN)/python -m pytest
+# DeepSpeed builds its CPU shared-memory op on first use (about a minute here). Built into the
+# venv, not the user-wide ~/.cache/torch_extensions: two venvs sharing that cache rebuilt it for
+# each other at every launch, and a build killed midway left its lock file there, on which every
+# later DeepSpeed launch on the machine waited forever.
+export TORCH_EXTENSIONS_DIR ?= $(abspath $(VENV))/torch_extensions
 
 .PHONY: install demo test test-fast test-gpu gpu-wheels bench bench-load clean
 
