@@ -19,7 +19,8 @@ here, and everything there is one command:
 4. ``demo``: the main job on the GPU (``scripts/demo.py --nproc 1``: DeepSpeed ZeRO-1 over
    NCCL, async checkpoints, SIGKILL, resume, then the stall against ``TorchCheckpointEngine``).
 It writes ``summary.json`` and one log per step under ``--out`` (six files: the device tool
-brings back eight at most) and prints a table; it exits 1 if a step failed. Where no GPU is
+brings back eight at most) and prints a line per step and the summary; it exits 1 if a step
+failed. Where no GPU is
 visible (here) the CUDA tests skip, ``--gpu-report`` says so and the demo runs on the CPU:
 ``tests/test_bench_smoke.py`` runs it that way, so the script itself is tested without a GPU.
 """
@@ -151,7 +152,7 @@ def checks(out: str, env: dict, demo_dir: str, quick: bool, deadline: float) -> 
     gpus = torch.cuda.device_count()
     env = dict(env, DS_ACCELERATOR="cuda" if gpus else "cpu")
     py = sys.executable
-    info = ("import json, subprocess, torch, deepspeed, deepspeed_async_ckpt; print(json.dumps({"
+    info = ("import json, torch, deepspeed, deepspeed_async_ckpt; print(json.dumps({"
             "'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpus': [torch.cuda.get_device_name(i)"
             " for i in range(torch.cuda.device_count())], 'deepspeed': deepspeed.__version__, "
             "'engine': deepspeed_async_ckpt.__file__}))")
