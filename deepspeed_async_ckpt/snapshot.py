@@ -23,6 +23,7 @@ import collections
 import gc
 import io
 import logging
+import mmap
 import pickle
 import queue
 import threading
@@ -38,16 +39,39 @@ from .storage import DIRECT_ALIGN, aligned_size, host_buffer  # every buffer sta
 log = logging.getLogger(__name__)
 
 
-def _page_lock(memory: torch.Tensor, device: int) -> None:
-    """Page-lock ``memory`` for asynchronous copies from CUDA device ``device``
+def _page_lock(address: int, nbytes: int, device: int) -> None:
+    """Page-lock host memory for asynchronous copies from CUDA device ``device``
     (``cudaHostRegister``, portable to every context); raises ``RuntimeError`` on failure."""
     with torch.cuda.device(device):  # a thread without a device would make a context on GPU 0
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(memory.data_ptr(), memory.numel(), 1))
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
 
 
-def _page_unlock(memory: torch.Tensor, device: int) -> None:
+def _page_unlock(address: int, device: int) -> None:
     with torch.cuda.device(device):
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(memory.data_ptr()))
+        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))
+
+
+class _Mapping(mmap.mmap):
+    """A :func:`~.storage.host_buffer` mapping that ends its CUDA registration, if it has one,
+    before it is unmapped.
+
+    Memory unmapped while still registered leaves the driver's record of the address range
+    behind, and pageable memory mapped there later (a plain ``tensor.cpu()`` after a pool was
+    dropped) then fails to copy with "CUDA error: invalid argument" (seen on an H100 with torch
+    2.11). The mapping lives as long as any tensor viewing it, so this runs only once nothing
+    can copy into it any more.
+    """
+
+    registration: tuple[int, int] | None = None
+    """(address, CUDA device) while registered."""
+
+    def __del__(self) -> None:
+        if self.registration is not None:
+            (address, device), self.registration = self.registration, None
+            try:
+                _page_unlock(address, device)
+            except Exception:  # interpreter shutdown, or a driver already gone: nothing to keep
+                pass
 
 
 def _torch_pinned(nbytes: int) -> torch.Tensor:
@@ -70,13 +94,12 @@ class _Block:
     """
 
     def __init__(self, nbytes: int, pin_device: int | None) -> None:
-        self.memory = torch.frombuffer(host_buffer(nbytes), dtype=torch.uint8)
-        self.pinned_on: int | None = None
-        """The CUDA device the memory is registered with; None if not registered."""
+        self._mapping = host_buffer(nbytes, _Mapping)
+        self.memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
         if pin_device is not None:
             try:
-                _page_lock(self.memory, pin_device)
-                self.pinned_on = pin_device
+                _page_lock(self.memory.data_ptr(), nbytes, pin_device)
+                self._mapping.registration = (self.memory.data_ptr(), pin_device)
             except RuntimeError as exc:  # still pinned, as before, only less exactly
                 log.warning("cudaHostRegister of %d bytes failed (%s); the staging block comes "
                             "from torch's pinned allocator instead (rounded up to a power of two)",
@@ -86,11 +109,18 @@ class _Block:
         self._live: collections.deque[list] = collections.deque()  # [start, end, released]
         self._head = 0  # where the next buffer starts
 
+    @property
+    def pinned_on(self) -> int | None:
+        """The CUDA device the memory is registered with; None if not registered."""
+        registration = self._mapping.registration
+        return None if registration is None else registration[1]
+
     def free(self) -> None:
-        """Unpin an idle block the pool drops (the mapping goes with its last reference)."""
-        if self.pinned_on is not None:
-            _page_unlock(self.memory, self.pinned_on)
-            self.pinned_on = None
+        """Unpin an idle block the pool drops at once (the mapping goes with its last
+        reference; a block dropped otherwise, with its pool, is unpinned then)."""
+        if self._mapping.registration is not None:
+            (address, device), self._mapping.registration = self._mapping.registration, None
+            _page_unlock(address, device)
 
     @property
     def idle(self) -> bool:

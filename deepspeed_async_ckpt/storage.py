@@ -295,10 +295,10 @@ def aligned_size(n: int) -> int:
     return -(-n // DIRECT_ALIGN) * DIRECT_ALIGN
 
 
-def host_buffer(nbytes: int) -> mmap.mmap:
+def host_buffer(nbytes: int, kind: type[mmap.mmap] = mmap.mmap) -> mmap.mmap:
     """``nbytes`` of page-aligned, zero-filled host memory for direct writes: a private
-    anonymous mapping, advised to use transparent huge pages and not to be inherited by
-    ``fork``.
+    anonymous mapping (of ``kind``, ``mmap.mmap`` or a subclass), advised to use transparent
+    huge pages and not to be inherited by ``fork``.
 
     Huge pages are for the disk, not the CPU: a direct write is one block request per run of
     physically contiguous memory, up to the device's segment limit (254 here, ``max_segments``),
@@ -313,7 +313,7 @@ def host_buffer(nbytes: int) -> mmap.mmap:
     (A shared mapping, ``mmap``'s default, has neither problem but is shmem, whose huge pages
     are off by default.)
     """
-    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    buf = kind(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
         if hasattr(mmap, advice):
             try:

@@ -832,7 +832,12 @@ def test_pinned_pool_pins_exactly_its_blocks_and_unpins_what_it_drops(monkeypatc
     """With CUDA, the pool page-locks its own mappings (``cudaHostRegister``, faked here) instead
     of taking torch's pinned allocator's blocks, which are rounded up to a power of two and kept
     pinned after they are freed: the pinned bytes are the blocks' bytes exactly, on the pool's
-    device, never more than the capacity, and a replaced block is unpinned before the next."""
+    device, never more than the capacity, and a replaced block is unpinned before the next.
+    A block dropped with its pool is unpinned too, before it is unmapped: memory unmapped while
+    registered made a later plain ``tensor.cpu()`` into pageable memory at the same addresses
+    fail with "CUDA error: invalid argument" on an H100."""
+    import gc
+
     from deepspeed_async_ckpt import snapshot
     from deepspeed_async_ckpt.storage import host_buffer
 
@@ -840,13 +845,13 @@ def test_pinned_pool_pins_exactly_its_blocks_and_unpins_what_it_drops(monkeypatc
     pinned: dict[int, tuple[int, int]] = {}  # address -> (bytes, device)
     most = [0]
 
-    def lock(memory, device):
-        assert memory.data_ptr() % page == 0 and memory.data_ptr() not in pinned
-        pinned[memory.data_ptr()] = (memory.numel(), device)
+    def lock(address, nbytes, device):
+        assert address % page == 0 and address not in pinned
+        pinned[address] = (nbytes, device)
         most[0] = max(most[0], sum(n for n, _ in pinned.values()))
 
-    def unlock(memory, device):
-        assert pinned.pop(memory.data_ptr()) == (memory.numel(), device)
+    def unlock(address, device):
+        assert pinned.pop(address)[1] == device  # once, on its device
 
     monkeypatch.setattr(snapshot, "_page_lock", lock)
     monkeypatch.setattr(snapshot, "_page_unlock", unlock)
@@ -864,7 +869,7 @@ def test_pinned_pool_pins_exactly_its_blocks_and_unpins_what_it_drops(monkeypatc
     reserved.reserve(10 * page).join()
     assert reserved.reserve_error is None and sorted(pinned.values()) == [(10 * page, 1), (70 * page, 3)]
     # where registering fails, the block still comes pinned, from torch's allocator, said once
-    monkeypatch.setattr(snapshot, "_page_lock", lambda memory, device: (_ for _ in ()).throw(
+    monkeypatch.setattr(snapshot, "_page_lock", lambda address, nbytes, device: (_ for _ in ()).throw(
         RuntimeError("CUDA error: out of memory")))
     fallback = []
     monkeypatch.setattr(snapshot, "_torch_pinned", lambda n: fallback.append(n) or torch.frombuffer(
@@ -877,6 +882,14 @@ def test_pinned_pool_pins_exactly_its_blocks_and_unpins_what_it_drops(monkeypatc
     other.release(c)
     other.acquire(50 * page, "d")  # replacing a block that was never registered unpins nothing
     assert sorted(pinned.values()) == [(10 * page, 1), (70 * page, 3)]
+    # pools dropped (a checkpointer closed and collected): their blocks are unpinned, once,
+    # when the last view of their memory goes (``b`` still views the 70-page block)
+    del pool, reserved, other, a, c
+    gc.collect()
+    assert list(pinned.values()) == [(70 * page, 3)]
+    del b
+    gc.collect()
+    assert pinned == {}
 
 
 def _mapping_of(address: int, smaps: str = "/proc/self/smaps") -> dict | None:
@@ -2952,6 +2965,26 @@ def test_cuda_pool_pins_blocks_exactly_and_unpins_dropped_ones():
     reserved = HostBufferPool(8 << 20, pin=True)
     reserved.reserve(8 << 20).join()  # registered on the reserve thread, on this device
     assert reserved.reserve_error is None and reserved._blocks[0].memory.is_pinned()
+    # pools dropped with their views: their blocks are unregistered before they are unmapped.
+    # Unmapped while registered, the addresses stayed registered with the driver, and a plain
+    # ``.cpu()`` into pageable memory mapped there later failed ("invalid argument", H100)
+    import gc
+
+    from deepspeed_async_ckpt.storage import host_buffer
+
+    addresses = [blk.memory.data_ptr() for blk in pool._blocks + reserved._blocks]
+    del pool, reserved, first, a, b
+    gc.collect()
+    cudart, codes = torch.cuda.cudart(), []
+    # asked on a thread of its own: a failed call leaves that thread's last CUDA error set
+    asker = threading.Thread(target=lambda: codes.extend(cudart.cudaHostUnregister(x) for x in addresses))
+    asker.start()
+    asker.join()
+    assert codes and all(c != cudart.cudaError.success for c in codes), codes  # none still registered
+    for n in (20 << 20, 8 << 20):  # pageable memory, likely at the same addresses, copies again
+        page = torch.frombuffer(host_buffer(n), dtype=torch.uint8)
+        page.copy_(torch.ones(n, dtype=torch.uint8, device="cuda"))
+        assert bool(page.all())
 
 
 def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
