@@ -617,16 +617,22 @@ def test_parameters_in_a_state_are_copied_lazily_and_checked_like_their_detached
     assert (tmp_path / "latest").read_text() == "t1"
 
 
-def test_pool_smaller_than_state_streams_and_buffers_are_reused(tmp_path):
+def test_pool_smaller_than_state_streams_and_buffers_are_reused(tmp_path, caplog):
     big = {"module": {f"p{i}": torch.randn(64, 1024) for i in range(8)}}  # 8 x 256 KiB = 2 MiB
     cap_gb = 600 * 1024 / 1024**3  # 600 KiB: at most 2 records in flight
     ck = make(gb=cap_gb)
-    for step in range(3):
-        save_one(ck, str(tmp_path), big, tag=f"s{step}")
-        ck.fence()
-        ck.wait()
-        if step == 0:
-            first_allocs = ck.pool.allocations
+    with caplog.at_level("WARNING", logger="deepspeed_async_ckpt.checkpointer"):
+        for step in range(3):
+            save_one(ck, str(tmp_path), big, tag=f"s{step}")
+            ck.fence()
+            ck.wait()
+            if step == 0:
+                first_allocs = ck.pool.allocations
+    # said once, with what to set: training waits for the writes the pool cannot hold
+    said = [r.getMessage() for r in caplog.records if "host_buffer_gb" in r.getMessage()]
+    assert len(said) == 1, said
+    assert f"rank 0 stages 0.00195 GiB per save but async_checkpoint.host_buffer_gb is {cap_gb:g}" in said[0]
+    assert "set host_buffer_gb to at least 0.01 " in said[0]
     assert ck.pool.peak_bytes <= ck.pool.capacity_bytes
     assert ck.pool.allocations == first_allocs  # allocated once, reused by later saves
     assert_same(torch.load(tmp_path / "s2" / "model.pt"), big)
@@ -763,10 +769,11 @@ def test_pool_ring_never_hands_out_overlapping_buffers():
     assert pool.peak_bytes <= pool.capacity_bytes
 
 
-def test_second_save_allocates_nothing_one_block_per_file(tmp_path):
+def test_second_save_allocates_nothing_one_block_per_file(tmp_path, caplog):
     model = {"module": {f"p{i}": torch.randn(64, 64 + i) for i in range(20)}}
     optim = {"optimizer": {f"m{i}": torch.randn(64, 64 + i) for i in range(20)}}
     ck = make(gb=0.1)
+    caplog.set_level("WARNING", logger="deepspeed_async_ckpt.checkpointer")
     for step in range(3):
         d = tmp_path / f"s{step}"
         ck.begin(str(d), tag=f"s{step}")
@@ -780,6 +787,7 @@ def test_second_save_allocates_nothing_one_block_per_file(tmp_path):
             first = ck.pool.allocations
     assert ck.pool.allocations == first  # later saves reuse the blocks
     assert_same(torch.load(tmp_path / "s2" / "optim.pt"), optim)
+    assert "host_buffer_gb" not in caplog.text  # the saves fit the pool: nothing to say
     ck.close()
 
 
