@@ -156,9 +156,12 @@ def checks(out: str, env: dict, demo_dir: str, quick: bool, deadline: float) -> 
             "'torch': torch.__version__, 'cuda': torch.version.cuda, 'gpus': [torch.cuda.get_device_name(i)"
             " for i in range(torch.cuda.device_count())], 'deepspeed': deepspeed.__version__, "
             "'engine': deepspeed_async_ckpt.__file__}))")
-    # on a GPU a 1.07 GB checkpoint (67M parameters, 16 bytes each under ZeRO-1)
+    # on a GPU a 1.07 GB checkpoint (67M parameters, 16 bytes each under ZeRO-1) every 200
+    # steps of ~8 ms on an H100: 1.6 s apart, longer than it takes to persist (~0.9 s there).
+    # Every 5 steps (the CPU demo's), each save waited for the previous one to be written
+    gpu_demo = ["--hidden", "4096", "--layers", "4", "--steps", "800", "--save-every", "200", "--kill-at", "600"]
     demo_args = (["--steps", "8", "--save-every", "2", "--kill-at", "4", "--hidden", "256", "--layers", "2"]
-                 if quick else ["--hidden", "4096", "--layers", "4"] if gpus else [])
+                 if quick else gpu_demo if gpus else [])
     return gpus, [
         step("env", ["bash", "-c", f"nvidia-smi -L; {py} -c \"{info}\""], env, out, 60, deadline),
         step("pytest", [py, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-m", "gpu",
