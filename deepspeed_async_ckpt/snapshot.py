@@ -13,8 +13,8 @@ Tensors are then staged:
   by a background copier into buffers from :class:`HostBufferPool` while the next
   forward/backward runs. With CUDA the copies run on a dedicated copy stream into pinned
   buffers and complete through CUDA events. The training loop calls :meth:`Stager.fence`
-  before the optimizer step; it blocks only while copies are outstanding, and without CUDA
-  it copies alongside the copier meanwhile.
+  before the optimizer step; it blocks only while copies are outstanding, and copies
+  tensors in host memory (all of them without CUDA) alongside the copier meanwhile.
 """
 
 from __future__ import annotations
@@ -529,10 +529,16 @@ def storage_addresses(tensors: Iterable[torch.Tensor]) -> set[int]:
     return {p for t in tensors if t.layout not in _STORAGELESS_LAYOUTS and (p := t.untyped_storage().data_ptr())}
 
 
+def _on_host(item: TensorItem) -> bool:
+    """Whether ``item`` is still to be copied from host memory (a CPU copy, which the fence
+    can help with), not from a CUDA device."""
+    return item.src is not None and not item.src.is_cuda
+
+
 class Stager:
     """Copies tensor items to host. One background copier thread serves lazy items in FIFO
-    order; eager items and the synchronous mode call :meth:`stage` inline; without CUDA, a
-    fence that would block copies items from the back of the queue (:meth:`fence`)."""
+    order; eager items and the synchronous mode call :meth:`stage` inline; a fence that would
+    block copies items in host memory from the back of the queue (:meth:`fence`)."""
 
     def __init__(self, pool: HostBufferPool, use_cuda: bool) -> None:
         self.pool = pool
@@ -661,10 +667,12 @@ class Stager:
         """Block until every queued copy is issued; with CUDA, make the current stream wait for
         the copies instead of blocking the host. Called before the optimizer step.
 
-        Without CUDA, a training thread that would block here copies too: it takes items from
-        the back of the queue that already have their buffers (the copier takes a buffer for
-        every item it can when a save arrives) while the copier works from the front, so a
-        copy that outlasts forward and backward finishes with two threads copying."""
+        Where sources are in host memory (no CUDA, or ZeRO-Offload's optimizer state beside
+        CUDA weights), a training thread that would block here copies too: it takes such
+        items from the back of the queue that already have their buffers (the copier takes a
+        buffer for every item it can when such a save arrives) while the copier works from
+        the front, so a copy that outlasts forward and backward finishes with two threads
+        copying."""
         while True:
             with self._lock:
                 if not self._pending:
@@ -691,10 +699,9 @@ class Stager:
             self._pending = collections.deque(item for item in self._pending if not item._issued)
 
     def _copy_one_from_the_back(self) -> bool:
-        """Copy the last queued item that has its buffer and that no thread has taken; False if
-        there is none (with CUDA, always: the fence does not block the host there)."""
-        if self.use_cuda:
-            return False
+        """Copy the last queued item from host memory that has its buffer and that no thread
+        has taken; False if there is none (a save of CUDA tensors has none: the fence does not
+        block the host there)."""
         with self._lock:
             while self._jobs[1] < self._jobs[0]:  # the copier is taking buffers: in a moment
                 self._prepared.wait()
@@ -724,12 +731,13 @@ class Stager:
             if job is None:
                 return
             items, ready = job
-            if not self.use_cuda:  # every buffer free now, so that the fence can copy too
+            if any(_on_host(item) for item in items):  # every buffer now: the fence can copy too
                 for item in items:
                     if not self._acquire(item, wait=False):
                         break
-                    with self._lock:
-                        self._helpable.append(item)
+                    if _on_host(item):  # (a CUDA source's copy is the copy stream's DMA)
+                        with self._lock:
+                            self._helpable.append(item)
             with self._lock:
                 self._jobs[1] += 1
                 self._prepared.notify_all()

@@ -303,11 +303,13 @@ def _ref(tmp_path, state):
     return path
 
 
-def test_fence_copies_from_the_back_while_a_slow_copier_works_from_the_front(tmp_path, monkeypatch):
-    """Without CUDA, a training thread blocked at the fence copies too. The copier is held on
-    its first item here: the fence copies every other one itself, the copier then finishes its
-    item and finds the rest taken, and the file holds the values of save time although the
-    "optimizer" changed every tensor right after the fence."""
+@pytest.mark.parametrize("cuda", [False, True], ids=["no_cuda", "cuda_host_sources"])
+def test_fence_copies_from_the_back_while_a_slow_copier_works_from_the_front(tmp_path, monkeypatch, cuda):
+    """A training thread blocked at the fence copies tensors in host memory too, without CUDA
+    or beside it (ZeRO-Offload's optimizer state; on an H100 the fence only waited, as for
+    CUDA tensors). The copier is held on its first item here: the fence copies every other one
+    itself, the copier then finishes its item and finds the rest taken, and the file holds the
+    values of save time although the "optimizer" changed every tensor right after the fence."""
     from deepspeed_async_ckpt.snapshot import Stager
 
     real_copy, release, timed_out = Stager._copy, threading.Event(), []
@@ -323,6 +325,12 @@ def test_fence_copies_from_the_back_while_a_slow_copier_works_from_the_front(tmp
     state = {f"w{i}": torch.randn(128, 128) for i in range(8)}
     expected = {k: v.clone() for k, v in state.items()}
     ck = make()
+    if ck._stager.use_cuda != cuda:  # the other machine's stager
+        if cuda:  # as with CUDA, its stream never used (host sources only)
+            monkeypatch.setattr(torch.cuda, "Stream", lambda: object())
+            monkeypatch.setattr(Stager, "ready_event", lambda self: None)
+        ck._stager.close()
+        ck._stager = Stager(ck.pool, use_cuda=cuda)
     save_one(ck, str(tmp_path), state, eager=())
     others = 7 * 128 * 128 * 4
     watcher = threading.Thread(target=lambda: (
