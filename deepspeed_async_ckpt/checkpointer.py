@@ -96,6 +96,14 @@ class CommitInfo:
                 f"after the save began ({rate:.3g} GB/s)")
 
 
+def _cuda_usable() -> bool:
+    """Whether this process can use CUDA: a GPU is there, and this is not a child forked after
+    its parent initialized CUDA (an evaluation process, a long-lived worker), where any CUDA
+    call raises "Cannot re-initialize CUDA in forked subprocess". A checkpointer made there
+    stages host tensors without CUDA, as on a machine without a GPU."""
+    return torch.cuda.is_available() and not torch.cuda._is_in_bad_fork()
+
+
 class CheckpointHandle:
     """One checkpoint of one rank, with named wait points: staged, persisted, committed.
 
@@ -455,7 +463,7 @@ class AsyncCheckpointer:
         if exchange is not None and "key" not in inspect.signature(exchange).parameters:
             exchange = functools.partial(_without_key, exchange)  # the signature before the key
         self._exchange = exchange or exchange_across_ranks
-        use_cuda = torch.cuda.is_available()
+        use_cuda = _cuda_usable()
         self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda)
         self._stager = Stager(self.pool, use_cuda)
         self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="async-ckpt-writer")

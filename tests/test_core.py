@@ -1496,6 +1496,22 @@ def test_a_forked_child_neither_holds_nor_shares_the_parents_save_directory_lock
     assert (tmp_path / "latest").read_text() == "a2"
 
 
+def test_a_checkpointer_made_in_a_child_forked_after_cuda_init_does_without_cuda(tmp_path, monkeypatch):
+    """In a child forked after its parent initialized CUDA every CUDA call raises ("Cannot
+    re-initialize CUDA in forked subprocess"), yet ``torch.cuda.is_available()`` is still
+    true: making a checkpointer there raised (seen on an H100, in the test above). It now
+    stages without CUDA. Here the GPU and the bad fork are faked."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
+    ck = make()
+    assert not ck.pool.pin and not ck._stager.use_cuda
+    save_one(ck, str(tmp_path), sample_state())
+    ck.fence()
+    ck.wait()
+    ck.close()
+    assert_same(torch.load(tmp_path / "t1" / "model.pt", weights_only=True), sample_state())
+
+
 FORK_SCRIPT = """
 import multiprocessing, os, sys, threading, time, torch
 import deepspeed_async_ckpt.checkpointer as checkpointer
