@@ -128,7 +128,8 @@ def test_gpu_check_runs_every_step_and_says_what_it_measured(tmp_path, repo_env)
     without a GPU and with no wheels to install (this environment has DeepSpeed), it installs
     this checkout, selects the CUDA tests (they skip, each with its reason), has
     ``--gpu-report`` say there is no GPU, and runs the demo on the CPU with the engine active
-    (``keep_last`` leaves three checkpoints), within the eight files the device tool returns."""
+    (``keep_last`` leaves three checkpoints), and says the host tests are left to the CPU suite,
+    within the eight files the device tool returns."""
     out, wheels = tmp_path / "out", tmp_path / "wheels"
     wheels.mkdir()
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "gpu_check.py"), "run", "--quick",
@@ -137,17 +138,19 @@ def test_gpu_check_runs_every_step_and_says_what_it_measured(tmp_path, repo_env)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     summary = json.loads((out / "summary.json").read_text())
     assert [(s["step"], s["exit"]) for s in summary["steps"]] == \
-        [("env", 0), ("pytest", 0), ("gpu_report", 0), ("demo", 0)]
+        [("env", 0), ("pytest", 0), ("gpu_report", 0), ("demo", 0), ("host_tests", 0)]
     assert len(os.listdir(out)) <= 8
     pytest_log = (out / "pytest.log").read_text()
     import torch
 
     if torch.cuda.is_available():
         assert " passed" in summary["pytest"] and summary["gpu_report"]["available"], summary
+        assert " passed" in summary["host_tests"] and "failed" not in summary["host_tests"], summary
         return
     cuda_tests = [line for line in pytest_log.splitlines() if "::test_cuda_" in line]
     assert len(cuda_tests) >= 6 and all(line.endswith("]") and "SKIPPED" in line for line in cuda_tests)
     assert "needs CUDA" in pytest_log and " passed" not in summary["pytest"]
+    assert summary["host_tests"] == "not run without a GPU: the CPU suite runs these tests"
     assert summary["gpu_report"]["available"] is False and "no NVIDIA GPU" in summary["gpu_report"]["reason"]
     demo = (out / "demo.log").read_text()
     assert "resumed at step " in demo and summary["demo"].startswith("median |")
