@@ -20,6 +20,8 @@ Tensors are then staged:
 from __future__ import annotations
 
 import collections
+import ctypes
+import functools
 import gc
 import io
 import logging
@@ -43,12 +45,41 @@ def _page_lock(address: int, nbytes: int, device: int) -> None:
     """Page-lock host memory for asynchronous copies from CUDA device ``device``
     (``cudaHostRegister``, portable to every context); raises ``RuntimeError`` on failure."""
     with torch.cuda.device(device):  # a thread without a device would make a context on GPU 0
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
+        _checked(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
 
 
 def _page_unlock(address: int, device: int) -> None:
     with torch.cuda.device(device):
-        torch.cuda.check_error(torch.cuda.cudart().cudaHostUnregister(address))
+        _checked(torch.cuda.cudart().cudaHostUnregister(address))
+
+
+def _checked(code: Any) -> None:
+    """Raise for a failed CUDA runtime call, first clearing the error it left as this
+    thread's last error: handled here (the pool falls back to torch's pinned allocator),
+    it would otherwise be raised again by the next kernel launch on this thread, which
+    torch checks with ``cudaGetLastError``."""
+    if code != torch.cuda.cudart().cudaError.success:
+        library = _cuda_runtime()
+        if library is not None:
+            library.cudaGetLastError()
+        torch.cuda.check_error(code)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_runtime() -> Any:
+    """The CUDA runtime library torch loaded (``ctypes``), for ``cudaGetLastError``, which
+    ``torch.cuda.cudart()`` does not offer; None where none is loaded as a shared library."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "/libcudart.so" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            return ctypes.CDLL(path)  # already loaded: the same library, the same error state
+        except OSError:
+            continue
+    return None
 
 
 class _Mapping(mmap.mmap):

@@ -2979,6 +2979,52 @@ def test_cuda_a_tensor_changed_before_its_copy_is_issued_fails_the_save(tmp_path
     assert not (tmp_path / "latest").exists()
 
 
+def test_a_failed_registration_clears_the_error_it_leaves_before_raising(monkeypatch):
+    """A failed ``cudaHostRegister`` (handled: the pool falls back to torch's pinned
+    allocator) also sets the thread's CUDA last error, which torch's next kernel-launch check
+    on that thread would raise as its own; it is read (cleared) before the failure is raised,
+    and a successful call clears nothing. The CUDA calls are faked here; the GPU test below
+    makes a registration fail for real."""
+    from deepspeed_async_ckpt import snapshot
+
+    cleared = []
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaError=SimpleNamespace(success=0)))
+    monkeypatch.setattr(snapshot, "_cuda_runtime", lambda: SimpleNamespace(cudaGetLastError=lambda: cleared.append(1)))
+
+    def check_error(code):
+        if code:
+            raise RuntimeError(f"CUDA error {code} (cleared {len(cleared)})")
+
+    monkeypatch.setattr(torch.cuda, "check_error", check_error)
+    snapshot._checked(0)
+    assert cleared == []
+    with pytest.raises(RuntimeError, match=r"CUDA error 712 \(cleared 1\)"):
+        snapshot._checked(712)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: cudaHostRegister")
+def test_cuda_a_failed_registration_leaves_no_error_for_the_next_kernel():
+    """Registering memory twice fails (already registered); the next kernel launched on this
+    thread, whose launch torch checks with ``cudaGetLastError``, must not raise that error."""
+    from deepspeed_async_ckpt import snapshot
+    from deepspeed_async_ckpt.storage import host_buffer
+
+    mapping = host_buffer(1 << 20)
+    memory = torch.frombuffer(mapping, dtype=torch.uint8)
+    device = torch.cuda.current_device()
+    snapshot._page_lock(memory.data_ptr(), 1 << 20, device)
+    try:
+        with pytest.raises(RuntimeError):
+            snapshot._page_lock(memory.data_ptr(), 1 << 20, device)
+        assert snapshot._cuda_runtime() is not None  # torch's runtime, found as a shared library
+        x = torch.ones(64, 32, device="cuda").t().contiguous()  # kernel launches, checked
+        torch.cuda.synchronize()
+        assert float(x.sum()) == 64 * 32
+    finally:
+        snapshot._page_unlock(memory.data_ptr(), device)
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: cudaHostRegister")
 def test_cuda_pool_pins_blocks_exactly_and_unpins_dropped_ones():
