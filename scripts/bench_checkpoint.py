@@ -711,7 +711,9 @@ def plot(result: dict, path: str) -> None:
 # --------------------------------------------------------------------------- GPU report
 def gpu_report(seconds_budget: float = 120.0) -> dict:
     """With an NVIDIA GPU: pinned D2H bandwidth, this engine's snapshot bandwidth and stall for a
-    save overlapped with compute, and NVML samples of PCIe throughput and memory during it."""
+    save overlapped with compute, NVML samples of PCIe throughput and memory during it, and
+    the save's persist throughput against the disk's, measured after it in the same directory
+    (:func:`storage_bandwidth`): issue #4's persist target where the host cores are idle."""
     try:
         import pynvml
 
@@ -812,7 +814,14 @@ def gpu_report(seconds_budget: float = 120.0) -> dict:
             ck.close()
             stop.set()
             sampler.join()
+        try:  # the same bytes to the same disk, with the engine's fsync policy, right after
+            storage = storage_bandwidth(d, nbytes, reps=2)
+        except Exception as exc:  # reported, not fatal: the GPU figures above stand
+            storage = {"error": f"{type(exc).__name__}: {exc}"}
     steady = results[-1]
+    persist_gbps = nbytes / steady["persist_s"] / GB
+    disk_gbps = storage.get("fsync_gbps")
+    persist_fraction = persist_gbps / disk_gbps if disk_gbps else None
 
     def peak(key: str) -> float:
         return max((s[key] for s in samples if s[key] is not None), default=0)
@@ -821,8 +830,16 @@ def gpu_report(seconds_budget: float = 120.0) -> dict:
         "available": True, "device": name, "bytes": nbytes, "pinned_d2h_gbps": pinned_gbps,
         "compute_s": compute_iters * matmul_s, "copy_s_at_pinned": copy_s, "saves": results,
         "snapshot_fraction_of_pinned": steady["snapshot_gbps"] / pinned_gbps,
+        "persist_gbps": persist_gbps, "storage": storage,
+        "persist_fraction_of_storage": persist_fraction,
         "targets": {"snapshot_fraction": {"value": steady["snapshot_gbps"] / pinned_gbps, "target": 0.85,
-                                          "met": steady["snapshot_gbps"] / pinned_gbps >= 0.85}},
+                                          "met": steady["snapshot_gbps"] / pinned_gbps >= 0.85},
+                    # "close to zero" when forward+backward outlasts the copy: read as under 5% of it
+                    "stall_fraction_of_compute": {"value": steady["stall_s"] / (compute_iters * matmul_s),
+                                                  "target": 0.05,
+                                                  "met": steady["stall_s"] < 0.05 * compute_iters * matmul_s},
+                    "persist_fraction": {"value": persist_fraction, "target": 0.8,
+                                         "met": persist_fraction is not None and persist_fraction >= 0.8}},
         "nvml": {"samples": len(samples), "unsupported": unsupported,
                  "pcie_tx_peak_gbps": peak("pcie_tx_kbps") * 1024 / GB,
                  "pcie_rx_peak_gbps": peak("pcie_rx_kbps") * 1024 / GB,
@@ -915,7 +932,11 @@ def main(argv=None) -> int:
         else:
             print(f"{rep['device']}: pinned D2H {rep['pinned_d2h_gbps']:.1f} GB/s, engine snapshot "
                   f"{rep['saves'][-1]['snapshot_gbps']:.1f} GB/s ({100 * rep['snapshot_fraction_of_pinned']:.0f}%), "
-                  f"stall {fmt_s(rep['saves'][-1]['stall_s'])}, PCIe TX peak {rep['nvml']['pcie_tx_peak_gbps']:.1f} GB/s")
+                  f"stall {fmt_s(rep['saves'][-1]['stall_s'])}, PCIe TX peak {rep['nvml']['pcie_tx_peak_gbps']:.1f} GB/s, "
+                  f"persist {rep['persist_gbps']:.2f} GB/s, " +
+                  (f"{100 * rep['persist_fraction_of_storage']:.0f}% of the disk's "
+                   f"{rep['storage']['fsync_gbps']:.2f} GB/s fsync'd" if rep["persist_fraction_of_storage"]
+                   else f"the disk not measured ({rep['storage'].get('error')})"))
         _write_json(out, {"meta": {"date": datetime.datetime.now().isoformat(timespec="seconds")}, "gpu": rep})
         print(f"wrote {out}")
         return 0

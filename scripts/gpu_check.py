@@ -141,7 +141,8 @@ def run(out: str, wheel_dir: str, quick: bool = False, budget_s: float = 420) ->
         with open(report, encoding="utf-8") as f:
             gpu = json.load(f).get("gpu", {})
         summary["gpu_report"] = {k: gpu.get(k) for k in ("available", "reason", "device", "pinned_d2h_gbps",
-                                                         "snapshot_fraction_of_pinned", "compute_s")}
+                                                         "snapshot_fraction_of_pinned", "compute_s",
+                                                         "persist_gbps", "persist_fraction_of_storage")}
         if gpu.get("saves"):
             summary["gpu_report"]["steady_save"] = gpu["saves"][-1]
     with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
