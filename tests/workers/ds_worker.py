@@ -56,6 +56,9 @@ def ds_config(args, async_block=None):
     }
     if args.bf16:
         cfg["bf16"] = {"enabled": True}
+    if getattr(args, "offload", 0):  # ZeRO-Offload: fp32 partitions and Adam state in host memory,
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}  # stepped by torch's Adam
+        cfg["zero_force_ds_cpu_optimizer"] = False
     if async_block is not None:
         cfg["async_checkpoint"] = async_block
     return cfg
@@ -139,7 +142,7 @@ def phase_save(args):
              "pool_capacity": ours.checkpointer.pool.capacity_bytes,
              "pool_allocations": ours.checkpointer.pool.allocations,
              "pool_bytes_needed": ours.checkpointer.pooled_bytes,  # this checkpointer saved once
-             **reserved}
+             "cpu_offload": bool(getattr(engine.optimizer, "cpu_offload", False)), **reserved}
     engine.destroy()
     with open(os.path.join(args.out, f"stats_rank{stats['rank']}.json"), "w") as f:
         json.dump(stats, f)
@@ -654,6 +657,7 @@ def main():
     p.add_argument("--bf16", type=int, default=0)
     p.add_argument("--pipeline-stages", type=int, default=0)
     p.add_argument("--tied", type=int, default=0, help="the first two Linear layers share their weight")
+    p.add_argument("--offload", type=int, default=0, help="ZeRO-Offload: the optimizer in host memory")
     p.add_argument("--variants", default="async,sync,torch")
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--partial", type=int, default=0)
