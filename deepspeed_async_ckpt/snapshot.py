@@ -136,6 +136,10 @@ class _Block:
                             "from torch's pinned allocator instead (rounded up to a power of two)",
                             nbytes, exc)
                 self.memory = _torch_pinned(nbytes)
+                try:  # unused now: give back its address space and whatever the attempt faulted in
+                    self._mapping.close()
+                except BufferError:  # still viewed somewhere: it goes with its last view
+                    pass
         self.size = nbytes
         self._live: collections.deque[list] = collections.deque()  # [start, end, released]
         self._head = 0  # where the next buffer starts

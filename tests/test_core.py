@@ -894,6 +894,7 @@ def test_pinned_pool_pins_exactly_its_blocks_and_unpins_what_it_drops(monkeypatc
     with caplog.at_level("WARNING", logger="deepspeed_async_ckpt.snapshot"):
         c = other.acquire(3 * page, "c")
     assert fallback == [3 * page] and c.numel() == 3 * page
+    assert other._blocks[0]._mapping.closed  # the mapping it could not register is given back
     assert "cudaHostRegister of 12288 bytes failed (CUDA error: out of memory)" in caplog.text
     other.release(c)
     other.acquire(50 * page, "d")  # replacing a block that was never registered unpins nothing
