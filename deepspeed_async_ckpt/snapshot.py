@@ -96,13 +96,17 @@ class _Mapping(mmap.mmap):
     registration: tuple[int, int] | None = None
     """(address, CUDA device) while registered."""
 
-    def __del__(self) -> None:
+    def unregister(self) -> None:
+        """End the registration, if any (once; raises ``RuntimeError`` if CUDA refuses)."""
         if self.registration is not None:
             (address, device), self.registration = self.registration, None
-            try:
-                _page_unlock(address, device)
-            except Exception:  # interpreter shutdown, or a driver already gone: nothing to keep
-                pass
+            _page_unlock(address, device)
+
+    def __del__(self) -> None:
+        try:
+            self.unregister()
+        except Exception:  # interpreter shutdown, or a driver already gone: nothing to keep
+            pass
 
 
 def _torch_pinned(nbytes: int) -> torch.Tensor:
@@ -153,9 +157,7 @@ class _Block:
     def free(self) -> None:
         """Unpin an idle block the pool drops at once (the mapping goes with its last
         reference; a block dropped otherwise, with its pool, is unpinned then)."""
-        if self._mapping.registration is not None:
-            (address, device), self._mapping.registration = self._mapping.registration, None
-            _page_unlock(address, device)
+        self._mapping.unregister()
 
     @property
     def idle(self) -> bool:
