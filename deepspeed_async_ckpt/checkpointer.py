@@ -901,8 +901,10 @@ class AsyncCheckpointer:
         save is correct, and the bound is kept), but the stall is the write's, which the pool
         is there to hide. Seen on an H100: a 1.075 GB ZeRO-1 save with a 1 GiB pool stalled
         ~200 ms per checkpoint instead of a few."""
+        if self._warned_pool_too_small:
+            return
         need = sum(aligned_size(i.nbytes) for i in items)
-        if need > self.pool.capacity_bytes and not self._warned_pool_too_small:
+        if need > self.pool.capacity_bytes:
             self._warned_pool_too_small = True
             logger.warning(
                 "async checkpoint: rank %d stages %.3g GiB per save but "
