@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import random
 import socket
 import subprocess
 import sys
@@ -18,9 +19,35 @@ import time
 
 
 def free_port() -> int:
-    with socket.socket() as s:
+    """A port for rank 0's store, free now and below the kernel's ephemeral range.
+
+    The port is released before rank 0 binds it. A port the kernel hands out itself (bind to
+    0) can be handed out again in that gap, to any socket on the machine: every outgoing TCP
+    connection (gloo opens several per rank pair) draws from the same range. A port below it is
+    taken only by a process that asks for it by number.
+    """
+    high = _ephemeral_low()
+    low = max(1024, high - 12000)  # above the privileged ports
+    rng = random.SystemRandom()
+    for _ in range(64 if low < high else 0):
+        port = rng.randrange(low, high)
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return port
+    with socket.socket() as s:  # everything below the range taken: let the kernel choose
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def _ephemeral_low() -> int:
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range", encoding="ascii") as f:
+            return int(f.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default
 
 
 def spawn(script: str, script_args: list[str], nproc: int, env: dict | None = None, *,
