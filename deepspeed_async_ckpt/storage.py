@@ -37,7 +37,8 @@ def is_temporary(name: str) -> bool:
 
 class Storage(Protocol):
     def open_write(self, path: str) -> BinaryIO:
-        """A new unbuffered binary file at ``path`` (truncated if present)."""
+        """A new unbuffered binary file at ``path`` (truncated if present), whose ``write``
+        writes all it is given or raises."""
 
     def write_small(self, path: str, data: bytes, *, durable: bool = True) -> None:
         """A new small file at ``path`` (a record, the manifest, a pointer) holding ``data``,
@@ -82,7 +83,8 @@ class LocalStorage:
 
     With fsync, files are opened for direct I/O where the filesystem allows it
     (:class:`DirectFile`, ``direct_io=True``), else written behind on Linux
-    (:class:`WriteBehindFile`), else written plainly.
+    (:class:`WriteBehindFile`), else written plainly; every file's ``write`` writes all it is
+    given or raises (:class:`WholeFile`).
     """
 
     def __init__(self, fsync: bool = True, direct_io: bool = True) -> None:
@@ -99,7 +101,7 @@ class LocalStorage:
             else:
                 return DirectFile(fd, path)
         f = open(path, "wb", buffering=0)
-        return WriteBehindFile(f) if self.fsync and _sync_file_range is not None else f
+        return WriteBehindFile(f) if self.fsync and _sync_file_range is not None else WholeFile(f)
 
     def open_write_at(self, path: str, offset: int) -> BinaryIO:
         if offset % DIRECT_ALIGN:  # every share starts on a page (a record's data)
@@ -115,7 +117,9 @@ class LocalStorage:
                 return DirectFile(fd, path, start=offset)
         f = open(os.open(path, flags, 0o666), "wb", buffering=0, closefd=True)
         f.seek(offset)
-        return WriteBehindFile(f, start=offset) if self.fsync and _sync_file_range is not None else f
+        if self.fsync and _sync_file_range is not None:
+            return WriteBehindFile(f, start=offset)
+        return WholeFile(f, start=offset)
 
     def write_small(self, path: str, data: bytes, *, durable: bool = True) -> None:
         # Buffered, never direct: direct I/O would pad it to a page, then truncate it back
@@ -220,8 +224,57 @@ _AT_FDCWD, _RENAME_EXCHANGE = -100, 2  # from <fcntl.h> and <linux/fs.h>
 _WAIT_BEFORE, _WRITE, _WAIT_AFTER = 1, 2, 4  # SYNC_FILE_RANGE_* from <fcntl.h>
 
 
-class WriteBehindFile:
-    """An unbuffered file that starts writeback while it is written, instead of at the fsync.
+class WholeFile:
+    """An unbuffered file whose ``write`` writes every byte it is given or raises, as a buffered
+    file's does, without a buffer's copy. A raw file's ``write`` is one ``write(2)``, which may
+    take less: Linux takes at most 2 GiB - 4 KiB per call, and a disk filling up takes what
+    fits before the call that fails; a caller that trusted it (``safetensors``' layout in
+    :func:`~.persist.write_safetensors`, a ``write_beside`` callback) left a short file that
+    was then made durable and renamed into place as whole."""
+
+    def __init__(self, f: BinaryIO, start: int = 0) -> None:
+        self._f = f
+        self.name = f.name
+        self._fd = f.fileno()
+        self._offset = start  # where the next byte goes (``f`` is positioned there)
+
+    def write(self, data) -> int:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            n = self._f.write(view[done:])
+            if not n:  # 0 (or None): no progress, and no error from the kernel to raise
+                raise OSError(errno.EIO, f"short write: {done} of {len(view)} bytes", self.name)
+            done += n
+            self._offset += n
+            self._written()
+        return done
+
+    def _written(self) -> None:
+        """Called after each ``write(2)`` that wrote something."""
+
+    def fileno(self) -> int:
+        return self._fd
+
+    def flush(self) -> None:
+        pass
+
+    def close(self) -> None:
+        self._f.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._f.closed
+
+    def __enter__(self) -> "WholeFile":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class WriteBehindFile(WholeFile):
+    """A :class:`WholeFile` that starts writeback while it is written, instead of at the fsync.
 
     Every ``chunk_bytes`` written are handed to the disk at once (``sync_file_range``); once
     more than ``window_bytes`` are in flight, the oldest range is waited for and dropped from
@@ -233,21 +286,14 @@ class WriteBehindFile:
 
     def __init__(self, f: BinaryIO, chunk_bytes: int = 64 << 20, window_bytes: int = 256 << 20,
                  start: int = 0) -> None:
-        self._f = f
-        self.name = f.name
-        self._fd = f.fileno()
+        super().__init__(f, start)
         self._chunk, self._window = chunk_bytes, window_bytes
-        self._offset = start  # where the next byte goes (``f`` is positioned there)
         self._started = start  # writeback was started for [start, _started)
         self._inflight: list[tuple[int, int]] = []  # (offset, length) not yet waited for
 
-    def write(self, data) -> int:
-        n = self._f.write(data)
-        if n:
-            self._offset += n
-            if self._offset - self._started >= self._chunk:
-                self._write_behind()
-        return n
+    def _written(self) -> None:
+        if self._offset - self._started >= self._chunk:
+            self._write_behind()
 
     def _write_behind(self) -> None:
         start, length = self._started, self._offset - self._started
@@ -263,25 +309,6 @@ class WriteBehindFile:
         if _sync_file_range(self._fd, offset, length, flags) != 0:
             err = ctypes.get_errno()
             raise OSError(err, f"sync_file_range: {os.strerror(err)}", self.name)
-
-    def fileno(self) -> int:
-        return self._fd
-
-    def flush(self) -> None:
-        pass
-
-    def close(self) -> None:
-        self._f.close()
-
-    @property
-    def closed(self) -> bool:
-        return self._f.closed
-
-    def __enter__(self) -> "WriteBehindFile":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.close()
 
 
 _O_DIRECT = getattr(os, "O_DIRECT", 0)

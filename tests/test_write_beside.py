@@ -142,3 +142,59 @@ def test_a_safetensors_file_written_by_the_engine_is_byte_for_byte_the_librarys(
     for refused in ({"t": torch.randn(4, 3).t()}, {"a": flat[:4], "b": flat[4:]},
                     {"c": torch.ones(2, dtype=torch.complex64)}, {"s": torch.eye(3).to_sparse()}):
         assert not safetensors_writable(refused)  # left to the library: its error, or its file
+
+
+class _ShortWrites:
+    """A raw file whose ``write`` takes at most ``limit`` bytes a call (0: none), as one
+    ``write(2)`` may: Linux takes at most 2 GiB - 4 KiB, a filling disk what fits."""
+
+    def __init__(self, f, limit):
+        self._f, self._limit = f, limit
+
+    def write(self, data):
+        return self._f.write(memoryview(data).cast("B")[:self._limit]) if self._limit else 0
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._f.close()
+
+
+@pytest.mark.parametrize("storage", [dict(fsync=False), dict(fsync=True, direct_io=False)])
+def test_a_file_beside_is_written_whole_by_a_raw_file_that_writes_short(tmp_path, monkeypatch, storage):
+    """Without direct I/O the engine's files are raw ones, whose ``write`` may take less than it
+    is given: write_safetensors (one ``write`` per tensor) left a short model.safetensors that
+    was then renamed into place as whole. Now the file writes every byte, or the write fails
+    and nothing is left under the name."""
+    import builtins
+
+    from safetensors.torch import load_file
+
+    from deepspeed_async_ckpt import storage as storage_module
+    from deepspeed_async_ckpt.persist import write_safetensors
+
+    limit = {"bytes": 1000}
+    monkeypatch.setattr(storage_module, "open",
+                        lambda *a, **k: _ShortWrites(builtins.open(*a, **k), limit["bytes"]), raising=False)
+    tensors = {"w": torch.randn(3000), "b": torch.arange(10, dtype=torch.int64)}
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, **storage))
+    try:
+        path = str(tmp_path / "model.safetensors")
+        ck.write_beside(path, lambda f: write_safetensors(f, tensors)).result()
+        loaded = load_file(path)
+        assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
+        # a call that writes nothing: an error naming the file, no file under its name
+        limit["bytes"] = 0
+        path = str(tmp_path / "other.safetensors")
+        with pytest.raises(PersistError, match=r"other.safetensors: writing it in the background failed: "
+                                               r"OSError: .*short write: 0 of \d+ bytes"):
+            ck.write_beside(path, lambda f: write_safetensors(f, tensors)).result()
+        assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
+        with pytest.raises(PersistError):  # reported again by the next wait (no save took it)
+            ck.wait()
+    finally:
+        ck.close()
