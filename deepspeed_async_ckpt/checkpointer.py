@@ -1456,6 +1456,7 @@ class AsyncCheckpointer:
             self._commit_one(handle)
 
     def _commit_one(self, handle: CheckpointHandle) -> None:
+        recorded = False  # this rank's record is written: rank 0 takes it from there
         try:
             records: list[FileRecord] = []
             first_error: BaseException | None = None
@@ -1482,6 +1483,7 @@ class AsyncCheckpointer:
             swap = handle.write_dir != handle.ckpt_dir and handle.swap_at_commit
             write_rank_record(self.storage, handle.write_dir, rank=self.rank, save_id=handle.save_id,
                               checksum=cfg.checksum, files=records)
+            recorded = True
             manifest = None
             if self.rank == 0:
                 manifest = commit(self.storage, handle.write_dir, tag=handle.tag, save_id=handle.save_id,
@@ -1500,7 +1502,7 @@ class AsyncCheckpointer:
             handle.error = exc
             with self._lock:
                 self._errors.append(exc)
-            if not handle._persisted.is_set():  # this rank's own part failed: tell rank 0
+            if not recorded:  # this rank's own part failed (its files, or its record): tell rank 0
                 self._report_failure(handle, f"{type(exc).__name__}: {exc}")
         finally:
             with self._lock:

@@ -3273,6 +3273,48 @@ def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path, m
     r0.close()
     r1.close()
 
+class _RecordFails(LocalStorage):
+    """Rank 1's files are written; its record (the small file rank 0 waits for) is not."""
+
+    def write_small(self, path, data, *, durable=True):
+        if os.path.basename(path).startswith("rank_00001.") and ".json" in os.path.basename(path):
+            raise OSError(errno.EIO, "Input/output error", path)
+        return super().write_small(path, data, durable=durable)
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_rank_whose_record_fails_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path, mode):
+    """Rank 1's files are durable, then writing its record fails. Until session 28 it counted
+    as persisted by then and wrote no failure record: rank 0 waited ``commit_timeout_s`` and
+    then blamed rank 1 for not finishing, without its error."""
+    same = lambda v, e, key="": ("same-id", {})  # noqa: E731
+    r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, commit_timeout_s=300), rank=0,
+                           world_size=2, exchange=same)
+    r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode), rank=1, world_size=2,
+                           storage=_RecordFails(), exchange=same)
+    d = str(tmp_path / "t1")
+    h1 = r1.begin(d, tag="t1")
+    r1.save({"w": torch.ones(10)}, os.path.join(d, "rank1.pt"))
+    try:
+        r1.end()
+    except PersistError as exc:  # sync: raised by the save itself
+        assert mode == "sync" and "Input/output error" in str(exc)
+    assert h1.wait_committed(60) and isinstance(h1.error, OSError)
+    t0 = time.monotonic()
+    h0 = r0.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
+    r0.save({"w": torch.ones(10)}, os.path.join(d, "rank0.pt"))
+    with contextlib.suppress(CommitError):  # sync: rank 0's end commits, and fails
+        r0.end()
+    assert h0.wait_committed(60) and time.monotonic() - t0 < 30  # not the 300 s commit timeout
+    assert isinstance(h0.error, CommitError), h0.error
+    assert "rank(s) 1 failed to persist their part (OSError: [Errno 5] Input/output error" in str(h0.error)
+    assert not (tmp_path / "latest").exists()
+    for ck in (r0, r1):
+        with contextlib.suppress(CommitError, PersistError, OSError):
+            ck.wait()
+        ck.close()
+
+
 def test_a_sync_end_raises_its_own_saves_failure_not_a_previous_ones(tmp_path):
     """A sync save's ``end`` raises that save's failure as it is (rank 1's part failed: rank
     0's commit error naming it); it used to be wrapped as "a previous checkpoint failed",
