@@ -487,6 +487,10 @@ class AsyncCheckpointer:
         self._beside: list[_Beside] = []  # files beside the checkpoints, until taken
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
+        self._seal_lock = threading.Lock()
+        """Held while an open save's files and lazy copies are listed (``save``) or handed to the
+        writers and the copier (``end``, or a fence): a fence on another thread (an eval
+        thread's :func:`fence_all`) may seal them while the training thread is still saving."""
         self._closed = False
         self._pid = os.getpid()
         self._claimed: dict[str, str | None] = {}
@@ -738,9 +742,10 @@ class AsyncCheckpointer:
                     for i in mine:
                         i.cancel()
                 raise
-            for mine in staged:
-                handle.unsubmitted.extend(i for i in mine if not i.eager)
-            handle.unwritten.append((path, plans, names, share))
+            with self._seal_lock:  # the file and its copies together, or neither
+                for mine in staged:
+                    handle.unsubmitted.extend(i for i in mine if not i.eager)
+                handle.unwritten.append((path, plans, names, share))
         return [sum(i.nbytes for i in mine) for mine in staged]
 
     def _share_of(self, path: str, plan: FilePlan, replicas: Replicas, save_id: str) -> Share | None:
@@ -864,8 +869,9 @@ class AsyncCheckpointer:
         in-place edit outside it: see :func:`fence_all`)."""
         self._check_not_forked()
         t0 = time.perf_counter()
-        if self._current is not None:  # fenced inside a save: its copies must come first
-            self._start_background(self._current)
+        current = self._current
+        if current is not None:  # fenced inside a save: its copies must come first
+            self._start_background(current)
         self._stager.fence()
         if self.history:
             self.history[-1].fence_wait_s += time.perf_counter() - t0
@@ -884,15 +890,20 @@ class AsyncCheckpointer:
         # tensors before the next fence anyway), and no background thread competes with the
         # training thread for the GIL or a core while it is still inside the save (on 2 busy
         # cores, a writer opening its file and writing headers meanwhile made saves slower).
-        for path, plans, names, share in handle.unwritten:
-            handle.files.append(self._writers.submit(
-                write_file, self.storage, path, plans, self.config.checksum, part_names=names,
-                zip_crc32=self.config.zip_crc32, share=share))
-        handle.unwritten = []
-        if handle.unsubmitted:
-            self._warn_if_pool_too_small(handle.unsubmitted)
-            self._stager.submit(handle.unsubmitted)
-            handle.unsubmitted = []
+        # Under the seal lock: a fence on another thread and ``end`` (or ``save``) on the
+        # training thread must not both take a file (two writers on one file), nor one drop
+        # what the other lists meanwhile (a writer waiting for copies never queued: a save
+        # that never commits, and a ``wait`` that never returns).
+        with self._seal_lock:
+            unwritten, handle.unwritten = handle.unwritten, []
+            unsubmitted, handle.unsubmitted = handle.unsubmitted, []
+            for path, plans, names, share in unwritten:
+                handle.files.append(self._writers.submit(
+                    write_file, self.storage, path, plans, self.config.checksum, part_names=names,
+                    zip_crc32=self.config.zip_crc32, share=share))
+            if unsubmitted:
+                self._warn_if_pool_too_small(unsubmitted)
+                self._stager.submit(unsubmitted)
 
     def _warn_if_pool_too_small(self, items: list[TensorItem]) -> None:
         """Say once when a save's lazy copies need more host staging than ``host_buffer_gb``:

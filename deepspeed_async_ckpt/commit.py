@@ -351,11 +351,15 @@ STAGING_PREFIX = ".async_ckpt_staging."
 def check_name(name: str, what: str) -> None:
     """Raise ``ValueError`` naming ``what`` unless ``name`` can name a checkpoint directory:
     one non-empty path component, not ``.`` or ``..``, and not this engine's own
-    (``META_DIR``, staging, removal: they all start with it)."""
+    (``META_DIR``, staging, removal: they all start with it); without control characters or
+    whitespace at either end, which a pointer's readers strip (DeepSpeed's ``latest``: a tag
+    ``"step10\n"`` was committed, then loaded as ``step10``, and ``" "`` as the save directory)."""
     if name in ("", ".", "..") or os.sep in name or (os.altsep and os.altsep in name) \
-            or name.startswith(META_DIR):
+            or name.startswith(META_DIR) or name != name.strip() \
+            or any(ord(c) < 32 or ord(c) == 127 for c in name):
         raise ValueError(f"{what}: {name!r} cannot name a checkpoint directory (one plain, "
-                         f"non-empty path component, not '.', '..' nor starting with {META_DIR!r})")
+                         f"non-empty path component, not '.', '..' nor starting with {META_DIR!r}, "
+                         "without control characters or whitespace at either end)")
 
 
 def check_checkpoint_dir(ckpt_dir: str) -> str:

@@ -105,6 +105,9 @@ class AsyncCheckpointEngine(CheckpointEngine):
         # the tag names the checkpoint's directory in save_dir, and `latest` holds it: "a/b"
         # or "../x" would put it elsewhere, "" make save_dir itself the checkpoint
         check_name(str(info.tag), f"save_checkpoint(tag={info.tag!r})")
+        if str(info.tag) in POINTER_NAMES:  # the save would replace the pointer with a directory
+            raise ValueError(f"save_checkpoint(tag={info.tag!r}): the name of DeepSpeed's pointer file "
+                             f"in save_dir ({', '.join(POINTER_NAMES)}) cannot name a checkpoint")
         if self._ds_engine is None:  # not inside save_checkpoint: save_16bit_model (see save)
             return
         pointer = Pointer(os.path.join(info.save_dir, "latest"), info.tag) if info.save_latest else None
@@ -382,6 +385,10 @@ def use_checkpoint_engine(ds_engine: Any, checkpoint_engine: Any) -> None:
         rank = ds_engine.local_rank if ds_engine.use_node_local_storage() \
             else groups._get_sequence_data_parallel_rank()
         ds_engine.save_non_zero_checkpoint = bool(checkpoint_engine.is_data_parallel_writer(rank))
+
+
+POINTER_NAMES = ("latest", "latest_universal")
+"""DeepSpeed's pointer files in a save directory: ``latest``, and ``ds_to_universal``'s."""
 
 
 def checkpoint_to_load(arguments: dict, latest: str = "latest") -> str | None:

@@ -123,7 +123,7 @@ def test_conjugate_and_negative_views_and_tensor_attributes_load_as_torch_saves_
 
 
 @pytest.mark.parametrize("with_pointer", [True, False])
-@pytest.mark.parametrize("tag", ["", ".", "..", ".async_ckpt_staging.x"])
+@pytest.mark.parametrize("tag", ["", ".", "..", ".async_ckpt_staging.x", " ", "t2\n"])
 def test_a_directory_whose_name_cannot_be_a_checkpoint_is_refused_and_nothing_is_touched(
         tmp_path, tag, with_pointer):
     """DeepSpeed takes ``save_checkpoint(save_dir, tag="")``: the checkpoint directory was then
@@ -204,11 +204,15 @@ def test_node_local_storage_across_nodes_is_refused_whatever_the_launcher(monkey
         build()
 
 
-@pytest.mark.parametrize("tag", ["", ".", "..", "a/b", "../escape", ".async_ckpt_x"])
+@pytest.mark.parametrize("tag", ["", ".", "..", "a/b", "../escape", ".async_ckpt_x", " ", "global_step10\n",
+                                 " global_step10", "step\t10", "step\x7f", "latest", "latest_universal"])
 def test_deepspeed_tags_that_are_not_one_plain_name_are_refused(tmp_path, tag):
     """A tag names the checkpoint's directory in ``save_dir`` and ``latest`` holds it: "a/b"
     and "../escape" (outside ``save_dir``) are refused, with ``save_latest`` or without, as
-    well as the names the core refuses; nothing is written."""
+    well as the names the core refuses; nothing is written. Since session 28 also control
+    characters and whitespace at either end (``latest``'s readers strip it: "global_step10\n"
+    was committed and then loaded as "global_step10", " " as the save directory itself), and
+    the pointers' own names ("latest" made every later save fail at its commit)."""
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
     from deepspeed_async_ckpt.deepspeed_plugin import AsyncCheckpointEngine
@@ -655,6 +659,67 @@ def test_tensor_larger_than_pool_is_a_clear_error(tmp_path):
         ck.fence()
     with pytest.raises(PersistError):
         ck.wait()
+    ck.close()
+
+
+def test_a_fence_on_another_thread_during_a_save_or_its_end_loses_and_doubles_nothing(tmp_path, monkeypatch):
+    """``fence_all`` on another thread (an eval thread about to swap in EMA weights) seals the
+    open save's files and copies while the training thread may still be adding to them, or
+    sealing them itself in ``end``. Until session 28 the fence handed a snapshot of the lists
+    to the copier and then emptied them: a file saved meanwhile kept its writer waiting for
+    copies never queued (the save never committed, ``wait`` and ``close`` never returned),
+    and a fence during ``end`` gave one file to two writers."""
+    from deepspeed_async_ckpt.checkpointer import fence_all
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    window, slow = threading.Event(), {"at": None}
+
+    def widened(at):  # the fence is inside its hand-over (of copies, or of files): widen it
+        if slow["at"] == at and threading.current_thread().name == "eval":
+            window.set()
+            time.sleep(0.3)
+
+    submit = Stager.submit
+
+    def slow_submit(self, items):
+        items = list(items)
+        widened("copies")
+        return submit(self, items)
+
+    monkeypatch.setattr(Stager, "submit", slow_submit)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    writes = []
+    writers_submit = ck._writers.submit
+
+    def slow_writers_submit(fn, storage, path, *args, **kwargs):
+        writes.append(path)
+        widened("files")
+        return writers_submit(fn, storage, path, *args, **kwargs)
+
+    monkeypatch.setattr(ck._writers, "submit", slow_writers_submit)
+    a, b = {"w": torch.randn(1000)}, {"w2": torch.randn(1000)}
+    for step, during, slow["at"] in ((1, "save", "copies"), (2, "end", "files")):
+        d = str(tmp_path / f"t{step}")
+        ck.begin(d, tag=f"t{step}", pointer=Pointer(str(tmp_path / "latest"), f"t{step}"))
+        ck.save(a, os.path.join(d, "a.pt"))
+        window.clear()
+        other = threading.Thread(target=fence_all, name="eval")
+        other.start()
+        assert window.wait(30)
+        if during == "save":
+            ck.save(b, os.path.join(d, "b.pt"))  # while the fence hands a.pt over
+            other.join()  # the fence is done before the save is sealed
+            ck.end()
+        else:
+            ck.end()  # while the fence hands a.pt over
+            other.join()
+        ck.wait(timeout=20)
+        names = ["a.pt", "b.pt"] if during == "save" else ["a.pt"]
+        assert sorted(os.path.basename(p) for p in writes) == names, (during, writes)  # each once
+        writes.clear()
+        for name in names:
+            saved = torch.load(os.path.join(d, name))
+            assert_same(saved, a if name == "a.pt" else b)
     ck.close()
 
 
