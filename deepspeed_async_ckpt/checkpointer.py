@@ -123,6 +123,11 @@ class CheckpointHandle:
         self.swap_at_commit = swap_at_commit
         self.late_files = late_files
         """Files rank 0's caller writes after the commit (see :meth:`AsyncCheckpointer.begin`)."""
+        self.new_dirs: list[str] = []
+        """Directories this rank made for the save (the save directory on a first save, the
+        checkpoint's, its marker, subdirectories of files; on rank 0 also the save directory,
+        whoever made it): their entries are made durable before this rank's record, so that
+        no crash after the commit takes them back."""
         self.items: list[TensorItem] = []
         self.unsubmitted: list[TensorItem] = []
         """Lazy items of an open save, queued for the copier when it is sealed."""
@@ -184,6 +189,15 @@ def _write_dir(ckpt_dir: str, save_id: str) -> tuple[str, str]:
     ``ckpt_dir``."""
     save_id, staged, _ = save_id.partition(_STAGED)
     return save_id, staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
+
+
+def _missing_dirs(path: str) -> list[str]:
+    """``path`` and its ancestors that do not exist yet, deepest first."""
+    missing = []
+    while path != os.path.dirname(path) and not os.path.lexists(path):
+        missing.append(path)
+        path = os.path.dirname(path)
+    return missing
 
 
 def _remove_if_empty(made: tuple[str, list[str]]) -> None:
@@ -609,6 +623,10 @@ class AsyncCheckpointer:
                                              swap_at_commit, tuple(late_files),
                                              rotation=rotation)
             self._current.beside = self._claim_beside(save_dir)
+            if self.rank == 0:  # and the marker's entry (made under another name, renamed), and
+                # the save directory's, which Trainer makes for each checkpoint-N: the pointer in it
+                self._current.new_dirs += [*(made[1] if made else ()), os.path.join(write_dir, META_DIR),
+                                           save_dir]
             if not swap_at_commit and self.rank == 0:  # in use until swap_in / abandon_swap
                 with self._lock:
                     self._unswapped.add(self._current)
@@ -628,11 +646,7 @@ class AsyncCheckpointer:
         writes into it fail too, and report it to all ranks)."""
         save_id, write_dir = _write_dir(ckpt_dir, save_id)
         staged = write_dir != ckpt_dir
-        created = [] if os.path.lexists(write_dir) else [write_dir]
-        parent = os.path.dirname(write_dir)
-        while parent != os.path.dirname(parent) and not os.path.exists(parent):
-            created.append(parent)
-            parent = os.path.dirname(parent)
+        created = _missing_dirs(write_dir)
         try:
             if staged:  # a crash before its marker leaves a staging dir: swept anyway
                 self.storage.makedirs(os.path.join(write_dir, META_DIR))
@@ -718,6 +732,7 @@ class AsyncCheckpointer:
             handle.items.extend(mine)
             handle.nbytes += sum(i.nbytes for i in mine)
             staged.append(mine)
+        handle.new_dirs += _missing_dirs(os.path.dirname(path))
         self.storage.makedirs(os.path.dirname(path))
         checksum, zip_crc32 = self.config.checksum, self.config.zip_crc32
         if not self.config.is_async:
@@ -1488,6 +1503,15 @@ class AsyncCheckpointer:
                     self._report_failure(handle, handle.failure or "the save raised on this rank "
                                                                    "before it was sealed")
                 return
+            # The entries of the directories made for it: files are synced in their own
+            # directory as they are renamed into place, but a new directory's entry lies in its
+            # parent (a first save's save directory, Trainer's checkpoint-N at every save).
+            for parent in dict.fromkeys(os.path.dirname(d) for d in handle.new_dirs):
+                try:
+                    self.storage.sync_dir(parent)
+                except PermissionError as exc:  # a directory this process may not read (not open)
+                    logger.warning("async checkpoint: cannot sync directory %s (%s): the entries "
+                                   "made in it are as durable as the filesystem makes them", parent, exc)
             handle.times["persisted"] = time.perf_counter()
             handle._persisted.set()
             cfg = self.config

@@ -2221,6 +2221,52 @@ def test_a_committed_checkpoints_own_entry_is_durable_without_a_pointer_beside_i
         assert (tmp_path / "save" / "latest").read_text() == "t1"
 
 
+@pytest.mark.parametrize("mode", ["sync", "async"])
+@pytest.mark.parametrize("save_dir_made_by_caller", [False, True])
+def test_every_directory_made_for_a_save_is_durable_in_its_parent_before_the_pointer_moves(
+        tmp_path, mode, save_dir_made_by_caller):
+    """A file is synced in its own directory as it is renamed into place, but a new
+    directory's entry lies in its parent. Until session 28 nothing synced the parents of the
+    directories made for a save (a first save's save directory and those above it, Trainer's
+    ``checkpoint-N`` at every save, which Trainer makes itself, subdirectories of files, and
+    the checkpoint directory itself when all its files were in subdirectories): a power loss
+    after the commit could take back a checkpoint reported committed, while rotation had
+    removed the older ones."""
+    events = []
+
+    class Recording(LocalStorage):
+        def sync_dir(self, path):
+            events.append(("sync", os.path.abspath(path)))
+            super().sync_dir(path)
+
+        def replace(self, src, dst, *, durable=True):
+            super().replace(src, dst, durable=durable)
+            if durable:  # fsyncs dst's directory
+                events.append(("sync", os.path.dirname(os.path.abspath(dst))))
+            events.append(("rename", os.path.abspath(dst)))
+
+    out = tmp_path / "out"
+    out.mkdir()
+    save_dir = out / "runs" / "checkpoint-10"
+    if save_dir_made_by_caller:
+        os.makedirs(save_dir)
+    d = save_dir / "global_step10"
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, host_buffer_gb=0.01),
+                           storage=Recording())
+    ck.begin(str(d), tag="global_step10", pointer=Pointer(str(save_dir / "latest"), "global_step10"))
+    ck.save(sample_state(), str(d / "sub" / "deeper" / "model.pt"))  # no file in d itself
+    ck.end()
+    ck.wait()
+    ck.close()
+    pointer_moved = events.index(("rename", str(save_dir / "latest")))
+    synced = {path for kind, path in events[:pointer_moved] if kind == "sync"}
+    made = [d, d / META_DIR, d / "sub", d / "sub" / "deeper", save_dir]
+    if not save_dir_made_by_caller:
+        made.append(out / "runs")
+    for directory in made:
+        assert str(directory.parent) in synced, (directory, sorted(synced))
+
+
 def test_a_crash_between_the_two_renames_is_finished_before_the_next_load_or_save(tmp_path, capsys):
     """Without an atomic exchange, the old checkpoint is renamed away, then the new one into
     place: a crash in between leaves the name missing and the new one committed beside it.
