@@ -292,6 +292,9 @@ class PlanInputs:
             if not _is_real(f) or not (0 < f < 1):
                 raise PlanInputError("target_overhead_fraction",
                                      f"target_overhead_fraction must be in (0, 1), got {_show(f)}")
+            if f < 1e-6:  # the interval it asks for underflows to 0, the bandwidth to infinity
+                raise PlanInputError("target_overhead_fraction",
+                                     f"target_overhead_fraction must be at least 1e-06, got {_show(f)}")
         if self.target_checkpoints_per_failure is not None:
             _check_positive("target_checkpoints_per_failure", self.target_checkpoints_per_failure, 1e-6)
 
@@ -301,6 +304,9 @@ class PlanInputs:
         _check_choice("pcie_gen", self.pcie_gen, tuple(PCIE_D2H_GBPS))
         if self.step_time_s is not None:
             _check_non_negative("step_time_s", self.step_time_s)
+            if 0 < self.step_time_s < 1e-6:  # the steps per interval would overflow
+                raise PlanInputError("step_time_s", "step_time_s must be 0 (unknown) or at least 1e-06 s, "
+                                                    f"got {_show(self.step_time_s)}")
 
 
 # --------------------------------------------------------------------------

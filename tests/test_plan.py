@@ -541,6 +541,10 @@ def test_a_null_padded_vocab_size_falls_back_to_vocab_size(tmp_path, capsys):
     (["--params", "1e308"], "--params"),
     (["--target-time", "1e-300"], "--target-time"),
     (["--target-k", "1e-300"], "--target-k"),
+    (["--step-time", "1e-310"], "--step-time"),  # these four since session 28
+    (["--target-overhead", "1e-160"], "--target-overhead"),
+    (["--target-overhead", "1e-200"], "--target-overhead"),
+    (["--target-overhead-pct", "1e-200"], "--target-overhead"),
 ])
 def test_magnitudes_no_cluster_has_are_refused_naming_the_flag(capsys, extra, flag):
     """Absurd magnitudes (found by an audit) gave an OverflowError or ZeroDivisionError
@@ -570,9 +574,9 @@ def test_every_corner_of_the_bounds_gives_a_finite_plan():
                    gpus_per_node=[1, MAX_COUNT], storage_write_gbps=[MIN_GBPS, MAX_GBPS],
                    storage_read_gbps=[None, MIN_GBPS, MAX_GBPS],
                    mtbf_hours=[1e-6, MAX_SECONDS / 3600], restart_s=[0, MAX_SECONDS],
-                   step_time_s=[None, 0, MAX_SECONDS], d2h_gbps=[None, MIN_GBPS, MAX_GBPS])
+                   step_time_s=[None, 0, 1e-6, MAX_SECONDS], d2h_gbps=[None, MIN_GBPS, MAX_GBPS])
     targets = [{}, {"target_checkpoint_time_s": MAX_SECONDS}, {"target_checkpoint_time_s": 1e-6},
-               {"target_overhead_fraction": 1e-9}, {"target_overhead_fraction": 1 - 1e-9},
+               {"target_overhead_fraction": 1e-6}, {"target_overhead_fraction": 1 - 1e-9},
                {"target_checkpoints_per_failure": MAX_SECONDS},
                {"target_checkpoints_per_failure": 1e-6}]
     for combo in itertools.product(*corners.values()):
