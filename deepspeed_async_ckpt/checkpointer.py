@@ -487,6 +487,9 @@ class AsyncCheckpointer:
         self._current: CheckpointHandle | None = None
         self._beginning: str | None = None  # directory of a begin() still agreeing its save id
         self._dirs_lock = threading.Lock()  # retention vs. saves announcing their directories
+        self._pointed: dict[str, str] = {}
+        """Under ``_dirs_lock``: save directory -> the checkpoint its pointer names, as this
+        checkpointer last moved it (:meth:`pointer_moved`); retention never removes it."""
         # checkpoint dir -> (save id, which of its files), checked by verify_all_ranks
         self._verified: dict[str, tuple[str, Callable[[str], bool] | None]] = {}
         self._warned_replicas_differ = False
@@ -1065,8 +1068,8 @@ class AsyncCheckpointer:
             busy = {h.ckpt_dir for h in self._pending()}
             with self._lock:
                 reporting = set(self._reporting)  # its commit callbacks may still read it
-            return busy | reporting | {d for d in (self._beginning, current and current.ckpt_dir,
-                                                   handle.ckpt_dir) if d}
+            return busy | reporting | set(self._pointed.values()) | \
+                {d for d in (self._beginning, current and current.ckpt_dir, handle.ckpt_dir) if d}
 
         try:
             handle.retired = retire_checkpoints(
@@ -1080,6 +1083,16 @@ class AsyncCheckpointer:
             logger.warning("async checkpoint: %s is committed, but removing older checkpoints "
                            "(keep_last=%d) failed: %s", handle.ckpt_dir, keep_last, exc)
         return handle.retired
+
+    def pointer_moved(self, handle: CheckpointHandle) -> None:
+        """Rank 0: the pointer of ``handle``'s save directory now names it. Retention never
+        removes that checkpoint, whatever the commit times say: it orders checkpoints by the
+        manifest's ``committed_at``, and after rank 0's clock stepped back (an NTP step, a
+        restart on a node whose clock is behind) a pass that ran behind the commits removed the
+        checkpoint ``latest`` had just moved to. The commit stage calls it for the pointer it
+        moves; an adapter that moves its own (Megatron's tracker) calls it after."""
+        with self._dirs_lock:
+            self._pointed[os.path.dirname(handle.ckpt_dir)] = handle.ckpt_dir
 
     def retire_older_later(self, handle: CheckpointHandle, *, keep_last: int | None = None,
                            keep: Callable[[str], bool] | None = None) -> Future:
@@ -1527,6 +1540,8 @@ class AsyncCheckpointer:
                                   replaces=handle.ckpt_dir if swap else None, late_files=handle.late_files,
                                   rotation=handle.rotation)
             handle.times["committed"] = time.perf_counter()
+            if manifest is not None and handle.pointer is not None:
+                self.pointer_moved(handle)
             if manifest is not None:
                 self._announce(handle, manifest)
             if self.rank == 0 and swap:  # the checkpoint it replaced: deleted in the background

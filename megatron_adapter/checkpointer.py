@@ -336,6 +336,7 @@ class MegatronCheckpointer:
             raise
         self.engine.swap_in(handle)  # a re-saved iteration: the old one stayed whole until now
         write_text_atomic(self.engine.storage, tracker, text)
+        self.engine.pointer_moved(handle)
         handle.times["finalized"] = time.perf_counter()
         self._retire_older(handle)  # only once the tracker names the new one
         self._announce(handle, int(text))

@@ -2706,6 +2706,46 @@ def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path
         assert torch.load(tmp_path / f"s{i}" / "model.pt", weights_only=False)["global_steps"] == i
 
 
+def test_keep_last_never_removes_the_checkpoint_the_pointer_names_after_the_clock_stepped_back(
+        tmp_path, monkeypatch):
+    """Retention orders checkpoints by the manifest's ``committed_at`` (rank 0's wall clock).
+    After the clock stepped back, a pass that ran behind the commits (its thread busy with a
+    slow deletion) removed the checkpoint ``latest`` had just moved to, and kept a stale one:
+    a review's reproduction, session 28."""
+    import types
+
+    import deepspeed_async_ckpt.commit as commit_mod
+
+    clock = {"t": 1_000_000.0}
+    monkeypatch.setattr(commit_mod, "time", types.SimpleNamespace(
+        time=lambda: clock["t"], monotonic=time.monotonic, sleep=time.sleep, perf_counter=time.perf_counter))
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=1))
+    root = str(tmp_path)
+
+    def save(tag, at):
+        clock["t"] = at
+        d = os.path.join(root, tag)
+        ck.begin(d, tag=tag, pointer=Pointer(os.path.join(root, "latest"), tag))
+        ck.save({"w": torch.arange(100.0)}, os.path.join(d, "model.pt"))
+        ck.end()
+        ck.fence()
+        assert ck.history[-1].wait_committed(60) and ck.history[-1].committed
+
+    save("s1", 1_000_000)
+    save("s2", 1_000_100)
+    ck.wait()
+    gate = threading.Event()
+    ck._later(gate.wait)  # the retention thread is busy until s4 has committed
+    save("s3", 999_500)  # ten minutes back
+    save("s4", 999_600)
+    gate.set()
+    ck.wait()
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "s4"
+    assert (tmp_path / "s4" / "model.pt").exists()
+    assert torch.equal(torch.load(tmp_path / "s4" / "model.pt")["w"], torch.arange(100.0))
+
+
 def test_keep_last_counts_tags_that_start_with_a_dot(tmp_path, caplog):
     """DeepSpeed takes ``tag=".last"`` and so does :func:`check_name` (only this engine's own
     names, starting with ``.async_ckpt``, are refused), but retention skipped every name
