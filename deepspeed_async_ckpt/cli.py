@@ -66,9 +66,12 @@ def _pointer_target(save_dir: str) -> str | None:
         if os.path.isfile(path):
             try:
                 with open(path, encoding="utf-8") as f:
-                    return fmt.format(f.read().strip())
+                    text = f.read().strip()
             except (OSError, ValueError) as exc:
                 raise CliError(f"cannot read the pointer {path!r}: {exc}") from None
+            if not text:  # it named save_dir itself: "not written by this engine" said nothing
+                raise CliError(f"the pointer {path!r} is empty: it names no checkpoint")
+            return fmt.format(text)
     return None
 
 

@@ -3309,6 +3309,18 @@ def test_an_unreadable_pointer_is_a_cli_error(tmp_path, capsys):
         assert "cannot read the pointer" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("pointer", ["latest", "latest_checkpointed_iteration.txt"])
+def test_an_empty_pointer_is_named_as_empty(tmp_path, capsys, pointer):
+    """It named the save directory itself, reported as "not written by this engine"."""
+    from deepspeed_async_ckpt.cli import main
+
+    (tmp_path / pointer).write_text(" \n")
+    for command in ("verify", "list"):
+        assert main([command, str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert f"the pointer {str(tmp_path / pointer)!r} is empty" in err, err
+
+
 def test_list_cli_shows_committed_newest_first_partial_and_other(tmp_path, capsys):
     import json
 
