@@ -67,6 +67,10 @@ _ORIGINALS: dict[str, Any] = {}
 _ROTATE_SIGNATURE: inspect.Signature | None = None
 _hook: Any = None  # the post-import hook install() left for transformers' import
 _deferred: dict[str, tuple[tuple, dict]] = {}  # output_dir -> a rotation to run again at exit
+_best_only_at_exit: dict[str, str] = {}
+"""output_dir -> the best model's checkpoint, where Trainer's end of training (with
+``save_total_limit=1``: every checkpoint but the best one deleted) did not see a save in
+flight: done again at exit, after the rotation (see :func:`sort_checkpoints`)."""
 _exit_registered = False
 _warned = False
 
@@ -132,14 +136,24 @@ def _checkpoint_number(path: str, prefix: str) -> int | None:
 
 
 def sort_checkpoints(*args: Any, **kwargs: Any) -> list[str]:
-    kept = []
+    kept, in_flight = [], False
     for path in _ORIGINALS["sort_checkpoints"](*args, **kwargs):
         why = why_not_resumable(path)
         if why is None:
             kept.append(path)
         else:
+            in_flight = in_flight or why == SAVING_REASON
             logger.info("async checkpoint: %s is left out of Trainer's checkpoint rotation: %s",
                         path, why)
+    # Trainer's end of training asks with the best model's checkpoint (its rotation does not),
+    # then, with save_total_limit=1, deletes every checkpoint but that one: a save in flight,
+    # left out here, would stay (two checkpoints where Trainer leaves one). Noted, so that the
+    # rotation at exit, once the save committed, deletes it as Trainer would have.
+    best = kwargs.get("best_model_checkpoint", args[3] if len(args) > 3 else None)
+    if in_flight and best is not None:
+        output_dir = kwargs.get("output_dir", args[0] if args else None)
+        if output_dir is not None:
+            _best_only_at_exit[os.path.realpath(output_dir)] = best
     return kept
 
 
@@ -231,6 +245,7 @@ def _rotate_again_at_exit(key: str, args: tuple, kwargs: dict) -> None:
 
 def _forget_in_child() -> None:
     _deferred.clear()  # a forked child's exit must not rotate its parent's checkpoints
+    _best_only_at_exit.clear()
 
 
 if hasattr(os, "register_at_fork"):
@@ -238,12 +253,21 @@ if hasattr(os, "register_at_fork"):
 
 
 def _rotate_at_exit() -> None:
-    for args, kwargs in list(_deferred.values()):
+    for key, (args, kwargs) in list(_deferred.items()):
         try:
             rotate_checkpoints(*args, **kwargs)
+            best = _best_only_at_exit.get(key)
+            limit = _ROTATE_SIGNATURE.bind(*args, **kwargs).arguments.get("save_total_limit")
+            if best is not None and limit == 1:  # Trainer's end of training, as it would have
+                for path in sort_checkpoints(output_dir=key, best_model_checkpoint=best):
+                    if not os.path.samefile(path, best):
+                        logger.info("async checkpoint: deleting %s (save_total_limit=1 keeps the "
+                                    "best model's %s at the end of training)", path, best)
+                        shutil.rmtree(path, ignore_errors=True)
         except Exception as exc:  # at exit: nobody to raise to
             logger.warning("async checkpoint: Trainer's checkpoint rotation at exit failed: %r", exc)
     _deferred.clear()
+    _best_only_at_exit.clear()
 
 
 def _remove_never_committed(output_dir: str, prefix: str, best: str | None) -> None:

@@ -35,6 +35,7 @@ def wrapped():
     patched = hf_trainer.install(trainer_utils)
     assert trainer_utils.rotate_checkpoints is hf_trainer.rotate_checkpoints
     yield
+    hf_trainer._forget_in_child()  # no rotation at exit left over from a failed test
     if patched:
         hf_trainer.uninstall()
 
@@ -168,6 +169,44 @@ def test_rotation_counts_committed_checkpoints_and_keeps_the_save_in_flight(tmp_
     assert names(run) == ["checkpoint-6"]
     assert trainer_utils.get_last_checkpoint(run) == os.path.join(run, "checkpoint-6")
     assert not hf_trainer._deferred
+
+
+@pytest.mark.parametrize("best_step", [2, 4])
+def test_save_total_limit_1_keeps_only_the_best_model_at_the_end_as_trainer_does(tmp_path, ck, best_step):
+    """With a best model tracked (``metric_for_best_model``) and ``save_total_limit=1``,
+    Trainer's end of training deletes every checkpoint but the best one. The last save was
+    still in flight then, so it was left out and stayed, protected at exit as the newest: two
+    checkpoints where Trainer leaves one (a review, session 28). Now the rotation at exit
+    finishes it once the save committed; a best model that is the last save stays alone."""
+    run = str(tmp_path)
+    committed(ck, run, 2)
+    best = os.path.join(run, f"checkpoint-{best_step}")
+    begin_save(ck, run, 4)  # the last save of training, in flight
+    trainer_utils.rotate_checkpoints(output_dir=run, save_total_limit=1, best_model_checkpoint=best)
+    # Trainer's end of training (trainer.py: "Delete the last checkpoint when save_total_limit=1")
+    for path in trainer_utils.sort_checkpoints(output_dir=run, best_model_checkpoint=best):
+        if not os.path.samefile(path, best):
+            shutil.rmtree(path, ignore_errors=True)
+    # the one in flight left alone (and checkpoint-2 deleted where checkpoint-4 is the best)
+    assert names(run) == (["checkpoint-2", "checkpoint-4"] if best_step == 2 else ["checkpoint-4"])
+    ck.end()  # the exit flush commits it
+    hf_trainer._rotate_at_exit()
+    assert names(run) == [f"checkpoint-{best_step}"]
+    assert not hf_trainer._deferred and not hf_trainer._best_only_at_exit
+
+
+def test_the_end_of_training_without_a_best_model_or_a_save_in_flight_changes_nothing_at_exit(tmp_path, ck):
+    run = str(tmp_path)
+    committed(ck, run, 2)
+    begin_save(ck, run, 4)
+    trainer_utils.rotate_checkpoints(output_dir=run, save_total_limit=1)
+    trainer_utils.sort_checkpoints(output_dir=run)  # no best model: nothing noted
+    assert not hf_trainer._best_only_at_exit
+    ck.end()
+    trainer_utils.sort_checkpoints(output_dir=run, best_model_checkpoint=os.path.join(run, "checkpoint-2"))
+    assert not hf_trainer._best_only_at_exit  # nothing in flight: Trainer saw every checkpoint
+    hf_trainer._rotate_at_exit()
+    assert names(run) == ["checkpoint-4"]
 
 
 def test_rotation_deletes_never_committed_checkpoints_older_than_the_newest_resumable(tmp_path, ck):
