@@ -30,6 +30,7 @@ previous checkpoint.
 from __future__ import annotations
 
 import dataclasses
+import numbers
 import os
 import queue
 import re
@@ -149,6 +150,14 @@ class MegatronCheckpointer:
         expert bias in ``finalize_model_grads``, BatchNorm's statistics in a forward)."""
         from megatron.core.dist_checkpointing.utils import _clean_metadata_for_serialization
 
+        if isinstance(iteration, bool) or not isinstance(iteration, numbers.Integral) or iteration < 0:
+            # it names the directory (iter_NNNNNNN) and goes into the tracker, which Megatron-LM
+            # reads back with int(): True or tensor(6) left a tracker no run could resume from
+            raise ValueError(f"save(iteration={iteration!r}): the iteration must be an integer >= 0")
+        iteration = int(iteration)
+        if content_metadata is not None and not isinstance(content_metadata, dict):
+            raise ValueError(f"save(content_metadata={content_metadata!r}): a dict (megatron-core's "
+                             "sharded state dict metadata) or None")
         t0 = time.perf_counter()
         self._agree_no_error(self._take_background_error())
         if content_metadata is not None:
@@ -156,8 +165,13 @@ class MegatronCheckpointer:
             state_dict["content_metadata"] = _clean_metadata_for_serialization(content_metadata)
         sharded_part, common, _ = self._preprocess_and_elect(state_dict, validate_access_integrity,
                                                              preprocess_common)
-        plan = torch_dist.plan_save(sharded_part, rank=self.rank, world_size=self.world_size,
-                                    max_files=self.config.writer_threads)
+        error: BaseException | None = None
+        try:  # raises on every rank if some rank's local planning failed; what follows is local
+            plan = torch_dist.plan_save(sharded_part, rank=self.rank, world_size=self.world_size,
+                                        max_files=self.config.writer_threads)
+        except BaseException as exc:
+            error = exc
+        self._agree_no_error(error)  # before begin's collective, which a failed rank never joins
 
         chunks = [] if model is None else list(model) if isinstance(model, Sequence) else [model]
         # nn.Module's own method: megatron-core's DistributedDataParallel hides it behind a
@@ -236,18 +250,39 @@ class MegatronCheckpointer:
         ``preprocess_common``: what the ranks' common parts are compared after, when the
         access integrity is validated (Megatron-LM drops per-rank values from ``args``)."""
         from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor
-        from megatron.core.dist_checkpointing.state_dict_utils import save_preprocess
+        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
+        from megatron.core.dist_checkpointing.state_dict_utils import filter_out_empty_flatten_tensor
+        from megatron.core.dist_checkpointing.utils import (_clean_metadata_for_serialization,
+                                                            extract_nonpersistent, extract_sharded_base)
+        from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
+                                                                 validate_sharding_integrity)
 
-        if not validate_access_integrity:
-            sharded_part, common = save_preprocess(state_dict, False)
-        else:
+        # megatron-core's save_preprocess, step by step: its local steps (factories, the
+        # caller's preprocess_common) can fail on some ranks only, while the others went on
+        # into the validation's collectives and waited there for good. Their outcome is agreed
+        # on first (one small all-reduce).
+        error: BaseException | None = None
+        try:
+            apply_factories(state_dict)
+            _, state_dict = extract_nonpersistent(state_dict)
+            sharded_part, common = extract_sharded_base(state_dict)
+            sharded_part = filter_out_empty_flatten_tensor(sharded_part)
+            if validate_access_integrity:
+                checked = common
+                if "content_metadata" in checked:
+                    checked["content_metadata"] = _clean_metadata_for_serialization(checked["content_metadata"])
+                if preprocess_common is not None:
+                    checked = preprocess_common(common)
+        except BaseException as exc:
+            error = exc
+        self._agree_no_error(error)
+        if validate_access_integrity:
             # The validation's checks of the sharding raise on rank 0 alone (an invalid access
             # pattern: two main replicas of a shard, or none), after its collectives: raised
             # here on every rank, or the others would wait for rank 0 in plan_save's.
-            error: BaseException | None = None
             try:
-                sharded_part, common = save_preprocess(state_dict, True, preprocess_common)
+                validate_sharding_integrity(determine_global_metadata(sharded_part)[1],
+                                            common_state_dict=checked)
             except Exception as exc:
                 error = exc
             self._agree_no_error(error)
@@ -291,9 +326,17 @@ class MegatronCheckpointer:
 
     # ------------------------------------------------------------------ lifecycle
     def close(self) -> None:
-        """Flush (every checkpoint committed, tracker moved) and stop the background threads."""
+        """Collective (every rank), as megatron-core's ``AsyncCallsQueue.close`` is: flush
+        (every checkpoint committed, the tracker moved) and stop the background threads; raises
+        on every rank if any rank's flush failed. Only rank 0 finalizes checkpoints (the marker
+        files, then the tracker), so until session 28 the other ranks returned from here before
+        the tracker named the last one: a load right after it failed on them."""
+        self._close(collective=True)
+
+    def _close(self, *, collective: bool) -> None:
         if self._closed:
             return
+        error: BaseException | None = None
         try:
             # the finalizations first (each waits for its commit), so that their on_saved reports
             # are queued while the engine still runs them in order on its callback thread
@@ -301,13 +344,17 @@ class MegatronCheckpointer:
             self.engine.close()
             self._wait_finalized(None)  # any that came of the engine's own flush
             error = self._take_finalize_error()
-            if error is not None:
-                raise error
+        except BaseException as exc:
+            error = exc
         finally:
             self._closed = True
             self._finalize_queue.put(None)
             self._finalizer.join(timeout=60)
             cancel_flush_at_exit(self._at_exit)
+        if collective:  # rank 0 has finalized: the tracker names the last checkpoint
+            self._agree_no_error(error)
+        elif error is not None:
+            raise error
 
     @property
     def staged_bytes(self) -> int:
@@ -317,7 +364,7 @@ class MegatronCheckpointer:
     def _at_exit(self) -> None:
         self.engine.join_training_thread()
         try:
-            self.close()
+            self._close(collective=False)  # the other ranks may be gone, or elsewhere
         except BaseException as exc:
             print(f"megatron_adapter: rank {self.rank}: final checkpoint not committed: {exc}",
                   file=sys.stderr)

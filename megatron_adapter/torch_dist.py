@@ -116,20 +116,27 @@ def plan_save(sharded_part: dict, *, rank: int, world_size: int, max_files: int)
     )
     from torch.distributed.checkpoint.planner import WriteItemType
 
-    flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, keep_only_main_replica=True)
-    pyt_state_dict = mcore_to_pyt_state_dict(flat, is_loading=False)
-    planner = MCoreSavePlanner(flatten_state_dict=False)
-    planner.set_up_planner(pyt_state_dict, is_coordinator=rank == 0)
-    local_plan = planner.create_local_plan()
+    local_plan, error = None, None
+    try:  # local: it fails on some ranks only (an object that cannot be pickled, say)
+        flat, _, _ = _replace_state_dict_keys_with_sharded_keys(sharded_part, keep_only_main_replica=True)
+        pyt_state_dict = mcore_to_pyt_state_dict(flat, is_loading=False)
+        planner = MCoreSavePlanner(flatten_state_dict=False)
+        planner.set_up_planner(pyt_state_dict, is_coordinator=rank == 0)
+        local_plan = planner.create_local_plan()
+    except Exception as exc:  # gathered as this rank's plan, so no rank waits for it in vain
+        error = f"rank {rank}: {type(exc).__name__}: {exc}"
 
     gathered = [None] * world_size if rank == 0 else None
     if world_size > 1:
-        dist.gather_object(local_plan, gathered, dst=0)
+        dist.gather_object((local_plan, error), gathered, dst=0)
     else:
-        gathered = [local_plan]
+        gathered = [(local_plan, error)]
     plan = SavePlan(jobs=[])
-    error = None
     if rank == 0:
+        errors = [e for _, e in gathered if e is not None]
+        error = "; ".join(errors) if errors else None
+        gathered = [p for p, _ in gathered]
+    if rank == 0 and error is None:
         item_indices = [[item.index for item in p.items] for p in gathered]
         try:
             _, metadata = planner.create_global_plan(gathered)

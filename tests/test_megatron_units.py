@@ -174,6 +174,33 @@ def test_a_sharding_megatron_refuses_fails_the_save_on_every_rank_at_once(tmp_pa
     assert got[0]["tracker"] == got[1]["tracker"] == 3
 
 
+def test_a_megatron_save_failing_on_one_rank_before_a_collective_fails_on_every_rank(tmp_path):
+    """A save that failed on rank 1 alone before a collective (a sharded-tensor factory, with
+    megatron-core's validation or without; an object that cannot be pickled, in the planning)
+    left rank 0 waiting in that collective for good (a review, session 28). Both ranks now
+    raise, and the next save commits. An iteration that is no integer is refused (``True``
+    was committed as ``iter_0000001`` with ``True`` in the tracker). ``close()`` is collective,
+    as megatron-core's ``AsyncCallsQueue.close`` is: rank 1 returned from it before rank 0 had
+    moved the tracker."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from launch import launch
+
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    codes = launch(os.path.join(REPO, "tests", "workers", "megatron_rank_local_failures.py"), [str(tmp_path)],
+                   2, timeout=180, env=env)
+    assert codes == [0, 0], codes
+    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    for case, own in (("factory_validated", "factory failed on rank 1"), ("factory", "factory failed on rank 1"),
+                      ("object", "rank 1: ")):
+        assert own in got[1][case], (case, got)
+        assert got[0][case] and ("rank(s) 1" in got[0][case] or own in got[0][case]), (case, got)
+    for case in ("iteration_true", "iteration_tensor"):
+        for r in range(2):
+            assert got[r][case].startswith("ValueError: save(iteration="), (case, got)
+    for r in range(2):
+        assert got[r]["tracker"] == 4 and got[r]["metadata"], got
+
+
 def test_ranks_checking_different_megatron_checkpoints_are_refused(tmp_path):
     """Each rank hashes a share of the files, which together cover them only if every rank
     checks the same checkpoint; ranks that read the tracker on either side of a commit each
