@@ -149,10 +149,10 @@ def sort_checkpoints(*args: Any, **kwargs: Any) -> list[str]:
     # then, with save_total_limit=1, deletes every checkpoint but that one: a save in flight,
     # left out here, would stay (two checkpoints where Trainer leaves one). Noted, so that the
     # rotation at exit, once the save committed, deletes it as Trainer would have.
-    best = kwargs.get("best_model_checkpoint", args[3] if len(args) > 3 else None)
-    if in_flight and best is not None:
-        output_dir = kwargs.get("output_dir", args[0] if args else None)
-        if output_dir is not None:
+    if in_flight:
+        given = inspect.signature(_ORIGINALS["sort_checkpoints"]).bind(*args, **kwargs).arguments
+        best, output_dir = given.get("best_model_checkpoint"), given.get("output_dir")
+        if best is not None and output_dir is not None:
             _best_only_at_exit[os.path.realpath(output_dir)] = best
     return kept
 
