@@ -806,16 +806,31 @@ class AsyncCheckpointer:
         handle = self._current
         if handle is None:
             raise AsyncCheckpointError("end() without begin()")
+        if self._closed:  # closed under it by another thread (it had passed begin's check)
+            self._current = None
+            raise AsyncCheckpointError(f"checkpoint {handle.tag!r} was not committed: the checkpointer "
+                                       "was closed while it was being saved")
         handle.abandoned = not commit
         handle.times["end"] = time.perf_counter()
         self.history.append(handle)
-        with self._lock:
-            self._inflight.append(handle)
-        self._current = None  # only now: retention sees its directory as in use throughout
         if self.config.is_async:
-            self._start_background(handle)
-            self._commits.put(handle)
+            try:
+                with self._lock:
+                    self._inflight.append(handle)
+                self._current = None  # only now: retention sees its directory as in use throughout
+                self._start_background(handle)
+            except BaseException:  # cut short (Ctrl-C, a SIGTERM handler's exit): never committed,
+                handle.abandoned = True  # and the committer still settles what was handed over
+                raise
+            finally:
+                with self._lock:
+                    queued = handle in self._inflight
+                if queued:  # else wait() and close() waited for it for good
+                    self._commits.put(handle)
         else:
+            with self._lock:
+                self._inflight.append(handle)
+            self._current = None
             self._commit_one(handle)
             if handle.error is not None:  # this save's failure, not "a previous checkpoint's"
                 with self._lock:  # (unless another thread's wait() took it meanwhile)
@@ -915,13 +930,23 @@ class AsyncCheckpointer:
         with self._seal_lock:
             unwritten, handle.unwritten = handle.unwritten, []
             unsubmitted, handle.unsubmitted = handle.unsubmitted, []
-            for path, plans, names, share in unwritten:
-                handle.files.append(self._writers.submit(
-                    write_file, self.storage, path, plans, self.config.checksum, part_names=names,
-                    zip_crc32=self.config.zip_crc32, share=share))
-            if unsubmitted:
-                self._warn_if_pool_too_small(unsubmitted)
-                self._stager.submit(unsubmitted)
+            try:
+                for path, plans, names, share in unwritten:
+                    handle.files.append(self._writers.submit(
+                        write_file, self.storage, path, plans, self.config.checksum, part_names=names,
+                        zip_crc32=self.config.zip_crc32, share=share))
+                if unsubmitted:
+                    self._warn_if_pool_too_small(unsubmitted)
+                    self._stager.submit(unsubmitted)
+            except BaseException as exc:
+                # Cut short (a Ctrl-C while a writer thread starts): copies that may never be
+                # queued fail, so that the writers already queued fail on them instead of
+                # waiting for them for good (and close() with them).
+                for item in unsubmitted:
+                    if not item._issued:
+                        item.error = item.error or exc
+                        item.cancel()
+                raise
 
     def _warn_if_pool_too_small(self, items: list[TensorItem]) -> None:
         """Say once when a save's lazy copies need more host staging than ``host_buffer_gb``:
@@ -1370,16 +1395,22 @@ class AsyncCheckpointer:
 
     def join_training_thread(self) -> None:
         """At interpreter exit: if the saves come from a thread other than this one (training
-        in a non-daemon thread, the main thread returned) and a save it began is still open
-        (between ``begin`` and ``end``), wait until it ends or the thread does. Python runs the
-        exit flush before it joins such threads, and closing under an open save abandons it.
-        Nothing more: a pool worker that saved earlier and now idles stops only after this
-        hook, so waiting for it would hang the exit."""
+        in a non-daemon thread, the main thread returned), wait until it ends, as Python itself
+        does right after (it runs the exit flush before it joins such threads, and closing
+        under a save abandons it, or refuses the thread's next one). A ``concurrent.futures``
+        worker that saved earlier and now idles stops only after this hook, so for one only a
+        save still being made is waited for (from the start of ``begin``, whose collective may
+        wait for the slowest rank, to ``end``)."""
         owner = self._owner
         if owner is None or owner is threading.current_thread() or owner.daemon:
             return
-        while self._current is not None and owner.is_alive():  # a save still open, nothing more:
-            owner.join(0.1)  # an idle pool worker that saved earlier is never joined
+        from concurrent.futures import thread as futures_thread
+
+        if owner not in getattr(futures_thread, "_threads_queues", {}):
+            owner.join()
+            return
+        while (self._current is not None or self._beginning is not None) and owner.is_alive():
+            owner.join(0.1)
 
     def _at_exit(self) -> None:
         self.join_training_thread()

@@ -275,7 +275,13 @@ class HostBufferPool:
             self._reserving = True
         thread = threading.Thread(target=self._fault_in, args=(n,), name="async-ckpt-reserve",
                                   daemon=True)
-        thread.start()
+        try:
+            thread.start()
+        except BaseException as exc:  # "can't start new thread": no block will come
+            with self._cond:
+                self.reserve_error, self._reserving = exc, False
+                self._cond.notify_all()
+            raise
         return thread
 
     def _fault_in(self, nbytes: int) -> None:
@@ -739,18 +745,29 @@ class Stager:
         """Copy the last queued item from host memory that has its buffer and that no thread
         has taken; False if there is none (a save of CUDA tensors has none: the fence does not
         block the host there)."""
-        with self._lock:
-            while self._jobs[1] < self._jobs[0]:  # the copier is taking buffers: in a moment
-                self._prepared.wait()
-            while self._helpable:
-                item = self._helpable.pop()
-                if not item._claimed and not item._issued:
-                    item._claimed = True
-                    break
-            else:
-                return False
-        self._copy(item)
-        self.fence_copied_bytes += item.nbytes
+        claimed = None
+        try:
+            with self._lock:
+                while self._jobs[1] < self._jobs[0]:  # the copier is taking buffers: in a moment
+                    self._prepared.wait()
+                while self._helpable:
+                    item = self._helpable.pop()
+                    if not item._claimed and not item._issued:
+                        item._claimed, claimed = True, item
+                        break
+                else:
+                    return False
+            self._copy(claimed)
+        except BaseException as exc:
+            # Cut short (Ctrl-C) between the claim and _copy's own handling: the copier skips a
+            # claimed item, so it must end issued here, failed, or its writer and the next
+            # fence wait for it for good.
+            if claimed is not None and not claimed._issued:
+                claimed.error = claimed.error or exc
+                claimed.src = None
+                claimed._set_issued()
+            raise
+        self.fence_copied_bytes += claimed.nbytes
         return True
 
     def close(self) -> None:

@@ -1324,6 +1324,149 @@ def test_the_exit_flush_waits_for_a_training_thread_still_saving(tmp_path, repo_
     verify_checkpoint(str(tmp_path / "t0"))
 
 
+THREAD_BETWEEN_SAVES_SCRIPT = """
+import os, sys, threading, time, torch
+from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.commit import Pointer
+root, slow_begin = sys.argv[1], sys.argv[2] == "slow_begin"
+ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+if slow_begin:  # begin's collective waits for the slowest rank
+    exchange = ck._exchange
+    ck._exchange = lambda *a, **k: (time.sleep(1.0), exchange(*a, **k))[1]
+first = threading.Event()
+def save(tag):
+    d = os.path.join(root, tag)
+    ck.begin(d, tag=tag, pointer=Pointer(os.path.join(root, "latest"), tag))
+    ck.save({"w": torch.full((1024,), float(len(tag)))}, os.path.join(d, "model.pt"))
+    ck.end(); ck.fence()
+def train():  # a non-daemon training thread: one save, more steps, a last save
+    try:
+        if slow_begin:
+            first.set()
+        else:
+            save("s1"); first.set(); time.sleep(1.0)
+        save("s22")
+    except BaseException as exc:
+        print(f"trainer: {type(exc).__name__}: {exc}", flush=True)
+threading.Thread(target=train).start()
+first.wait()
+"""
+
+
+@pytest.mark.parametrize("when", ["between_saves", "slow_begin"])
+def test_the_exit_flush_waits_for_a_training_thread_between_saves_or_in_begin(tmp_path, repo_env, when):
+    """The flush waited only while a save was open (between ``begin`` returning and ``end``):
+    with the training thread between two saves, or inside ``begin``'s collective, it closed
+    the checkpointer, and the thread's last save was refused ("the checkpointer is closed"),
+    or failed in ``end`` with a bare ``RuntimeError`` leaving a partial directory, while the
+    process exited 0. Found by a review, session 28. It now joins the thread, as Python does
+    right after (a ``concurrent.futures`` worker, which stops only after the flush, only while
+    its save is being made)."""
+    out = run_script(THREAD_BETWEEN_SAVES_SCRIPT, repo_env, str(tmp_path), when)
+    assert out.returncode == 0 and "trainer:" not in out.stdout, out.stdout + out.stderr
+    assert (tmp_path / "latest").read_text() == "s22"
+    verify_checkpoint(str(tmp_path / "s22"))
+    assert torch.equal(torch.load(tmp_path / "s22" / "model.pt")["w"], torch.full((1024,), 3.0))
+
+
+def test_a_ctrl_c_while_end_hands_a_save_over_fails_it_and_nothing_waits_for_it(tmp_path, monkeypatch):
+    """A Ctrl-C (or a SIGTERM handler's ``sys.exit``) landing in ``end`` after its writers were
+    queued and before its copies were: the committer never got the save and its writers
+    waited for the copies, so ``wait``, ``close`` and the exit flush hung for good (a review,
+    session 28). Now the save fails (its writers on the copies that were never queued), the
+    next save commits, and ``close`` returns."""
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    submit, hits = Stager.submit, []
+
+    def interrupted(self, items):
+        if not hits:
+            hits.append(1)
+            raise KeyboardInterrupt
+        return submit(self, items)
+
+    monkeypatch.setattr(Stager, "submit", interrupted)
+    root = str(tmp_path)
+    with pytest.raises(KeyboardInterrupt):
+        save_one(ck, root, sample_state(), tag="t1")
+    assert not ck.is_open
+    with pytest.raises(PersistError, match="KeyboardInterrupt"):
+        ck.wait(timeout=30)
+    save_one(ck, root, sample_state(), tag="t2")
+    ck.fence()
+    ck.wait(timeout=30)
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "t2"
+    assert not (tmp_path / "t1" / "model.pt").exists()
+
+
+def test_a_ctrl_c_between_the_fences_claim_and_its_copy_fails_the_save_not_the_next_fence(tmp_path, monkeypatch):
+    """The fence claimed an item to copy from the back of the queue, then a Ctrl-C landed
+    before the copy began: the copier skips claimed items, so the item was never issued, and
+    the next fence (the next optimizer step), ``wait`` and the exit flush waited for good (a
+    review, session 28). The item now fails: the save is not committed, the next fence
+    raises that once, and the next save commits."""
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05))
+    stager = ck._stager
+    stage, copy = stager.stage, Stager._copy
+    slow = threading.Event()
+    monkeypatch.setattr(stager, "stage", lambda item, ready=None, expected_bytes=0:
+                        (slow.wait(1.0), stage(item, ready, expected_bytes))[1])  # a busy copier
+    hits = []
+
+    def interrupted_copy(self, item, ready=None):
+        if threading.current_thread() is threading.main_thread() and not hits:
+            hits.append(item)
+            raise KeyboardInterrupt  # before _copy's own try
+        return copy(self, item, ready)
+
+    monkeypatch.setattr(Stager, "_copy", interrupted_copy)
+    root = str(tmp_path)
+    d = os.path.join(root, "t1")
+    ck.begin(d, tag="t1", pointer=Pointer(os.path.join(root, "latest"), "t1"))
+    ck.save({f"w{i}": torch.full((4096,), float(i)) for i in range(8)}, os.path.join(d, "model.pt"))
+    ck.end()
+    with pytest.raises(KeyboardInterrupt):
+        ck.fence()
+    assert hits and hits[0]._issued
+    slow.set()
+    with pytest.raises(SnapshotError, match="KeyboardInterrupt"):
+        ck.fence()
+    ck.fence()  # once
+    with pytest.raises(PersistError):
+        ck.wait(timeout=30)
+    save_one(ck, root, sample_state(), tag="t2")
+    ck.fence()
+    ck.wait(timeout=30)
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "t2"
+
+
+def test_a_reservation_whose_thread_cannot_start_leaves_the_first_save_to_allocate(monkeypatch):
+    """``reserve`` marked the pool as being reserved before it started its thread; a thread
+    that could not start ("can't start new thread") left that mark, and every save then
+    waited for a block that never came (a review, session 28)."""
+    pool = HostBufferPool(1 << 20, pin=False)
+    start = threading.Thread.start
+
+    def cannot_start(self):
+        if self.name == "async-ckpt-reserve":
+            raise RuntimeError("can't start new thread")
+        return start(self)
+
+    monkeypatch.setattr(threading.Thread, "start", cannot_start)
+    with pytest.raises(RuntimeError, match="can't start new thread"):
+        pool.reserve(1 << 16)
+    assert isinstance(pool.reserve_error, RuntimeError)
+    done = threading.Event()
+    threading.Thread(target=lambda: (pool.acquire(4096, "w"), done.set()), daemon=True).start()
+    assert done.wait(10)
+
+
 OTHER_JOB_SCRIPT = """
 import os, sys, time, torch
 from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
