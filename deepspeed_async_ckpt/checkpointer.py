@@ -128,6 +128,8 @@ class CheckpointHandle:
         checkpoint's, its marker, subdirectories of files; on rank 0 also the save directory,
         whoever made it): their entries are made durable before this rank's record, so that
         no crash after the commit takes them back."""
+        self.paths: set[str] = set()
+        """The files saved so far, by their path in the checkpoint (each may be saved once)."""
         self.items: list[TensorItem] = []
         self.unsubmitted: list[TensorItem] = []
         """Lazy items of an open save, queued for the copier when it is sealed."""
@@ -707,6 +709,10 @@ class AsyncCheckpointer:
             # make a manifest that every reader refuses as damaged, once `latest` names it
             raise ValueError(f"save({path!r}): not a file inside the checkpoint directory "
                              f"{handle.ckpt_dir!r} (tag {handle.tag!r})")
+        if rel in handle.paths:  # async: two writers on one temporary name, and no commit
+            raise ValueError(f"save({path!r}): this file was already saved in checkpoint "
+                             f"{handle.tag!r}: save each file of a checkpoint once")
+        handle.paths.add(rel)
         if handle.write_dir != handle.ckpt_dir:  # staged: the same name in the staging directory
             path = os.path.join(handle.write_dir, rel)
         plans = []

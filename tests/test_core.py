@@ -4109,6 +4109,28 @@ def test_a_file_saved_outside_the_checkpoint_directory_is_refused_by_name(tmp_pa
     assert (tmp_path / "latest").read_text() == "good"
     verify_checkpoint(str(tmp_path / "good"))
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_a_file_saved_twice_in_one_checkpoint_is_refused_by_name(tmp_path, mode):
+    """Async, two writers wrote the same temporary name and one's rename failed (ENOENT), so
+    the checkpoint was never committed; sync, the second save silently won (a review, session
+    28). Both now refuse the second ``save`` of a path, naming it, before writing anything of
+    it; the checkpoint committed before stays ``latest``."""
+    ck = make(mode=mode)
+    save_one(ck, str(tmp_path), {"w": torch.ones(4)}, tag="good", eager=())
+    ck.wait()
+    d = str(tmp_path / "t2")
+    ck.begin(d, tag="t2", pointer=Pointer(str(tmp_path / "latest"), "t2"))
+    ck.save({"w": torch.ones(4)}, os.path.join(d, "model.pt"))
+    ck.save({"w": torch.ones(4)}, os.path.join(d, "sub", "model.pt"))  # another file of that name
+    with pytest.raises(ValueError, match=r"model.pt'\): this file was already saved in checkpoint 't2'"):
+        ck.save({"w": torch.zeros(4)}, os.path.join(d, ".", "model.pt"))
+    ck.end(commit=False)  # as the adapters do when a save raised inside it
+    ck.wait()
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "good"
+    verify_checkpoint(str(tmp_path / "good"))
+
+
 # --------------------------------------------- found by an audit (session 18): verify and list
 def cli_main(argv):
     from deepspeed_async_ckpt.cli import main
