@@ -827,11 +827,12 @@ class AsyncCheckpointer:
                 self._start_background(handle)
             except BaseException:  # cut short (Ctrl-C, a SIGTERM handler's exit): never committed,
                 handle.abandoned = True  # and the committer still settles what was handed over
+                self._current = None
                 raise
             finally:
                 with self._lock:
                     queued = handle in self._inflight
-                if queued:  # else wait() and close() waited for it for good
+                if queued:  # in flight: wait() and close() wait until the committer settles it
                     self._commits.put(handle)
         else:
             with self._lock:
