@@ -78,6 +78,8 @@ if RANK == 0 and args.hold_from:
 def listing() -> dict:
     seen = {}
     for name in sorted(os.listdir(RUN)):
+        if not name.startswith("checkpoint-"):  # a rotated one being deleted meanwhile, say
+            continue
         latest = os.path.join(RUN, name, "latest")
         seen[name] = open(latest).read().strip() if os.path.exists(latest) else None
     return seen
