@@ -1370,6 +1370,15 @@ def test_the_exit_flush_waits_for_a_training_thread_between_saves_or_in_begin(tm
     assert torch.equal(torch.load(tmp_path / "s22" / "model.pt")["w"], torch.full((1024,), 3.0))
 
 
+def the_next_save_commits_and_closes(ck, tmp_path):
+    """After a save that failed: the next one (tag ``t2``) commits, and ``close`` returns."""
+    save_one(ck, str(tmp_path), sample_state(), tag="t2")
+    ck.fence()
+    ck.wait(timeout=30)
+    ck.close()
+    assert (tmp_path / "latest").read_text() == "t2"
+
+
 def test_a_ctrl_c_while_end_hands_a_save_over_fails_it_and_nothing_waits_for_it(tmp_path, monkeypatch):
     """A Ctrl-C (or a SIGTERM handler's ``sys.exit``) landing in ``end`` after its writers were
     queued and before its copies were: the committer never got the save and its writers
@@ -1394,11 +1403,7 @@ def test_a_ctrl_c_while_end_hands_a_save_over_fails_it_and_nothing_waits_for_it(
     assert not ck.is_open
     with pytest.raises(PersistError, match="KeyboardInterrupt"):
         ck.wait(timeout=30)
-    save_one(ck, root, sample_state(), tag="t2")
-    ck.fence()
-    ck.wait(timeout=30)
-    ck.close()
-    assert (tmp_path / "latest").read_text() == "t2"
+    the_next_save_commits_and_closes(ck, tmp_path)
     assert not (tmp_path / "t1" / "model.pt").exists()
 
 
@@ -1439,11 +1444,7 @@ def test_a_ctrl_c_between_the_fences_claim_and_its_copy_fails_the_save_not_the_n
     ck.fence()  # once
     with pytest.raises(PersistError):
         ck.wait(timeout=30)
-    save_one(ck, root, sample_state(), tag="t2")
-    ck.fence()
-    ck.wait(timeout=30)
-    ck.close()
-    assert (tmp_path / "latest").read_text() == "t2"
+    the_next_save_commits_and_closes(ck, tmp_path)
 
 
 def test_a_reservation_whose_thread_cannot_start_leaves_the_first_save_to_allocate(monkeypatch):

@@ -112,15 +112,25 @@ def test_megatron_lm_routes_only_saves_the_engine_can_honour(monkeypatch):
 def _run_one_rank(worker: str) -> dict:
     """Run ``tests/workers/<worker>`` as one gloo rank in a process of its own; its last line
     of output is JSON."""
-    import socket
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from launch import free_port
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "workers", worker), str(port)],
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "workers", worker), str(free_port())],
                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def _run_two_ranks(worker: str, tmp_path, timeout: float = 120) -> list[dict]:
+    """Run ``tests/workers/<worker> <tmp_path>`` as two gloo ranks (``scripts/launch.py``);
+    each must exit 0 and leave ``rank<N>.json``, returned in rank order."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    from launch import launch
+
+    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    codes = launch(os.path.join(REPO, "tests", "workers", worker), [str(tmp_path)], 2, timeout=timeout, env=env)
+    assert codes == [0, 0], codes
+    return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 
 
 def test_save_copies_the_buffers_of_ddp_wrapped_chunks_at_save_time():
@@ -159,14 +169,7 @@ def test_a_sharding_megatron_refuses_fails_the_save_on_every_rank_at_once(tmp_pa
     raises there alone: rank 1 went on into ``plan_save``'s collective and waited for rank 0
     for as long as rank 0 lived (found by an audit). Both ranks now raise at once, and the
     next, valid, save commits."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    from launch import launch
-
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    codes = launch(os.path.join(REPO, "tests", "workers", "megatron_invalid_sharding.py"), [str(tmp_path)],
-                   2, timeout=120, env=env)
-    assert codes == [0, 0], codes
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    got = _run_two_ranks("megatron_invalid_sharding.py", tmp_path)
     for case in ("two_main_replicas", "no_main_replica"):
         assert "Invalid access pattern" in got[0][case]["error"], got
         assert got[1][case]["error"].startswith("CommitError: checkpoint failed on rank(s) 0"), got
@@ -182,14 +185,7 @@ def test_a_megatron_save_failing_on_one_rank_before_a_collective_fails_on_every_
     was committed as ``iter_0000001`` with ``True`` in the tracker). ``close()`` is collective,
     as megatron-core's ``AsyncCallsQueue.close`` is: rank 1 returned from it before rank 0 had
     moved the tracker."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    from launch import launch
-
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    codes = launch(os.path.join(REPO, "tests", "workers", "megatron_rank_local_failures.py"), [str(tmp_path)],
-                   2, timeout=180, env=env)
-    assert codes == [0, 0], codes
-    got = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    got = _run_two_ranks("megatron_rank_local_failures.py", tmp_path, timeout=180)
     for case, own in (("factory_validated", "factory failed on rank 1"), ("factory", "factory failed on rank 1"),
                       ("object", "rank 1: ")):
         assert own in got[1][case], (case, got)
@@ -205,15 +201,8 @@ def test_ranks_checking_different_megatron_checkpoints_are_refused(tmp_path):
     """Each rank hashes a share of the files, which together cover them only if every rank
     checks the same checkpoint; ranks that read the tracker on either side of a commit each
     checked part of a different one, and passed (found by an audit). Both now raise."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    from launch import launch
-
-    env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    codes = launch(os.path.join(REPO, "tests", "workers", "megatron_verify_elsewhere.py"), [str(tmp_path)],
-                   2, timeout=120, env=env)
-    assert codes == [0, 0], codes
-    for r in range(2):
-        error = json.loads((tmp_path / f"rank{r}.json").read_text())["error"]
+    for got in _run_two_ranks("megatron_verify_elsewhere.py", tmp_path):
+        error = got["error"]
         assert error and error.startswith("IntegrityError: the ranks are not checking the same checkpoint"), error
         assert "iter_0000002" in error and "iter_0000001" in error, error
 
