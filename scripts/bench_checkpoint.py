@@ -60,7 +60,7 @@ from typing import Any, Callable
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "scripts", "bench_worker.py")
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-from launch import launch  # noqa: E402
+from launch import launch, scratch_dir  # noqa: E402
 GB = 1e9  # decimal, as storage bandwidth is quoted
 
 ENGINES = ("async", "sync", "ds_torch", "ds_decoupled", "dcp_async")
@@ -952,9 +952,8 @@ def main(argv=None) -> int:
         if e not in ENGINES:
             p.error(f"--engines: unknown {e!r}; allowed: {', '.join(ENGINES)}")
     zero_stage = args.zero_stage
-    work = os.path.abspath(args.work_dir)
-    shutil.rmtree(work, ignore_errors=True)
-    os.makedirs(os.path.join(work, "logs"), exist_ok=True)
+    work = scratch_dir(args.work_dir)  # refuses a directory these scripts did not make
+    os.makedirs(os.path.join(work, "logs"))
     t_start = time.perf_counter()
     load = ForeignLoad().start()
     meta = machine_info()

@@ -34,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     sys.path.insert(0, os.path.join(REPO, "scripts"))
-    from launch import free_port  # a fixed port failed when another run held it
+    from launch import free_port, scratch_dir  # a fixed port failed when another run held it
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
@@ -71,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
         except OSError:
             return False
 
-    shutil.rmtree(args.work_dir, ignore_errors=True)
+    args.work_dir = scratch_dir(args.work_dir)  # refuses a directory these scripts did not make
     ours, theirs = os.path.join(args.work_dir, "async"), os.path.join(args.work_dir, "torch")
     saving = engine(True)
     saving.save_checkpoint(ours)

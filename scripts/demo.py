@@ -13,14 +13,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import shutil
 import statistics
 import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from launch import launch  # noqa: E402
+from launch import POSITIVE, launch, scratch_dir  # noqa: E402
 
 
 def run(tag, workdir, extra, nproc=2, expect_kill=False):
@@ -44,16 +43,20 @@ def stalls(events):
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--workdir", default=os.path.join(REPO, "demo_out"))
-    p.add_argument("--steps", type=int, default=30)
-    p.add_argument("--save-every", type=int, default=5)
-    p.add_argument("--kill-at", type=int, default=20)
-    p.add_argument("--nproc", type=int, default=2, help="ranks (one GPU each with DS_ACCELERATOR=cuda)")
-    p.add_argument("--hidden", type=int, default=1024)
-    p.add_argument("--layers", type=int, default=6)
+    p.add_argument("--workdir", default=os.path.join(REPO, "demo_out"),
+                   help="emptied first: a new or empty directory, or one this script made")
+    p.add_argument("--steps", type=POSITIVE, default=30)
+    p.add_argument("--save-every", type=POSITIVE, default=5)
+    p.add_argument("--kill-at", type=POSITIVE, default=20)
+    p.add_argument("--nproc", type=POSITIVE, default=2, help="ranks (one GPU each with DS_ACCELERATOR=cuda)")
+    p.add_argument("--hidden", type=POSITIVE, default=1024)
+    p.add_argument("--layers", type=POSITIVE, default=6)
     a = p.parse_args()
-    shutil.rmtree(a.workdir, ignore_errors=True)
-    os.makedirs(a.workdir)
+    if not (a.save_every < a.kill_at < a.steps and a.kill_at % a.save_every == 0):
+        p.error(f"--kill-at {a.kill_at} must be a multiple of --save-every {a.save_every} above it "
+                f"and below --steps {a.steps}: the run is killed right after that step's checkpoint "
+                f"is issued, and resumes from an earlier one")
+    a.workdir = scratch_dir(a.workdir)
     ours_dir, torch_dir = os.path.join(a.workdir, "ckpt_async"), os.path.join(a.workdir, "ckpt_torch")
     common = ["--steps", str(a.steps), "--save-every", str(a.save_every), "--hidden", str(a.hidden),
               "--layers", str(a.layers)]

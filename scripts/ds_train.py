@@ -21,6 +21,8 @@ import time
 import torch
 import torch.nn as nn
 
+from launch import NON_NEGATIVE, POSITIVE  # scripts/, this file's directory
+
 
 def build_model(hidden: int, layers: int, pipeline_stages: int = 0):
     blocks = []
@@ -51,16 +53,16 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", required=True, help="DeepSpeed JSON config")
     p.add_argument("--save-dir", required=True)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--save-every", type=int, default=5)
-    p.add_argument("--hidden", type=int, default=256)
-    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--steps", type=POSITIVE, default=20)
+    p.add_argument("--save-every", type=POSITIVE, default=5)
+    p.add_argument("--hidden", type=POSITIVE, default=256)
+    p.add_argument("--layers", type=POSITIVE, default=4)
     p.add_argument("--resume", action="store_true", help="load `latest` from --save-dir first")
-    p.add_argument("--kill-at-step", type=int, default=0,
+    p.add_argument("--kill-at-step", type=NON_NEGATIVE, default=0,
                    help="SIGKILL every rank right after this step's checkpoint is issued")
-    p.add_argument("--zero-stage", type=int, default=None, help="override the config's ZeRO stage")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="override the config's ZeRO stage")
     p.add_argument("--no-async", action="store_true", help="drop the async_checkpoint key")
-    p.add_argument("--pipeline-stages", type=int, default=0)
+    p.add_argument("--pipeline-stages", type=NON_NEGATIVE, default=0)
     p.add_argument("--log", default=None, help="JSON-lines event log")
     args = p.parse_args(argv)
 

@@ -44,6 +44,8 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 WHEELS = os.path.join(REPO, ".whl")
+sys.path.insert(0, HERE)
+from launch import scratch_dir  # noqa: E402
 
 DEVICE_PYTHON = "3.12"
 """The lent machines' Python (docs: the device tool's KINDS.md): binary wheels are for it."""
@@ -59,8 +61,9 @@ def wheels(out: str, python_version: str) -> int:
     DeepSpeed's (it ships only a source archive) into ``out``, replacing what was there."""
     from importlib.metadata import version
 
-    shutil.rmtree(out, ignore_errors=True)
-    os.makedirs(out)
+    if os.path.isdir(out) and all(n.endswith(".whl") for n in os.listdir(out)):
+        shutil.rmtree(out)  # an earlier run's wheels: replaced
+    out = scratch_dir(out)  # anything else: refused unless these scripts made it
     pins = [f"{name}=={version(name)}" for name in MISSING_THERE]
     platforms = [arg for p in PLATFORMS for arg in ("--platform", p)]
     subprocess.run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", "--only-binary=:all:",

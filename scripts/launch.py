@@ -12,10 +12,50 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import shutil
 import socket
 import subprocess
 import sys
 import time
+
+
+SCRATCH_MARK = ".scratch-of-async-ckpt-scripts"
+"""The file :func:`scratch_dir` leaves in a directory it made, so a later run may empty it."""
+
+
+def scratch_dir(path: str) -> str:
+    """Empty ``path`` (made if missing) for a script's scratch work and mark it as the scripts'.
+
+    Refuses, naming it, a path that is not a directory or a non-empty directory no script of
+    this repository made: a mistyped ``--workdir`` must not delete someone's checkpoints.
+    """
+    path = os.path.abspath(path)
+    mark = os.path.join(path, SCRATCH_MARK)
+    if os.path.islink(path) or (os.path.lexists(path) and not os.path.isdir(path)):
+        raise SystemExit(f"{path}: not a directory; give a new or empty directory for scratch work")
+    if os.path.isdir(path) and os.listdir(path):
+        if not os.path.isfile(mark):
+            raise SystemExit(f"{path} is not empty and was not made by these scripts (no {SCRATCH_MARK} "
+                             f"in it); refusing to delete it: give a new or empty directory")
+        shutil.rmtree(path)
+    os.makedirs(path, exist_ok=True)
+    open(mark, "w", encoding="ascii").close()
+    return path
+
+
+def count(least: int):
+    """An argparse ``type``: an integer of at least ``least``, refused by argparse naming the flag."""
+
+    def parse(text: str) -> int:
+        value = int(text)
+        if value < least:
+            raise ValueError(text)
+        return value
+    parse.__name__ = "positive int" if least == 1 else f"int >= {least}"
+    return parse
+
+
+POSITIVE, NON_NEGATIVE = count(1), count(0)
 
 
 def free_port() -> int:
@@ -105,10 +145,20 @@ def stop(procs: list[subprocess.Popen]) -> None:
         p.wait()
 
 
+def _seconds(text: str) -> float:
+    value = float(text)
+    if not value > 0:  # NaN too
+        raise ValueError(text)
+    return value
+
+
+_seconds.__name__ = "seconds > 0"
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__)
-    p.add_argument("--nproc", type=int, default=2)
-    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument("--nproc", type=POSITIVE, default=2)
+    p.add_argument("--timeout", type=_seconds, default=600)
     p.add_argument("script")
     p.add_argument("args", nargs=argparse.REMAINDER)
     a = p.parse_args()

@@ -37,11 +37,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO not in sys.path:
-    sys.path.insert(0, REPO)
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+for _path in (REPO, HERE):
+    if _path not in sys.path:
+        sys.path.insert(0, _path)
 
 from deepspeed_async_ckpt.commit import verify_file  # noqa: E402
+from launch import NON_NEGATIVE, POSITIVE  # noqa: E402
 from megatron_adapter import compat  # noqa: E402
 from megatron_adapter.arguments import add_arguments, config_from_args  # noqa: E402
 from megatron_adapter.checkpointer import (  # noqa: E402
@@ -55,20 +58,6 @@ CPU_SHIM = os.path.join(REPO, "tests", "megatron_cpu_shim.py")
 
 
 # ---------------------------------------------------------------------------------- arguments
-def _count(least: int):
-    """An argparse type: an int of at least ``least`` (argparse names the flag on error)."""
-    def parse(text: str) -> int:
-        value = int(text)
-        if value < least:
-            raise ValueError(text)
-        return value
-    parse.__name__ = "positive int" if least == 1 else f"int >= {least}"
-    return parse
-
-
-POSITIVE, NON_NEGATIVE = _count(1), _count(0)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     g = p.add_argument_group("parallelism (Megatron-LM names)")
