@@ -493,7 +493,9 @@ class AsyncCheckpointer:
         """Under ``_dirs_lock``: save directory -> the checkpoint its pointer names, as this
         checkpointer last moved it (:meth:`pointer_moved`); retention never removes it."""
         # checkpoint dir -> (save id, which of its files), checked by verify_all_ranks
-        self._verified: dict[str, tuple[str, Callable[[str], bool] | None]] = {}
+        # checkpoint dir -> (save id, include, the paths its manifest lists) of the last
+        # verify_all_ranks that passed
+        self._verified: dict[str, tuple[str, Callable[[str], bool] | None, frozenset[str]]] = {}
         self._warned_replicas_differ = False
         self._warned_pool_too_small = False
         self._retirer: ThreadPoolExecutor | None = None  # retention, started on first use
@@ -1232,11 +1234,11 @@ class AsyncCheckpointer:
         ckpt_dir = os.path.abspath(ckpt_dir)
         self._verified.pop(ckpt_dir, None)  # an earlier pass counts no more if this one fails
         error: Exception | None = None
-        save_id = None
+        manifest = None
         try:
             if os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
-                save_id = verify_checkpoint(ckpt_dir, rank=self.rank, world_size=self.world_size,
-                                            include=include)["save_id"]
+                manifest = verify_checkpoint(ckpt_dir, rank=self.rank, world_size=self.world_size,
+                                             include=include)
         except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
             error = exc
         detail = None if error is None else f"{type(error).__name__}: {error}"
@@ -1249,8 +1251,9 @@ class AsyncCheckpointer:
         if failed:
             raise IntegrityError(f"{action} refused on every rank, because of rank(s) "
                                  f"{by_rank(failed)}")
-        if save_id is not None:
-            self._verified[ckpt_dir] = (save_id, include)
+        if manifest is not None:
+            listed = frozenset([*manifest["files"], *manifest.get("late_files", ())])
+            self._verified[ckpt_dir] = (manifest["save_id"], include, listed)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """``torch.load`` after checking the file against its checkpoint's committed manifest
@@ -1288,12 +1291,14 @@ class AsyncCheckpointer:
 
     def _verified_check(self, path: str) -> tuple[str, str] | None:
         """``(checkpoint directory, save id)`` of the check by :meth:`verify_all_ranks` that
-        covers ``path``, if any."""
+        covers ``path``, if any: not one of a file its manifest does not list (a stray file, or
+        one carried over from a checkpoint this one replaced), which that check never read."""
         ckpt_dir = find_checkpoint_dir(os.path.abspath(path))
         if ckpt_dir is None or ckpt_dir not in self._verified:
             return None
-        save_id, include = self._verified[ckpt_dir]
-        if include is not None and not include(os.path.relpath(os.path.abspath(path), ckpt_dir)):
+        save_id, include, listed = self._verified[ckpt_dir]
+        rel = os.path.relpath(os.path.abspath(path), ckpt_dir)
+        if rel not in listed or (include is not None and not include(rel)):
             return None  # left out of that check: not read by the load it was made for
         return ckpt_dir, save_id
 

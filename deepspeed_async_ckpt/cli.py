@@ -102,6 +102,7 @@ def _cmd_list(args: argparse.Namespace) -> int:
     from .commit import (MANIFEST, META_DIR, REMOVING_PREFIX, STAGING_PREFIX, is_finalized,
                          linked_checkpoints, read_manifest)
     from .errors import IntegrityError
+    from .storage import is_temporary
 
     save_dir = args.save_dir
     if not os.path.isdir(save_dir):
@@ -137,11 +138,13 @@ def _cmd_list(args: argparse.Namespace) -> int:
                 else:
                     try:
                         records = [n for n in os.listdir(os.path.join(path, META_DIR))
-                                   if n.startswith("rank_")]
+                                   if n.startswith("rank_") and not is_temporary(n)]
                     except OSError as err:  # not ours to read: say so, as for a manifest
                         row.update(state="damaged", problem=str(err))
                     else:
-                        row.update(state="partial", rank_records=len(records))
+                        row.update(state="partial",
+                                   rank_records=sum(n.endswith(".json") for n in records),
+                                   failed_ranks=sum(n.endswith(".failed") for n in records))
             else:
                 row.update(state="committed" if is_finalized(path, manifest) else "unfinalized",
                            committed_at=manifest["committed_at"],
@@ -160,7 +163,9 @@ def _cmd_list(args: argparse.Namespace) -> int:
     for r in rows:
         when = datetime.datetime.fromtimestamp(r["committed_at"], datetime.timezone.utc) \
             .strftime("%Y-%m-%d %H:%M:%S") if "committed_at" in r else "-"
-        detail = f"{r['rank_records']} rank record(s)" if r["state"] == "partial" else \
+        detail = f"{r['rank_records']} rank record(s)" + (
+            f", {r['failed_ranks']} rank(s) failed" if r.get("failed_ranks") else "") \
+            if r["state"] == "partial" else \
             f"replaces {r['replaces']}" if r["state"] == "staged" else \
             "manifest unreadable: see `verify`" if r["state"] == "damaged" else \
             "committed, markers never written" if r["state"] == "unfinalized" else \
@@ -214,6 +219,12 @@ def _cmd_verify(args: argparse.Namespace) -> int:
                 "next load_checkpoint or save_checkpoint renames it into place)")
         path = staged
     if not _is_dir(os.path.join(path, META_DIR), path):  # DeepSpeed's own engine, megatron-core
+        ours = _checkpoints_in(path) if target is None else []
+        if ours:  # a save directory whose pointer is gone (deleted, or never written)
+            raise CliError(f"{path!r} is a save directory without a pointer (no "
+                           f"{' or '.join(p for p, _ in _POINTERS)}): verify one of its "
+                           f"{len(ours)} checkpoint(s), e.g. {os.path.join(path, ours[-1])!r}; "
+                           f"`ds-async-ckpt list {path}` shows them")
         raise CliError(f"{path!r} was not written by this engine (no {META_DIR}/): it holds no "
                        "checksums to verify against")
     try:
@@ -224,9 +235,48 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     except OSError as e:  # its manifest unreadable (permissions): nothing verified
         raise CliError(f"cannot read checkpoint {path!r}: {e}") from None
     total = sum(entry["bytes"] for entry in manifest["files"].values())
-    print(f"OK: {path}: tag {manifest['tag']}, {len(manifest['files'])} files, {total} bytes, "
-          f"{manifest['world_size']} ranks, {manifest['checksum']} verified{note}")
+    checked = ("sizes verified (checksum none: no checksums recorded)" if manifest["checksum"] == "none"
+               else f"{manifest['checksum']} verified")
+    carried = len(manifest.get("carried", ()))
+    files = f"{len(manifest['files'])} files" + (
+        f" ({carried} carried over from the checkpoint it replaced)" if carried else "")
+    print(f"OK: {path}: tag {manifest['tag']}, {files}, {total} bytes, "
+          f"{manifest['world_size']} ranks, {checked}{note}")
+    unlisted = _unlisted_files(path, manifest)
+    if unlisted:  # not an error (a file the training script put there), but not checked either
+        shown = ", ".join(unlisted[:8]) + (f" and {len(unlisted) - 8} more" if len(unlisted) > 8 else "")
+        print(f"note: {len(unlisted)} file(s) there not in the manifest, not verified (a load "
+              f"through the engine refuses them): {shown}")
     return 0
+
+
+def _checkpoints_in(save_dir: str) -> list[str]:
+    """The subdirectories of ``save_dir`` this engine wrote, by name."""
+    import os
+
+    from .commit import META_DIR
+
+    try:
+        return sorted(e.name for e in os.scandir(save_dir)
+                      if e.is_dir() and os.path.isdir(os.path.join(e.path, META_DIR)))
+    except OSError:
+        return []
+
+
+def _unlisted_files(ckpt_dir: str, manifest: dict) -> list[str]:
+    """Files under ``ckpt_dir`` its manifest does not list (its own records left out)."""
+    import os
+
+    from .commit import META_DIR
+
+    listed = {*manifest["files"], *manifest.get("late_files", ())}
+    found = []
+    for top, dirs, names in os.walk(ckpt_dir):
+        rel = os.path.relpath(top, ckpt_dir)
+        if rel == ".":
+            dirs[:] = [d for d in dirs if d != META_DIR]
+        found += [n if rel == "." else f"{rel}/{n}" for n in names]
+    return sorted(n for n in found if n not in listed)
 
 
 def _is_dir(path: str, checkpoint: str) -> bool:

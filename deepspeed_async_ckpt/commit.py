@@ -230,7 +230,7 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
     try:
         manifest = _commit(storage, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
                            checksum=checksum, timeout_s=timeout_s, late_files=late_files,
-                           rotation=rotation)
+                           rotation=rotation, replaces=replaces)
     except CommitError:
         suffix = temporary_path("", save_id)
         try:
@@ -259,7 +259,7 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
 
 def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
             checksum: str, timeout_s: float, late_files: Sequence[str] = (),
-            rotation: bool = True) -> dict:
+            rotation: bool = True, replaces: str | None = None) -> dict:
     start = time.monotonic()
     deadline = start + timeout_s
     meta = os.path.join(ckpt_dir, META_DIR)
@@ -291,8 +291,7 @@ def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_si
     ranks: dict[str, list[str]] = {}
     writer: dict[str, int] = {}  # file -> the first rank whose record has it
     for r, p in paths.items():
-        with open(p, encoding="utf-8") as f:
-            record = json.load(f)
+        record = _read_rank_record(p, r, save_id=save_id, checksum=checksum, ckpt_dir=ckpt_dir, tag=tag)
         for rel, entry in record["files"].items():
             if rel not in files:
                 files[rel], writer[rel] = entry, r
@@ -306,15 +305,67 @@ def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_si
                                   "contents; each file must be saved by one rank")
         ranks[str(r)] = sorted(record["files"])
     _join_shares(storage, ckpt_dir, files, tag)
+    carried = _carry_over_listed(storage, replaces, ckpt_dir, files, checksum) if replaces else []
     manifest = {"format": FORMAT, "tag": tag, "save_id": save_id, "world_size": world_size,
                 "checksum": checksum, "committed_at": time.time(), "files": files, "ranks": ranks}
+    if carried:
+        manifest["carried"] = carried
     if late_files:
         manifest["late_files"] = sorted(late_files)
     if not rotation:  # absent (as in manifests before session 19) means in the rotation
         manifest["rotation"] = False
+    problem = _manifest_problem(manifest)  # what every reader would refuse: never committed
+    if problem:
+        raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: its manifest would "
+                          f"be damaged: {problem}")
     write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
                       json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
+
+
+def _read_rank_record(path: str, rank: int, *, save_id: str, checksum: str, ckpt_dir: str,
+                      tag: str) -> dict:
+    """Rank ``rank``'s record at ``path``, as :func:`write_rank_record` writes it; a record that
+    is not (damaged, or another version's) is a ``CommitError`` naming it and the rank, before
+    anything of it reaches the manifest."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        problem = _record_problem(record, rank, save_id, checksum)
+    except (OSError, ValueError) as exc:  # unreadable; not JSON (ValueError), not UTF-8
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank {rank}'s record "
+                          f"{path} is damaged: {problem}")
+    return record
+
+
+def _record_problem(record: object, rank: int, save_id: str, checksum: str) -> str | None:
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return "no 'files' object"
+    for key, want in (("rank", rank), ("save_id", save_id), ("checksum", checksum)):
+        if record.get(key) != want or type(record.get(key)) is not type(want):
+            return f"{key} {record.get(key)!r}, expected {want!r}"
+    for rel, entry in record["files"].items():
+        if os.path.isabs(rel) or os.pardir in rel.split("/") or not rel:
+            return f"file {rel!r} is outside the checkpoint"
+        if not isinstance(entry, dict) or type(entry.get("bytes")) is not int or entry["bytes"] < 0:
+            return f"file {rel!r} has no size"
+        segments = entry.get("segments", [])
+        if not isinstance(segments, list) or not all(_is_segment(seg) for seg in segments):
+            return f"file {rel!r} has malformed segments"
+        if "segments" not in entry and not isinstance(entry.get(checksum), str):
+            return f"file {rel!r} has no {checksum} checksum"
+        if "tmp" in entry and not (isinstance(entry["tmp"], str) and segments
+                                   and not os.path.isabs(entry["tmp"]) and os.pardir not in entry["tmp"].split("/")):
+            return f"file {rel!r}: a share without its temporary name or segment"
+    return None
+
+
+def _is_segment(seg: object) -> bool:
+    """``[offset, length, checksum]``: where a part of a file lies, and its checksum."""
+    return (isinstance(seg, list) and len(seg) == 3 and all(type(v) is int and v >= 0 for v in seg[:2])
+            and isinstance(seg[2], str))
 
 
 def _join_shares(storage: Storage, ckpt_dir: str, files: dict[str, dict], tag: str) -> None:
@@ -447,11 +498,34 @@ def replace_checkpoint(storage: Storage, staged: str, target: str, *, save_id: s
     storage.replace(staged, target)
 
 
-def _carry_over(storage: Storage, old: str, new: str, *, top: bool) -> None:
+def _carry_over_listed(storage: Storage, old: str, new: str, files: dict[str, dict],
+                       checksum: str) -> list[str]:
+    """Rank 0, before the manifest of ``new`` (staged to replace ``old``) is written: carry
+    ``old``'s other files over (see :func:`_carry_over`) and list in ``files`` those the
+    committed manifest of ``old`` listed, with its sizes and checksums (the same bytes: hard
+    links), so that they are verified as the rest; returns their paths. Files ``old`` did not
+    list (or lists with another checksum) are carried over unlisted, as they were there."""
+    if not os.path.isdir(old):
+        return []
+    linked = _carry_over(storage, old, new, top=True)
+    try:
+        previous = read_manifest(old)
+    except IntegrityError:  # never committed, or damaged: nothing of it to vouch for
+        return []
+    if previous["checksum"] != checksum:
+        return []
+    carried = [rel for rel in linked if rel in previous["files"] and rel not in files]
+    for rel in carried:
+        files[rel] = previous["files"][rel]
+    return carried
+
+
+def _carry_over(storage: Storage, old: str, new: str, *, top: bool, rel: str = "") -> list[str]:
     """Link into ``new`` what ``old`` holds and ``new`` lacks (files the training script put
-    into the checkpoint's directory: a tokenizer, a config), durably: once the exchange is
-    durable, the old directory is deleted. This engine's own temporary files are left out."""
-    changed = False
+    into the checkpoint's directory: a tokenizer, a config; another rank count's files),
+    durably: once the exchange is durable, the old directory is deleted. This engine's own
+    temporary files are left out. Returns the paths linked, relative to the top ``new``."""
+    changed, linked = False, []
     for entry in os.scandir(old):
         if (top and entry.name == META_DIR) or is_temporary(entry.name):
             continue
@@ -461,12 +535,14 @@ def _carry_over(storage: Storage, old: str, new: str, *, top: bool) -> None:
                 storage.makedirs(dst)
                 changed = True
             if os.path.isdir(dst):
-                _carry_over(storage, entry.path, dst, top=False)
+                linked += _carry_over(storage, entry.path, dst, top=False, rel=f"{rel}{entry.name}/")
         elif not os.path.lexists(dst):
             storage.link(entry.path, dst)
             changed = True
+            linked.append(rel + entry.name)
     if changed:
         storage.sync_dir(new)
+    return linked
 
 
 def finish_replacements(storage: Storage, save_dir: str, busy: set[str], *,
@@ -737,9 +813,7 @@ def _manifest_problem(manifest: object) -> str | None:
         if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
             return f"file {rel!r} has no size"
         segments = entry.get("segments", [])
-        if not isinstance(segments, list) or not all(
-                isinstance(seg, list) and len(seg) == 3 and all(isinstance(v, int) for v in seg[:2])
-                and isinstance(seg[2], str) for seg in segments):
+        if not isinstance(segments, list) or not all(_is_segment(seg) for seg in segments):
             return f"file {rel!r} has malformed segments"
         if "segments" not in entry and not isinstance(entry.get(manifest["checksum"]), str):
             return f"file {rel!r} has no {manifest['checksum']} checksum"

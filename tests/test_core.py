@@ -2332,6 +2332,121 @@ def test_files_carried_over_into_a_resave_are_durable_before_the_swap(tmp_path):
     ck.close()
 
 
+def _flip_byte(path, at=None):
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2 if at is None else at)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 1]))
+
+
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_files_carried_over_into_a_resave_keep_their_checksums_and_are_verified(tmp_path, mode):
+    """A re-save that writes fewer files (a run on fewer ranks, a smaller save) keeps the old
+    checkpoint's other files, hard-linked: they were linked after the new manifest was written,
+    so it did not list them, verify said OK with one of them corrupted, and a load after
+    verify_all_ranks (DeepSpeed's and Megatron's path) read it unchecked (found by a review,
+    session 29). Their entries now come from the old manifest, and a file no manifest lists is
+    refused by load, verified or not."""
+    root, d = str(tmp_path), str(tmp_path / "t")
+    ck = make(mode)
+    ck.begin(d, tag="t", pointer=Pointer(os.path.join(root, "latest"), "t"))
+    ck.save(sample_state(), os.path.join(d, "model.pt"))
+    ck.save({"m": torch.randn(256, 256)}, os.path.join(d, "sub", "optim.pt"))
+    ck.end()
+    ck.wait()
+    old = read_manifest(d)
+    save_one(ck, root, sample_state(), tag="t")  # model.pt alone
+    ck.fence()
+    ck.wait()
+    manifest = read_manifest(d)
+    assert manifest["save_id"] != old["save_id"] and manifest["carried"] == ["sub/optim.pt"]
+    assert manifest["files"]["sub/optim.pt"] == old["files"]["sub/optim.pt"]
+    verify_checkpoint(d)
+    ck.verify_all_ranks(d)
+    ck.load(os.path.join(d, "sub", "optim.pt"))
+    _flip_byte(os.path.join(d, "sub", "optim.pt"))
+    with pytest.raises(IntegrityError, match="optim.pt.*does not match"):
+        verify_checkpoint(d)
+    with pytest.raises(IntegrityError, match="refused on every rank.*optim.pt"):
+        ck.verify_all_ranks(d)
+    ck.verify_all_ranks(d, include=lambda rel: rel == "model.pt")  # a load of model.pt alone
+    with pytest.raises(IntegrityError, match="optim.pt.*does not match"):
+        ck.load(os.path.join(d, "sub", "optim.pt"))
+    shutil.copy(os.path.join(d, "model.pt"), os.path.join(d, "stray.pt"))
+    ck.verify_all_ranks(d, include=lambda rel: rel != "sub/optim.pt")
+    with pytest.raises(IntegrityError, match="stray.pt is not listed in the manifest"):
+        ck.load(os.path.join(d, "stray.pt"))
+    ck.close()
+
+
+def test_files_carried_over_under_another_checksum_stay_unlisted(tmp_path):
+    """The old checkpoint's entries are kept only where its checksum is the new save's: a
+    digest of another algorithm could not be checked against the new manifest's."""
+    root, d = str(tmp_path), str(tmp_path / "t")
+    ck = make("sync", checksum="crc32")
+    ck.begin(d, tag="t", pointer=Pointer(os.path.join(root, "latest"), "t"))
+    ck.save(sample_state(), os.path.join(d, "model.pt"))
+    ck.save(sample_state(), os.path.join(d, "optim.pt"))
+    ck.end()
+    ck.close()
+    ck = make("sync")
+    save_one(ck, root, sample_state(), tag="t")
+    assert sorted(read_manifest(d)["files"]) == ["model.pt"] and os.path.exists(os.path.join(d, "optim.pt"))
+    with pytest.raises(IntegrityError, match="optim.pt is not listed"):
+        ck.load(os.path.join(d, "optim.pt"))
+    ck.close()
+
+
+@pytest.mark.parametrize("body, problem", [
+    ("", "JSONDecodeError"),
+    ("[]", "no 'files' object"),
+    ('{"rank": 1, "save_id": "{id}", "checksum": "xxh128", "files": null}', "no 'files' object"),
+    ('{"rank": 1, "save_id": "{id}", "checksum": "xxh128", "files": {"r1.pt": {}}}', "'r1.pt' has no size"),
+    ('{"rank": 1, "save_id": "{id}", "checksum": "xxh128", "files": {"../t0/model.pt": {"bytes": 5, '
+     '"xxh128": "00"}}}', "outside the checkpoint"),
+    ('{"rank": 1, "save_id": "{id}", "checksum": "xxh128", "files": {"r1.pt": {"bytes": 5}}}',
+     "'r1.pt' has no xxh128 checksum"),
+    ('{"rank": 1, "save_id": "{id}", "checksum": "xxh128", "files": {"r1.pt": {"bytes": 5, "segments": '
+     '[[0, 5]], "tmp": "r1.pt.tmp"}}}', "'r1.pt' has malformed segments"),
+    ('{"rank": 0, "save_id": "{id}", "checksum": "xxh128", "files": {}}', "rank 0, expected 1"),
+    ('{"rank": 1, "save_id": "other", "checksum": "xxh128", "files": {}}', "save_id 'other'"),
+])
+def test_a_damaged_rank_record_is_refused_naming_it_and_the_pointer_stays(tmp_path, body, problem):
+    """Rank 0 copied every rank's record into the manifest unchecked: a record an entry of
+    which had no size, or a path outside the checkpoint, was committed and `latest` moved onto
+    a checkpoint every reader refuses; a record that was not JSON failed the save with a bare
+    parser message naming neither the record nor the rank (found by a review, session 29)."""
+    root = str(tmp_path)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, commit_timeout_s=30),
+                           rank=0, world_size=2, exchange=lambda v, e, key="": (v, {}))
+    for tag in ("t0", "t1"):
+        d = os.path.join(root, tag)
+        handle = ck.begin(d, tag=tag, pointer=Pointer(os.path.join(root, "latest"), tag))
+        ck.save({"w": torch.randn(64, 64)}, os.path.join(d, "model.pt"))
+        ck.end()
+        meta = os.path.join(handle.write_dir, META_DIR)
+        os.makedirs(meta, exist_ok=True)
+        record = os.path.join(meta, f"rank_00001.{handle.save_id}.json")
+        text = (json.dumps({"rank": 1, "save_id": handle.save_id, "checksum": "xxh128", "files": {}})
+                if tag == "t0" else body.replace("{id}", handle.save_id))
+        with open(record + ".part", "w", encoding="utf-8") as f:
+            f.write(text)
+        os.replace(record + ".part", record)
+        if tag == "t0":
+            ck.wait()
+    with pytest.raises(CommitError) as raised:
+        ck.wait()
+    message = str(raised.value)
+    assert "rank 1's record" in message and f"rank_00001.{handle.save_id}.json" in message, message
+    assert problem in message, message
+    assert (tmp_path / "latest").read_text() == "t0"
+    verify_checkpoint(str(tmp_path / "t0"))
+    with pytest.raises(IntegrityError, match="never committed"):
+        read_manifest(str(tmp_path / "t1"))
+    ck.close()
+
+
 @pytest.mark.parametrize("pointer", ["none", "elsewhere", "beside"])
 def test_a_committed_checkpoints_own_entry_is_durable_without_a_pointer_beside_it(tmp_path, pointer):
     """The checkpoint directory is renamed into the save directory without fsync, counting on
@@ -3391,6 +3506,29 @@ def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
     assert "never committed" in capsys.readouterr().err
 
 
+def test_verify_cli_names_files_it_did_not_check_and_a_save_dir_without_its_pointer(tmp_path, capsys):
+    """`verify` said OK about a checkpoint holding files no manifest lists (a stray copy,
+    unchecked), "OK ... none verified" when only sizes were, and "not written by this engine"
+    about a save directory whose `latest` was deleted, though `list` showed its checkpoints
+    (found by a review, session 29)."""
+    from deepspeed_async_ckpt.cli import main
+
+    ck = make(checksum="none")
+    save_one(ck, str(tmp_path), sample_state())
+    ck.close()
+    shutil.copy(tmp_path / "t1" / "model.pt", tmp_path / "t1" / "stray.pt")
+    (tmp_path / "t1" / "sub").mkdir()
+    (tmp_path / "t1" / "sub" / "notes.txt").write_text("the user's")
+    assert main(["verify", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "sizes verified (checksum none: no checksums recorded)" in out, out
+    assert "2 file(s) there not in the manifest, not verified" in out and "stray.pt, sub/notes.txt" in out, out
+    (tmp_path / "latest").unlink()
+    assert main(["verify", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert "is a save directory without a pointer" in err and "t1" in err, err
+
+
 def _edit_json(text: str, *, segments=None, **fields) -> str:
     """A manifest's text with top-level ``fields`` set and, given, model.pt's ``segments``."""
     manifest = dict(json.loads(text), **fields)
@@ -3477,6 +3615,8 @@ def test_list_cli_shows_committed_newest_first_partial_and_other(tmp_path, capsy
     ck.close()
     (tmp_path / "crashed" / META_DIR).mkdir(parents=True)
     (tmp_path / "crashed" / META_DIR / "rank_00001.x.json").write_text("{}")
+    (tmp_path / "crashed" / META_DIR / "rank_00002.x.failed").write_text("disk full")
+    (tmp_path / "crashed" / META_DIR / "rank_00003.x.json.tmp.4d2").write_text("{")  # counted no more
     (tmp_path / "torch_engine").mkdir()
     assert main(["list", str(tmp_path), "--json"]) == 0
     rows = json.loads(capsys.readouterr().out)
@@ -3490,7 +3630,7 @@ def test_list_cli_shows_committed_newest_first_partial_and_other(tmp_path, capsy
     lines = capsys.readouterr().out.splitlines()
     assert lines[0].split() == ["checkpoint", "state", "committed", "(UTC)", "files", "bytes", "ranks"]
     assert lines[1].startswith("s2 ") and lines[1].endswith("<- pointer")
-    assert "1 rank record(s)" in lines[3]
+    assert "1 rank record(s), 1 rank(s) failed" in lines[3]
     assert main(["list", str(tmp_path / "nope")]) == 2
 
 
