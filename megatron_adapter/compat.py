@@ -8,7 +8,10 @@ any ``fully_reshardable`` optimizer checkpoint, ours or megatron's, not the engi
    overwrites every value).
 2. ``load_parameter_state_from_fully_reshardable`` copies every key of the live Adam state from
    the checkpoint, including ``step``, which the checkpoint keeps in ``param_groups`` instead:
-   ``KeyError: 'step'``. The patched copy skips keys the checkpoint does not hold.
+   ``KeyError: 'step'``. The patched copy copies the keys the live state has and the
+   checkpoint holds (a ``dp_reshardable`` entry, Megatron-LM's default, also holds ``padding``
+   and its buffer offsets: until session 29 the patch copied the checkpoint's keys instead,
+   ``KeyError: 'padding'``).
 3. ``load_state_dict`` gives every param the *same* ``step`` tensor, which torch Adam then
    increments once per param per iteration (wrong bias correction after a resume). The patch
    gives each param its own copy.
@@ -60,8 +63,9 @@ def install() -> bool:
         group_index, group_order = self.model_param_group_index_map[model_param]
         main_param = self.optimizer.param_groups[group_index]["params"][group_order]
         destination = {"param": main_param, **self.optimizer.state[main_param]}
-        for key, value in tensors.items():
-            destination[key].copy_(value)
+        for key, target in destination.items():
+            if key in tensors:  # not ``step`` (see 2); a dp_reshardable entry holds more keys
+                target.copy_(tensors[key])
 
     @functools.wraps(original_load)
     def load_state_dict(self, state_dict):

@@ -1,8 +1,10 @@
 """The parallel layout of this rank, read from ``megatron.core.parallel_state``.
 
 The layout decides nothing by itself: which rank writes which shard comes from the sharded state
-dict's replica ids (see :mod:`.election`). It is recorded in every checkpoint so a reader can tell
-which grid wrote it, and it names the group over which ``balanced`` election spreads shards.
+dict's replica ids (see :mod:`.election`); the checkpoint holds no record of it (megatron-core's
+shards carry global offsets, which is what a load in another layout needs; the caller's ``args``
+in ``common.pt``, as Megatron-LM saves them, say which grid wrote it). It gives the checkpointer
+its rank and world size.
 """
 
 from __future__ import annotations

@@ -513,3 +513,30 @@ def test_pretrain_gpt_refuses_a_count_out_of_range_naming_the_flag(flag, value, 
         parse_args(["--train-iters", "4", flag, value])
     err = capsys.readouterr().err
     assert f"argument {flag}" in err and value in err, err
+
+
+# --------------------------------------------------------------------------------- compat.py
+@pytest.mark.parametrize("extra", [{}, {"padding": True, "gbuf_local_start": 0, "gbuf_local_end": 8}],
+                         ids=["fully_reshardable", "dp_reshardable"])
+def test_compat_copies_the_states_the_optimizer_has_whatever_else_the_checkpoint_holds(extra):
+    """The patched ``_set_main_param_and_optimizer_states`` copied every key of the checkpoint's
+    entry: a ``dp_reshardable`` one (Megatron-LM's default distributed-optimizer format) also
+    holds ``padding`` and its buffer offsets, and every such load failed with ``KeyError:
+    'padding'`` once ``compat.install()`` ran (found by a review, session 29). A live ``step``
+    the checkpoint lacks (``fully_reshardable``, the reason for the patch) is left alone."""
+    import torch
+    from megatron.core.optimizer import DistributedOptimizer
+    from megatron_adapter import compat
+
+    assert compat.install() or compat._INSTALLED  # torch's Adam here: no Apex, no TE
+    main, model_param = torch.zeros(8), torch.nn.Parameter(torch.zeros(8))
+    state = {"exp_avg": torch.zeros(8), "exp_avg_sq": torch.zeros(8), "step": torch.tensor(3.0)}
+    fake = argparse.Namespace(
+        config=argparse.Namespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
+        model_param_group_index_map={model_param: (0, 0)},
+        optimizer=argparse.Namespace(param_groups=[{"params": [main]}], state={main: state}))
+    tensors = {"param": torch.full((8,), 1.0), "exp_avg": torch.full((8,), 2.0),
+               "exp_avg_sq": torch.full((8,), 3.0), **extra}
+    DistributedOptimizer._set_main_param_and_optimizer_states(fake, model_param, tensors)
+    assert main.eq(1).all() and state["exp_avg"].eq(2).all() and state["exp_avg_sq"].eq(3).all()
+    assert state["step"].item() == 3.0
