@@ -146,6 +146,9 @@ class CheckpointHandle:
         """Why a sync save's file failed on this rank (rank 0's commit error quotes it)."""
         self.fence_wait_s = 0.0
         """Time the training loop spent blocked at fences waiting for this save's copies."""
+        self.eager_wait_s = 0.0
+        """Time its ``save`` calls waited for earlier saves' eager copies to be written (their
+        backpressure: see ``AsyncCheckpointer._eager_room``)."""
         self.retired: list[str] = []
         """Older checkpoints that retention (``keep_last``) removed after this one committed
         (filled in the background, after the commit: see :meth:`AsyncCheckpointer.wait`)."""
@@ -492,7 +495,6 @@ class AsyncCheckpointer:
         self._pointed: dict[str, str] = {}
         """Under ``_dirs_lock``: save directory -> the checkpoint its pointer names, as this
         checkpointer last moved it (:meth:`pointer_moved`); retention never removes it."""
-        # checkpoint dir -> (save id, which of its files), checked by verify_all_ranks
         # checkpoint dir -> (save id, include, the paths its manifest lists) of the last
         # verify_all_ranks that passed
         self._verified: dict[str, tuple[str, Callable[[str], bool] | None, frozenset[str]]] = {}
@@ -508,6 +510,9 @@ class AsyncCheckpointer:
         self._beside: list[_Beside] = []  # files beside the checkpoints, until taken
         self._errors: list[BaseException] = []
         self._lock = threading.Lock()
+        self._eager_held: dict[CheckpointHandle, int] = {}
+        """Bytes of each save's eager copies (outside the pool) until its files are written."""
+        self._eager_cond = threading.Condition()
         self._seal_lock = threading.Lock()
         """Held while an open save's files and lazy copies are listed (``save``) or handed to the
         writers and the copier (``end``, or a fence): a fence on another thread (an eval
@@ -760,6 +765,7 @@ class AsyncCheckpointer:
             done.set_result(record)
             handle.files.append(done)
         else:
+            self._eager_room(handle, sum(i.nbytes for mine in staged for i in mine if i.eager))
             try:
                 for mine in staged:
                     self._stager.stage_eager(i for i in mine if i.eager)
@@ -773,6 +779,33 @@ class AsyncCheckpointer:
                     handle.unsubmitted.extend(i for i in mine if not i.eager)
                 handle.unwritten.append((path, plans, names, share))
         return [sum(i.nbytes for i in mine) for mine in staged]
+
+    def _eager_room(self, handle: CheckpointHandle, nbytes: int) -> None:
+        """Count ``nbytes`` of eager copies for ``handle``, first waiting (backpressure, as the
+        pool's) while the earlier saves' eager copies not yet written would take the total
+        over ``host_buffer_gb``. Only those are waited for: they are written without this
+        thread, where this save's own are written once it is sealed, so one save's eager
+        copies may exceed the bound alone. Without it, saves of eager state (``client_state``,
+        module buffers) against a slow disk piled up host copies without limit."""
+        if not nbytes:
+            return
+        start = None
+        with self._eager_cond:
+            while True:
+                with self._lock:
+                    earlier = sum(n for h, n in self._eager_held.items() if h in self._inflight)
+                if not earlier or earlier + self._eager_held.get(handle, 0) + nbytes <= self.pool.capacity_bytes:
+                    break
+                start = start or time.perf_counter()
+                self._eager_cond.wait(0.5)  # notified as saves are written; polled in case
+            self._eager_held[handle] = self._eager_held.get(handle, 0) + nbytes
+        if start is not None:
+            handle.eager_wait_s += time.perf_counter() - start
+
+    def _eager_written(self, handle: CheckpointHandle) -> None:
+        with self._eager_cond:
+            if self._eager_held.pop(handle, None) is not None:
+                self._eager_cond.notify_all()
 
     def _share_of(self, path: str, plan: FilePlan, replicas: Replicas, save_id: str) -> Share | None:
         """This rank's share of a file its replicas all save (index -1: the others' shares
@@ -1552,6 +1585,7 @@ class AsyncCheckpointer:
                     fut.result()
                 except BaseException as exc:
                     first_error = first_error or exc
+            self._eager_written(handle)  # its files are written (or failed): copies released
             if first_error is not None:
                 raise first_error
             if handle.abandoned:  # the framework's save raised here: rank 0 must not wait for
@@ -1603,5 +1637,6 @@ class AsyncCheckpointer:
                     self._inflight.remove(handle)
                 if handle.error is not None or handle.abandoned:
                     self._unswapped.discard(handle)  # never swapped in: its staging is abandoned
+            self._eager_written(handle)
             handle._persisted.set()
             handle._committed.set()

@@ -2332,6 +2332,55 @@ def test_files_carried_over_into_a_resave_are_durable_before_the_swap(tmp_path):
     ck.close()
 
 
+class SlowStorage(FailingStorage):
+    """A disk slower than the saves: each write of checkpoint data sleeps first."""
+
+    def __init__(self, delay_s):
+        super().__init__(budget=10**12)
+        self.delay_s = delay_s
+
+    def open_write(self, path):
+        f = super().open_write(path)
+        write, delay_s = f.write, self.delay_s
+
+        def slow(data, **kw):
+            if f"/{META_DIR}/" not in path:
+                time.sleep(delay_s)
+            return write(data, **kw)
+
+        f.write = slow
+        return f
+
+
+def test_eager_copies_of_saves_in_flight_are_bounded_by_the_pool_size(tmp_path):
+    """Eager copies (``client_state``, module buffers) are made outside the pool, and nothing
+    held them back: saves every step against a slow disk piled up one host copy per save (12
+    in flight, +231 MB, in a review's run, session 29). Now a save whose eager copies would
+    take the earlier saves' over ``host_buffer_gb`` waits in ``save`` for them to be written;
+    every checkpoint still holds its own values."""
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01),
+                           storage=SlowStorage(0.1))
+    per_save = 4 * 2**20  # two fit in the 10.7 MB bound, not three
+    handles, in_flight = [], []
+    for step in range(6):
+        d = str(tmp_path / f"s{step}")
+        ck.begin(d, tag=f"s{step}", pointer=Pointer(str(tmp_path / "latest"), f"s{step}"))
+        ck.save({"client": torch.full((per_save // 4,), float(step))}, os.path.join(d, "m.pt"),
+                eager_keys=("client",))
+        handles.append(ck.end())
+        in_flight.append(sum(not h.wait_persisted(0) for h in handles))
+        ck.fence()
+    ck.wait()
+    # two saves' copies fit in the bound; one more save may be in flight whose copies were
+    # released (its files written) and whose directories are being synced
+    assert max(in_flight) <= ck.pool.capacity_bytes // per_save + 1, in_flight
+    assert sum(h.eager_wait_s for h in handles) > 0.1
+    for step, h in enumerate(handles):
+        assert h.committed
+        assert torch.load(os.path.join(h.ckpt_dir, "m.pt"))["client"].eq(step).all()
+    ck.close()
+
+
 def _flip_byte(path, at=None):
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2 if at is None else at)
