@@ -411,6 +411,16 @@ def check_name(name: str, what: str) -> None:
         raise ValueError(f"{what}: {name!r} cannot name a checkpoint directory (one plain, "
                          f"non-empty path component, not '.', '..' nor starting with {META_DIR!r}, "
                          "without control characters or whitespace at either end)")
+    if len(os.fsencode(name)) > MAX_NAME_BYTES:
+        raise ValueError(f"{what}: {name[:40]!r}... is {len(os.fsencode(name))} bytes long; a "
+                         f"checkpoint directory's name may have at most {MAX_NAME_BYTES} (the "
+                         f"names this engine derives from it, such as {REMOVING_PREFIX!r} + name + "
+                         "'.' + a 16-digit save id, must fit the filesystem's 255)")
+
+
+#: The longest checkpoint directory name (in bytes) whose derived names (staging, removal:
+#: :data:`REMOVING_PREFIX` + name + ``.`` + the 16-digit save id) fit 255 bytes.
+MAX_NAME_BYTES = 255 - len(".async_ckpt_removing.") - 1 - 16
 
 
 def check_checkpoint_dir(ckpt_dir: str) -> str:

@@ -555,16 +555,20 @@ def install() -> bool:
                                "optimizer files of %s (the checkpoint `latest` names), the other "
                                "states from %s", arguments["tag"], module_source,
                                checkpoint_to_load(arguments))
-            if engine.checkpointer.config.verify_on_load:
-                universal = getattr(self, "load_universal_checkpoint", lambda: False)()
-                ckpt_dir = checkpoint_to_load(arguments, "latest_universal" if universal else "latest")
-                if ckpt_dir is not None:  # every file it reads checked once, across the ranks
-                    engine.checkpointer.verify_all_ranks(ckpt_dir, action="load_checkpoint",
-                                                         include=files_read_by_load(self, arguments))
-                if module_source is not None:  # and the optimizer files the module comes from
-                    engine.checkpointer.verify_all_ranks(
-                        module_source, action="load_checkpoint",
-                        include=is_optimizer_file)
+            # Every file the load reads checked once, across the ranks; with verify_on_load off,
+            # none, but the checkpoint still must be committed (on every rank together: one
+            # rank failing alone inside DeepSpeed's load leaves the others in its collectives)
+            verify = engine.checkpointer.config.verify_on_load
+            universal = getattr(self, "load_universal_checkpoint", lambda: False)()
+            ckpt_dir = checkpoint_to_load(arguments, "latest_universal" if universal else "latest")
+            if ckpt_dir is not None:
+                engine.checkpointer.verify_all_ranks(
+                    ckpt_dir, action="load_checkpoint",
+                    include=files_read_by_load(self, arguments) if verify else _no_file)
+            if module_source is not None:  # and the optimizer files the module comes from
+                engine.checkpointer.verify_all_ranks(
+                    module_source, action="load_checkpoint",
+                    include=is_optimizer_file if verify else _no_file)
             # a checkpoint saved again under it mid-load: every rank raises at the end, together
             with engine.checkpointer.collective_load("load_checkpoint"):
                 return _ORIGINALS["load"](self, *args, **kwargs)
@@ -591,6 +595,11 @@ def install() -> bool:
     engine_cls.save_checkpoint = save_checkpoint
     engine_cls.load_checkpoint = load_checkpoint
     return True
+
+
+def _no_file(rel: str) -> bool:
+    """``include`` for a check of the manifest alone (``verify_on_load`` off)."""
+    return False
 
 
 #: DeepSpeed's methods that change weights in place outside the optimizer step, patched to

@@ -151,6 +151,26 @@ def test_a_directory_whose_name_cannot_be_a_checkpoint_is_refused_and_nothing_is
     assert listing(runs / "a") == ["latest", "s1"]
 
 
+def test_a_tag_too_long_for_the_names_derived_from_it_is_refused_at_begin(tmp_path):
+    """A 230-character tag saved once, but its re-save failed with a bare "File name too long"
+    (the staging and removal names add 37-38 bytes; found by a review, session 29). The
+    longest allowed saves twice, one byte more is refused before anything is written."""
+    from deepspeed_async_ckpt.commit import MAX_NAME_BYTES
+
+    ck = make()
+    longest = "é" * (MAX_NAME_BYTES // 2) + "x" * (MAX_NAME_BYTES % 2)  # bytes, not characters
+    assert len(os.fsencode(longest)) == MAX_NAME_BYTES
+    for _ in range(2):  # the second a re-save: staged, swapped in, the old one removed
+        handle = save_one(ck, str(tmp_path), sample_state(), tag=longest)
+        ck.wait()
+        assert handle.committed
+    assert listing(tmp_path) == sorted(["latest", longest])
+    with pytest.raises(ValueError, match=f"is {MAX_NAME_BYTES + 1} bytes long; .* at most {MAX_NAME_BYTES}"):
+        save_one(ck, str(tmp_path), sample_state(), tag=longest + "x")
+    assert not ck.is_open and listing(tmp_path) == sorted(["latest", longest])
+    ck.close()
+
+
 def test_deepspeed_node_local_storage_across_nodes_is_a_config_error():
     """With ``use_node_local_storage`` on several nodes, rank 0 cannot see the other nodes'
     records: every commit waited ``commit_timeout_s`` (600 s) and failed. Refused at once,

@@ -441,6 +441,10 @@ def test_disk_full_on_one_rank_refuses_load_checkpoint_on_every_rank_then_retry_
         assert "calling load_checkpoint again retries" in msg
     for rank, r in enumerate(results):
         assert r["global_steps_after_refusal"] == 4, r  # the refused load changed nothing
+        # verify_on_load off checks no checksum, but still refuses, on every rank, a checkpoint
+        # never committed (until session 29 it went into DeepSpeed's load: one rank raised
+        # FileNotFoundError, the other waited in a collective)
+        assert "never committed" in (r["uncommitted_raised"] or ""), r
         assert r["latest"] == "global_step2"
         assert r["loaded"] is not None and r["loaded"].startswith("global_step2" + os.sep), r
         assert r["latest_after_save"] == "after_load"  # no error left pending on any rank

@@ -27,6 +27,7 @@ The test module reads what they write under --out and asserts on it.
 
 import argparse
 import contextlib
+import dataclasses
 import glob
 import json
 import os
@@ -387,6 +388,12 @@ def phase_diskfull_load(args):
     result["raised"] = error_of(lambda: engine.load_checkpoint(save_dir))
     result["global_steps_after_refusal"] = engine.global_steps  # nothing loaded
     restore()
+    # the failed checkpoint asked for by its tag, with verify_on_load off: still refused on
+    # every rank as never committed (it went into DeepSpeed's load, and one rank's error left
+    # the other waiting in a collective)
+    ckpt.config = dataclasses.replace(ckpt.config, verify_on_load=False)
+    result["uncommitted_raised"] = error_of(lambda: engine.load_checkpoint(save_dir, tag="global_step4"))
+    ckpt.config = dataclasses.replace(ckpt.config, verify_on_load=True)
     result["latest"] = read_latest(save_dir)
     path, _ = engine.load_checkpoint(save_dir)  # the retry: the error was consumed
     result["loaded"] = os.path.relpath(path, save_dir) if path else None
