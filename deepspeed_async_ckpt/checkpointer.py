@@ -22,6 +22,7 @@ import contextlib
 import functools
 import inspect
 import logging
+import math
 import os
 import queue
 import sys
@@ -37,7 +38,7 @@ from typing import Any, BinaryIO, Callable, Iterable
 import torch
 import xxhash
 
-from .commit import (META_DIR, Pointer, check_checkpoint_dir, claim_save_dir, commit,
+from .commit import (META_DIR, Pointer, check_checkpoint_dir, check_name, claim_save_dir, commit,
                      find_checkpoint_dir, finish_replacements, forget_claims_in_child,
                      make_checkpoint_dir, read_manifest,
                      release_save_dir, remove_stale_temporaries, remove_trash, replace_checkpoint,
@@ -467,6 +468,15 @@ class AsyncCheckpointer:
                  on_commit: Callable[[CommitInfo], None] | None = None,
                  ) -> None:
         check_torch_writer()  # before any thread starts: a clear error, not a failed first save
+        if not isinstance(config, AsyncCheckpointConfig):  # a dict: AsyncCheckpointConfig.from_dict
+            raise TypeError(f"AsyncCheckpointer(config=...): an AsyncCheckpointConfig, got a "
+                            f"{type(config).__name__} (AsyncCheckpointConfig.from_dict reads a dict)")
+        for name, value, least in (("world_size", world_size, 1), ("rank", rank, 0)):
+            if type(value) is not int or value < least:  # bool is an int: not a rank
+                raise ValueError(f"AsyncCheckpointer({name}={value!r}): an int >= {least}")
+        if rank >= world_size:  # its records would never be waited for, or rank 0's never come
+            raise ValueError(f"AsyncCheckpointer(rank={rank}, world_size={world_size}): rank must be "
+                             "below world_size")
         self.config = config
         self._commit_callbacks: list[Callable[[CommitInfo], None]] = [on_commit] if on_commit else []
         self._reporter: ThreadPoolExecutor | None = None  # commit callbacks, started on first use
@@ -562,6 +572,8 @@ class AsyncCheckpointer:
                                        "still open: call end() first")
         ckpt_dir = check_checkpoint_dir(ckpt_dir)
         if pointer is not None:  # written later, by the committer: not wherever the cwd is then
+            # what it names must be a checkpoint beside it (retention keeps that one alone)
+            check_name(pointer.text, f"Pointer({pointer.path!r}, text)")
             pointer = Pointer(os.path.abspath(pointer.path), pointer.text)
         self._verified.pop(ckpt_dir, None)  # being saved again: its files will change
         with self._dirs_lock:  # before the exchange, so before any rank writes into it
@@ -957,6 +969,8 @@ class AsyncCheckpointer:
         stall would include it). Optional; the DeepSpeed plugin calls it after the first
         optimizer step. See :meth:`HostBufferPool.reserve`."""
         self._check_open()
+        if type(nbytes) is not int or nbytes < 0:
+            raise ValueError(f"reserve(nbytes={nbytes!r}): an int >= 0")
         return self.pool.reserve(nbytes)
 
     def _start_background(self, handle: CheckpointHandle) -> None:
@@ -1015,6 +1029,12 @@ class AsyncCheckpointer:
         sealed checkpoint is committed and the retention its commit started (``keep_last``) is
         done; raise a background error if any."""
         self._check_not_forked()
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) \
+                    or timeout < 0:
+                raise ValueError(f"wait(timeout={timeout!r}): a number of seconds >= 0, or None")
+            if math.isinf(timeout):
+                timeout = None
         deadline = None if timeout is None else time.monotonic() + timeout
         for entry in self._beside_in():  # outcome taken below, as a background error
             left = None if deadline is None else max(0.0, deadline - time.monotonic())

@@ -23,6 +23,8 @@ MODES = ("async", "sync")
 CHECKSUMS = ("xxh128", "crc32", "sha256", "none")
 
 _GiB = 1024**3
+MIN_HOST_BUFFER_BYTES = 2**20
+"""The smallest pool `host_buffer_gb` may give (below a page, no save could ever stage)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -96,6 +98,10 @@ class AsyncCheckpointConfig:
         if not math.isfinite(self.host_buffer_gb):  # a bound: infinity is no bound
             raise ConfigError(f"{CONFIG_KEY}.host_buffer_gb must be a finite number > 0, "
                               f"got {self.host_buffer_gb!r}")
+        if self.host_buffer_bytes < MIN_HOST_BUFFER_BYTES:  # every save would fail at its fence
+            raise ConfigError(f"{CONFIG_KEY}.host_buffer_gb must allow at least one MiB of staging "
+                              f"(buffers are whole pages), got {self.host_buffer_gb!r} "
+                              f"({self.host_buffer_bytes} bytes)")
         _check_positive_number("commit_timeout_s", self.commit_timeout_s)
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ConfigError(f"{CONFIG_KEY}.keep_last must be an integer >= 0 (0 keeps every "

@@ -27,6 +27,8 @@ def test_unknown_key_is_named_with_allowed_keys():
     ("host_buffer_gb", 0, "> 0"),
     ("host_buffer_gb", "8", "> 0"),
     ("host_buffer_gb", float("inf"), "finite"),  # accepted before; the engine then overflowed
+    ("host_buffer_gb", 1e-7, "at least one MiB"),  # 107 bytes: accepted, every save then failed
+    ("host_buffer_gb", 1e-300, "at least one MiB"),
     ("writer_threads", 0, "[1, 64]"),
     ("writer_threads", 2.5, "[1, 64]"),
     ("enabled", "yes", "true or false"),
@@ -84,3 +86,37 @@ def test_every_example_config_is_valid():
             raw = json.load(f)
         block = raw.get("async_checkpoint", raw)
         assert AsyncCheckpointConfig.from_dict(block).enabled, path
+
+
+def test_the_core_checkpointer_refuses_what_it_cannot_run_with_naming_the_argument(tmp_path):
+    """``AsyncCheckpointer`` checked none of its own arguments (a review, session 29):
+    ``world_size=0`` committed a manifest listing no file, which ``verify`` called OK;
+    ``rank=1, world_size=1`` never committed and ``wait`` returned; a dict as ``config`` failed
+    with an ``AttributeError``; ``wait(timeout=inf)`` with an ``OverflowError``."""
+    import torch
+
+    from deepspeed_async_ckpt import AsyncCheckpointer
+    from deepspeed_async_ckpt.commit import Pointer
+
+    cfg = AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01)
+    for kwargs, fragment in [({"world_size": 0}, "world_size=0"), ({"world_size": 1.0}, "world_size=1.0"),
+                             ({"rank": -1}, "rank=-1"), ({"rank": True}, "rank=True"),
+                             ({"rank": 1, "world_size": 1}, "rank must be below world_size")]:
+        with pytest.raises(ValueError, match=fragment.replace("(", r"\(")):
+            AsyncCheckpointer(cfg, **kwargs)
+    with pytest.raises(TypeError, match="an AsyncCheckpointConfig, got a dict"):
+        AsyncCheckpointer({"enabled": True})
+    ck = AsyncCheckpointer(cfg)
+    for bad in (float("nan"), -1, "5"):
+        with pytest.raises(ValueError, match="wait\\(timeout="):
+            ck.wait(timeout=bad)
+    for bad in (-5, 1.5):
+        with pytest.raises(ValueError, match="reserve\\(nbytes="):
+            ck.reserve(bad)
+    d = str(tmp_path / "t")
+    ck.begin(d, tag="t", pointer=Pointer(str(tmp_path / "latest"), "t"))
+    ck.save({"w": torch.ones(4)}, str(tmp_path / "t" / "m.pt"))
+    ck.end()
+    ck.wait(timeout=float("inf"))  # no bound: waits for the commit
+    assert (tmp_path / "latest").read_text() == "t"
+    ck.close()

@@ -151,6 +151,22 @@ def test_a_directory_whose_name_cannot_be_a_checkpoint_is_refused_and_nothing_is
     assert listing(runs / "a") == ["latest", "s1"]
 
 
+@pytest.mark.parametrize("text", ["../elsewhere", "s2\n", "", "sub/s2"])
+def test_a_pointer_text_that_cannot_name_a_checkpoint_is_refused_at_begin(tmp_path, text):
+    """The pointer's text was written as given: ``"../elsewhere"`` was committed as `latest`,
+    and with ``keep_last=1`` retention then removed the one checkpoint it could have named
+    (a review, session 29)."""
+    ck = make(keep_last=1)
+    save_one(ck, str(tmp_path), sample_state(), tag="s1")
+    ck.wait()
+    d = str(tmp_path / "s2")
+    with pytest.raises(ValueError, match=r"Pointer\(.*latest', text\): .* cannot name a checkpoint"):
+        ck.begin(d, tag="s2", pointer=Pointer(str(tmp_path / "latest"), text))
+    assert not ck.is_open and listing(tmp_path) == ["latest", "s1"]
+    assert (tmp_path / "latest").read_text() == "s1"
+    ck.close()
+
+
 def test_a_tag_too_long_for_the_names_derived_from_it_is_refused_at_begin(tmp_path):
     """A 230-character tag saved once, but its re-save failed with a bare "File name too long"
     (the staging and removal names add 37-38 bytes; found by a review, session 29). The
@@ -672,10 +688,10 @@ def test_pool_smaller_than_state_streams_and_buffers_are_reused(tmp_path, caplog
 
 
 def test_tensor_larger_than_pool_is_a_clear_error(tmp_path):
-    ck = make(gb=1e-6)  # ~1 KiB
-    save_one(ck, str(tmp_path), {"module": {"w": torch.zeros(1024)}}, eager=())
+    ck = make(gb=2**-10)  # 1 MiB, the least allowed
+    save_one(ck, str(tmp_path), {"module": {"w": torch.zeros(300_000)}}, eager=())
     # the message names the file, the record, its shape and dtype, and the key to raise
-    with pytest.raises(SnapshotError, match=r"model\.pt: tensor record 0 \(1024,\) torch\.float32 .*host_buffer_gb"):
+    with pytest.raises(SnapshotError, match=r"model\.pt: tensor record 0 \(300000,\) torch\.float32 .*host_buffer_gb"):
         ck.fence()
     with pytest.raises(PersistError):
         ck.wait()
