@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig, read_block
+from deepspeed_async_ckpt.errors import ConfigError
 
 from .election import WRITER_MODES
 
@@ -24,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
                         "background writes, atomic commit of the tracker. Without this flag the "
                         "same pipeline runs inline (synchronous save), unless the "
                         "--async-ckpt-config file sets \"mode\" (it wins either way).")
-    g.add_argument("--async-ckpt-config", default=None, metavar="PATH",
+    g.add_argument("--async-ckpt-config", default=None, metavar="PATH", type=read_config_file,
                    help="JSON engine settings, the same schema as DeepSpeed's 'async_checkpoint' key "
                         "(the block itself or {\"async_checkpoint\": {...}}); \"enabled\" defaults to "
                         "true here, and false falls back to megatron-core's own dist_checkpointing.")
@@ -34,6 +35,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
+_PARSED: dict[str, dict] = {}
+"""``--async-ckpt-config`` paths read at parse time -> the block each held."""
+
+
+def read_config_file(path: str) -> str:
+    """The argparse ``type`` of ``--async-ckpt-config``: the file is read and checked once, when
+    the flags are parsed, and refused there naming the flag, the path and the key (until
+    session 29 a typo in it, or a file gone since, failed at the first save, after that much
+    training). Returns the path itself: ``args`` stays plain (Megatron-LM saves it in every
+    checkpoint); the block is kept for :func:`config_from_args`."""
+    try:
+        block = read_block(path)
+        AsyncCheckpointConfig.from_dict({"enabled": True, **block})
+    except ConfigError as exc:
+        raise argparse.ArgumentTypeError(str(exc) if path in str(exc) else f"{path}: {exc}") from None
+    _PARSED[path] = block
+    return path
+
+
 def config_from_args(args: argparse.Namespace) -> AsyncCheckpointConfig:
     """The engine config the flags ask for. ``enabled`` defaults to true here (the file can set
     it false); the mode is the file's ``mode`` where it sets one, else ``async`` with
@@ -41,6 +61,9 @@ def config_from_args(args: argparse.Namespace) -> AsyncCheckpointConfig:
     without the flag, while its ``"sync"`` won over the flag)."""
     path = getattr(args, "async_ckpt_config", None)
     raw = {"enabled": True, "mode": "async" if getattr(args, "async_ckpt", False) else "sync"}
-    if path:
-        raw.update(read_block(path))
-    return AsyncCheckpointConfig.from_dict(raw)
+    if path:  # as parsed (not read again at each save), or a path set on args by other code
+        raw.update(_PARSED[path] if path in _PARSED else read_block(path))
+    try:
+        return AsyncCheckpointConfig.from_dict(raw)
+    except ConfigError as exc:
+        raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None

@@ -47,7 +47,7 @@ def test_async_flag_and_example_config():
     assert config_from_args(parse("--async-ckpt")).is_async
 
 
-def test_config_file_uses_the_deepspeed_schema(tmp_path):
+def test_config_file_uses_the_deepspeed_schema(tmp_path, capsys):
     path = tmp_path / "c.json"
     path.write_text(json.dumps({"async_checkpoint": {"mode": "sync", "host_buffer_gb": 2}}))
     cfg = config_from_args(parse("--async-ckpt", "--async-ckpt-config", str(path)))
@@ -59,11 +59,21 @@ def test_config_file_uses_the_deepspeed_schema(tmp_path):
     assert not config_from_args(parse("--async-ckpt-config", str(path))).is_async
     path.write_text(json.dumps({"enabled": False}))
     assert not config_from_args(parse("--async-ckpt-config", str(path))).enabled
+    # a bad file is refused when the flags are parsed, naming the flag, the file and the key
+    # (until session 29 at the first save, after that much training)
     path.write_text(json.dumps({"writers": "balanced"}))
-    with pytest.raises(ConfigError, match="async_checkpoint.writers"):
-        config_from_args(parse("--async-ckpt-config", str(path)))
-    with pytest.raises(ConfigError, match="cannot read"):
-        config_from_args(parse("--async-ckpt-config", str(tmp_path / "missing.json")))
+    for bad, fragment in [(str(path), "async_checkpoint.writers"), (str(tmp_path / "missing.json"), "cannot read")]:
+        with pytest.raises(SystemExit):
+            parse("--async-ckpt-config", bad)
+        err = capsys.readouterr().err
+        assert "argument --async-ckpt-config" in err and bad in err and fragment in err, err
+    # read once: not again at each save (a file edited or removed mid-run changed nothing)
+    path.write_text(json.dumps({"enabled": False}))
+    args = parse("--async-ckpt-config", str(path))
+    path.unlink()
+    assert not config_from_args(args).enabled
+    with pytest.raises(ConfigError, match="cannot read .*missing.json"):  # a path set by other code
+        config_from_args(argparse.Namespace(async_ckpt_config=str(tmp_path / "missing.json")))
 
 
 def test_writer_modes():
