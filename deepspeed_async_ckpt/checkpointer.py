@@ -45,7 +45,8 @@ from .commit import (META_DIR, Pointer, check_checkpoint_dir, check_name, claim_
                      retire_checkpoints, staging_dir, verify_checkpoint, verify_file,
                      write_rank_failure, write_rank_record)
 from .config import AsyncCheckpointConfig
-from .errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError, describe
+from .errors import (AsyncCheckpointError, CommitError, DurabilityError, IntegrityError, PersistError,
+                     describe)
 from .persist import FileRecord, Share, check_torch_writer, split_items, write_file
 from .snapshot import (FilePlan, HostBufferPool, Stager, TensorItem, plan_file, storage_addresses,
                        tensor_ids)
@@ -57,9 +58,15 @@ logger = logging.getLogger(__name__)
 def _reraise(exc: BaseException, more: int = 0) -> AsyncCheckpointError:
     """A background stage's error ``exc`` raised for the caller, with ``more`` failed saves
     after it reported together."""
+    more_text = f" (and {more} more failed save(s))" if more else ""
+    if isinstance(exc, DurabilityError):  # in place, not "not committed"
+        err: AsyncCheckpointError = DurabilityError(f"a previous checkpoint's commit did not complete: "
+                                                    f"{exc}{more_text}", pointer_moved=exc.pointer_moved)
+        err.__cause__ = exc
+        return err
     cls = exc.__class__ if isinstance(exc, AsyncCheckpointError) else PersistError
     err = cls(f"a previous checkpoint failed and was not committed (the last committed one is "
-              f"intact): {exc}" + (f" (and {more} more failed save(s))" if more else ""))
+              f"intact): {exc}" + more_text)
     err.__cause__ = exc
     return err
 
@@ -1647,6 +1654,8 @@ class AsyncCheckpointer:
                 self.retire_older_later(handle)
         except BaseException as exc:
             handle.error = exc
+            if isinstance(exc, DurabilityError) and exc.pointer_moved and handle.pointer is not None:
+                self.pointer_moved(handle)  # it names this one now: retention must keep it
             with self._lock:
                 self._errors.append(exc)
             if not recorded:  # this rank's own part failed (its files, or its record): tell rank 0

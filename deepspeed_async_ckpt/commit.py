@@ -35,7 +35,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable, Iterable, Sequence
 
-from .errors import AsyncCheckpointError, CommitError, IntegrityError
+from .errors import AsyncCheckpointError, CommitError, DurabilityError, IntegrityError
 from .persist import HASHERS, FileRecord, hash_ranges
 from .storage import Storage, is_temporary, temporary_path
 
@@ -245,16 +245,49 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
                     pass
         raise
     parent = os.path.dirname(os.path.abspath(ckpt_dir))
-    if replaces is not None:  # the exchange syncs the directory holding both names
-        replace_checkpoint(storage, ckpt_dir, replaces, save_id=save_id)
-    elif pointer is None or os.path.dirname(os.path.abspath(pointer.path)) != parent:
-        # The checkpoint's own entry (renamed into place without fsync by make_checkpoint_dir)
-        # is made durable by the pointer's update when the pointer lies beside it; else here,
-        # before any pointer elsewhere names it.
-        storage.sync_dir(parent)
-    if pointer is not None:
-        write_text_atomic(storage, pointer.path, pointer.text)
+    try:
+        if replaces is not None:  # the exchange syncs the directory holding both names
+            replace_checkpoint(storage, ckpt_dir, replaces, save_id=save_id)
+        elif pointer is None or os.path.dirname(os.path.abspath(pointer.path)) != parent:
+            # The checkpoint's own entry (renamed into place without fsync by
+            # make_checkpoint_dir) is made durable by the pointer's update when the pointer
+            # lies beside it; else here, before any pointer elsewhere names it.
+            storage.sync_dir(parent)
+        if pointer is not None:
+            write_text_atomic(storage, pointer.path, pointer.text)
+    except OSError as exc:
+        raise _after_the_manifest(exc, replaces or ckpt_dir, tag, save_id, pointer,
+                                  swapped=replaces is not None) from exc
     return manifest
+
+
+def _after_the_manifest(exc: OSError, target: str, tag: str, save_id: str,
+                        pointer: Pointer | None, *, swapped: bool) -> BaseException:
+    """What a failure after the manifest was written means, from what is on disk: if the new
+    checkpoint is where loads look (a re-save's exchange done; the pointer's rename done, its
+    fsync failed; no pointer to move), a :class:`DurabilityError` saying so, since "the last
+    committed one is intact" would be false; else ``exc`` (nothing a load sees changed)."""
+    try:
+        there = read_manifest(target).get("save_id") == save_id
+    except (IntegrityError, OSError):
+        there = False
+    if not there:
+        return exc
+    named = False
+    if pointer is not None:
+        try:
+            with open(pointer.path, encoding="utf-8") as f:
+                named = f.read() == pointer.text
+        except (OSError, ValueError):  # unreadable: not known to name it
+            pass
+    if not (swapped or named or pointer is None):  # a new tag the pointer does not name
+        return exc
+    where = (f"and {pointer.path} names it" if named else
+             "no pointer names it" if pointer is None else f"but {pointer.path} was not moved to it")
+    return DurabilityError(f"checkpoint {target!r} (tag {tag}) is committed and in place, {where}, "
+                           f"but a step after that failed: {exc}: it loads now, yet a crash may "
+                           "undo it (then the previous checkpoint is what a load finds)",
+                           pointer_moved=named)
 
 
 def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,

@@ -28,6 +28,16 @@ class CommitError(AsyncCheckpointError):
     """A checkpoint could not be committed (a rank never finished, pointer write failed)."""
 
 
+class DurabilityError(CommitError):
+    """A checkpoint was committed and put in place (where loads look), but a step after that
+    failed (the pointer's write, an fsync): it is loadable now, yet a crash may undo it."""
+
+    def __init__(self, message: str, *, pointer_moved: bool) -> None:
+        super().__init__(message)
+        self.pointer_moved = pointer_moved
+        """Whether the pointer names the new checkpoint (retention must keep it)."""
+
+
 class IntegrityError(AsyncCheckpointError):
     """A checkpoint file does not match its manifest (size or checksum), or is uncommitted."""
 

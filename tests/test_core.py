@@ -2417,6 +2417,69 @@ def test_eager_copies_of_saves_in_flight_are_bounded_by_the_pool_size(tmp_path):
     ck.close()
 
 
+class FailingAfter(LocalStorage):
+    """Fails one step of the commit: ``"pointer"`` (its temporary file: ENOSPC, nothing
+    renamed), ``"pointer_fsync"`` (the directory fsync after its rename: EIO)."""
+
+    def __init__(self):
+        super().__init__(fsync=True)
+        self.where = None
+
+    def write_small(self, path, data, *, durable=True):
+        if self.where == "pointer" and os.path.basename(path).startswith("latest"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write_small(path, data, durable=durable)
+
+    def replace(self, src, dst, *, durable=True):
+        super().replace(src, dst, durable=durable)
+        if self.where == "pointer_fsync" and os.path.basename(dst) == "latest":
+            raise OSError(errno.EIO, "Input/output error")
+
+
+@pytest.mark.parametrize("tag, where, in_place", [
+    ("t2", "pointer", False),  # a new tag, `latest` never renamed: nothing a load sees changed
+    ("t2", "pointer_fsync", True),  # `latest` renamed to it, its fsync failed
+    ("t1", "pointer", True),  # a re-save: swapped in, then `latest` (naming it already) failed
+])
+def test_a_failure_after_the_checkpoint_is_in_place_says_so(tmp_path, tag, where, in_place):
+    """After the manifest, a failure raised "failed and was not committed (the last committed
+    one is intact)" even where the new checkpoint was already where loads look: `latest`
+    renamed to it (its fsync failed), or a re-save swapped in (the old one on its way to
+    deletion). It says now that the checkpoint is in place and may not survive a crash, and
+    retention keeps what `latest` names (a review, session 29)."""
+    from deepspeed_async_ckpt.errors import DurabilityError
+
+    storage = FailingAfter()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=1),
+                           storage=storage)
+    save_one(ck, str(tmp_path), sample_state(), tag="t1")
+    ck.wait()
+    storage.where = where
+    state = sample_state()
+    state["global_steps"] = 9
+    handle = save_one(ck, str(tmp_path), state, tag=tag)
+    with pytest.raises(AsyncCheckpointError) as raised:
+        ck.wait()
+    storage.where = None
+    message = str(raised.value)
+    assert isinstance(raised.value, DurabilityError) is in_place, message
+    assert not handle.committed
+    if in_place:
+        assert "did not complete" in message and "is committed and in place, and" in message, message
+        assert "a crash may undo it" in message and "not committed" not in message, message
+        assert (tmp_path / "latest").read_text() == tag
+        assert _steps(tmp_path / tag / "model.pt") == 9
+        assert ck._pointed[str(tmp_path)] == str(tmp_path / tag)  # retention keeps it
+    else:
+        assert "was not committed (the last committed one is intact)" in message, message
+        assert (tmp_path / "latest").read_text() == "t1" and _steps(tmp_path / "t1" / "model.pt") == 5
+    save_one(ck, str(tmp_path), sample_state(), tag="t3")  # the next save commits, retention runs
+    ck.wait()
+    assert (tmp_path / "latest").read_text() == "t3"
+    verify_checkpoint(str(tmp_path / "t3"))
+    ck.close()
+
+
 def _flip_byte(path, at=None):
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2 if at is None else at)
