@@ -23,8 +23,9 @@ MODES = ("async", "sync")
 CHECKSUMS = ("xxh128", "crc32", "sha256", "none")
 
 _GiB = 1024**3
-MIN_HOST_BUFFER_BYTES = 2**20
-"""The smallest pool `host_buffer_gb` may give (below a page, no save could ever stage)."""
+MIN_HOST_BUFFER_BYTES = 4096
+"""The smallest pool `host_buffer_gb` may give: one page (buffers are whole pages; below one,
+no save could ever stage a tensor)."""
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -99,9 +100,9 @@ class AsyncCheckpointConfig:
             raise ConfigError(f"{CONFIG_KEY}.host_buffer_gb must be a finite number > 0, "
                               f"got {self.host_buffer_gb!r}")
         if self.host_buffer_bytes < MIN_HOST_BUFFER_BYTES:  # every save would fail at its fence
-            raise ConfigError(f"{CONFIG_KEY}.host_buffer_gb must allow at least one MiB of staging "
-                              f"(buffers are whole pages), got {self.host_buffer_gb!r} "
-                              f"({self.host_buffer_bytes} bytes)")
+            raise ConfigError(f"{CONFIG_KEY}.host_buffer_gb must allow at least one page of staging "
+                              f"({MIN_HOST_BUFFER_BYTES} bytes: buffers are whole pages), got "
+                              f"{self.host_buffer_gb!r} ({self.host_buffer_bytes} bytes)")
         _check_positive_number("commit_timeout_s", self.commit_timeout_s)
         if isinstance(self.keep_last, bool) or not isinstance(self.keep_last, int) or self.keep_last < 0:
             raise ConfigError(f"{CONFIG_KEY}.keep_last must be an integer >= 0 (0 keeps every "

@@ -27,8 +27,8 @@ def test_unknown_key_is_named_with_allowed_keys():
     ("host_buffer_gb", 0, "> 0"),
     ("host_buffer_gb", "8", "> 0"),
     ("host_buffer_gb", float("inf"), "finite"),  # accepted before; the engine then overflowed
-    ("host_buffer_gb", 1e-7, "at least one MiB"),  # 107 bytes: accepted, every save then failed
-    ("host_buffer_gb", 1e-300, "at least one MiB"),
+    ("host_buffer_gb", 1e-7, "at least one page"),  # 107 bytes: accepted, every save then failed
+    ("host_buffer_gb", 1e-300, "at least one page"),
     ("writer_threads", 0, "[1, 64]"),
     ("writer_threads", 2.5, "[1, 64]"),
     ("enabled", "yes", "true or false"),

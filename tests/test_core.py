@@ -688,10 +688,10 @@ def test_pool_smaller_than_state_streams_and_buffers_are_reused(tmp_path, caplog
 
 
 def test_tensor_larger_than_pool_is_a_clear_error(tmp_path):
-    ck = make(gb=2**-10)  # 1 MiB, the least allowed
-    save_one(ck, str(tmp_path), {"module": {"w": torch.zeros(300_000)}}, eager=())
+    ck = make(gb=2**-18)  # one page, the least allowed
+    save_one(ck, str(tmp_path), {"module": {"w": torch.zeros(2048)}}, eager=())
     # the message names the file, the record, its shape and dtype, and the key to raise
-    with pytest.raises(SnapshotError, match=r"model\.pt: tensor record 0 \(300000,\) torch\.float32 .*host_buffer_gb"):
+    with pytest.raises(SnapshotError, match=r"model\.pt: tensor record 0 \(2048,\) torch\.float32 .*host_buffer_gb"):
         ck.fence()
     with pytest.raises(PersistError):
         ck.wait()
