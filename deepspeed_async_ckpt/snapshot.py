@@ -423,6 +423,20 @@ class _StorageRef:
         self.key, self.storage_type, self.numel = key, storage_type, numel
 
 
+def _strided_span(t: torch.Tensor) -> int | None:
+    """For a tensor that is not contiguous: how many storage elements its strides reach from its
+    offset on, if it is worth recording those with its own strides rather than its values in
+    order (as many or fewer elements): a transposed or ``channels_last`` tensor keeps its
+    layout (``torch.save`` keeps it), an expanded one (stride 0) is not materialized (a
+    4-byte ``ones(1).expand(4_000_000)`` took 16 MB of staging and file). None for a view
+    with gaps (a slice: its values alone are fewer), or one with the conjugate or negative
+    bit (their values are resolved by the copy)."""
+    if not t.numel() or t.is_conj() or t.is_neg():
+        return None
+    span = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return span if span <= t.numel() else None
+
+
 def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
     """Pickle ``obj`` as ``torch.save`` would, with each tensor turned into a compact record.
 
@@ -438,7 +452,10 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
     strides: dict[tuple, tuple] = {}  # shape -> its contiguous stride (shapes repeat: m, v, w)
     lazy_parameter_data: dict[int, torch.Tensor] = {}  # id -> the data of a lazy nn.Parameter
 
-    def storage_ref(t: torch.Tensor) -> _StorageRef:
+    def storage_ref(t: torch.Tensor, span: int | None) -> _StorageRef:
+        """The record of ``t``'s values: ``numel`` elements in ``t``'s logical order, or with
+        ``span``, the ``span`` elements of its storage from its offset on (see
+        :func:`_strided_span`), which ``t``'s own strides then index."""
         ptr = t.untyped_storage().data_ptr()
         # a conjugate or negative view reads the same memory as other values: its own record
         view_key = (ptr, t.storage_offset(), t.shape, t.stride(), t.dtype, t.device,
@@ -448,13 +465,18 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
             ref, item = by_view[view_key]
             item.eager = item.eager or eager
             return ref
-        nbytes = t.numel() * t.element_size()
+        numel = t.numel() if span is None else span
+        nbytes = numel * t.element_size()
         key = str(len(items))
         if t.dtype in untyped_dtypes:
             ref = _StorageRef(key, torch.UntypedStorage, nbytes)
-        else:
-            ref = _StorageRef(key, storage_types[t.dtype], t.numel())
-        item = TensorItem(key, t.detach(), nbytes, eager, (what, t.shape, t.dtype))
+        elif t.dtype in storage_types:
+            ref = _StorageRef(key, storage_types[t.dtype], numel)
+        else:  # torch.save refuses these too (sub-byte integers: uint1-7, int1-7)
+            raise SnapshotError(f"{what}: cannot snapshot a tensor of dtype {t.dtype} {tuple(t.shape)}: "
+                                "torch.save has no storage type for it")
+        src = t.detach() if span is None else t.detach().as_strided((span,), (1,), t.storage_offset())
+        item = TensorItem(key, src, nbytes, eager, (what, t.shape, t.dtype))
         items.append(item)
         by_view[view_key] = (ref, item)
         return ref
@@ -469,13 +491,15 @@ def plan_file(obj: Any, lazy_tensor_ids: set[int], what: str) -> FilePlan:
         contiguous = strides.get(shape)
         if contiguous is None:
             contiguous = strides[shape] = _contiguous_stride(shape)
-        ref = storage_ref(t)
+        span = None if t.stride() == contiguous else _strided_span(t)
+        ref = storage_ref(t, span)
+        stride = contiguous if span is None else t.stride()
         hooks: collections.OrderedDict = collections.OrderedDict()
         if ref.storage_type is torch.UntypedStorage:
             return (torch._utils._rebuild_tensor_v3,
-                    (ref, 0, shape, contiguous, t.requires_grad, hooks, t.dtype))
+                    (ref, 0, shape, stride, t.requires_grad, hooks, t.dtype))
         return (torch._utils._rebuild_tensor_v2,
-                (ref, 0, shape, contiguous, t.requires_grad, hooks))
+                (ref, 0, shape, stride, t.requires_grad, hooks))
 
     class _Pickler(pickle.Pickler):
         def reducer_override(self, o: Any) -> Any:

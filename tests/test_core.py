@@ -410,6 +410,72 @@ def test_a_relative_save_dir_commits_where_it_was_saved_after_a_chdir(tmp_path, 
     verify_checkpoint(str(tmp_path / "run" / "ckpt" / "t1"))
 
 
+@pytest.mark.parametrize("mode", ["async", "sync"])
+@pytest.mark.parametrize("eager", [False, True])
+def test_strided_tensors_keep_their_layout_and_an_expanded_one_is_not_materialized(tmp_path, mode, eager):
+    """Records held a tensor's values in order, pickled with contiguous strides: a transposed
+    or ``channels_last`` tensor loaded contiguous (``torch.save`` keeps the layout), and
+    ``ones(1).expand(4_000_000)`` took 16 MB of staging and file for 4 bytes (``torch.save``:
+    1.5 kB), failing a save with a small pool (a review, session 29). Such tensors are now
+    recorded as the storage their strides reach, with those strides; a slice with gaps keeps
+    its values alone (fewer bytes than its storage)."""
+    base = torch.arange(24, dtype=torch.float32)
+    state = {
+        "mask": torch.ones(1).expand(4_000_000),
+        "rows": torch.arange(3.0).view(3, 1).expand(3, 5),
+        "t": torch.randn(4, 6).t(),
+        "cl": torch.randn(2, 3, 4, 5).to(memory_format=torch.channels_last),
+        "overlap": base.as_strided((4, 3), (2, 1), 1),  # windows overlapping by one element
+        "gaps": base[::2],  # values alone: 12 elements, not the 23 its storage span holds
+        "both": [base.view(4, 6).t(), base],  # one storage, two records
+    }
+    ck = make(mode, gb=2**-8)  # 4 MiB: the expanded tensor's 16 MB did not fit
+    d = str(tmp_path / "t")
+    ck.begin(d, tag="t")
+    ck.save(state, os.path.join(d, "m.pt"), eager_keys=tuple(state) if eager else ())
+    ck.end()
+    ck.fence()
+    ck.wait()
+    ck.close()
+    ours = torch.load(os.path.join(d, "m.pt"))
+    assert_same(ours, state)
+    torch.save(state, tmp_path / "theirs.pt")
+    theirs = torch.load(tmp_path / "theirs.pt")
+    for key in ("mask", "rows", "t", "cl", "overlap"):
+        assert ours[key].stride() == theirs[key].stride() == state[key].stride(), key
+    assert ours["gaps"].stride() == (1,) and ours["gaps"].untyped_storage().nbytes() == 12 * 4
+    assert ours["cl"].is_contiguous(memory_format=torch.channels_last)
+    assert ours["mask"].untyped_storage().nbytes() == 4
+    assert os.path.getsize(os.path.join(d, "m.pt")) < 100_000
+
+
+def test_a_strided_record_changed_before_its_copy_fails_the_save(tmp_path, held_copier):
+    """A tensor recorded by its storage span is checked for in-place changes as any other."""
+    weight = torch.zeros(8, 16).t()
+    ck = make()
+    held_copier.clear()
+    ck.begin(str(tmp_path / "t"), tag="t")
+    ck.save({"w": weight}, str(tmp_path / "t" / "m.pt"))
+    ck.end()
+    weight.add_(1)  # without fence_all()
+    with pytest.raises(SnapshotError, match="changed in place after the save"):
+        ck.fence()
+    with pytest.raises(PersistError):
+        ck.wait()
+    ck.close()
+
+
+@pytest.mark.skipif(not hasattr(torch, "uint1"), reason="this torch has no sub-byte integer dtypes")
+def test_a_tensor_of_a_dtype_torch_save_cannot_store_is_refused_by_name(tmp_path):
+    """``torch.uint1`` .. ``int7`` raised a bare ``KeyError: torch.uint1`` from save()."""
+    ck = make()
+    ck.begin(str(tmp_path / "t"), tag="t")
+    with pytest.raises(SnapshotError, match=r"m.pt.*dtype torch.uint1"):
+        ck.save({"x": torch.empty(8, dtype=torch.uint1)}, str(tmp_path / "t" / "m.pt"))
+    ck.end(commit=False)
+    ck.close()
+
+
 @pytest.mark.filterwarnings("ignore:torch.quantize_per_tensor.*deprecated")
 def test_a_quantized_tensor_is_refused_by_name(tmp_path):
     """A quantized tensor's layout is ``torch.strided``: the message said "cannot snapshot a
