@@ -319,6 +319,15 @@ def _version_of(t: torch.Tensor | None) -> int | None:
         return None
 
 
+def _storage_of(t: torch.Tensor | None) -> tuple[int, int] | None:
+    """``(data_ptr, nbytes)`` of ``t``'s storage; None where it has none to ask."""
+    try:
+        storage = t.untyped_storage()
+        return storage.data_ptr(), storage.nbytes()
+    except (RuntimeError, NotImplementedError, AttributeError):
+        return None
+
+
 class TensorItem:
     """One storage record of a file: a source tensor and, once staged, its host copy.
 
@@ -328,12 +337,13 @@ class TensorItem:
     """
 
     __slots__ = ("key", "src", "nbytes", "eager", "_label", "host", "error", "_pool",
-                 "_cuda_event", "_issued", "_latch", "_claimed", "_version", "_job")
+                 "_cuda_event", "_issued", "_latch", "_claimed", "_version", "_job", "_storage")
 
     def __init__(self, key: str, src: torch.Tensor | None, nbytes: int, eager: bool,
                  what: str | tuple = "") -> None:
         self.key, self.src, self.nbytes, self.eager = key, src, nbytes, eager
         self._version = _version_of(src)  # in-place changes before the copy are refused
+        self._storage = _storage_of(src) if nbytes else None  # and a storage freed or resized
         self._label = what  # a string, or (file, shape, dtype) formatted by ``what``
         self.host: torch.Tensor | None = None
         self.error: BaseException | None = None
@@ -357,6 +367,15 @@ class TensorItem:
         counter moved): its copy would hold values of after the save, or a mix. Changes
         through ``.data``, which has a counter of its own, are not seen."""
         now = _version_of(src)
+        if self._storage is not None and _storage_of(src) != self._storage:
+            # resize_(0) (FSDP-style freeing) moves no version counter, and copying from the
+            # freed memory crashed the process (a review, session 29)
+            where = _storage_of(src)
+            raise SnapshotError(
+                f"its storage was freed, resized or replaced after the save and before its copy "
+                f"(then {self._storage[1]} bytes, now {where[1] if where else 'none'}): the "
+                "checkpoint would hold other memory. Code that frees or swaps storages outside "
+                "the optimizer step must call deepspeed_async_ckpt.fence_all() first")
         if now != self._version:
             raise SnapshotError(
                 f"changed in place after the save and before its copy (its version went from "

@@ -465,6 +465,25 @@ def test_a_strided_record_changed_before_its_copy_fails_the_save(tmp_path, held_
     ck.close()
 
 
+@pytest.mark.parametrize("change", ["free", "grow"])
+def test_a_storage_freed_or_resized_before_its_copy_fails_the_save_not_the_process(tmp_path, held_copier, change):
+    """``untyped_storage().resize_(0)`` (how FSDP-style code frees a parameter) moves no
+    version counter: the copier read the freed memory and the process died with a segfault
+    (a review, session 29). The storage is checked as the version is."""
+    weight = torch.randn(1000)
+    ck = make()
+    held_copier.clear()
+    ck.begin(str(tmp_path / "t"), tag="t")
+    ck.save({"w": weight}, str(tmp_path / "t" / "m.pt"))
+    ck.end()
+    weight.untyped_storage().resize_(0 if change == "free" else 64_000)
+    with pytest.raises(SnapshotError, match="storage was freed, resized or replaced after the save"):
+        ck.fence()
+    with pytest.raises(PersistError):
+        ck.wait()
+    ck.close()
+
+
 @pytest.mark.skipif(not hasattr(torch, "uint1"), reason="this torch has no sub-byte integer dtypes")
 def test_a_tensor_of_a_dtype_torch_save_cannot_store_is_refused_by_name(tmp_path):
     """``torch.uint1`` .. ``int7`` raised a bare ``KeyError: torch.uint1`` from save()."""
