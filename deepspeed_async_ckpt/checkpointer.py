@@ -1000,7 +1000,7 @@ class AsyncCheckpointer:
                         zip_crc32=self.config.zip_crc32, share=share))
                 if unsubmitted:
                     self._warn_if_pool_too_small(unsubmitted)
-                    self._stager.submit(unsubmitted)
+                    self._stager.submit(unsubmitted, job=handle)
             except BaseException as exc:
                 # Cut short (a Ctrl-C while a writer thread starts): copies that may never be
                 # queued fail, so that the writers already queued fail on them instead of

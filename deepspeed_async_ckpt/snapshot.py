@@ -29,6 +29,7 @@ import mmap
 import pickle
 import queue
 import threading
+import weakref
 from dataclasses import dataclass
 from typing import Any, Iterable
 
@@ -326,6 +327,12 @@ def _storage_of(t: torch.Tensor | None) -> tuple[int, int] | None:
         return storage.data_ptr(), storage.nbytes()
     except (RuntimeError, NotImplementedError, AttributeError):
         return None
+
+
+class _Job:
+    """What a submit's items share when the caller names no save (weakly referenced)."""
+
+    __slots__ = ("__weakref__",)
 
 
 class TensorItem:
@@ -632,6 +639,8 @@ class Stager:
         self._copy_stream = torch.cuda.Stream() if use_cuda else None
         self._queue: queue.SimpleQueue[tuple[list[TensorItem], Any] | None] = queue.SimpleQueue()
         self._pending: collections.deque[TensorItem] = collections.deque()
+        self._failed_jobs: weakref.WeakSet = weakref.WeakSet()
+        """Jobs (saves) whose staging error a fence raised: raised once, the rest dropped."""
         self._lock = threading.Lock()
         self._queued_bytes = 0  # pool bytes submitted and not yet acquired: sizes new blocks
         self.staged_bytes = 0
@@ -659,10 +668,21 @@ class Stager:
         ready.record()
         return ready
 
-    def submit(self, items: Iterable[TensorItem]) -> None:
-        """Queue lazy items for the background copier (called on the training thread)."""
+    def submit(self, items: Iterable[TensorItem], job: Any = None) -> None:
+        """Queue lazy items for the background copier (called on the training thread).
+        ``job``: what they belong to (a save, which may submit several times; its own by
+        default): once a fence raised a staging error of a job, its other items are dropped,
+        and those submitted later fail at once, uncopied (the save is failed already)."""
         ready = self.ready_event()
-        items, job = list(items), object()
+        items, job = list(items), _Job() if job is None else job
+        with self._lock:
+            failed = job in self._failed_jobs
+        if failed:
+            for item in items:
+                item.error = SnapshotError("not copied: an earlier record of its save failed to stage")
+                item.src = None
+                item._set_issued()
+            return
         for item in items:
             item._job = job
         with self._lock:
@@ -772,6 +792,7 @@ class Stager:
                     self._pending.popleft()
                 if item.error is not None:  # and once per save: the rest of it failed with it
                     self._pending = collections.deque(i for i in self._pending if i._job is not item._job)
+                    self._failed_jobs.add(item._job)
             if item.error is not None:
                 raise SnapshotError(f"staging {item.what} failed: {describe(item.error)}") from item.error
             if item._cuda_event is not None:

@@ -465,6 +465,31 @@ def test_a_strided_record_changed_before_its_copy_fails_the_save(tmp_path, held_
     ck.close()
 
 
+def test_a_save_whose_staging_failed_raises_once_though_a_fence_split_it(tmp_path):
+    """A fence inside the open save (``fence_all`` from an eval thread) raised its staging
+    error; the save went on (a later file, ``end``) and the next fence raised a second
+    ``SnapshotError`` for the same save: errors were dropped per submit, and a save submits at
+    every such fence (a review, session 29). The rest of a failed save is not copied."""
+    ck = make(gb=1 / 1024)  # 1 MiB: a 2 MiB tensor fails to stage
+    big = torch.randn(2**19)
+    d = str(tmp_path / "t")
+    ck.begin(d, tag="t", pointer=Pointer(str(tmp_path / "latest"), "t"))
+    ck.save({"x": big}, os.path.join(d, "a.pt"))
+    with pytest.raises(SnapshotError, match="a.pt"):
+        ck.fence()
+    ck.save({"y": big * 2}, os.path.join(d, "b.pt"))  # too large as well: not raised again
+    ck.end()
+    ck.fence()  # raised "b.pt" again: once per save
+    with pytest.raises(PersistError, match="a.pt|b.pt"):
+        ck.wait()
+    assert not (tmp_path / "latest").exists()
+    save_one(ck, str(tmp_path), sample_state(), tag="t2")  # the next save commits
+    ck.fence()
+    ck.wait()
+    assert (tmp_path / "latest").read_text() == "t2"
+    ck.close()
+
+
 @pytest.mark.parametrize("change", ["free", "grow"])
 def test_a_storage_freed_or_resized_before_its_copy_fails_the_save_not_the_process(tmp_path, held_copier, change):
     """``untyped_storage().resize_(0)`` (how FSDP-style code frees a parameter) moves no
