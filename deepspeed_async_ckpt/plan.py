@@ -136,6 +136,10 @@ def _is_real(value) -> bool:
 
 
 def _show(value) -> str:
+    """A value for a message: a float that is a whole number keeps its point (``4096.0``:
+    "must be an integer ..., got 4096" contradicted itself), a huge one stays short."""
+    if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
+        return repr(value)
     return format(value, "g") if _is_real(value) else repr(value)
 
 

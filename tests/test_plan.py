@@ -346,6 +346,7 @@ def test_single_gpu():
     (dict(shape=ModelShape(num_layers=1, hidden_size=8, vocab_size=8)), "params",
      "exactly one of params or shape"),
     (dict(params=1.5e9), "params", "params must be an integer"),
+    (dict(tp=4.0), "tp", "tp must be an integer >= 1, got 4.0"),  # said "got 4" until session 29
 ])
 def test_invalid_inputs_name_the_field(overrides, field, text):
     with pytest.raises(PlanInputError) as e:
