@@ -640,6 +640,9 @@ class AsyncCheckpointer:
                         f"{ckpt_dir!r}): rank(s) {by_rank(elsewhere)}; every rank must pass the "
                         "same save_dir and tag (nothing was written)")
                 if failed:
+                    if all(m.startswith(f"{DurabilityError.__name__}:") for m in failed.values()):
+                        raise DurabilityError("a previous checkpoint's commit did not complete on "
+                                              "rank(s) " + by_rank(failed))
                     raise CommitError("a previous checkpoint failed and was not committed (the last "
                                       "committed one is intact) on rank(s) " + by_rank(failed))
             except BaseException:
@@ -1121,8 +1124,9 @@ class AsyncCheckpointer:
             cls = type(local) if isinstance(local, AsyncCheckpointError) else CommitError
             raise cls(f"{action} refused on every rank: {detail}{retry}") from local
         if failed:
-            raise CommitError(f"{action} refused on every rank, because of rank(s) " +
-                              by_rank(failed) + retry)
+            durability = all(m.startswith(f"{DurabilityError.__name__}:") for m in failed.values())
+            raise (DurabilityError if durability else CommitError)(
+                f"{action} refused on every rank, because of rank(s) " + by_rank(failed) + retry)
 
     def _take_background_errors(self) -> tuple[BaseException | None, int]:
         """The first error the background stages recorded (None: none) and how many more; all

@@ -233,16 +233,15 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
                            rotation=rotation, replaces=replaces)
     except CommitError:
         suffix = temporary_path("", save_id)
-        try:
-            names = os.listdir(ckpt_dir)
-        except FileNotFoundError:  # staged, and no rank got as far as writing anything
-            names = []
-        for name in names:
-            if name.endswith(suffix):
-                try:
-                    os.unlink(os.path.join(ckpt_dir, name))
-                except OSError:
-                    pass
+        # at any depth: a file saved in a subdirectory (os.walk of a missing directory, staged
+        # with no rank yet writing, yields nothing; until session 29 only the top was swept)
+        for top, _, names in os.walk(ckpt_dir):
+            for name in names:
+                if name.endswith(suffix):
+                    try:
+                        os.unlink(os.path.join(top, name))
+                    except OSError:
+                        pass
         raise
     parent = os.path.dirname(os.path.abspath(ckpt_dir))
     try:
@@ -256,22 +255,28 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
         if pointer is not None:
             write_text_atomic(storage, pointer.path, pointer.text)
     except OSError as exc:
-        raise _after_the_manifest(exc, replaces or ckpt_dir, tag, save_id, pointer,
-                                  swapped=replaces is not None) from exc
+        raise _after_the_manifest(exc, ckpt_dir, replaces, tag, save_id, pointer,
+                                  finished_later=bool(late_files)) from exc
     return manifest
 
 
-def _after_the_manifest(exc: OSError, target: str, tag: str, save_id: str,
-                        pointer: Pointer | None, *, swapped: bool) -> BaseException:
+def _after_the_manifest(exc: OSError, written: str, replaces: str | None, tag: str, save_id: str,
+                        pointer: Pointer | None, *, finished_later: bool) -> BaseException:
     """What a failure after the manifest was written means, from what is on disk: if the new
     checkpoint is where loads look (a re-save's exchange done; the pointer's rename done, its
     fsync failed; no pointer to move), a :class:`DurabilityError` saying so, since "the last
-    committed one is intact" would be false; else ``exc`` (nothing a load sees changed)."""
-    try:
-        there = read_manifest(target).get("save_id") == save_id
-    except (IntegrityError, OSError):
-        there = False
-    if not there:
+    committed one is intact" would be false; else ``exc`` (nothing a load sees changed). Not
+    for a checkpoint its caller finishes after the commit (``late_files``: Megatron's markers,
+    then its swap and tracker), which a failure here leaves unfinished, wherever it is."""
+    target = replaces or written
+    if finished_later or os.path.basename(target).startswith(STAGING_PREFIX):
+        return exc
+    if replaces is not None and not os.path.lexists(replaces) and _holds(written, save_id):
+        # two renames (no exchange): the old one moved to the trash, then this one failed
+        return DurabilityError(f"checkpoint {replaces!r} (tag {tag}) is committed, at {written!r}, "
+                               f"but renaming it into place failed: {exc}: the next load or save "
+                               "renames it there (the checkpoint it replaces is gone)")
+    if not _holds(target, save_id):
         return exc
     named = False
     if pointer is not None:
@@ -280,7 +285,7 @@ def _after_the_manifest(exc: OSError, target: str, tag: str, save_id: str,
                 named = f.read() == pointer.text
         except (OSError, ValueError):  # unreadable: not known to name it
             pass
-    if not (swapped or named or pointer is None):  # a new tag the pointer does not name
+    if not (replaces is not None or named or pointer is None):  # a new tag the pointer does not name
         return exc
     where = (f"and {pointer.path} names it" if named else
              "no pointer names it" if pointer is None else f"but {pointer.path} was not moved to it")
@@ -354,6 +359,14 @@ def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_si
     write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
                       json.dumps(manifest, indent=1, sort_keys=True))
     return manifest
+
+
+def _holds(ckpt_dir: str, save_id: str) -> bool:
+    """Whether ``ckpt_dir`` holds the committed manifest of save ``save_id``."""
+    try:
+        return read_manifest(ckpt_dir).get("save_id") == save_id
+    except (IntegrityError, OSError):
+        return False
 
 
 def _read_rank_record(path: str, rank: int, *, save_id: str, checksum: str, ckpt_dir: str,

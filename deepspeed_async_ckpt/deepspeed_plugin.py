@@ -50,7 +50,7 @@ from . import hf_trainer
 from .checkpointer import AsyncCheckpointer, CommitInfo, Replicas, by_rank, exchange_across_ranks
 from .commit import Pointer, check_name
 from .config import CONFIG_KEY, AsyncCheckpointConfig
-from .errors import CommitError, ConfigError, describe
+from .errors import CommitError, ConfigError, DurabilityError, describe
 from .storage import aligned_size, temporary_path
 
 ENGINE_NAME = "AsyncCheckpointEngine"
@@ -234,7 +234,11 @@ class AsyncCheckpointEngine(CheckpointEngine):
         if error is not None:
             raise error
         if failed:  # end() put this save last in the history, raising or not
-            raise CommitError(f"checkpoint {self.checkpointer.history[-1].tag} was not committed (the last committed one is "
+            tag = self.checkpointer.history[-1].tag
+            if all(m.startswith(f"{DurabilityError.__name__}:") for m in failed.values()):
+                raise DurabilityError(f"checkpoint {tag}'s commit did not complete, because of "
+                                      f"rank(s) {by_rank(failed)}")
+            raise CommitError(f"checkpoint {tag} was not committed (the last committed one is "
                               f"intact), because of rank(s) {by_rank(failed)}")
 
     def before_optimizer_step(self) -> None:

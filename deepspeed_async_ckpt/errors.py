@@ -32,10 +32,17 @@ class DurabilityError(CommitError):
     """A checkpoint was committed and put in place (where loads look), but a step after that
     failed (the pointer's write, an fsync): it is loadable now, yet a crash may undo it."""
 
-    def __init__(self, message: str, *, pointer_moved: bool) -> None:
+    def __init__(self, message: str, *, pointer_moved: bool = False) -> None:
         super().__init__(message)
         self.pointer_moved = pointer_moved
         """Whether the pointer names the new checkpoint (retention must keep it)."""
+
+    def __reduce__(self):  # copied and pickled with its field (the base takes args alone)
+        return (_durability_error, (str(self), self.pointer_moved))
+
+
+def _durability_error(message: str, pointer_moved: bool) -> DurabilityError:
+    return DurabilityError(message, pointer_moved=pointer_moved)
 
 
 class IntegrityError(AsyncCheckpointError):

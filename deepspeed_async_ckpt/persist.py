@@ -35,6 +35,9 @@ from .storage import DIRECT_ALIGN, Storage, buffer_address, temporary_path
 
 _READ_CHUNK = 8 * 1024 * 1024
 _PART = 8 * 1024 * 1024
+#: Linux's MAP_NORESERVE, which Python's mmap module names only from 3.13 on: without it the
+#: never-touched mapping of :class:`_Phantom` counted against the commit limit.
+_MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 
 @dataclass(frozen=True)
@@ -343,7 +346,7 @@ class _Phantom:
 
     def __init__(self, plan: FilePlan) -> None:
         largest = max((i.nbytes for i in plan.items), default=0)
-        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | getattr(mmap, "MAP_NORESERVE", 0)
+        flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS | _MAP_NORESERVE
         self.base = torch.frombuffer(mmap.mmap(-1, max(largest, 1), flags=flags), dtype=torch.uint8)
 
     def storage(self, nbytes: int):

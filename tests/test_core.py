@@ -2590,6 +2590,131 @@ def test_a_failure_after_the_checkpoint_is_in_place_says_so(tmp_path, tag, where
     ck.close()
 
 
+def test_a_durability_error_survives_the_ways_errors_travel(tmp_path):
+    """Rebuilt by ``wait_all_ranks`` (DeepSpeed's ``load_checkpoint``) as ``type(e)(message)``,
+    copied, pickled: with its field required, each raised ``TypeError`` (a review, session 29)."""
+    import copy
+    import pickle
+
+    from deepspeed_async_ckpt.errors import DurabilityError
+
+    e = DurabilityError("in place", pointer_moved=True)
+    for twin in (copy.copy(e), pickle.loads(pickle.dumps(e))):
+        assert type(twin) is DurabilityError and str(twin) == "in place" and twin.pointer_moved
+    storage = FailingAfter()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    save_one(ck, str(tmp_path), sample_state(), tag="t1")
+    ck.wait()
+    storage.where = "pointer_fsync"
+    save_one(ck, str(tmp_path), sample_state(), tag="t2")
+    with pytest.raises(DurabilityError, match="load_checkpoint refused on every rank: .*latest names it"):
+        ck.wait_all_ranks(action="load_checkpoint")
+    storage.where = None
+    ck.close()
+
+
+class NoExchangeFailingRename(LocalStorage):
+    """No ``renameat2`` exchange (NFS), and the staged directory's rename into place fails."""
+
+    def __init__(self):
+        super().__init__(fsync=True)
+        self.fail = False
+
+    def exchange(self, a, b):
+        return False
+
+    def replace(self, src, dst, *, durable=True):
+        if self.fail and os.path.basename(src).startswith(".async_ckpt_staging."):
+            raise OSError(errno.EIO, "Input/output error")
+        super().replace(src, dst, durable=durable)
+
+
+def test_failures_after_the_manifest_that_leave_the_checkpoint_unfinished_or_beside(tmp_path):
+    """A save its caller finishes after the commit (Megatron's: markers, then its own swap and
+    tracker) is not in place when a step after its manifest fails: it was said to be ("is
+    committed and in place, no pointer names it ... it loads now"). A re-save without an
+    exchange whose second rename failed was said to have failed with the last checkpoint
+    intact, though that one was in the trash and the new one is renamed in by the next load
+    or save (a review, session 29)."""
+    from deepspeed_async_ckpt.errors import DurabilityError
+
+    storage = NoExchangeFailingRename()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    save_one(ck, str(tmp_path), sample_state(), tag="t")
+    ck.wait()
+    state = sample_state()
+    state["global_steps"] = 9
+    storage.fail = True
+    save_one(ck, str(tmp_path), state, tag="t")
+    with pytest.raises(DurabilityError, match="is committed, at .*staging.* renaming it into place failed"):
+        ck.wait()
+    storage.fail = False
+    ck.recover(str(tmp_path))
+    assert _steps(tmp_path / "t" / "model.pt") == 9
+    # finished by its caller: a staged, unswapped save whose parent fsync fails is not in place
+    failing = FailingAfter()
+    ck2 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=failing)
+    root = str(tmp_path / "mg")
+    d = os.path.join(root, "iter_0000010")
+    for steps in (5, 9):
+        ck2.begin(d, tag="10", swap_at_commit=False, late_files=(".metadata",))
+        st = sample_state()
+        st["global_steps"] = steps
+        ck2.save(st, os.path.join(d, "model.pt"))
+        handle = ck2.end()
+        if steps == 5:
+            ck2.wait()
+            with open(os.path.join(d, ".metadata"), "w") as f:
+                f.write("m")
+            from deepspeed_async_ckpt.commit import record_late_files
+            record_late_files(failing, d)
+            real_sync_dir = failing.sync_dir
+
+            def sync_dir(path):  # the fsync of the save directory after the staged manifest
+                staged = [n for n in os.listdir(root) if n.startswith(".async_ckpt_staging.")]
+                if path == root and any(os.path.exists(os.path.join(root, n, META_DIR, "manifest.json"))
+                                        for n in staged):
+                    raise OSError(errno.EIO, "Input/output error")
+                real_sync_dir(path)
+
+            failing.sync_dir = sync_dir
+    with pytest.raises(AsyncCheckpointError) as raised:
+        ck2.wait()
+    assert not isinstance(raised.value, DurabilityError), raised.value
+    assert "not committed" in str(raised.value)
+    assert _steps(os.path.join(d, "model.pt")) == 5 and not handle.committed
+    del failing.sync_dir
+    ck2.close()
+    ck.close()
+
+
+def test_a_failed_commit_removes_the_shares_temporaries_in_subdirectories_too(tmp_path):
+    """A file the replicas write in shares lives under a temporary name until the commit joins
+    it; a failed commit removes those, but only looked at the checkpoint's top directory: a
+    share of ``sub/deep.pt`` (possibly gigabytes) stayed for good (a review, session 29)."""
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, commit_timeout_s=30),
+                           rank=0, world_size=2, exchange=lambda v, e, key="": (v, {}))
+    d = str(tmp_path / "t")
+    handle = ck.begin(d, tag="t", pointer=Pointer(str(tmp_path / "latest"), "t"))
+    ck.save({"w": torch.randn(64)}, os.path.join(d, "model.pt"))
+    ck.end()
+    from deepspeed_async_ckpt.storage import temporary_path
+
+    os.makedirs(os.path.join(d, "sub"), exist_ok=True)
+    leftovers = [temporary_path(os.path.join(d, "sub", "deep.pt"), handle.save_id),
+                 temporary_path(os.path.join(d, "top.pt"), handle.save_id)]
+    for path in leftovers:  # what the other replica's share left before it failed
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+    os.makedirs(os.path.join(d, META_DIR), exist_ok=True)
+    with open(os.path.join(d, META_DIR, f"rank_00001.{handle.save_id}.failed"), "w") as f:
+        f.write("OSError: [Errno 5] Input/output error")
+    with pytest.raises(CommitError, match="rank\\(s\\) 1 failed to persist"):
+        ck.wait()
+    assert not any(os.path.exists(p) for p in leftovers), leftovers
+    ck.close()
+
+
 def _flip_byte(path, at=None):
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2 if at is None else at)
