@@ -827,10 +827,10 @@ def test_a_fence_on_another_thread_during_a_save_or_its_end_loses_and_doubles_no
 
     submit = Stager.submit
 
-    def slow_submit(self, items):
+    def slow_submit(self, items, **kwargs):
         items = list(items)
         widened("copies")
-        return submit(self, items)
+        return submit(self, items, **kwargs)
 
     monkeypatch.setattr(Stager, "submit", slow_submit)
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
@@ -1536,11 +1536,11 @@ def test_a_ctrl_c_while_end_hands_a_save_over_fails_it_and_nothing_waits_for_it(
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
     submit, hits = Stager.submit, []
 
-    def interrupted(self, items):
+    def interrupted(self, items, **kwargs):
         if not hits:
             hits.append(1)
             raise KeyboardInterrupt
-        return submit(self, items)
+        return submit(self, items, **kwargs)
 
     monkeypatch.setattr(Stager, "submit", interrupted)
     root = str(tmp_path)
