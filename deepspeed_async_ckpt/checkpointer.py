@@ -1282,7 +1282,7 @@ class AsyncCheckpointer:
                            "failed (tried again after the next commit): %s", save_dir, exc)
 
     # ------------------------------------------------------------------ load path
-    def verify_all_ranks(self, ckpt_dir: str, *, action: str = "load",
+    def verify_all_ranks(self, ckpt_dir: str | None, *, action: str = "load",
                          include: Callable[[str], bool] | None = None) -> None:
         """Collective: check a checkpoint of this engine before any rank loads from it, each
         rank hashing a disjoint share of its files (rank ``r``: files ``r, r + world_size, ...``
@@ -1293,8 +1293,16 @@ class AsyncCheckpointer:
         model states) once per rank. :meth:`load` then skips the files of this checkpoint. A
         directory without this engine's records (another engine's checkpoint) passes as it is.
         ``include``: only the files (by path within the checkpoint) it accepts, those the load
-        will read; :meth:`load` still checks any other file it is asked for.
+        will read; :meth:`load` still checks any other file it is asked for. ``None``: this
+        rank has nothing to load (no ``latest`` yet): it still takes part, so that ranks which
+        read ``latest`` on either side of its first write all raise, none waiting for the rest.
         """
+        if ckpt_dir is None:
+            _, failed = self._exchange(action, None, key="")
+            if failed:
+                raise IntegrityError(f"{action} refused on every rank, because of rank(s) "
+                                     f"{by_rank(failed)}")
+            return
         ckpt_dir = os.path.abspath(ckpt_dir)
         self._verified.pop(ckpt_dir, None)  # an earlier pass counts no more if this one fails
         error: Exception | None = None

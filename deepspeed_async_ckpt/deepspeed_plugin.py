@@ -565,10 +565,11 @@ def install() -> bool:
             verify = engine.checkpointer.config.verify_on_load
             universal = getattr(self, "load_universal_checkpoint", lambda: False)()
             ckpt_dir = checkpoint_to_load(arguments, "latest_universal" if universal else "latest")
-            if ckpt_dir is not None:
-                engine.checkpointer.verify_all_ranks(
-                    ckpt_dir, action="load_checkpoint",
-                    include=files_read_by_load(self, arguments) if verify else _no_file)
+            # with no `latest` (None) too: a rank that read it just after another job's first
+            # commit wrote it must not be left alone in the collective check
+            engine.checkpointer.verify_all_ranks(
+                ckpt_dir, action="load_checkpoint",
+                include=files_read_by_load(self, arguments) if verify else _no_file)
             if module_source is not None:  # and the optimizer files the module comes from
                 engine.checkpointer.verify_all_ranks(
                     module_source, action="load_checkpoint",

@@ -2335,6 +2335,25 @@ def test_verify_all_ranks_always_reaches_the_exchange_and_load_then_skips_the_fi
     ck.close()
 
 
+def test_a_rank_with_nothing_to_load_still_takes_part_in_the_check(tmp_path):
+    """DeepSpeed's ``load_checkpoint`` reads ``latest`` on each rank; a rank that found none
+    skipped the collective check while one that read it just after another job's first commit
+    joined it and waited for good. With nothing to load, a rank now joins with an empty key:
+    the exchange sees the keys differ and every rank raises (a review, session 29)."""
+    keys = []
+
+    def exchange(value, error, key=""):
+        keys.append(key)
+        return value, ({1: f"in {str(tmp_path / 't1')!r}, rank 0 in ''"} if len(keys) > 1 else {})
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), exchange=exchange)
+    ck.verify_all_ranks(None, action="load_checkpoint")  # every rank found none: nothing happens
+    with pytest.raises(IntegrityError, match="load_checkpoint refused on every rank, because of rank"):
+        ck.verify_all_ranks(None, action="load_checkpoint")  # another rank found one
+    assert keys == ["", ""]
+    ck.close()
+
+
 def test_verify_all_ranks_for_a_partial_load_checks_only_its_files_and_load_checks_the_rest(tmp_path):
     """A load that reads only some files (DeepSpeed's ``load_optimizer_states=False`` under
     ZeRO) hashes only those; a file left out is still checked if it is loaded after all."""
