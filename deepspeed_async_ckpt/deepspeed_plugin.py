@@ -417,6 +417,35 @@ def is_optimizer_file(rel: str) -> bool:
     return os.path.basename(rel).endswith("optim_states.pt")
 
 
+def agreed_latest_tag(checkpointer: Any, load_dir: str, latest: str = "latest") -> str | None:
+    """Collective: the tag ``load_dir/<latest>`` names as rank 0 read it (None: it has none),
+    the same on every rank. A rank that cannot read its own copy (not UTF-8, a directory)
+    makes every rank raise."""
+    path = os.path.join(load_dir, latest)
+    error = None
+    try:
+        with open(path, encoding="utf-8") as f:
+            mine = f.read().strip()
+    except FileNotFoundError:
+        mine = ""
+    except (OSError, ValueError) as exc:
+        mine, error = "", f"cannot read {path}: {exc}"
+    tag, failed = checkpointer._exchange(mine, error)
+    if failed:
+        raise CommitError(f"load_checkpoint refused on every rank: {failed[min(failed)]} (rank(s) "
+                          f"{by_rank(failed)})")
+    return tag or None
+
+
+def takes_module_from_latest(ds_engine: Any, arguments: dict) -> bool:
+    """Whether this load rebuilds the module from the checkpoint ``latest`` names, whichever
+    the tag (see :func:`zero3_module_source`): the same answer on every rank."""
+    partitioned = getattr(ds_engine, "zero_optimization_partition_weights", None)
+    return not (arguments.get("tag") is None or arguments.get("load_optimizer_states", True)
+                or getattr(ds_engine, "has_moe_layers", False) or not callable(partitioned)
+                or not partitioned())
+
+
 def zero3_module_source(ds_engine: Any, arguments: dict) -> str | None:
     """The checkpoint DeepSpeed will take the module's weights from when that is not the one
     asked for, else None: under ZeRO-3 (without MoE), ``load_checkpoint(load_dir, tag=X,
@@ -425,9 +454,7 @@ def zero3_module_source(ds_engine: Any, arguments: dict) -> str | None:
     the checkpoint ``latest`` names, not X's (DeepSpeed's own engine does the same). Every
     rank gets the same answer (one ``latest`` file); an unreadable ``latest`` gives None
     (DeepSpeed's own read of it reports that)."""
-    partitioned = getattr(ds_engine, "zero_optimization_partition_weights", None)
-    if arguments.get("tag") is None or arguments.get("load_optimizer_states", True) \
-            or getattr(ds_engine, "has_moe_layers", False) or not callable(partitioned) or not partitioned():
+    if not takes_module_from_latest(ds_engine, arguments):
         return None
     try:
         asked, latest = checkpoint_to_load(arguments), checkpoint_to_load(dict(arguments, tag=None))
@@ -552,7 +579,30 @@ def install() -> bool:
             # stops the load on every rank, not only on the one whose background write failed.
             engine.checkpointer.wait_all_ranks(action="load_checkpoint",
                                                recover=arguments.get("load_dir"))
-            module_source = zero3_module_source(self, arguments)
+            universal = getattr(self, "load_universal_checkpoint", lambda: False)()
+            latest = "latest_universal" if universal else "latest"
+            if arguments.get("tag") is None and arguments.get("load_dir") is not None:
+                # One read of `latest` for every rank, rank 0's, passed to DeepSpeed as the tag:
+                # each rank reading it (and DeepSpeed again) could disagree when another job
+                # writes its first `latest` meanwhile, and the ranks then part ways in
+                # DeepSpeed's collectives.
+                tag = agreed_latest_tag(engine.checkpointer, arguments["load_dir"], latest)
+                if tag is None:  # as DeepSpeed says and does, on every rank
+                    path = os.path.join(arguments["load_dir"], latest)
+                    if universal:
+                        raise ValueError(f"Invalid for universal checkpoint: {path} does not exist")
+                    logger.warning(f"Unable to find latest file at {path}, if trying to load latest "
+                                   "checkpoint please ensure this file exists or pass an explicit "
+                                   "checkpoint tag when loading a checkpoint.")
+                    return None, None
+                bound = load_sig.bind(self, *args, **kwargs)
+                bound.arguments["tag"] = tag
+                args, kwargs = bound.args[1:], bound.kwargs
+                arguments = bound.arguments
+                from_latest = True
+            else:
+                from_latest = False
+            module_source = zero3_module_source(self, arguments) if not from_latest else None
             if module_source is not None and engine.checkpointer.rank == 0:
                 logger.warning("async checkpoint: load_checkpoint(tag=%r, load_optimizer_states="
                                "False) under ZeRO-3: DeepSpeed takes the module's weights from the "
@@ -563,14 +613,13 @@ def install() -> bool:
             # none, but the checkpoint still must be committed (on every rank together: one
             # rank failing alone inside DeepSpeed's load leaves the others in its collectives)
             verify = engine.checkpointer.config.verify_on_load
-            universal = getattr(self, "load_universal_checkpoint", lambda: False)()
-            ckpt_dir = checkpoint_to_load(arguments, "latest_universal" if universal else "latest")
-            # with no `latest` (None) too: a rank that read it just after another job's first
-            # commit wrote it must not be left alone in the collective check
+            ckpt_dir = checkpoint_to_load(arguments, latest)  # the tag is given now, or no load_dir
             engine.checkpointer.verify_all_ranks(
                 ckpt_dir, action="load_checkpoint",
                 include=files_read_by_load(self, arguments) if verify else _no_file)
-            if module_source is not None:  # and the optimizer files the module comes from
+            if not from_latest and takes_module_from_latest(self, arguments):
+                # and the optimizer files the module comes from; on every rank alike (None:
+                # none to check there, or not readable), so that none is left in the exchange
                 engine.checkpointer.verify_all_ranks(
                     module_source, action="load_checkpoint",
                     include=is_optimizer_file if verify else _no_file)

@@ -46,6 +46,7 @@ import runpy
 import sys
 from typing import Any, Callable
 
+from deepspeed_async_ckpt.checkpointer import by_rank, exchange_across_ranks
 from deepspeed_async_ckpt.commit import META_DIR
 from deepspeed_async_ckpt.errors import ConfigError, IntegrityError
 
@@ -248,10 +249,19 @@ def load_checkpoint(*args, **kwargs):
         ckpt_dir = None if iteration is None or not load_dir else checkpoint_dir(load_dir, iteration)
         # Only this engine's checkpoints: Megatron-LM reads any other format (legacy torch,
         # torch_dcp, megatron-core's own torch_dist) itself, whatever --ckpt-format says.
-        if ckpt_dir is not None and engine.config.verify_on_load and \
-                os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
-            verify_checkpoint_dir(ckpt_dir, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                                  skip=skip)
+        ours = ckpt_dir if ckpt_dir is not None and os.path.isdir(os.path.join(ckpt_dir, META_DIR)) else None
+        if engine.config.verify_on_load:
+            # Each rank read the tracker itself: the check is collective, so every rank must
+            # agree on what it checks first, nothing included (a rank that read the tracker
+            # just before a commit skipped the check, and the others waited in it for good)
+            _, failed = exchange_across_ranks("", None, key=os.path.abspath(ours) if ours else "")
+            if failed:
+                raise IntegrityError("load_checkpoint refused on every rank: the ranks read different "
+                                     f"checkpoints from the tracker (rank(s) {by_rank(failed)}); a save "
+                                     "moved it meanwhile: load again")
+            if ours is not None:
+                verify_checkpoint_dir(ours, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                      skip=skip)
     return _ORIGINALS["load"](*args, **kwargs)
 
 

@@ -584,6 +584,41 @@ def test_a_zero3_load_without_optimizer_takes_the_module_from_the_checkpoint_lat
     assert zero3_module_source(_Engine(3), asked) is None
 
 
+def test_the_ranks_load_the_tag_rank_0_read_from_latest(tmp_path):
+    """Each rank read `latest` itself (the plugin's check, then DeepSpeed's load again): when
+    another job wrote its first `latest` between the ranks' reads, one rank loaded nothing and
+    the other loaded, and they parted ways in the collectives (a review, session 29). The tag
+    is now rank 0's read, exchanged, and passed to DeepSpeed; a rank that cannot read its copy
+    makes every rank raise. A ZeRO-3 load without optimizer states checks the module's
+    source on every rank alike."""
+    from deepspeed_async_ckpt.deepspeed_plugin import agreed_latest_tag, takes_module_from_latest
+    from deepspeed_async_ckpt.errors import CommitError
+
+    class Checkpointer:
+        def __init__(self, rank0_reads, failed=None):
+            self.rank0_reads, self.failed, self.sent = rank0_reads, failed or {}, []
+
+        def _exchange(self, value, error, key=""):
+            self.sent.append((value, error))
+            return self.rank0_reads, self.failed
+
+    # this rank sees no `latest` yet; rank 0 saw global_step4: every rank loads global_step4
+    ck = Checkpointer("global_step4")
+    assert agreed_latest_tag(ck, str(tmp_path)) == "global_step4" and ck.sent == [("", None)]
+    (tmp_path / "latest").write_text("global_step6\n")
+    ck = Checkpointer("")  # the other way round: rank 0 saw none, so no rank loads
+    assert agreed_latest_tag(ck, str(tmp_path)) is None and ck.sent == [("global_step6", None)]
+    (tmp_path / "latest").write_bytes(b"\xff\xfe")
+    ck = Checkpointer("global_step4", failed={1: "cannot read"})
+    with pytest.raises(CommitError, match="load_checkpoint refused on every rank"):
+        agreed_latest_tag(ck, str(tmp_path))
+    assert ck.sent[0][1].startswith("cannot read")
+    asked = {"load_dir": str(tmp_path), "tag": "global_step2", "load_optimizer_states": False}
+    assert takes_module_from_latest(_Engine(3), asked)
+    assert not takes_module_from_latest(_Engine(3), dict(asked, tag=None))
+    assert not takes_module_from_latest(_Engine(1), asked)
+
+
 def test_engine_selection_and_config_errors(tmp_path, repo_env):
     run_ranks(repo_env, 1, "engines", "--out", str(tmp_path))
     result = json.load(open(tmp_path / "engines.json"))

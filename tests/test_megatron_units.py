@@ -227,6 +227,18 @@ def test_megatron_lm_hook_passes_other_formats_to_megatron_lm_and_refuses_partia
     assert result["partial"].startswith("IntegrityError") and "never committed" in result["partial"]
 
 
+def test_megatron_lm_hook_ranks_reading_different_trackers_all_raise(tmp_path):
+    """The hook's check is collective, but each rank read the tracker itself and only a rank
+    that found a checkpoint of this engine joined it: one that read the tracker just before a
+    commit went on into Megatron-LM's load while the other waited in the check (a review,
+    session 29). The ranks now agree first, and all raise."""
+    got = _run_two_ranks("megatron_lm_stub_load_race.py", tmp_path)
+    for r in range(2):
+        assert got[r]["error"].startswith("IntegrityError: load_checkpoint refused on every rank: "
+                                          "the ranks read different checkpoints"), got
+        assert got[r]["loaded"] == [], got  # neither went on into Megatron-LM's load
+
+
 def test_megatron_lm_refuses_async_save_together_with_the_engine():
     from megatron_adapter.megatron_lm import _engine
 

@@ -1,13 +1,18 @@
 """The Megatron-LM hook installed over stand-ins for ``megatron.training`` (Megatron-LM is not
-pip-installable), in a one-rank gloo group (:mod:`_one_megatron_rank`); import it first.
+pip-installable), in a one-rank gloo group (:mod:`_one_megatron_rank`), or in the group of the
+ranks ``scripts/launch.py`` started; import it first.
 ``margs`` is what ``get_args()`` returns (set its fields per case); Megatron-LM's own
 ``load_checkpoint``, once the hook passes a load on, records its ``load_arg`` in ``loaded``."""
 
 import argparse
+import os
 import sys
 import types
 
-import _one_megatron_rank  # noqa: F401  (first: the process group, the shim, parallel state)
+if "RANK" in os.environ:  # started by scripts/launch.py: its ranks
+    import _megatron_rank  # noqa: F401  (first: the process group, the shim, parallel state)
+else:
+    import _one_megatron_rank  # noqa: F401
 
 loaded = []
 
