@@ -231,7 +231,7 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
         manifest = _commit(storage, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
                            checksum=checksum, timeout_s=timeout_s, late_files=late_files,
                            rotation=rotation, replaces=replaces)
-    except CommitError:
+    except (CommitError, OSError):  # OSError: a share's rename, the records' listing
         suffix = temporary_path("", save_id)
         # at any depth: a file saved in a subdirectory (os.walk of a missing directory, staged
         # with no rank yet writing, yields nothing; until session 29 only the top was swept)

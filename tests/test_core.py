@@ -2734,6 +2734,30 @@ def test_a_failed_commit_removes_the_shares_temporaries_in_subdirectories_too(tm
     ck.close()
 
 
+def test_a_commit_failing_with_an_os_error_removes_the_shares_temporaries_too(tmp_path):
+    """The sweep ran for a ``CommitError`` only: an ``OSError`` inside the commit (a share's
+    rename, the listing of the records) left the shares' temporaries (a review, session 29)."""
+    from deepspeed_async_ckpt.storage import temporary_path
+
+    class ListingFails(LocalStorage):
+        def listdir(self, path):
+            raise OSError(errno.EIO, "Input/output error", path)
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=ListingFails())
+    d = str(tmp_path / "t")
+    handle = ck.begin(d, tag="t", pointer=Pointer(str(tmp_path / "latest"), "t"))
+    ck.save({"w": torch.randn(64)}, os.path.join(d, "model.pt"))
+    os.makedirs(os.path.join(d, "sub"))
+    leftover = temporary_path(os.path.join(d, "sub", "big.pt"), handle.save_id)
+    with open(leftover, "wb") as f:
+        f.write(b"x" * 4096)
+    ck.end()
+    with pytest.raises(AsyncCheckpointError, match="Input/output error"):
+        ck.wait()
+    assert not os.path.exists(leftover) and not (tmp_path / "latest").exists()
+    ck.close()
+
+
 def _flip_byte(path, at=None):
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2 if at is None else at)
