@@ -255,19 +255,21 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
         if pointer is not None:
             write_text_atomic(storage, pointer.path, pointer.text)
     except OSError as exc:
-        raise _after_the_manifest(exc, ckpt_dir, replaces, tag, save_id, pointer,
+        raise after_the_manifest(exc, ckpt_dir, replaces, tag, save_id, pointer,
                                   finished_later=bool(late_files)) from exc
     return manifest
 
 
-def _after_the_manifest(exc: OSError, written: str, replaces: str | None, tag: str, save_id: str,
+def after_the_manifest(exc: OSError, written: str, replaces: str | None, tag: str, save_id: str,
                         pointer: Pointer | None, *, finished_later: bool) -> BaseException:
     """What a failure after the manifest was written means, from what is on disk: if the new
     checkpoint is where loads look (a re-save's exchange done; the pointer's rename done, its
     fsync failed; no pointer to move), a :class:`DurabilityError` saying so, since "the last
     committed one is intact" would be false; else ``exc`` (nothing a load sees changed). Not
     for a checkpoint its caller finishes after the commit (``late_files``: Megatron's markers,
-    then its swap and tracker), which a failure here leaves unfinished, wherever it is."""
+    then its swap and tracker), which a failure here leaves unfinished, wherever it is; the
+    caller asks again for its own last steps (``finished_later=False``: the Megatron adapter's
+    swap and tracker, once its markers are recorded)."""
     target = replaces or written
     if finished_later or os.path.basename(target).startswith(STAGING_PREFIX):
         return exc

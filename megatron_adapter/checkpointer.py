@@ -48,10 +48,10 @@ import torch.distributed as dist
 from deepspeed_async_ckpt.checkpointer import (AsyncCheckpointer, CheckpointHandle, CommitInfo,
                                                by_rank, cancel_flush_at_exit,
                                                exchange_across_ranks, flush_at_exit)
-from deepspeed_async_ckpt.commit import (META_DIR, read_manifest, record_late_files, verify_checkpoint,
-                                         write_text_atomic)
+from deepspeed_async_ckpt.commit import (META_DIR, Pointer, after_the_manifest, read_manifest,
+                                         record_late_files, verify_checkpoint, write_text_atomic)
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
-from deepspeed_async_ckpt.errors import CommitError, IntegrityError
+from deepspeed_async_ckpt.errors import CommitError, DurabilityError, IntegrityError
 from deepspeed_async_ckpt.storage import Storage, aligned_size
 
 from . import torch_dist
@@ -381,8 +381,17 @@ class MegatronCheckpointer:
         except BaseException:  # the iteration it re-saves, if any, stays; its staging is swept
             self.engine.abandon_swap(handle)
             raise
-        self.engine.swap_in(handle)  # a re-saved iteration: the old one stayed whole until now
-        write_text_atomic(self.engine.storage, tracker, text)
+        try:
+            self.engine.swap_in(handle)  # a re-saved iteration: the old one stayed whole until now
+            write_text_atomic(self.engine.storage, tracker, text)
+        except OSError as exc:  # in place already, or not: said as the core commit says it
+            staged = handle.write_dir != handle.ckpt_dir
+            error = after_the_manifest(exc, handle.write_dir, handle.ckpt_dir if staged else None,
+                                       handle.tag, handle.save_id, Pointer(tracker, text),
+                                       finished_later=False)
+            if isinstance(error, DurabilityError) and error.pointer_moved:
+                self.engine.pointer_moved(handle)  # the tracker names it: retention keeps it
+            raise error from exc
         self.engine.pointer_moved(handle)
         handle.times["finalized"] = time.perf_counter()
         self._retire_older(handle)  # only once the tracker names the new one
@@ -452,6 +461,12 @@ class MegatronCheckpointer:
         if not failed:
             return None
         (ckpt_dir, exc), more = failed[0], len(failed) - 1
+        if isinstance(exc, DurabilityError):  # in place: "the tracker still names ..." is false
+            err: BaseException = DurabilityError(
+                f"checkpoint {ckpt_dir!r}'s finalization did not complete: {exc}"
+                + (f" (and {more} more failed save(s))" if more else ""), pointer_moved=exc.pointer_moved)
+            err.__cause__ = exc
+            return err
         err = CommitError(f"checkpoint {ckpt_dir!r} persisted but its torch_dist metadata or "
                           f"tracker could not be written (the tracker still names the previous "
                           f"checkpoint): {exc}" + (f" (and {more} more failed save(s))" if more else ""))

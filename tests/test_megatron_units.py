@@ -17,6 +17,7 @@ from deepspeed_async_ckpt.storage import LocalStorage  # noqa: E402
 from megatron_adapter import torch_dist  # noqa: E402
 from megatron_adapter.arguments import add_arguments, config_from_args  # noqa: E402
 from megatron_adapter.checkpointer import (  # noqa: E402
+    MegatronCheckpointer,
     checkpoint_dir,
     read_tracker,
     tracker_path,
@@ -562,3 +563,76 @@ def test_compat_copies_the_states_the_optimizer_has_whatever_else_the_checkpoint
     DistributedOptimizer._set_main_param_and_optimizer_states(fake, model_param, tensors)
     assert main.eq(1).all() and state["exp_avg"].eq(2).all() and state["exp_avg_sq"].eq(3).all()
     assert state["step"].item() == 3.0
+
+
+@pytest.mark.parametrize("mode", ["tracker_fsync", "two_renames"])
+def test_a_megatron_finalization_failing_after_the_checkpoint_is_in_place_says_so(tmp_path, monkeypatch, mode):
+    """The tracker renamed and its fsync failed, or a re-save without an exchange whose second
+    rename failed (the old iteration in the trash): both were reported as "the tracker still
+    names the previous checkpoint" (a review, session 29). Now a DurabilityError saying where
+    the new one is, and retention keeps what the tracker names."""
+    import errno
+    from concurrent.futures import Future
+    from types import SimpleNamespace
+
+    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    import torch
+
+    from deepspeed_async_ckpt.errors import DurabilityError
+
+    def markers(storage, d, index):
+        for name in torch_dist.MARKER_FILES:
+            with open(os.path.join(d, name), "w") as f:
+                f.write("{}")
+
+    monkeypatch.setattr(torch_dist, "write_markers", markers)
+
+    class Failing(LocalStorage):
+        failing = None
+
+        def exchange(self, a, b):
+            return False if self.failing == "two_renames" else super().exchange(a, b)
+
+        def replace(self, src, dst, *, durable=True):
+            if self.failing == "two_renames" and os.path.basename(src).startswith(".async_ckpt_staging."):
+                raise OSError(errno.EIO, "Input/output error", src)
+            super().replace(src, dst, durable=durable)
+            if self.failing == "tracker_fsync" and os.path.basename(dst) == os.path.basename(tracker_path(root)):
+                raise OSError(errno.EIO, "Input/output error", dst)
+
+    root, storage = str(tmp_path), Failing(fsync=True)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+
+    def save_and_finalize(iteration, steps):
+        d = os.path.abspath(checkpoint_dir(root, iteration))
+        handle = ck.begin(d, tag=str(iteration), swap_at_commit=False, late_files=torch_dist.MARKER_FILES,
+                          own_pointer=tracker_path(root))
+        ck.save({"steps": steps}, os.path.join(d, "common.pt"))
+        ck.end()
+        ck.wait()
+        me = SimpleNamespace(engine=ck, _retire_older=lambda h: None, _announce=lambda h, i: None)
+        done: Future = Future()
+        try:
+            MegatronCheckpointer._finalize(me, handle, None, tracker_path(root), str(iteration))
+            done.set_result(None)
+        except BaseException as exc:
+            done.set_exception(exc)
+        return MegatronCheckpointer._take_finalize_error(SimpleNamespace(_pending=[(handle.ckpt_dir, done)]))
+
+    assert save_and_finalize(10, 5) is None
+    storage.failing = mode
+    iteration = 20 if mode == "tracker_fsync" else 10
+    error = save_and_finalize(iteration, 9)
+    storage.failing = None
+    assert isinstance(error, DurabilityError), error
+    assert "finalization did not complete" in str(error) and "still names the previous" not in str(error)
+    if mode == "tracker_fsync":
+        assert "latest_checkpointed_iteration.txt names it" in str(error)
+        assert ck._pointed[root] == os.path.abspath(checkpoint_dir(root, 20))
+    else:
+        assert "renaming it into place failed" in str(error)
+    ck.recover(root)
+    assert read_tracker(root) == iteration
+    assert torch.load(os.path.join(checkpoint_dir(root, iteration), "common.pt"), weights_only=False)["steps"] == 9
+    ck.close()
