@@ -418,23 +418,27 @@ def is_optimizer_file(rel: str) -> bool:
 
 
 def agreed_latest_tag(checkpointer: Any, load_dir: str, latest: str = "latest") -> str | None:
-    """Collective: the tag ``load_dir/<latest>`` names as rank 0 read it (None: it has none),
-    the same on every rank. A rank that cannot read its own copy (not UTF-8, a directory)
-    makes every rank raise."""
+    """Collective: the tag ``load_dir/<latest>`` names as rank 0 read it (None: there is no such
+    file), the same on every rank. A rank that cannot read its own copy (not UTF-8, a
+    directory) makes every rank raise, as does an empty one: DeepSpeed raises there too, where
+    "no checkpoint" would let a script start over from scratch."""
     path = os.path.join(load_dir, latest)
     error = None
     try:
         with open(path, encoding="utf-8") as f:
-            mine = f.read().strip()
+            mine = "+" + f.read().strip()  # "+": the file is there, "" : it is not
     except FileNotFoundError:
         mine = ""
     except (OSError, ValueError) as exc:
         mine, error = "", f"cannot read {path}: {exc}"
-    tag, failed = checkpointer._exchange(mine, error)
+    value, failed = checkpointer._exchange(mine, error)
     if failed:
         raise CommitError(f"load_checkpoint refused on every rank: {failed[min(failed)]} (rank(s) "
                           f"{by_rank(failed)})")
-    return tag or None
+    if value == "+":
+        raise CommitError(f"load_checkpoint refused on every rank: {path} is empty (on rank 0): it "
+                          "names no checkpoint")
+    return value[1:] or None
 
 
 def takes_module_from_latest(ds_engine: Any, arguments: dict) -> bool:

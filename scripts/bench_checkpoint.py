@@ -252,8 +252,10 @@ def _fio_bandwidth(fio: str, work_dir: str, nbytes: int, reps: int) -> dict:
                    f"--filename={os.path.join(work_dir, 'fio.bin')}", "--ioengine=psync",
                    *flags, "--output-format=json"]
             run = subprocess.run(cmd, capture_output=True, text=True)
-            if run.returncode != 0:  # no O_DIRECT on this filesystem: that way is not measured
+            if run.returncode != 0 and way == "fsync_direct":  # no O_DIRECT here: not measured
                 break
+            if run.returncode != 0:
+                raise RuntimeError(f"{' '.join(cmd)} failed ({run.returncode}): {run.stderr.strip()}")
             rates.append(json.loads(run.stdout)["jobs"][0]["write"]["bw_bytes"] / GB)
             os.unlink(os.path.join(work_dir, "fio.bin"))
         if rates:
@@ -553,7 +555,7 @@ def targets(cell: dict, storage: dict) -> dict:
                                    # the spread of this engine's own paired overheads (until
                                    # session 29 only the spread of every quiet window of the
                                    # cell, minutes and engines apart, which is kept beside it)
-                                   "repeat_spread": max(repeats) - min(repeats),
+                                   "repeat_spread": max(repeats) - min(repeats), "repeats": len(repeats),
                                    "noise": cell["steps"]["baseline_spread"]}
         bare = cell["steps"].get("bare_write")
         if bare and bare.get("gbps"):
@@ -651,7 +653,7 @@ def targets_text(result: dict) -> str:
                         "persist_fraction_of_storage": f">= {100 * PERSIST_FRACTION_TARGET:.0f}%",
                         "overhead_every_k": f"< {100 * OVERHEAD_TARGET:.0f}%"}[key]
                 extra = f" (baseline noise {100 * t['noise']:.1f}%)" if "noise" in t else ""
-                if "repeat_spread" in t:
+                if "repeat_spread" in t and t.get("repeats", 0) > 1:
                     extra += f" (its repeats {100 * t['repeat_spread']:.1f} points apart)"
                 if "of_bare_write" in t:
                     extra += (f" (of the same bytes written alone by a thread during training: "

@@ -98,7 +98,9 @@ def child(args) -> dict:
         checkpointer.wait()
         # from the start of Trainer's save (its model export goes first, before DeepSpeed's save
         # and the engine's begin: until session 29 timed from begin, 3% short)
-        result["commit_s"] = [h.times["committed"] - t0 for h, t0 in zip(checkpointer.history, save_started)]
+        # (the history keeps the last saves only: paired from the end)
+        history = list(checkpointer.history)
+        result["commit_s"] = [h.times["committed"] - t0 for h, t0 in zip(history, save_started[-len(history):])]
         result["fence_wait_s"] = [h.fence_wait_s for h in checkpointer.history]
     ckpt = os.path.join(args.work_dir, f"checkpoint-{args.saves * args.save_every}")
     result["bytes"] = sum(os.path.getsize(os.path.join(d, f)) for d, _, fs in os.walk(ckpt) for f in fs)

@@ -603,13 +603,18 @@ def test_the_ranks_load_the_tag_rank_0_read_from_latest(tmp_path):
             return self.rank0_reads, self.failed
 
     # this rank sees no `latest` yet; rank 0 saw global_step4: every rank loads global_step4
-    ck = Checkpointer("global_step4")
+    ck = Checkpointer("+global_step4")
     assert agreed_latest_tag(ck, str(tmp_path)) == "global_step4" and ck.sent == [("", None)]
     (tmp_path / "latest").write_text("global_step6\n")
     ck = Checkpointer("")  # the other way round: rank 0 saw none, so no rank loads
-    assert agreed_latest_tag(ck, str(tmp_path)) is None and ck.sent == [("global_step6", None)]
+    assert agreed_latest_tag(ck, str(tmp_path)) is None and ck.sent == [("+global_step6", None)]
+    # an empty `latest` is not "no checkpoint" (a script would start over): every rank raises,
+    # as DeepSpeed does (until a review of session 29 it loaded nothing, silently)
+    (tmp_path / "latest").write_text(" \n")
+    with pytest.raises(CommitError, match="latest is empty"):
+        agreed_latest_tag(Checkpointer("+"), str(tmp_path))
     (tmp_path / "latest").write_bytes(b"\xff\xfe")
-    ck = Checkpointer("global_step4", failed={1: "cannot read"})
+    ck = Checkpointer("+global_step4", failed={1: "cannot read"})
     with pytest.raises(CommitError, match="load_checkpoint refused on every rank"):
         agreed_latest_tag(ck, str(tmp_path))
     assert ck.sent[0][1].startswith("cannot read")
