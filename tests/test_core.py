@@ -3816,6 +3816,56 @@ def test_cuda_a_tensor_changed_before_its_copy_is_issued_fails_the_save(tmp_path
     assert not (tmp_path / "latest").exists()
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: copy stream")
+@pytest.mark.parametrize("mode", ["async", "sync"])
+def test_cuda_strided_tensors_keep_their_layout_through_the_copy_stream(tmp_path, mode):
+    """The CPU test of strided records above, with CUDA tensors copied by the copy stream into
+    the pinned pool: a record is the storage span seen through ``as_strided``, which the copy
+    reads from device memory (session 29's change, not run on a GPU that session)."""
+    dev = torch.device("cuda")
+    base = torch.arange(24, dtype=torch.float32, device=dev)
+    state = {
+        "mask": torch.ones(1, device=dev).expand(4_000_000),
+        "t": torch.randn(512, 256, device=dev).t(),
+        "cl": torch.randn(8, 16, 4, 5, device=dev).to(memory_format=torch.channels_last),
+        "overlap": base.as_strided((4, 3), (2, 1), 1),
+        "gaps": base[::2],
+        "bf16": torch.randn(256, 128, device=dev, dtype=torch.bfloat16).t(),
+    }
+    expected = {k: v.cpu() for k, v in state.items()}
+    ck = make(mode, gb=2**-6)  # 16 MiB: the expanded tensor's 16 MB would not have fit
+    d = str(tmp_path / "t")
+    ck.begin(d, tag="t")
+    ck.save(state, os.path.join(d, "m.pt"), eager_keys=())
+    ck.end()
+    ck.fence()
+    ck.wait()
+    ck.close()
+    ours = torch.load(os.path.join(d, "m.pt"), map_location="cpu")
+    for key, value in expected.items():
+        assert torch.equal(ours[key], value), key
+        assert ours[key].stride() == state[key].stride() or key == "gaps", key
+    assert ours["mask"].untyped_storage().nbytes() == 4
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: copy stream")
+def test_cuda_a_storage_freed_before_its_copy_fails_the_save(tmp_path, held_copier):
+    """The storage check of session 29 with a CUDA tensor: ``resize_(0)`` on a device storage
+    before its copy is issued fails the save, and the process lives."""
+    weight = torch.randn(1 << 20, device="cuda")
+    ck = make(gb=1)
+    save_one(ck, str(tmp_path), {"w": weight}, eager=())
+    weight.untyped_storage().resize_(0)
+    with pytest.raises(SnapshotError, match="storage was freed, resized or replaced after the save"):
+        ck.fence()
+    with pytest.raises(PersistError):
+        ck.wait()
+    ck.close()
+    assert not (tmp_path / "latest").exists()
+
+
 def test_a_failed_registration_clears_the_error_it_leaves_before_raising(monkeypatch):
     """A failed ``cudaHostRegister`` (handled: the pool falls back to torch's pinned
     allocator) also sets the thread's CUDA last error, which torch's next kernel-launch check
