@@ -35,6 +35,7 @@ import argparse
 import glob
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,6 +116,21 @@ def step(name: str, cmd: list[str], env: dict, out: str, timeout: float, deadlin
     return result
 
 
+PYTEST_SUMMARY = re.compile(r"^=*\s*\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s")
+"""pytest's closing line: ``=== 10 passed, 246 deselected in 8.87s ===`` with ``-v``, and
+without the rules with ``-q`` (the host tests' summary was missed that way in session 30)."""
+
+
+def pytest_summary(path: str) -> str | None:
+    """The last closing line of the pytest run logged in ``path``, stripped."""
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            lines = [ln.strip() for ln in f if PYTEST_SUMMARY.match(ln.strip())]
+    except OSError:
+        return None
+    return lines[-1] if lines else None
+
+
 def tail_line(path: str, startswith: str) -> str | None:
     """The last line of ``path`` that starts with ``startswith`` (pytest's and the demo's
     closing lines), stripped."""
@@ -136,9 +152,9 @@ def run(out: str, wheel_dir: str, quick: bool = False, budget_s: float = 420) ->
         env = install(wheel_dir, os.path.join(scratch, "site"))
         gpus, results = checks(out, env, os.path.join(scratch, "demo"), quick, deadline)
     summary = {"gpus": gpus, "steps": results,
-               "pytest": tail_line(os.path.join(out, "pytest.log"), "="),
+               "pytest": pytest_summary(os.path.join(out, "pytest.log")),
                "demo": tail_line(os.path.join(out, "demo.log"), "median"),
-               "host_tests": tail_line(os.path.join(out, "host_tests.log"), "=") or results[-1].get("skipped")}
+               "host_tests": pytest_summary(os.path.join(out, "host_tests.log")) or results[-1].get("skipped")}
     report = os.path.join(out, "gpu_report.json")
     if os.path.exists(report):
         with open(report, encoding="utf-8") as f:

@@ -155,3 +155,25 @@ def test_gpu_check_runs_every_step_and_says_what_it_measured(tmp_path, repo_env)
     demo = (out / "demo.log").read_text()
     assert "resumed at step " in demo and summary["demo"].startswith("median |")
     assert "global_step4, global_step6, global_step8" in demo  # keep_last: the engine's retention
+
+
+@pytest.mark.parametrize("log, expected", [
+    # the host tests' log from the H100 of session 30 (-q: no rules), whose summary was null
+    ("$ python3 -m pytest -q ...\n....... [100%]\n246 passed, 10 deselected in 88.15s (0:01:28)\n",
+     "246 passed, 10 deselected in 88.15s (0:01:28)"),
+    ("x PASSED [100%]\n\n====================== 10 passed, 246 deselected in 8.87s ======================\n",
+     "====================== 10 passed, 246 deselected in 8.87s ======================"),
+    ("=== FAILURES ===\n=== short test summary info ===\nFAILED t.py::a\n1 failed, 3 passed in 2.01s\n",
+     "1 failed, 3 passed in 2.01s"),
+    ("=== 7 skipped, 249 deselected in 1.50s ===\n", "=== 7 skipped, 249 deselected in 1.50s ==="),
+    ("Timeout\n", None),
+])
+def test_gpu_check_finds_pytests_closing_line_with_or_without_rules(tmp_path, log, expected):
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import gpu_check
+    finally:
+        sys.path.remove(os.path.join(REPO, "scripts"))
+    path = tmp_path / "x.log"
+    path.write_text(log)
+    assert gpu_check.pytest_summary(str(path)) == expected
