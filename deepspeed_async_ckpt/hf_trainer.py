@@ -382,7 +382,7 @@ def safe_save_file(tensors: dict, filename: str, metadata: dict | None = None, *
     checkpointer = getattr(_exporting, "checkpointer", None)
     if checkpointer is not None and tensors and not args and not kwargs:
         owned = _owned(tensors, getattr(_exporting, "model", None))
-        if safetensors_writable(owned):  # else the library's own error, or file, right here
+        if safetensors_writable(owned, metadata):  # else the library's own error, or file, right here
             checkpointer.write_beside(filename, lambda f: write_safetensors(f, owned, metadata))
             return None
     return _ORIGINALS["safe_save_file"](tensors, filename, metadata, *args, **kwargs)

@@ -24,7 +24,7 @@ import os
 import sys
 import zlib
 from dataclasses import dataclass
-from typing import BinaryIO, Callable, Sequence
+from typing import Any, BinaryIO, Callable, Sequence
 
 import torch
 import xxhash
@@ -449,12 +449,20 @@ in which the ``safetensors`` library lays tensors out (its ``Dtype`` enum, rever
 _SAFETENSORS_RANK = {dtype: rank for rank, dtype in enumerate(SAFETENSORS_DTYPES)}
 
 
-def safetensors_writable(tensors: dict) -> bool:
-    """Whether :func:`write_safetensors` can write ``tensors`` as ``safetensors.torch.save_file``
-    would: dense CPU tensors of a known dtype, contiguous, no two sharing memory (that function
-    refuses those, with its own errors, which callers leave it to raise)."""
+def safetensors_writable(tensors: dict, metadata: Any = None) -> bool:
+    """Whether :func:`write_safetensors` can write ``tensors`` and ``metadata`` as
+    ``safetensors.torch.save_file`` would: string names of dense CPU tensors of a known dtype,
+    contiguous, no two sharing memory, and metadata None or strings to strings (that function
+    refuses anything else, with its own errors, which callers leave it to raise: until session
+    30 an integer in the metadata, or an integer name, was written into a file that function
+    would not have written, and which ``safe_open`` refuses)."""
+    if metadata is not None and not (isinstance(metadata, dict) and all(
+            isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())):
+        return False
     seen = set()
-    for t in tensors.values():
+    for name, t in tensors.items():
+        if not isinstance(name, str):
+            return False
         if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.device.type != "cpu" \
                 or t.dtype not in SAFETENSORS_DTYPES or not t.is_contiguous():
             return False
@@ -474,7 +482,7 @@ def write_safetensors(f: BinaryIO, tensors: dict, metadata: dict | None = None) 
     writes through it, which cost 0.55 s of CPU for 0.37 GB here against 0.02-0.14 s). Tensors
     are laid out as that library lays them out: by dtype (larger elements first), then by name,
     so every one is aligned in the file and the file is byte for byte that library's (tested).
-    ``tensors`` must pass :func:`safetensors_writable`."""
+    ``tensors`` and ``metadata`` must pass :func:`safetensors_writable`."""
     import json
     import struct
 

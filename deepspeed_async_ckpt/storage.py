@@ -78,6 +78,17 @@ class Storage(Protocol):
         a file at ``path`` is unlinked."""
 
 
+def _direct_file(fd: int, path: str, start: int = 0) -> "DirectFile":
+    """``DirectFile(fd, ...)``, closing ``fd`` if that fails (its staging buffer cannot be
+    mapped: ENOMEM): the caller unlinks the file, and a leaked descriptor kept its disk space
+    and one descriptor per failed save until the process exited (a review, session 30)."""
+    try:
+        return DirectFile(fd, path, start=start)
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 class LocalStorage:
     """POSIX files. ``fsync=False`` skips every fsync (faster, not crash-safe).
 
@@ -99,7 +110,7 @@ class LocalStorage:
                 if exc.errno != errno.EINVAL:
                     raise
             else:
-                return DirectFile(fd, path)
+                return _direct_file(fd, path)
         f = open(path, "wb", buffering=0)
         return WriteBehindFile(f) if self.fsync and _sync_file_range is not None else WholeFile(f)
 
@@ -114,7 +125,7 @@ class LocalStorage:
                 if exc.errno != errno.EINVAL:
                     raise
             else:
-                return DirectFile(fd, path, start=offset)
+                return _direct_file(fd, path, start=offset)
         f = open(os.open(path, flags, 0o666), "wb", buffering=0, closefd=True)
         f.seek(offset)
         if self.fsync and _sync_file_range is not None:

@@ -1226,6 +1226,32 @@ def _direct_file_or_skip(path):
     return f
 
 
+@pytest.mark.parametrize("at", [None, 4096])
+def test_a_direct_file_whose_stage_cannot_be_mapped_closes_its_descriptor(tmp_path, monkeypatch, at):
+    """``open_write`` opened the file with O_DIRECT and then mapped the file's 8 MiB staging
+    buffer; when that failed (ENOMEM) the descriptor was never closed, and the failed save's
+    unlinked temporary kept its disk space and a descriptor until the process exited (a
+    review, session 30)."""
+    from deepspeed_async_ckpt import storage
+
+    _direct_file_or_skip(tmp_path / "probe").close()
+
+    def no_memory(nbytes):
+        raise OSError(errno.ENOMEM, "Cannot allocate memory")
+
+    monkeypatch.setattr(storage, "host_buffer", no_memory)
+    before = set(os.listdir("/proc/self/fd"))
+    for i in range(3):
+        path = str(tmp_path / f"f{i}.tmp")
+        with pytest.raises(OSError, match="Cannot allocate memory"):
+            LocalStorage(fsync=True).open_write(path) if at is None else \
+                LocalStorage(fsync=True).open_write_at(path, at)
+        os.unlink(path)
+    leaked = [os.readlink(f"/proc/self/fd/{fd}") for fd in set(os.listdir("/proc/self/fd")) - before
+              if os.path.exists(f"/proc/self/fd/{fd}")]
+    assert not [p for p in leaked if str(tmp_path) in p], leaked
+
+
 def test_ctrl_c_while_a_direct_file_closes_never_closes_the_fd_under_a_write(tmp_path, monkeypatch):
     """Closing a DirectFile joins its I/O thread, then closes the descriptor. Ctrl-C landing
     in the join (a sync save runs on the training thread) went straight to ``os.close`` while

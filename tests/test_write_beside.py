@@ -144,6 +144,34 @@ def test_a_safetensors_file_written_by_the_engine_is_byte_for_byte_the_librarys(
         assert not safetensors_writable(refused)  # left to the library: its error, or its file
 
 
+@pytest.mark.parametrize("tensors, metadata, error", [
+    ({"w": torch.ones(4)}, {"format": "pt", "total_size": 16}, "not an instance of 'str'"),
+    ({"w": torch.ones(4)}, ["format"], None),
+    ({1: torch.ones(4)}, None, None),
+])
+def test_safetensors_the_library_refuses_get_its_error_not_an_unreadable_file(tmp_path, ck, monkeypatch,
+                                                                                tensors, metadata, error):
+    """``write_safetensors`` wrote any metadata and any names it was given: an integer in the
+    metadata gave a ``model.safetensors`` that ``safe_open`` refuses ("expected a string"),
+    committed with the checkpoint, where ``safetensors`` raises ``TypeError`` at the call (a
+    review, session 30); an integer name was written as a string. Such calls now go to the
+    library, through Trainer's path, and raise its error."""
+    from deepspeed_async_ckpt import hf_trainer
+    from deepspeed_async_ckpt.persist import safetensors_writable
+
+    assert not safetensors_writable(tensors, metadata)
+    assert safetensors_writable({"w": torch.ones(4)}, {"format": "pt"})
+    monkeypatch.setattr(hf_trainer._exporting, "checkpointer", ck, raising=False)
+    monkeypatch.setattr(hf_trainer._exporting, "model", None, raising=False)
+    from safetensors.torch import save_file
+
+    monkeypatch.setitem(hf_trainer._ORIGINALS, "safe_save_file", save_file)  # what install() keeps
+    path = str(tmp_path / "model.safetensors")
+    with pytest.raises((TypeError, ValueError), match=error):
+        hf_trainer.safe_save_file(tensors, path, metadata)
+    assert not os.path.exists(path)
+
+
 class _ShortWrites:
     """A raw file whose ``write`` takes at most ``limit`` bytes a call (0: none), as one
     ``write(2)`` may: Linux takes at most 2 GiB - 4 KiB, a filling disk what fits."""
