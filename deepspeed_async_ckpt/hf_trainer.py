@@ -169,10 +169,17 @@ def rotate_checkpoints(*args: Any, **kwargs: Any) -> None:
     # before the rotation: a save that commits during it may have been left out all the same
     found = _ORIGINALS["sort_checkpoints"](output_dir=output_dir, checkpoint_prefix=prefix)
     in_flight = any(_being_saved(path) for path in found)
+    best = given.arguments.get("best_model_checkpoint")
+    if best is not None and _being_saved(best):
+        # the best model's checkpoint is the save in flight (the metric improved at this save):
+        # left out of the list, it is kept anyway; named as well, Trainer counted it among the
+        # checkpoints to keep, and kept one committed checkpoint too many until the exit
+        # (save_total_limit=1: two and the one in flight; a review, session 30)
+        given.arguments["best_model_checkpoint"] = None
     _rotating.checkpointer = _async_checkpointer_of_process()
     try:
-        _ORIGINALS["rotate_checkpoints"](*args, **kwargs)
-        _remove_never_committed(output_dir, prefix, given.arguments.get("best_model_checkpoint"))
+        _ORIGINALS["rotate_checkpoints"](*given.args, **given.kwargs)
+        _remove_never_committed(output_dir, prefix, best)
     finally:
         _rotating.checkpointer = None
     if in_flight:
@@ -317,15 +324,30 @@ def _push_from_checkpoint(self: Any, checkpoint_folder: str, *args: Any, **kwarg
         and not previous.is_done()  # Trainer's rule: this push will not happen
     if self.is_world_process_zero() and not skipped and strategy != "end":
         if strategy in PUSHED_CHECKPOINTS:
-            wait_for_saves_in(checkpoint_folder)
+            wait_for_saves_in(checkpoint_folder, strict=True, before="Trainer uploads it")
         else:  # it copies the model files out of checkpoint_folder: model.safetensors whole
             _wait_beside(checkpoint_folder)
+            _raise_failure(checkpoint_folder, "Trainer uploads its model files", exports_only=True)
     return _ORIGINALS["_push_from_checkpoint"](self, checkpoint_folder, *args, **kwargs)
 
 
 _exporting = threading.local()
 """On the thread inside :func:`save_model` for a checkpoint: ``checkpointer`` (None outside)
 and ``model``, for :func:`safe_save_file`."""
+_checkpointing = threading.local()
+"""On the thread inside Trainer's ``_save_checkpoint``: ``depth`` > 0."""
+
+
+def _save_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Trainer._save_checkpoint``, marked on this thread: the ``save_model`` inside it is the
+    one whose export a DeepSpeed checkpoint follows (``_internal_call`` alone is not that:
+    ``push_to_hub`` and Ray Tune's ``_tune_save_checkpoint`` pass it too, then upload or hand
+    over the directory right away)."""
+    _checkpointing.depth = getattr(_checkpointing, "depth", 0) + 1
+    try:
+        return _ORIGINALS["_save_checkpoint"](self, *args, **kwargs)
+    finally:
+        _checkpointing.depth -= 1
 
 
 def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = False,
@@ -335,10 +357,12 @@ def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = 
     weights export (``model.safetensors``, or its shards) goes to the engine's writers
     (:func:`safe_save_file`) instead of being written before the call returns. A save called
     by the user (``trainer.save_model()``, read right after by ``from_pretrained`` or an
-    upload) and ``save_only_model`` (no DeepSpeed checkpoint follows to carry it) stay as they
-    are."""
+    upload), by ``push_to_hub`` or Ray Tune's ``_tune_save_checkpoint`` (which upload or hand
+    over the directory right after; until session 30 they got it without its weights), and
+    ``save_only_model`` (no DeepSpeed checkpoint follows to carry it) stay as they are."""
     checkpointer = None
-    if _internal_call and not getattr(self.args, "save_only_model", False):
+    if _internal_call and getattr(_checkpointing, "depth", 0) \
+            and not getattr(self.args, "save_only_model", False):
         checkpointer = _async_checkpointer(self)
     if checkpointer is None:
         return _ORIGINALS["save_model"](self, output_dir, _internal_call, *args, **kwargs)
@@ -419,7 +443,7 @@ def _finish_current_push(self: Any, *args: Any, **kwargs: Any) -> Any:
     # DeepSpeed checkpoint in output_dir) and uploading output_dir (also with args.push_to_hub
     # off); the end of train() calls it too, where nothing is uploaded from output_dir
     if getattr(_pushing, "depth", 0):
-        wait_for_saves_in(self.args.output_dir)
+        wait_for_saves_in(self.args.output_dir, strict=True, before="Trainer uploads it")
     return _ORIGINALS["_finish_current_push"](self, *args, **kwargs)
 
 
@@ -435,7 +459,10 @@ def execute_jit_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
 
     def save_then_wait(*save_args: Any, **save_kwargs: Any) -> Any:
         result = save(*save_args, **save_kwargs)
-        wait_for_saves_in(trainer._get_output_dir(trial=None))
+        # a failure raised here keeps the sentinel and is logged as Trainer logs its own
+        # ("Failed to save JIT checkpoint"): training stops next, no later save would raise it
+        wait_for_saves_in(trainer._get_output_dir(trial=None), strict=True,
+                          before="Trainer marks its just-in-time checkpoint complete")
         return result
 
     trainer._save_checkpoint = save_then_wait
@@ -450,7 +477,8 @@ def execute_jit_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
 
 TRAINER_METHODS = {("transformers.trainer", "Trainer"): {
                        "_push_from_checkpoint": _push_from_checkpoint, "push_to_hub": push_to_hub,
-                       "_finish_current_push": _finish_current_push, "save_model": save_model},
+                       "_finish_current_push": _finish_current_push, "save_model": save_model,
+                       "_save_checkpoint": _save_checkpoint},
                    ("transformers.trainer_jit_checkpoint", "CheckpointManager"): {
                        "execute_jit_checkpoint": execute_jit_checkpoint},
                    ("transformers.modeling_utils", None): {"safe_save_file": safe_save_file}}
@@ -471,9 +499,11 @@ def _wait_beside(path: str) -> None:
         checkpointer.wait_beside(path)
 
 
-def wait_for_saves_in(path: str) -> None:
-    """Block until this process's saves into ``path`` (a ``checkpoint-N``) are committed or
-    have failed (a failure is raised at the next save, as always)."""
+def wait_for_saves_in(path: str, strict: bool = False, before: str = "going on") -> None:
+    """Block until this process's saves into ``path`` (a ``checkpoint-N``, or the directory
+    holding them) are committed or have failed. A failure is raised at the next save, as
+    always; with ``strict``, also here (:func:`_raise_failure`), for callers that do something
+    next that cannot wait for that save (an upload, the end of training)."""
     checkpointer = sys.modules.get(f"{__package__}.checkpointer")
     if checkpointer is None:
         return
@@ -481,9 +511,46 @@ def wait_for_saves_in(path: str) -> None:
     real = os.path.realpath(path)
     for handle in checkpointer.saves_in_flight():
         if _inside(handle.ckpt_dir, real):
-            logger.info("async checkpoint: waiting for %s to commit before Trainer uploads %s",
-                        handle.ckpt_dir, path)
+            logger.info("async checkpoint: waiting for %s to commit before %s", handle.ckpt_dir, before)
             handle.wait_committed()
+    if strict:
+        _raise_failure(path, before)
+
+
+def _raise_failure(path: str, before: str, exports_only: bool = False) -> None:
+    """Raise a :class:`~.errors.PersistError` if this process's last save into ``path`` (or
+    under it) failed, or the weights export into it (:meth:`~.checkpointer.AsyncCheckpointer.write_beside`),
+    waiting for the exports; ``exports_only``: only those. The error stays the engine's too
+    (raised at its next save or ``close``). Until session 30 the callers waited and went on:
+    a checkpoint whose save failed was uploaded to the Hub, or marked complete by the
+    just-in-time checkpoint, and training ended with the error only on stderr at exit."""
+    from .errors import PersistError, describe
+
+    module = sys.modules.get(f"{__package__}.checkpointer")
+    if module is None:
+        return
+    real = os.path.realpath(path)
+    failures: list[tuple[str, BaseException]] = []
+    for checkpointer in module.open_checkpointers():
+        for entry in checkpointer._beside_in():
+            if _inside(entry.directory, real) and entry.future.exception() is not None:
+                failures.append((entry.path, entry.future.exception()))
+        last: dict[str, Any] = {}  # a checkpoint directory -> its last save's handle
+        for handle in list(checkpointer.history):
+            if _inside(handle.ckpt_dir, real):
+                last[handle.ckpt_dir] = handle
+        for handle in last.values():
+            failures += [(handle.ckpt_dir, f.exception()) for f in handle.beside if f.exception() is not None]
+            if exports_only:
+                continue
+            if handle.error is not None:
+                failures.append((handle.ckpt_dir, handle.error))
+            elif handle.abandoned:
+                failures.append((handle.ckpt_dir, PersistError("its save was abandoned (end(commit=False))")))
+    if failures:
+        where, error = failures[0]
+        raise PersistError(f"{where}: the save failed, so it is not ready for what comes next "
+                           f"({before}): {type(error).__name__}: {describe(error)}") from error
 
 
 def install(module: Any = None) -> bool:

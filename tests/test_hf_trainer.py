@@ -6,6 +6,8 @@ The in-process tests build Trainer-style output directories with the core API (a
 transformers' own functions, wrapped; the slow ones train a tiny GPT-2 with Trainer under
 DeepSpeed ZeRO-2 on 2 gloo ranks (tests/workers/hf_worker.py)."""
 
+import contextlib
+import errno
 import glob
 import json
 import logging
@@ -22,6 +24,7 @@ import transformers.trainer_utils as trainer_utils  # the test extra installs tr
 
 from deepspeed_async_ckpt import AsyncCheckpointConfig, AsyncCheckpointer, Pointer, hf_trainer
 from deepspeed_async_ckpt.commit import MANIFEST, META_DIR
+from deepspeed_async_ckpt.errors import PersistError
 from launch import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -195,6 +198,22 @@ def test_save_total_limit_1_keeps_only_the_best_model_at_the_end_as_trainer_does
     assert not hf_trainer._deferred and not hf_trainer._best_only_at_exit
 
 
+def test_save_total_limit_1_with_the_best_model_in_flight_keeps_one_committed_checkpoint(tmp_path, ck):
+    """The metric improves at every evaluation: Trainer's ``best_model_checkpoint`` is the save
+    just begun, still in flight when it rotates. Named as the best, Trainer counted it among the
+    checkpoints to keep although the list left it out, and kept two committed checkpoints plus
+    the one in flight, until the exit (a review, session 30). Now one committed and the one in
+    flight, as with no best model tracked."""
+    run = str(tmp_path)
+    for step in (2, 4, 6, 8):
+        best = begin_save(ck, run, step)
+        trainer_utils.rotate_checkpoints(output_dir=run, save_total_limit=1, best_model_checkpoint=best)
+        assert names(run) == [f"checkpoint-{n}" for n in (step - 2, step) if n > 0], step
+        ck.end()
+    hf_trainer._rotate_at_exit()
+    assert names(run) == ["checkpoint-8"]
+
+
 def test_the_end_of_training_without_a_best_model_or_a_save_in_flight_changes_nothing_at_exit(tmp_path, ck):
     run = str(tmp_path)
     committed(ck, run, 2)
@@ -357,6 +376,118 @@ def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, f
     assert "_save_checkpoint" not in vars(trainer)  # the wrapper is gone again
 
 
+@pytest.fixture
+def writes_fail(monkeypatch):
+    """Every checkpoint file's write fails, as on a full disk."""
+    from deepspeed_async_ckpt import checkpointer as checkpointer_module
+
+    def write_file(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(checkpointer_module, "write_file", write_file)
+
+
+def test_a_just_in_time_checkpoint_whose_save_failed_keeps_its_sentinel_and_fails(tmp_path, fresh_trainer_methods,
+                                                                                   writes_fail):
+    """The wrapper waited for the save and went on when it had failed: Trainer removed its
+    sentinel and logged "completed successfully" for a checkpoint that never committed, and
+    training stopped with no later save to raise the error (a review, session 30). Trainer now
+    gets the failure, as a synchronous save would have raised it: the sentinel stays."""
+    import types
+
+    from transformers.trainer_jit_checkpoint import CheckpointManager
+
+    hf_trainer.check_installed()
+    run = str(tmp_path)
+    ck_async = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+
+    class FakeTrainer:
+        state = types.SimpleNamespace(global_step=7)
+        model = None
+
+        def _get_output_dir(self, trial):
+            return run
+
+        def _save_checkpoint(self, model, trial):
+            begin_save(ck_async, run, 7)
+            ck_async.end()
+
+    try:
+        with pytest.raises(PersistError, match=r"checkpoint-7/global_step7: the save failed.*just-in-time.*No space"):
+            CheckpointManager(FakeTrainer()).execute_jit_checkpoint()
+        assert os.path.exists(os.path.join(run, "checkpoint-7", "checkpoint-is-incomplete.txt"))
+        assert not os.path.exists(os.path.join(run, "checkpoint-7", "latest"))
+    finally:
+        with pytest.raises(PersistError):  # the engine's own report of it, as always
+            ck_async.close()
+
+
+def test_a_push_of_a_checkpoint_whose_save_failed_fails_and_uploads_nothing(tmp_path, fresh_trainer_methods,
+                                                                           writes_fail, monkeypatch):
+    """hub_strategy="checkpoint" waited for the save and uploaded checkpoint-N when it had
+    failed: no ``latest``, a partial ``global_stepN`` and a new ``trainer_state.json`` beside an
+    older ``latest`` on the Hub's ``last-checkpoint`` (a review, session 30). The push, and
+    ``push_to_hub()`` of an output_dir whose save failed, now raise, as a synchronous save would
+    have before them. A strategy that uploads only the model files fails on a failed weights
+    export, and not on the DeepSpeed save it does not wait for."""
+    import types
+
+    import transformers.trainer as trainer
+
+    pushed = []
+    monkeypatch.setattr(trainer.Trainer, "_push_from_checkpoint", lambda self, folder: pushed.append(folder))
+    monkeypatch.setattr(trainer.Trainer, "push_to_hub",
+                        lambda self: (self._finish_current_push(), pushed.append(self.args.output_dir)))
+    monkeypatch.setattr(trainer.Trainer, "_finish_current_push", lambda self: None)
+    hf_trainer.check_installed()
+
+    def fake_trainer(**args):
+        t = types.SimpleNamespace(args=types.SimpleNamespace(hub_always_push=False, **args),
+                                  is_world_process_zero=lambda: True, push_in_progress=None)
+        t._finish_current_push = lambda: trainer.Trainer._finish_current_push(t)
+        return t
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    run = str(tmp_path)
+    try:
+        for strategy in ("checkpoint", "all_checkpoints"):
+            folder = begin_save(ck, run, 1 if strategy == "checkpoint" else 2)
+            ck.end()
+            with pytest.raises(PersistError, match=r"global_step\d: the save failed.*Trainer uploads it"):
+                trainer.Trainer._push_from_checkpoint(fake_trainer(hub_strategy=strategy), folder)
+            with pytest.raises(PersistError, match="No space"):
+                ck.wait()  # the engine reports it too, as always
+        folder = begin_save(ck, run, 3)
+        ck.end()
+        trainer.Trainer._push_from_checkpoint(fake_trainer(hub_strategy="every_save"), folder)  # no wait
+        assert pushed == [folder]
+        with pytest.raises(PersistError):
+            ck.wait()
+
+        def no_room(f):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        folder = os.path.join(run, "checkpoint-4")
+        os.makedirs(folder)
+        ck.write_beside(os.path.join(folder, "model.safetensors"), no_room)
+        with pytest.raises(PersistError, match=r"model.safetensors: the save failed.*model files"):
+            trainer.Trainer._push_from_checkpoint(fake_trainer(hub_strategy="every_save"), folder)
+        with pytest.raises(PersistError):
+            ck.wait()
+
+        out = os.path.join(run, "out")
+        ck.begin(os.path.join(out, "global_step9"), tag="global_step9",
+                 pointer=Pointer(os.path.join(out, "latest"), "global_step9"))
+        ck.save({"w": torch.ones(4)}, os.path.join(out, "global_step9", "mp_rank_00_model_states.pt"))
+        ck.end()
+        with pytest.raises(PersistError, match=r"global_step9: the save failed"):
+            trainer.Trainer.push_to_hub(fake_trainer(push_to_hub=True, output_dir=out))
+        assert pushed == [os.path.join(run, "checkpoint-3")]
+    finally:
+        with contextlib.suppress(PersistError):
+            ck.close()
+
+
 def test_with_the_engine_in_async_mode_rotation_deletes_in_the_background(tmp_path):
     """Trainer deleted the previous checkpoint on the training thread (shutil.rmtree): 0.3 s for
     1.85 GB idle, 0.6-1.0 s with the next save's writes in flight, most of what was left of its
@@ -419,6 +550,8 @@ def test_a_checkpoints_weights_export_is_written_by_the_engine_and_committed_wit
     monkeypatch.setattr(persist, "write_safetensors", lambda *a, **k: (gate.wait(60), real_write(*a, **k))[1])
     monkeypatch.setitem(hf_trainer._ORIGINALS, "save_model",  # Trainer's, without DeepSpeed
                         lambda self, output_dir=None, _internal_call=False: self.model.save_pretrained(output_dir))
+    monkeypatch.setitem(hf_trainer._ORIGINALS, "_save_checkpoint",  # Trainer's: save_model first
+                        lambda self, folder: trainer.Trainer.save_model(self, folder, _internal_call=True))
     exports, real_beside = [], AsyncCheckpointer.write_beside
     monkeypatch.setattr(AsyncCheckpointer, "write_beside",
                         lambda self, path, write: (exports.append(path), real_beside(self, path, write))[1])
@@ -431,7 +564,7 @@ def test_a_checkpoints_weights_export_is_written_by_the_engine_and_committed_wit
     run = str(tmp_path)
     folder = os.path.join(run, "checkpoint-2")
     try:
-        trainer.Trainer.save_model(t, folder, _internal_call=True)
+        trainer.Trainer._save_checkpoint(t, folder)
         assert os.path.exists(os.path.join(folder, "config.json"))  # Trainer's small files: as before
         assert not os.path.exists(os.path.join(folder, "model.safetensors"))
         assert hf_trainer.why_not_resumable(folder) == hf_trainer.SAVING_REASON  # rotation keeps it
@@ -455,14 +588,24 @@ def test_a_checkpoints_weights_export_is_written_by_the_engine_and_committed_wit
         assert exports == [os.path.join(folder, "model.safetensors")]
 
         # not deferred: the user's own save_model (read right after it returns), save_only_model
-        # (no DeepSpeed checkpoint follows), the engine in sync mode
-        for name, internal, only_model, mode in [("user", False, False, "async"),
-                                                 ("only_model", True, True, "async"),
-                                                 ("sync", True, False, "sync")]:
+        # (no DeepSpeed checkpoint follows), the engine in sync mode, and save_model's own
+        # internal calls outside a checkpoint's save (push_to_hub, Ray Tune's
+        # _tune_save_checkpoint: they upload or hand over the directory right after; until
+        # session 30 they got it without its weights)
+        for name, internal, only_model, mode, in_checkpoint in [("user", False, False, "async", True),
+                                                                ("only_model", True, True, "async", True),
+                                                                ("sync", True, False, "sync", True),
+                                                                ("tune", True, False, "async", False)]:
             t.args.save_only_model = only_model
             ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, host_buffer_gb=0.01))
             engine.checkpoint_engine.checkpointer = ck
-            trainer.Trainer.save_model(t, os.path.join(run, name), _internal_call=internal)
+            if in_checkpoint:
+                monkeypatch.setitem(hf_trainer._ORIGINALS, "_save_checkpoint",
+                                    lambda self, folder, internal=internal:
+                                    trainer.Trainer.save_model(self, folder, _internal_call=internal))
+                trainer.Trainer._save_checkpoint(t, os.path.join(run, name))
+            else:
+                trainer.Trainer.save_model(t, os.path.join(run, name), _internal_call=internal)
             ck.close()
             assert os.path.exists(os.path.join(run, name, "model.safetensors")), name
         assert len(exports) == 1
