@@ -84,7 +84,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g = p.add_argument_group("training")
     g.add_argument("--micro-batch-size", type=POSITIVE, default=2)
     g.add_argument("--global-batch-size", type=POSITIVE, default=None)
-    g.add_argument("--train-iters", type=NON_NEGATIVE, required=True)
+    g.add_argument("--train-iters", type=POSITIVE, required=True)
     g.add_argument("--lr", type=float, default=1e-3)
     g.add_argument("--min-lr", type=float, default=0.0)
     g.add_argument("--lr-decay-style", choices=("constant", "linear", "cosine"), default="cosine")
@@ -116,6 +116,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     g.add_argument("--log-json", default=None, metavar="PATH", help="append JSON-lines events")
     add_arguments(p)
     args = p.parse_args(argv)
+    # megatron-core's scheduler asserts these after the process group and the model are built,
+    # naming no flag (a review, session 30)
+    if args.lr_warmup_iters >= args.train_iters:
+        p.error(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be below --train-iters ({args.train_iters})")
+    if args.min_lr > args.lr:
+        p.error(f"--min-lr ({args.min_lr:g}) must not exceed --lr ({args.lr:g})")
     if args.context_parallel_size != 1:
         p.error("--context-parallel-size > 1 needs Transformer Engine attention; this script "
                 "uses the local layer spec")
@@ -313,14 +319,16 @@ def save_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, sch
     dist_checkpointing.save(state, ckpt_dir, content_metadata=metadata,
                             validate_access_integrity=validate)
     if dist.get_rank() == 0:
+        # --save-retain-interval as Megatron-LM applies it: once the tracker moved, the
+        # checkpoint it named before goes unless its iteration is a multiple of N (read from
+        # the tracker, as Megatron-LM does: the one a resumed run started from goes too; until
+        # session 30 only this run's own previous save was considered)
+        previous = read_tracker(args.save)
         with open(tracker_path(args.save), "w", encoding="utf-8") as f:
             f.write(str(iteration))
-        # --save-retain-interval as Megatron-LM applies it: once the tracker moved, the
-        # previous checkpoint of this run goes unless its iteration is a multiple of N
-        previous = getattr(args, "_previous_save", None)
-        if args.save_retain_interval and previous is not None and previous % args.save_retain_interval:
+        if args.save_retain_interval and previous is not None and previous != iteration \
+                and previous % args.save_retain_interval:
             shutil.rmtree(checkpoint_dir(args.save, previous), ignore_errors=True)
-    args._previous_save = iteration
     dist.barrier()
     return None
 
@@ -361,6 +369,11 @@ def load_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, sch
     if with_optim:
         optimizer.load_state_dict(state["optimizer"])
         scheduler.load_state_dict(state["opt_param_scheduler"])
+    else:
+        # the optimizer's fp32 main copies (--bf16) still hold the initial weights: its first
+        # step would copy them back over the loaded ones, as Megatron-LM avoids the same way
+        # (until session 30, a --bf16 resume without the optimizer restarted from them)
+        optimizer.reload_model_params()
     if with_rng:
         rng = state["rng_state"][0]
         random.setstate(rng["random_rng_state"])

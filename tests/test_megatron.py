@@ -15,6 +15,7 @@ from __future__ import annotations
 import glob
 import json
 import os
+import subprocess
 import sys
 
 import pytest
@@ -450,6 +451,43 @@ def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path,
                                         "latest_checkpointed_iteration.txt"]
     for it in (3, 6, 7):
         verify_checkpoint_dir(str(save / f"iter_{it:07d}"))
+    # resumed: the checkpoint it started from (7, not a multiple of 3) goes at its first save,
+    # as in Megatron-LM, which reads the tracker; megatron-core's path kept it until session 30
+    run(PRETRAIN, [*args, "--train-iters", 8, "--load", save], env)
+    assert sorted(os.listdir(save)) == [*lock, "iter_0000003", "iter_0000006", "iter_0000008",
+                                        "latest_checkpointed_iteration.txt"]
+
+
+_MAX_WEIGHT_CHANGE = """
+import os, sys, torch, torch.distributed as dist
+os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[3])
+dist.init_process_group("gloo", rank=0, world_size=1)
+from megatron.core.dist_checkpointing.serialization import load_plain_tensors
+a, b = (load_plain_tensors(d) for d in sys.argv[1:3])
+keys = [k for k in a if k.startswith(("decoder", "embedding", "output")) and torch.is_tensor(a[k])]
+print(max((a[k].float() - b[k].float()).abs().max().item() for k in keys))
+"""
+
+
+def test_a_bf16_resume_without_the_optimizer_steps_from_the_loaded_weights(tmp_path, env):
+    """``--bf16 --no-load-optim`` (or a ``--no-save-optim`` checkpoint) loaded the weights but
+    left the optimizer's fp32 main copies at the initial ones: the first step copied those
+    back, and training went on from near-random weights (a review, session 30; 0.07 from the
+    loaded weights after one step of lr 0.01). One Adam step from fresh moments moves each
+    weight by about lr."""
+    from launch import free_port
+
+    bf16 = [*TINY_GPT, "--bf16", "--lr-decay-style", "constant"]
+    first, second = tmp_path / "first", tmp_path / "second"
+    run(PRETRAIN, [*bf16, "--train-iters", 3, "--save", first, "--save-interval", 3], env)
+    run(PRETRAIN, [*bf16, "--train-iters", 4, "--load", first, "--no-load-optim", "--save", second,
+                   "--save-interval", 4], env)
+    out = subprocess.run([sys.executable, "-c", _MAX_WEIGHT_CHANGE, str(first / "iter_0000003"),
+                          str(second / "iter_0000004"), str(free_port())],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr[-3000:]
+    change = float(out.stdout.split()[-1])
+    assert 0 < change < 0.015, change  # lr 0.01, and bf16's rounding
 
 
 def test_kill_mid_persist_keeps_the_previous_checkpoint(straight_run, tmp_path, env):

@@ -526,7 +526,8 @@ def _pretrain_gpt():
 
 @pytest.mark.parametrize("flag,value", [("--log-interval", "0"), ("--save-interval", "0"),
                                         ("--save-interval", "-5"), ("--save-retain-interval", "0"),
-                                        ("--micro-batch-size", "0"), ("--train-iters", "-1")])
+                                        ("--micro-batch-size", "0"), ("--train-iters", "-1"),
+                                        ("--train-iters", "0")])
 def test_pretrain_gpt_refuses_a_count_out_of_range_naming_the_flag(flag, value, capsys):
     """Until session 19, ``--log-interval 0`` crashed the first step with ZeroDivisionError
     and ``--save-interval -5`` saved at every fifth step; now the flag is refused at parse."""
@@ -536,6 +537,19 @@ def test_pretrain_gpt_refuses_a_count_out_of_range_naming_the_flag(flag, value, 
         parse_args(["--train-iters", "4", flag, value])
     err = capsys.readouterr().err
     assert f"argument {flag}" in err and value in err, err
+
+
+@pytest.mark.parametrize("args,named", [(["--train-iters", "4", "--lr-warmup-iters", "4"], "--lr-warmup-iters"),
+                                        (["--train-iters", "4", "--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr")])
+def test_pretrain_gpt_refuses_a_schedule_megatron_core_would_assert_on(args, named, capsys):
+    """megatron-core's scheduler asserts warmup < decay steps and min_lr <= lr after the process
+    group and the model were built, with a bare ``AssertionError`` naming no flag (a review,
+    session 30); ``--train-iters 0`` (above) was accepted and failed the same way."""
+    parse_args = _pretrain_gpt().parse_args
+    assert parse_args(["--train-iters", "5", "--lr-warmup-iters", "4", "--min-lr", "1e-3"]) is not None
+    with pytest.raises(SystemExit):
+        parse_args(args)
+    assert named in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------------- compat.py
