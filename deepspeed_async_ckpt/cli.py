@@ -230,6 +230,9 @@ def _cmd_verify(args: argparse.Namespace) -> int:
     try:
         manifest = verify_checkpoint(path)
     except IntegrityError as e:
+        if isinstance(e.__cause__, PermissionError):  # a file the user may not read: not a
+            # verdict on the checkpoint (until session 30: "CORRUPT", exit 1, for an intact one)
+            raise CliError(f"cannot read checkpoint {path!r}: {e}") from None
         print(f"CORRUPT: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # its manifest unreadable (permissions): nothing verified
@@ -537,6 +540,9 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
     if args.target_overhead_pct is not None:
         if not 0 < args.target_overhead_pct < 100:  # NaN too
             raise CliError(f"target overhead must be in (0, 100) percent, got "
+                           f"{args.target_overhead_pct:g} (--target-overhead-pct)")
+        if args.target_overhead_pct < 1e-4:  # the fraction's floor, in the flag's unit
+            raise CliError(f"target overhead must be at least 0.0001 percent, got "
                            f"{args.target_overhead_pct:g} (--target-overhead-pct)")
         overhead = args.target_overhead_pct / 100.0
 

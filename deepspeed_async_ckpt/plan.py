@@ -140,6 +140,9 @@ def _show(value) -> str:
     "must be an integer ..., got 4096" contradicted itself), a huge one stays short."""
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
         return repr(value)
+    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**16:
+        # format(int, "g") converts to float: OverflowError past 1e308 (a review, session 30)
+        return f"{'-' if value < 0 else ''}~1e{int((abs(value).bit_length() - 1) * math.log10(2))}"
     return format(value, "g") if _is_real(value) else repr(value)
 
 
@@ -158,7 +161,7 @@ def _check_int(name: str, value, minimum: int = 1, maximum: int = MAX_COUNT) -> 
     if value < minimum:
         raise PlanInputError(name, f"{name} must be >= {minimum}, got {value}")
     if value > maximum:
-        raise PlanInputError(name, f"{name} must be <= {maximum:g}, got {value:g}")
+        raise PlanInputError(name, f"{name} must be <= {maximum:g}, got {_show(value)}")
 
 
 def _check_positive(name: str, value, low: float = 0.0, high: float = MAX_SECONDS) -> None:
@@ -549,7 +552,12 @@ def make_plan(inputs: PlanInputs) -> Plan:
     if lost >= 1.0:
         warnings.append("expected lost fraction >= 100%: the job would make no progress")
     per_day = SECONDS_PER_DAY / interval
-    steps = max(1, round(interval / i.step_time_s)) if i.step_time_s else None
+    steps = None
+    if i.step_time_s:
+        steps = max(1, round(interval / i.step_time_s))
+        if basis != "k_per_failure":  # whole steps, never shorter than the write (8): round()
+            # gave 1 step of 7 s for a 9.8 s write until session 30
+            steps = max(steps, math.ceil(write_s / i.step_time_s * (1 - 1e-12)))
 
     # Targets (10)
     target = next((name for name in TARGETS if getattr(i, name) is not None), None)

@@ -4815,6 +4815,26 @@ def test_verify_with_an_unreadable_manifest_exits_with_a_message(tmp_path, capsy
     assert err.startswith("error: cannot read checkpoint") and "Permission denied" in err, err
 
 
+def test_verify_with_a_data_file_the_user_may_not_read_is_not_called_corrupt(tmp_path, capsys, monkeypatch):
+    """An intact checkpoint with a file another user owns (mode 0600) was reported "CORRUPT",
+    exit 1, which a cleanup script takes for damage (a review, session 30); as with an
+    unreadable manifest, it is an error about reading it, exit 2. A missing file stays CORRUPT."""
+    import deepspeed_async_ckpt.persist as persist
+
+    ck = make()
+    save_one(ck, str(tmp_path), sample_state())
+    ck.close()
+    with monkeypatch.context() as m:
+        _denied(m, persist, "open", lambda path: path.endswith("model.pt"))
+        assert cli_main(["verify", str(tmp_path)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: cannot read checkpoint") and "Permission denied" in err, err
+        assert "CORRUPT" not in err, err
+    os.remove(tmp_path / "t1" / "model.pt")
+    assert cli_main(["verify", str(tmp_path)]) == 1
+    assert "CORRUPT" in capsys.readouterr().err
+
+
 def test_verify_of_a_checkpoint_the_user_may_not_enter_says_so(tmp_path, capsys, monkeypatch):
     """A checkpoint directory the user may not enter (another user's, mode 0700) was reported
     as "not written by this engine": looking for its .async_ckpt/ failed, and any failure

@@ -282,7 +282,7 @@ def test_fully_hidden_copy_floors_interval_at_write_time():
     assert p.lazy_stall_s == 0.0 and p.young_daly_interval_s == 0.0
     assert p.interval_s == approx(30.625) and p.interval_basis == "write_time_floor"
     assert p.lost_fraction == approx(30.625 / (2 * 175781.25))  # rework only: 0.0087 %
-    assert p.save_interval_steps == 6                           # round(30.625 / 5)
+    assert p.save_interval_steps == 7  # 35 s: 6 steps (30 s, round()) were shorter than the write
 
 
 def test_d2h_defaults_per_pcie_generation():
@@ -497,6 +497,35 @@ def test_python_dash_m_entry_point():
 
 # --------------------------------------------- found by an audit (session 18): the plan CLI
 AUDIT_PLAN = ["plan", "--params", "175e9", "--write-gbps", "10", "--mtbf-hours", "50000"]
+
+
+@pytest.mark.parametrize("step_time", [7.0, 4.9, 9.8, 3.27])
+def test_the_interval_in_steps_is_never_shorter_than_the_write(step_time):
+    """Formula 8: the interval is never shorter than the write time; in steps it was
+    ``round(interval / step)``: 1 step of 7 s for a 9.8 s write (a review, session 30)."""
+    p = make_plan(PlanInputs(params=7_000_000_000, storage_write_gbps=10.0, mtbf_hours=50000.0,
+                             step_time_s=step_time))
+    assert p.interval_basis == "write_time_floor"
+    assert p.save_interval_steps * step_time >= p.write_time_s
+    assert (p.save_interval_steps - 1) * step_time < p.write_time_s  # and no more than that
+
+
+@pytest.mark.parametrize("argv,flag", [(["--tp", "1" + "0" * 320], "--tp"),
+                                       (["--dp", "-" + "9" * 400], "--dp")])
+def test_an_integer_too_large_for_a_float_is_refused_naming_the_flag(capsys, argv, flag):
+    """The bound's message formatted the value as a float: OverflowError traceback (a review,
+    session 30)."""
+    assert cli.main(["plan", "--params", "7e9", "--write-gbps", "10", "--mtbf-hours", "50000", *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and flag in err, err
+
+
+def test_target_overhead_pct_below_its_floor_names_the_flag_in_percent(capsys):
+    """It was refused as 'target_overhead_fraction must be at least 1e-06, got 5e-07
+    (--target-overhead)', a flag not given, in another unit (a review, session 30)."""
+    assert cli.main(AUDIT_PLAN + ["--target-overhead-pct", "0.00005"]) == 2
+    err = capsys.readouterr().err
+    assert "at least 0.0001 percent, got 5e-05 (--target-overhead-pct)" in err, err
 
 
 def test_target_overhead_pct_error_names_the_flag_given(capsys):
