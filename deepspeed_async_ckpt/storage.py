@@ -89,6 +89,12 @@ def _direct_file(fd: int, path: str, start: int = 0) -> "DirectFile":
         raise
 
 
+_REFUSES_DIRECT = frozenset({errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP})
+"""What a filesystem that does not do direct I/O answers an ``O_DIRECT`` open or write with:
+EINVAL (tmpfs, most), EOPNOTSUPP (some FUSE and network filesystems). Until session 30 only
+EINVAL fell back to buffered writes; the others failed every save."""
+
+
 class LocalStorage:
     """POSIX files. ``fsync=False`` skips every fsync (faster, not crash-safe).
 
@@ -107,7 +113,7 @@ class LocalStorage:
             try:
                 fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | _O_DIRECT, 0o666)
             except OSError as exc:  # e.g. tmpfs: no direct I/O; other errors show up just below
-                if exc.errno != errno.EINVAL:
+                if exc.errno not in _REFUSES_DIRECT:
                     raise
             else:
                 return _direct_file(fd, path)
@@ -122,7 +128,7 @@ class LocalStorage:
             try:
                 fd = os.open(path, flags | _O_DIRECT, 0o666)
             except OSError as exc:
-                if exc.errno != errno.EINVAL:
+                if exc.errno not in _REFUSES_DIRECT:
                     raise
             else:
                 return _direct_file(fd, path, start=offset)
@@ -529,7 +535,7 @@ class DirectFile:
             try:
                 done = os.pwritev(self._fd, parts, offset)
             except OSError as exc:
-                if exc.errno != errno.EINVAL or not self.direct:
+                if exc.errno not in _REFUSES_DIRECT or not self.direct:
                     raise
                 self._fall_back()
                 continue

@@ -1226,6 +1226,33 @@ def _direct_file_or_skip(path):
     return f
 
 
+@pytest.mark.parametrize("code", [errno.EINVAL, errno.EOPNOTSUPP])
+def test_a_filesystem_refusing_o_direct_at_open_gets_buffered_writes(tmp_path, monkeypatch, code):
+    """Some FUSE and network filesystems refuse ``O_DIRECT`` with EOPNOTSUPP, not EINVAL: that
+    failed every save instead of falling back to buffered writes (a review, session 30)."""
+    from deepspeed_async_ckpt import storage
+
+    real_open = os.open
+
+    def no_direct(path, flags, *args):
+        if flags & storage._O_DIRECT:
+            raise OSError(code, os.strerror(code), path)
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(storage.os, "open", no_direct)
+    if not storage._O_DIRECT:
+        pytest.skip("no O_DIRECT on this platform")
+    path = tmp_path / "f"
+    with LocalStorage(fsync=True).open_write(str(path)) as f:
+        assert not isinstance(f, storage.DirectFile)
+        f.write(b"x" * 10000)
+    assert path.read_bytes() == b"x" * 10000
+    with LocalStorage(fsync=True).open_write_at(str(path), 4096) as f:
+        assert not isinstance(f, storage.DirectFile)
+        f.write(b"y" * 100)
+    assert path.read_bytes() == b"x" * 4096 + b"y" * 100 + b"x" * (10000 - 4196)
+
+
 @pytest.mark.parametrize("at", [None, 4096])
 def test_a_direct_file_whose_stage_cannot_be_mapped_closes_its_descriptor(tmp_path, monkeypatch, at):
     """``open_write`` opened the file with O_DIRECT and then mapped the file's 8 MiB staging
