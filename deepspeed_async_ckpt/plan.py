@@ -142,7 +142,10 @@ def _show(value) -> str:
         return repr(value)
     if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**16:
         # format(int, "g") converts to float: OverflowError past 1e308 (a review, session 30)
-        return f"{'-' if value < 0 else ''}~1e{int((abs(value).bit_length() - 1) * math.log10(2))}"
+        exponent = int((abs(value).bit_length() - 1) * math.log10(2))  # at most one too low
+        if 10 ** (exponent + 1) <= abs(value):
+            exponent += 1
+        return f"{'-' if value < 0 else ''}~1e{exponent}"
     return format(value, "g") if _is_real(value) else repr(value)
 
 
@@ -159,7 +162,7 @@ def _check_int(name: str, value, minimum: int = 1, maximum: int = MAX_COUNT) -> 
     if isinstance(value, bool) or not isinstance(value, int):
         raise PlanInputError(name, f"{name} must be an integer >= {minimum}, got {_show(value)}")
     if value < minimum:
-        raise PlanInputError(name, f"{name} must be >= {minimum}, got {value}")
+        raise PlanInputError(name, f"{name} must be >= {minimum}, got {_show(value)}")
     if value > maximum:
         raise PlanInputError(name, f"{name} must be <= {maximum:g}, got {_show(value)}")
 

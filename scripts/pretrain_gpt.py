@@ -44,6 +44,7 @@ for _path in (REPO, HERE):
         sys.path.insert(0, _path)
 
 from deepspeed_async_ckpt.commit import verify_file  # noqa: E402
+from deepspeed_async_ckpt.errors import IntegrityError  # noqa: E402
 from launch import NON_NEGATIVE, POSITIVE  # noqa: E402
 from megatron_adapter import compat  # noqa: E402
 from megatron_adapter.arguments import add_arguments, config_from_args  # noqa: E402
@@ -323,7 +324,12 @@ def save_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, sch
         # checkpoint it named before goes unless its iteration is a multiple of N (read from
         # the tracker, as Megatron-LM does: the one a resumed run started from goes too; until
         # session 30 only this run's own previous save was considered)
-        previous = read_tracker(args.save)
+        previous = None
+        if args.save_retain_interval:
+            try:
+                previous = read_tracker(args.save)
+            except IntegrityError:  # Megatron-LM's "release", or a torn write: nothing to remove
+                previous = None
         with open(tracker_path(args.save), "w", encoding="utf-8") as f:
             f.write(str(iteration))
         if args.save_retain_interval and previous is not None and previous != iteration \

@@ -444,6 +444,8 @@ def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path,
         config.write_text('{"enabled": false}')
     args = [*TINY_GPT, "--train-iters", 7, "--save", save, "--save-interval", 1,
             "--save-retain-interval", 3, "--async-ckpt", "--async-ckpt-config", config]
+    save.mkdir()  # a tracker no iteration: Megatron-LM's "release" (nothing to remove for it;
+    (save / "latest_checkpointed_iteration.txt").write_text("release")  # it failed the save once)
     run(PRETRAIN, args, env)
     assert read_tracker(str(save)) == 7
     lock = [LOCK_FILE] if engine == "async" else []

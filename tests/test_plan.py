@@ -517,7 +517,22 @@ def test_an_integer_too_large_for_a_float_is_refused_naming_the_flag(capsys, arg
     session 30)."""
     assert cli.main(["plan", "--params", "7e9", "--write-gbps", "10", "--mtbf-hours", "50000", *argv]) == 2
     err = capsys.readouterr().err
-    assert err.startswith("error: ") and flag in err, err
+    assert err.startswith("error: ") and flag in err and len(err) < 200, err
+    exponent = len(argv[1].lstrip("-")) - 1
+    assert f"got {'-' if argv[1][0] == '-' else ''}~1e{exponent} " in err, err
+
+
+@pytest.mark.parametrize("value,shown", [(lambda: 10**20, "~1e20"), (lambda: 10**20 - 1, "~1e19"),
+                                         (lambda: -(10**5000), "-~1e5000"), (lambda: 10**320, "~1e320")],
+                         ids=["1e20", "1e20-1", "-1e5000", "1e320"])
+def test_a_huge_integer_is_shown_by_its_magnitude(value, shown):
+    """(an integer past 4300 digits cannot even be turned into a string)"""
+    from deepspeed_async_ckpt.plan import _show
+
+    value = value()
+    assert _show(value) == shown
+    with pytest.raises(PlanInputError, match="tp must be"):
+        PlanInputs(params=7_000_000_000, storage_write_gbps=10.0, mtbf_hours=5.0, tp=value)
 
 
 def test_target_overhead_pct_below_its_floor_names_the_flag_in_percent(capsys):
