@@ -443,7 +443,10 @@ def _finish_current_push(self: Any, *args: Any, **kwargs: Any) -> Any:
     # DeepSpeed checkpoint in output_dir) and uploading output_dir (also with args.push_to_hub
     # off); the end of train() calls it too, where nothing is uploaded from output_dir
     if getattr(_pushing, "depth", 0):
-        wait_for_saves_in(self.args.output_dir, strict=True, before="Trainer uploads it")
+        # push_to_hub uploads output_dir without its checkpoint-* folders: the saves made
+        # directly into it matter (ZeRO-3's global_stepN), not an older checkpoint-N's
+        wait_for_saves_in(self.args.output_dir)
+        _raise_failure(self.args.output_dir, "Trainer uploads it", directly_in=True)
     return _ORIGINALS["_finish_current_push"](self, *args, **kwargs)
 
 
@@ -461,8 +464,15 @@ def execute_jit_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
         result = save(*save_args, **save_kwargs)
         # a failure raised here keeps the sentinel and is logged as Trainer logs its own
         # ("Failed to save JIT checkpoint"): training stops next, no later save would raise it
-        wait_for_saves_in(trainer._get_output_dir(trial=None), strict=True,
-                          before="Trainer marks its just-in-time checkpoint complete")
+        checkpointer = _async_checkpointer(trainer)
+        if checkpointer is not None:
+            # every rank runs this and removes the same sentinel: each must know that rank 0
+            # committed, not only that its own part is durable (a review, session 30)
+            checkpointer.wait_all_ranks(action="marking the just-in-time checkpoint complete")
+        else:
+            folder = os.path.join(trainer._get_output_dir(trial=None),
+                                  f"{_prefix()}-{trainer.state.global_step}")
+            wait_for_saves_in(folder, strict=True, before="Trainer marks its just-in-time checkpoint complete")
         return result
 
     trainer._save_checkpoint = save_then_wait
@@ -517,12 +527,14 @@ def wait_for_saves_in(path: str, strict: bool = False, before: str = "going on")
         _raise_failure(path, before)
 
 
-def _raise_failure(path: str, before: str, exports_only: bool = False) -> None:
+def _raise_failure(path: str, before: str, exports_only: bool = False, directly_in: bool = False) -> None:
     """Raise a :class:`~.errors.PersistError` if this process's last save into ``path`` (or
-    under it) failed, or the weights export into it (:meth:`~.checkpointer.AsyncCheckpointer.write_beside`),
-    waiting for the exports; ``exports_only``: only those. The error stays the engine's too
-    (raised at its next save or ``close``). Until session 30 the callers waited and went on:
-    a checkpoint whose save failed was uploaded to the Hub, or marked complete by the
+    under it; ``directly_in``: its checkpoints directly in ``path``) failed, or the weights
+    export into it (:meth:`~.checkpointer.AsyncCheckpointer.write_beside`), waiting for the
+    exports; ``exports_only``: only those. Only failures the engine has not reported yet
+    count (one it raised at a save or ``wait`` was dealt with). The error stays the engine's
+    too (raised at its next save or ``close``). Until session 30 the callers waited and went
+    on: a checkpoint whose save failed was uploaded to the Hub, or marked complete by the
     just-in-time checkpoint, and training ended with the error only on stderr at exit."""
     from .errors import PersistError, describe
 
@@ -530,16 +542,27 @@ def _raise_failure(path: str, before: str, exports_only: bool = False) -> None:
     if module is None:
         return
     real = os.path.realpath(path)
+
+    def here(directory: str, is_file_dir: bool) -> bool:
+        if not directly_in:
+            return _inside(directory, real)
+        where = os.path.realpath(directory)  # a file beside: in path; a checkpoint: a child
+        return (where if is_file_dir else os.path.dirname(where)) == real
+
     failures: list[tuple[str, BaseException]] = []
     for checkpointer in module.open_checkpointers():
-        for entry in checkpointer._beside_in():
-            if _inside(entry.directory, real) and entry.future.exception() is not None:
+        for entry in checkpointer._beside_in():  # not taken yet: not reported
+            if here(entry.directory, True) and entry.future.exception() is not None:
                 failures.append((entry.path, entry.future.exception()))
+        with checkpointer._lock:
+            unreported = list(checkpointer._errors)
         last: dict[str, Any] = {}  # a checkpoint directory -> its last save's handle
         for handle in list(checkpointer.history):
-            if _inside(handle.ckpt_dir, real):
+            if here(handle.ckpt_dir, False):
                 last[handle.ckpt_dir] = handle
         for handle in last.values():
+            if handle.error is not None and not any(e is handle.error for e in unreported):
+                continue  # raised already (at a save, wait or close)
             failures += [(handle.ckpt_dir, f.exception()) for f in handle.beside if f.exception() is not None]
             if exports_only:
                 continue

@@ -422,6 +422,95 @@ def test_a_just_in_time_checkpoint_whose_save_failed_keeps_its_sentinel_and_fail
             ck_async.close()
 
 
+@pytest.mark.parametrize("rank0", ["committed", "failed"])
+def test_a_just_in_time_checkpoint_on_another_rank_waits_for_rank_0s_commit(tmp_path, fresh_trainer_methods, rank0):
+    """Every rank runs the just-in-time checkpoint and removes the same sentinel; on a rank
+    other than 0 the wait ended once its own part was durable, so it marked the checkpoint
+    complete whether or not rank 0 committed it (a review, session 30). With the engine of the
+    trainer's DeepSpeed engine, the ranks now share the outcome (``wait_all_ranks``): here rank
+    1 of 2, with rank 0's report stubbed in the exchange."""
+    import types
+
+    from transformers.trainer_jit_checkpoint import CheckpointManager
+
+    from deepspeed_async_ckpt.errors import CommitError
+
+    hf_trainer.check_installed()
+    action = "marking the just-in-time checkpoint complete"
+    report = {0: "PersistError: [Errno 28] No space left on device"} if rank0 == "failed" else {}
+    exchanged = []
+
+    def exchange(value, error, key=""):
+        exchanged.append(value)
+        return (value, report) if value == action else ("sid0001", {})
+
+    run = str(tmp_path)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), rank=1, world_size=2,
+                           exchange=exchange)
+
+    class FakeTrainer:
+        state = types.SimpleNamespace(global_step=7)
+        model = None
+        is_deepspeed_enabled = True
+        deepspeed = types.SimpleNamespace(checkpoint_engine=types.SimpleNamespace(checkpointer=ck))
+
+        def _get_output_dir(self, trial):
+            return run
+
+        def _save_checkpoint(self, model, trial):
+            d = os.path.join(run, "checkpoint-7")
+            os.makedirs(d, exist_ok=True)
+            ck.begin(os.path.join(d, "global_step7"), tag="global_step7",
+                     pointer=Pointer(os.path.join(d, "latest"), "global_step7"))
+            ck.save({"w": torch.ones(8)}, os.path.join(d, "global_step7", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
+            ck.end()
+
+    sentinel = os.path.join(run, "checkpoint-7", "checkpoint-is-incomplete.txt")
+    try:
+        if rank0 == "failed":
+            with pytest.raises(CommitError, match=r"just-in-time checkpoint complete refused.*rank\(s\) 0"):
+                CheckpointManager(FakeTrainer()).execute_jit_checkpoint()
+            assert os.path.exists(sentinel)
+        else:
+            CheckpointManager(FakeTrainer()).execute_jit_checkpoint()
+            assert not os.path.exists(sentinel)
+        assert action in exchanged
+    finally:
+        ck.close()
+
+
+def test_push_to_hub_is_not_failed_by_an_older_checkpoints_save(tmp_path, fresh_trainer_methods, writes_fail,
+                                                                monkeypatch):
+    """``push_to_hub`` uploads output_dir without its checkpoint-* folders; the check before it
+    looked at every save under output_dir, and raised for a checkpoint-N's failed save that
+    the engine had already reported, even once that checkpoint was deleted (a review, session
+    30). It now counts saves directly in output_dir, and failures not reported yet."""
+    import types
+
+    import transformers.trainer as trainer
+
+    pushed = []
+    monkeypatch.setattr(trainer.Trainer, "push_to_hub",
+                        lambda self: (self._finish_current_push(), pushed.append(self.args.output_dir)))
+    monkeypatch.setattr(trainer.Trainer, "_finish_current_push", lambda self: None)
+    hf_trainer.check_installed()
+    run = str(tmp_path)
+    t = types.SimpleNamespace(args=types.SimpleNamespace(output_dir=run))
+    t._finish_current_push = lambda: trainer.Trainer._finish_current_push(t)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    try:
+        begin_save(ck, run, 2)
+        ck.end()
+        trainer.Trainer.push_to_hub(t)  # not reported yet, but in a checkpoint-N: not uploaded
+        with pytest.raises(PersistError):
+            ck.wait()  # reported
+        shutil.rmtree(os.path.join(run, "checkpoint-2"))
+        trainer.Trainer.push_to_hub(t)
+        assert pushed == [run, run]
+    finally:
+        ck.close()
+
+
 def test_a_push_of_a_checkpoint_whose_save_failed_fails_and_uploads_nothing(tmp_path, fresh_trainer_methods,
                                                                            writes_fail, monkeypatch):
     """hub_strategy="checkpoint" waited for the save and uploaded checkpoint-N when it had
