@@ -7,6 +7,7 @@ import io
 import json
 import os
 import shutil
+import logging
 import threading
 import time
 import types
@@ -1852,6 +1853,38 @@ def test_saves_from_an_idle_pool_worker_do_not_hold_up_the_exit(tmp_path, repo_e
     out = run_script(POOL_EXIT_SCRIPT, repo_env, str(tmp_path), timeout=60)
     assert out.returncode == 0 and "returning" in out.stdout, out.stderr
     assert (tmp_path / "latest").read_text() == "t0"
+
+
+POOL_EXIT_FAILED_SCRIPT = """
+import sys, torch
+from concurrent.futures import ThreadPoolExecutor
+from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.commit import Pointer
+root = sys.argv[1]
+ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+def save():
+    ck.begin(root + "/t0", tag="t0", pointer=Pointer(root + "/latest", "t0"))
+    ck.save({"w": torch.ones(16)}, root + "/t0/model.pt")
+    ck.save({"w": torch.ones(16)}, root + "/t0/model.pt")  # refused: saved twice
+    ck.end()
+pool = ThreadPoolExecutor(1)
+try:
+    pool.submit(save).result()
+except ValueError as exc:
+    print("raised in the worker:", exc, flush=True)
+print("returning", flush=True)
+"""
+
+
+def test_a_save_that_raised_in_a_pool_worker_does_not_hang_the_exit(tmp_path, repo_env):
+    """A save that raised between begin and end in a ``concurrent.futures`` worker left the
+    save open, the worker idle: the exit flush waited for it to end, for ever (a review,
+    session 30). It waits only while the worker runs a task; the save is abandoned."""
+    out = run_script(POOL_EXIT_FAILED_SCRIPT, repo_env, str(tmp_path), timeout=60)
+    assert out.returncode == 0 and "returning" in out.stdout, (out.stdout, out.stderr[-3000:])
+    assert "raised in the worker" in out.stdout
+    assert not (tmp_path / "latest").exists()
 
 
 FORK_LOCK_SCRIPT = """
@@ -4826,6 +4859,111 @@ def _denied(monkeypatch, module, name, denied):
         return real(path, *args, **kwargs)
 
     monkeypatch.setattr(module, name, fake, raising=False)
+
+
+class _FullDisk(LocalStorage):
+    """Every ``.pt`` file's open fails with ENOSPC while ``full``."""
+
+    full = False
+
+    def open_write(self, path):
+        if self.full and ".pt" in os.path.basename(path):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return super().open_write(path)
+
+
+def _save_to(ck, save_dir, tag):
+    d = os.path.join(save_dir, tag)
+    ck.begin(d, tag=tag, pointer=Pointer(os.path.join(save_dir, "latest"), tag))
+    ck.save({"w": torch.randn(16)}, os.path.join(d, "model.pt"))
+    return ck.end()
+
+
+def test_a_begin_refused_for_its_directory_still_raises_an_earlier_saves_failure(tmp_path, monkeypatch):
+    """``begin`` takes the failures of earlier saves first; refused because another job holds
+    the save directory, it raised the refusal and dropped them: the failed save was never
+    reported, and the next saves, ``wait`` and ``close`` were silent (a review, session 30)."""
+    from deepspeed_async_ckpt.errors import AsyncCheckpointError
+
+    storage = _FullDisk()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    mine, other = str(tmp_path / "mine"), str(tmp_path / "other")
+    os.makedirs(other)
+    real_claim = ck._claim
+
+    def claim(save_dir):
+        if save_dir.startswith(other):
+            raise AsyncCheckpointError(f"save directory {save_dir!r} is being saved into by another process")
+        return real_claim(save_dir)
+
+    monkeypatch.setattr(ck, "_claim", claim)
+    _save_to(ck, mine, "t1")
+    ck.wait()
+    storage.full = True
+    _save_to(ck, mine, "t2").wait_committed()
+    storage.full = False
+    with pytest.raises(PersistError, match="No space left"):
+        _save_to(ck, other, "x1")  # t2's failure, not the refusal
+    with pytest.raises(AsyncCheckpointError, match="another process"):
+        _save_to(ck, other, "x1")  # then the refusal
+    _save_to(ck, mine, "t3")
+    ck.close()
+    assert (tmp_path / "mine" / "latest").read_text() == "t3"
+
+
+def test_close_raises_a_failed_save_though_retention_failed_too(tmp_path, caplog):
+    """``wait`` raised a retention bug (a ``keep`` callback that raised) before the failures of
+    saves; ``close`` then closed for good with the failed save never raised (a review, session
+    30). The failed save is raised, the retention bug logged."""
+    storage = _FullDisk()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    root = str(tmp_path)
+    _save_to(ck, root, "t0").wait_committed()
+    handle = _save_to(ck, root, "t1")
+    handle.wait_committed()
+
+    def keep(name):
+        raise ValueError("a retention bug")
+
+    assert isinstance(ck.retire_older_later(handle, keep_last=1, keep=keep).exception(), ValueError)
+    storage.full = True
+    _save_to(ck, root, "t2").wait_committed()
+    with caplog.at_level(logging.ERROR), pytest.raises(PersistError, match="No space left"):
+        ck.close()
+    assert "removing older checkpoints failed" in caplog.text and "a retention bug" in caplog.text
+    assert not ck._errors
+
+
+def test_a_save_whose_directory_cannot_be_made_leaves_nothing_waiting_and_can_be_retried(tmp_path):
+    """``save`` listed a file's items in the save before making its directory: when that
+    failed, they were never issued and ``handle.wait_staged()`` never returned, and the path
+    counted as saved, so a retry was refused (a review, session 30)."""
+
+    class NoSubdir(LocalStorage):
+        refuse = True
+
+        def makedirs(self, path, *args, **kwargs):
+            if self.refuse and path.endswith("sub"):
+                raise PermissionError(errno.EACCES, "Permission denied", path)
+            return super().makedirs(path, *args, **kwargs)
+
+    storage = NoSubdir()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    d = str(tmp_path / "t1")
+    handle = ck.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
+    ck.save({"a": torch.randn(16)}, os.path.join(d, "a.pt"))
+    with pytest.raises(PermissionError):
+        ck.save({"b": torch.randn(16)}, os.path.join(d, "sub", "b.pt"))
+    storage.refuse = False
+    ck.save({"b": torch.ones(16)}, os.path.join(d, "sub", "b.pt"))  # the retry
+    ck.end()
+    waiter = threading.Thread(target=handle.wait_staged, daemon=True)
+    waiter.start()
+    waiter.join(10)
+    assert not waiter.is_alive()
+    ck.close()
+    assert torch.equal(torch.load(os.path.join(d, "sub", "b.pt"))["b"], torch.ones(16))
+    assert (tmp_path / "latest").read_text() == "t1"
 
 
 def test_verify_with_an_unreadable_manifest_exits_with_a_message(tmp_path, capsys, monkeypatch):
