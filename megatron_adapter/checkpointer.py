@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import numbers
 import os
+import pickle
 import queue
 import re
 import sys
@@ -273,6 +274,11 @@ class MegatronCheckpointer:
                     checked["content_metadata"] = _clean_metadata_for_serialization(checked["content_metadata"])
                 if preprocess_common is not None:
                     checked = preprocess_common(common)
+                if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
+                    # the validation's first collective broadcasts it from rank 0, which pickles
+                    # it first: a lock or a lambda there raised on rank 0 alone, outside the
+                    # broadcast the others waited in for good (a review, session 30)
+                    pickle.dumps(checked)
         except BaseException as exc:
             error = exc
         self._agree_no_error(error)

@@ -191,7 +191,8 @@ def test_a_sharding_megatron_refuses_fails_the_save_on_every_rank_at_once(tmp_pa
 def test_a_megatron_save_failing_on_one_rank_before_a_collective_fails_on_every_rank(tmp_path):
     """A save that failed on rank 1 alone before a collective (a sharded-tensor factory, with
     megatron-core's validation or without; an object that cannot be pickled, in the planning)
-    left rank 0 waiting in that collective for good (a review, session 28). Both ranks now
+    left rank 0 waiting in that collective for good (a review, session 28); so did a common
+    part rank 0 cannot pickle for the validation's broadcast (a lock: session 30). Both ranks now
     raise, and the next save commits. An iteration that is no integer is refused (``True``
     was committed as ``iter_0000001`` with ``True`` in the tracker). ``close()`` is collective,
     as megatron-core's ``AsyncCallsQueue.close`` is: rank 1 returned from it before rank 0 had
@@ -201,6 +202,8 @@ def test_a_megatron_save_failing_on_one_rank_before_a_collective_fails_on_every_
                       ("object", "rank 1: ")):
         assert own in got[1][case], (case, got)
         assert got[0][case] and ("rank(s) 1" in got[0][case] or own in got[0][case]), (case, got)
+    for r, own in ((0, "cannot pickle '_thread.lock' object"), (1, "rank(s) 0")):  # rank 0's common part
+        assert own in got[r]["common"], got
     for case in ("iteration_true", "iteration_tensor"):
         for r in range(2):
             assert got[r][case].startswith("ValueError: save(iteration="), (case, got)

@@ -33,6 +33,12 @@ def failing_factory():
     return {"w": weight(), "f": ShardedTensorFactory("f", torch.ones(4), build, lambda x: x, replica_id=0)}
 
 
+def unpicklable_common():  # rank 0's (what the validation broadcasts from it)
+    import threading
+
+    return {"w": weight(), "x": threading.Lock() if rank == 0 else 1}
+
+
 def unpicklable_object():
     payload = {"ok": 1} if rank == 0 else {"bad": lambda: 0}
     return {"w": weight(), "obj": ShardedObject("obj", payload, (2,), (rank,), replica_id=0)}
@@ -41,7 +47,8 @@ def unpicklable_object():
 ckpt = MegatronCheckpointer(AsyncCheckpointConfig(enabled=True, mode="async", host_buffer_gb=0.01))
 result = {}
 cases = [("factory_validated", failing_factory, 1, True), ("factory", failing_factory, 1, False),
-         ("object", unpicklable_object, 1, True), ("iteration_true", lambda: {"w": weight()}, True, True),
+         ("object", unpicklable_object, 1, True), ("common", unpicklable_common, 1, True),
+         ("iteration_true", lambda: {"w": weight()}, True, True),
          ("iteration_tensor", lambda: {"w": weight()}, torch.tensor(6), True)]
 for case, state, iteration, validate in cases:
     try:
