@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 pytest.importorskip("megatron.core")
 
@@ -556,20 +557,25 @@ def test_pretrain_gpt_refuses_a_schedule_megatron_core_would_assert_on(args, nam
 
 
 # --------------------------------------------------------------------------------- compat.py
-@pytest.mark.parametrize("extra", [{}, {"padding": True, "gbuf_local_start": 0, "gbuf_local_end": 8}],
-                         ids=["fully_reshardable", "dp_reshardable"])
+@pytest.mark.parametrize("extra", [{}, {"padding": True, "gbuf_local_start": 0, "gbuf_local_end": 8},
+                                   {"padding": False, "step": torch.tensor(9.0)}],
+                         ids=["fully_reshardable", "dp_reshardable", "dp_reshardable_request_with_a_step"])
 def test_compat_copies_the_states_the_optimizer_has_whatever_else_the_checkpoint_holds(extra):
     """The patched ``_set_main_param_and_optimizer_states`` copied every key of the checkpoint's
     entry: a ``dp_reshardable`` one (Megatron-LM's default distributed-optimizer format) also
     holds ``padding`` and its buffer offsets, and every such load failed with ``KeyError:
     'padding'`` once ``compat.install()`` ran (found by a review, session 29). A live ``step``
-    the checkpoint lacks (``fully_reshardable``, the reason for the patch) is left alone."""
+    the checkpoint lacks (``fully_reshardable``, the reason for the patch) is left alone, and
+    one a ``dp_reshardable`` load request carries (the live one, which replaced the loaded
+    step after a resume: session 30) is not copied; an fp32 main param, a view of a leaf that
+    requires grad, is copied into (it raised "a view of a leaf Variable ... in-place")."""
     import torch
     from megatron.core.optimizer import DistributedOptimizer
     from megatron_adapter import compat
 
     assert compat.install() or compat._INSTALLED  # torch's Adam here: no Apex, no TE
-    main, model_param = torch.zeros(8), torch.nn.Parameter(torch.zeros(8))
+    leaf = torch.zeros(16, requires_grad=True)  # fp32: the main param is a view of a leaf
+    main, model_param = leaf[:8], torch.nn.Parameter(torch.zeros(8))
     state = {"exp_avg": torch.zeros(8), "exp_avg_sq": torch.zeros(8), "step": torch.tensor(3.0)}
     fake = argparse.Namespace(
         config=argparse.Namespace(use_precision_aware_optimizer_no_fp8_or_ds_fp8=False),
@@ -579,7 +585,7 @@ def test_compat_copies_the_states_the_optimizer_has_whatever_else_the_checkpoint
                "exp_avg_sq": torch.full((8,), 3.0), **extra}
     DistributedOptimizer._set_main_param_and_optimizer_states(fake, model_param, tensors)
     assert main.eq(1).all() and state["exp_avg"].eq(2).all() and state["exp_avg_sq"].eq(3).all()
-    assert state["step"].item() == 3.0
+    assert state["step"].item() == 3.0  # load_state_dict's, from param_groups: not overwritten
 
 
 @pytest.mark.parametrize("mode", ["tracker_fsync", "two_renames"])
