@@ -1121,7 +1121,7 @@ class AsyncCheckpointer:
             raise _reraise(exc, more)
 
     def wait_all_ranks(self, timeout: float | None = None, *, action: str = "wait_all_ranks()",
-                       recover: str | None = None) -> None:
+                       recover: str | None = None, error: Exception | None = None) -> None:
         """Collective :meth:`wait` (every rank): call it before a step that must start on all
         ranks or on none, e.g. a framework's ``load_checkpoint``, whose collectives would hang
         if a background error stopped only the rank that has it.
@@ -1137,12 +1137,15 @@ class AsyncCheckpointer:
 
         ``recover``: a save directory about to be loaded from; rank 0 first finishes there what
         a crash cut short (:meth:`recover`), so every rank then finds the checkpoint in place.
+        ``error``: this rank failed already (the caller's step before this call): it is shared
+        without waiting, and raised here as it is, after the exchange.
         """
-        local: Exception | None = None
+        local: Exception | None = error
         try:
-            self.wait(timeout)  # raises (and consumes) the background errors
-            if recover is not None and self.rank == 0:
-                self.recover(recover, sweep=False)
+            if error is None:
+                self.wait(timeout)  # raises (and consumes) the background errors
+                if recover is not None and self.rank == 0:
+                    self.recover(recover, sweep=False)
         except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
             local = exc
         # raised by wait's own steps (a timeout), the background errors are still there
@@ -1153,6 +1156,8 @@ class AsyncCheckpointer:
             detail = f"{local}" + (f" (and {count} more failed save(s))" if count else "")
         _, failed = self._exchange(action, None if local is None else f"{type(local).__name__}: {detail}")
         retry = f". The errors reported here are cleared: calling {action} again retries."
+        if error is not None:
+            raise error
         if local is not None:
             cls = type(local) if isinstance(local, AsyncCheckpointError) else CommitError
             raise cls(f"{action} refused on every rank: {detail}{retry}") from local

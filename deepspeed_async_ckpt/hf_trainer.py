@@ -461,18 +461,25 @@ def execute_jit_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
     save = trainer._save_checkpoint
 
     def save_then_wait(*save_args: Any, **save_kwargs: Any) -> Any:
-        result = save(*save_args, **save_kwargs)
         # a failure raised here keeps the sentinel and is logged as Trainer logs its own
         # ("Failed to save JIT checkpoint"): training stops next, no later save would raise it
         checkpointer = _async_checkpointer(trainer)
-        if checkpointer is not None:
-            # every rank runs this and removes the same sentinel: each must know that rank 0
-            # committed, not only that its own part is durable (a review, session 30)
-            checkpointer.wait_all_ranks(action="marking the just-in-time checkpoint complete")
-        else:
+        if checkpointer is None:
+            result = save(*save_args, **save_kwargs)
             folder = os.path.join(trainer._get_output_dir(trial=None),
                                   f"{_prefix()}-{trainer.state.global_step}")
             wait_for_saves_in(folder, strict=True, before="Trainer marks its just-in-time checkpoint complete")
+            return result
+        # Every rank runs this and removes the same sentinel: each must know that rank 0
+        # committed, not only that its own part is durable; and a rank whose own steps of the
+        # save failed (rank 0's Hub push, say) must still meet the others there, or they wait
+        # for it in the exchange (two reviews, session 30)
+        failed, result = None, None
+        try:
+            result = save(*save_args, **save_kwargs)
+        except Exception as exc:
+            failed = exc
+        checkpointer.wait_all_ranks(action="marking the just-in-time checkpoint complete", error=failed)
         return result
 
     trainer._save_checkpoint = save_then_wait

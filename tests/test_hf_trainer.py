@@ -422,13 +422,15 @@ def test_a_just_in_time_checkpoint_whose_save_failed_keeps_its_sentinel_and_fail
             ck_async.close()
 
 
-@pytest.mark.parametrize("rank0", ["committed", "failed"])
+@pytest.mark.parametrize("rank0", ["committed", "failed", "raised"])
 def test_a_just_in_time_checkpoint_on_another_rank_waits_for_rank_0s_commit(tmp_path, fresh_trainer_methods, rank0):
     """Every rank runs the just-in-time checkpoint and removes the same sentinel; on a rank
     other than 0 the wait ended once its own part was durable, so it marked the checkpoint
     complete whether or not rank 0 committed it (a review, session 30). With the engine of the
     trainer's DeepSpeed engine, the ranks now share the outcome (``wait_all_ranks``): here rank
-    1 of 2, with rank 0's report stubbed in the exchange."""
+    1 of 2, with rank 0's report stubbed in the exchange. ("raised": this rank's own steps of
+    the save raised, as rank 0's Hub push of a failed save does: it still joins the exchange,
+    with its error, and raises that; it left the others waiting there.)"""
     import types
 
     from transformers.trainer_jit_checkpoint import CheckpointManager
@@ -441,7 +443,7 @@ def test_a_just_in_time_checkpoint_on_another_rank_waits_for_rank_0s_commit(tmp_
     exchanged = []
 
     def exchange(value, error, key=""):
-        exchanged.append(value)
+        exchanged.append((value, error))
         return (value, report) if value == action else ("sid0001", {})
 
     run = str(tmp_path)
@@ -464,6 +466,8 @@ def test_a_just_in_time_checkpoint_on_another_rank_waits_for_rank_0s_commit(tmp_
                      pointer=Pointer(os.path.join(d, "latest"), "global_step7"))
             ck.save({"w": torch.ones(8)}, os.path.join(d, "global_step7", "zero_pp_rank_1_mp_rank_00_optim_states.pt"))
             ck.end()
+            if rank0 == "raised":
+                raise PersistError("the push of a failed save")
 
     sentinel = os.path.join(run, "checkpoint-7", "checkpoint-is-incomplete.txt")
     try:
@@ -471,10 +475,15 @@ def test_a_just_in_time_checkpoint_on_another_rank_waits_for_rank_0s_commit(tmp_
             with pytest.raises(CommitError, match=r"just-in-time checkpoint complete refused.*rank\(s\) 0"):
                 CheckpointManager(FakeTrainer()).execute_jit_checkpoint()
             assert os.path.exists(sentinel)
+        elif rank0 == "raised":
+            with pytest.raises(PersistError, match="the push of a failed save"):
+                CheckpointManager(FakeTrainer()).execute_jit_checkpoint()
+            assert os.path.exists(sentinel)
+            assert (action, "PersistError: the push of a failed save") in exchanged
         else:
             CheckpointManager(FakeTrainer()).execute_jit_checkpoint()
             assert not os.path.exists(sentinel)
-        assert action in exchanged
+        assert action in [value for value, _ in exchanged]
     finally:
         ck.close()
 
