@@ -760,7 +760,7 @@ class AsyncCheckpointer:
         handle.paths.add(rel)
         if handle.write_dir != handle.ckpt_dir:  # staged: the same name in the staging directory
             path = os.path.join(handle.write_dir, rel)
-        plans = []
+        plans, shared = [], False
         try:  # up to its directory: a failure leaves the save as it was (a retry may come)
             eager_storages = storage_addresses(eager_tensors)
             for state in states:
@@ -772,6 +772,7 @@ class AsyncCheckpointer:
                 plans.append(plan_file(state, lazy, what=path))
             share = None
             if replicas is not None and replicas.size > 1:
+                shared = True  # the replicas met: a retry on this rank alone would wait for them
                 share = self._share_of(path, plans[0], replicas, handle.save_id)
                 if (share is None and replicas.rank != 0) or (share is not None and share.index < 0):
                     for item in plans[0].items:  # the other replicas write it
@@ -782,7 +783,8 @@ class AsyncCheckpointer:
         except BaseException:
             # until session 30 a failed makedirs left the file's items listed and never issued
             # (handle.wait_staged() never returned), and its path "already saved"
-            handle.paths.discard(rel)
+            if not shared:
+                handle.paths.discard(rel)
             for plan in plans:
                 for item in plan.items:
                     item.cancel()
