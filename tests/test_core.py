@@ -4966,6 +4966,38 @@ def test_a_save_whose_directory_cannot_be_made_leaves_nothing_waiting_and_can_be
     assert (tmp_path / "latest").read_text() == "t1"
 
 
+def test_a_shared_file_whose_directory_cannot_be_made_stays_saved(tmp_path):
+    """With replicas writing a file in shares, they met (a collective) before its directory
+    is made: a retry on one rank would wait for the others there, so it is refused at once as
+    "already saved", as before session 30 (a review of that session's fix)."""
+    from deepspeed_async_ckpt.checkpointer import Replicas
+
+    class TwoReplicas(Replicas):  # rank 0 of 2, the other agreeing
+        def gather(self, digest):
+            self.met = getattr(self, "met", 0) + 1
+            return [digest, digest]
+
+    class NoSubdir(LocalStorage):
+        def makedirs(self, path, *args, **kwargs):
+            if path.endswith("sub"):
+                raise PermissionError(errno.EACCES, "Permission denied", path)
+            return super().makedirs(path, *args, **kwargs)
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=NoSubdir())
+    d = str(tmp_path / "t1")
+    ck.begin(d, tag="t1")
+    replicas = TwoReplicas(rank=0, size=2)
+    path = os.path.join(d, "sub", "m.pt")
+    with pytest.raises(PermissionError):
+        ck.save({"w": torch.randn(4096)}, path, replicas=replicas)
+    assert replicas.met == 1
+    with pytest.raises(ValueError, match="already saved"):
+        ck.save({"w": torch.randn(4096)}, path, replicas=replicas)
+    assert replicas.met == 1
+    ck.end(commit=False)
+    ck.close()
+
+
 def test_verify_with_an_unreadable_manifest_exits_with_a_message(tmp_path, capsys, monkeypatch):
     """A manifest the user may not read (another user's checkpoint) gave a PermissionError
     traceback from `verify` (exit 1 from Python, as for a corrupt checkpoint)."""
