@@ -140,7 +140,9 @@ def _show(value) -> str:
     "must be an integer ..., got 4096" contradicted itself), a huge one stays short."""
     if isinstance(value, float) and value.is_integer() and abs(value) < 1e16:
         return repr(value)
-    if isinstance(value, int) and not isinstance(value, bool) and abs(value) >= 10**16:
+    if isinstance(value, int) and not isinstance(value, bool):
+        if abs(value) < 10**16:
+            return str(value)
         # format(int, "g") converts to float: OverflowError past 1e308 (a review, session 30)
         exponent = int((abs(value).bit_length() - 1) * math.log10(2))  # at most one too low
         if 10 ** (exponent + 1) <= abs(value):

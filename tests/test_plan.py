@@ -531,6 +531,7 @@ def test_a_huge_integer_is_shown_by_its_magnitude(value, shown):
 
     value = value()
     assert _show(value) == shown
+    assert _show(-1234567) == "-1234567"  # a small one in full
     with pytest.raises(PlanInputError, match="tp must be"):
         PlanInputs(params=7_000_000_000, storage_write_gbps=10.0, mtbf_hours=5.0, tp=value)
 
