@@ -331,6 +331,25 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, fresh_train
         ck.close()
 
 
+def _jit_trainer(ck, run):
+    """What transformers' ``CheckpointManager.execute_jit_checkpoint`` uses of Trainer: its
+    ``_save_checkpoint`` saves step 7 with ``ck`` into ``run/checkpoint-7``."""
+    import types
+
+    class FakeTrainer:
+        state = types.SimpleNamespace(global_step=7)
+        model = None
+
+        def _get_output_dir(self, trial):
+            return run
+
+        def _save_checkpoint(self, model, trial):
+            begin_save(ck, run, 7)
+            ck.end()
+
+    return FakeTrainer
+
+
 def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, fresh_trainer_methods,
                                                                     writes_held, monkeypatch):
     """enable_jit_checkpoint: on SIGTERM Trainer saves, removes its "checkpoint-is-incomplete"
@@ -347,16 +366,7 @@ def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, f
     run, seen = str(tmp_path), {}
     ck_async = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
 
-    class FakeTrainer:  # what execute_jit_checkpoint uses of Trainer
-        state = types.SimpleNamespace(global_step=7)
-        model = None
-
-        def _get_output_dir(self, trial):
-            return run
-
-        def _save_checkpoint(self, model, trial):
-            begin_save(ck_async, run, 7)
-            ck_async.end()
+    FakeTrainer = _jit_trainer(ck_async, run)
 
     real_remove = os.remove
 
@@ -401,16 +411,7 @@ def test_a_just_in_time_checkpoint_whose_save_failed_keeps_its_sentinel_and_fail
     run = str(tmp_path)
     ck_async = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
 
-    class FakeTrainer:
-        state = types.SimpleNamespace(global_step=7)
-        model = None
-
-        def _get_output_dir(self, trial):
-            return run
-
-        def _save_checkpoint(self, model, trial):
-            begin_save(ck_async, run, 7)
-            ck_async.end()
+    FakeTrainer = _jit_trainer(ck_async, run)
 
     try:
         with pytest.raises(PersistError, match=r"checkpoint-7/global_step7: the save failed.*just-in-time.*No space"):
