@@ -356,8 +356,6 @@ def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, f
     sentinel and logs success as soon as _save_checkpoint returns, with this engine before the
     save is committed (a SIGKILL then left a checkpoint marked complete that was not). The
     sentinel now goes once the save has committed. transformers' own CheckpointManager runs."""
-    import types
-
     from transformers.trainer_jit_checkpoint import CheckpointManager
 
     hf_trainer.check_installed()
@@ -403,8 +401,6 @@ def test_a_just_in_time_checkpoint_whose_save_failed_keeps_its_sentinel_and_fail
     sentinel and logged "completed successfully" for a checkpoint that never committed, and
     training stopped with no later save to raise the error (a review, session 30). Trainer now
     gets the failure, as a synchronous save would have raised it: the sentinel stays."""
-    import types
-
     from transformers.trainer_jit_checkpoint import CheckpointManager
 
     hf_trainer.check_installed()
