@@ -247,6 +247,12 @@ def by_rank(errors: dict[int, str]) -> str:
     return "; ".join(f"{r}: {m}" for r, m in sorted(errors.items()))
 
 
+def only_durability(errors: dict[int, str]) -> bool:
+    """Whether every per-rank error an exchange returned is a :class:`DurabilityError` (the
+    checkpoint is in place, a later step failed): then that is what every rank raises."""
+    return all(m.startswith(f"{DurabilityError.__name__}:") for m in errors.values())
+
+
 def _collective_device(group: Any = None) -> torch.device:
     """Where a collective's tensors go: the current CUDA device under NCCL, else the CPU."""
     import torch.distributed as dist
@@ -656,7 +662,7 @@ class AsyncCheckpointer:
                         f"{ckpt_dir!r}): rank(s) {by_rank(elsewhere)}; every rank must pass the "
                         "same save_dir and tag (nothing was written)")
                 if failed:
-                    if all(m.startswith(f"{DurabilityError.__name__}:") for m in failed.values()):
+                    if only_durability(failed):
                         raise DurabilityError("a previous checkpoint's commit did not complete on "
                                               "rank(s) " + by_rank(failed))
                     raise CommitError("a previous checkpoint failed and was not committed (the last "
@@ -1164,8 +1170,7 @@ class AsyncCheckpointer:
             cls = type(local) if isinstance(local, AsyncCheckpointError) else CommitError
             raise cls(f"{action} refused on every rank: {detail}{retry}") from local
         if failed:
-            durability = all(m.startswith(f"{DurabilityError.__name__}:") for m in failed.values())
-            raise (DurabilityError if durability else CommitError)(
+            raise (DurabilityError if only_durability(failed) else CommitError)(
                 f"{action} refused on every rank, because of rank(s) " + by_rank(failed) + retry)
 
     def _take_background_errors(self) -> tuple[BaseException | None, int]:

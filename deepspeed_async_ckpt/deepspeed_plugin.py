@@ -47,7 +47,8 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from deepspeed.utils import logger as ds_logger
 
 from . import hf_trainer
-from .checkpointer import AsyncCheckpointer, CommitInfo, Replicas, by_rank, exchange_across_ranks
+from .checkpointer import (AsyncCheckpointer, CommitInfo, Replicas, by_rank, exchange_across_ranks,
+                           only_durability)
 from .commit import Pointer, check_name
 from .config import CONFIG_KEY, AsyncCheckpointConfig
 from .errors import CommitError, ConfigError, DurabilityError, describe
@@ -235,7 +236,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
             raise error
         if failed:  # end() put this save last in the history, raising or not
             tag = self.checkpointer.history[-1].tag
-            if all(m.startswith(f"{DurabilityError.__name__}:") for m in failed.values()):
+            if only_durability(failed):
                 raise DurabilityError(f"checkpoint {tag}'s commit did not complete, because of "
                                       f"rank(s) {by_rank(failed)}")
             raise CommitError(f"checkpoint {tag} was not committed (the last committed one is "
