@@ -987,6 +987,37 @@ class AsyncCheckpointer:
                 entry.by_save = True
         return [e.future for e in entries]
 
+    def unreported_failures(self, where: Callable[[str, bool], bool], *, exports_only: bool = False
+                            ) -> list[tuple[str, BaseException]]:
+        """``(path, error)`` of the failures recorded and not yet reported (raised at a
+        ``begin``, ``wait`` or ``close``) of the last save into each checkpoint directory that
+        ``where(ckpt_dir, False)`` accepts, with the files written beside it, and of the files
+        written beside into directories that ``where(directory, True)`` accepts (waiting for
+        those); ``exports_only``: of the files beside alone. A save ended with
+        ``commit=False`` counts as failed. They stay recorded: reported here, they are raised
+        again at the next ``begin``, ``wait`` or ``close`` (see :mod:`.hf_trainer`)."""
+        failures: list[tuple[str, BaseException]] = []
+        for entry in self._beside_in():  # not taken yet: not reported
+            if where(entry.directory, True) and entry.future.exception() is not None:
+                failures.append((entry.path, entry.future.exception()))
+        with self._lock:
+            unreported = list(self._errors)
+        last: dict[str, CheckpointHandle] = {}  # a checkpoint directory -> its last save
+        for handle in list(self.history):
+            if where(handle.ckpt_dir, False):
+                last[handle.ckpt_dir] = handle
+        for handle in last.values():
+            if handle.error is not None and not any(e is handle.error for e in unreported):
+                continue  # raised already
+            failures += [(handle.ckpt_dir, f.exception()) for f in handle.beside if f.exception() is not None]
+            if exports_only:
+                continue
+            if handle.error is not None:
+                failures.append((handle.ckpt_dir, handle.error))
+            elif handle.abandoned:
+                failures.append((handle.ckpt_dir, PersistError("its save was abandoned (end(commit=False))")))
+        return failures
+
     def wait_beside(self, directory: str | None = None) -> None:
         """Wait until the files being written beside (:meth:`write_beside`) into ``directory``
         (None: all) are written or have failed (a failure is raised as always: by the save

@@ -556,27 +556,8 @@ def _raise_failure(path: str, before: str, exports_only: bool = False, directly_
         where = os.path.realpath(directory)  # a file beside: in path; a checkpoint: a child
         return (where if is_file_dir else os.path.dirname(where)) == real
 
-    failures: list[tuple[str, BaseException]] = []
-    for checkpointer in module.open_checkpointers():
-        for entry in checkpointer._beside_in():  # not taken yet: not reported
-            if here(entry.directory, True) and entry.future.exception() is not None:
-                failures.append((entry.path, entry.future.exception()))
-        with checkpointer._lock:
-            unreported = list(checkpointer._errors)
-        last: dict[str, Any] = {}  # a checkpoint directory -> its last save's handle
-        for handle in list(checkpointer.history):
-            if here(handle.ckpt_dir, False):
-                last[handle.ckpt_dir] = handle
-        for handle in last.values():
-            if handle.error is not None and not any(e is handle.error for e in unreported):
-                continue  # raised already (at a save, wait or close)
-            failures += [(handle.ckpt_dir, f.exception()) for f in handle.beside if f.exception() is not None]
-            if exports_only:
-                continue
-            if handle.error is not None:
-                failures.append((handle.ckpt_dir, handle.error))
-            elif handle.abandoned:
-                failures.append((handle.ckpt_dir, PersistError("its save was abandoned (end(commit=False))")))
+    failures = [failure for checkpointer in module.open_checkpointers()
+                for failure in checkpointer.unreported_failures(here, exports_only=exports_only)]
     if failures:
         where, error = failures[0]
         raise PersistError(f"{where}: the save failed, so it is not ready for what comes next "
