@@ -3,9 +3,10 @@
 When ``deepspeed.runtime.engine`` is first imported, patch it so the ``"async_checkpoint"``
 config key takes effect; no code change is needed in the training script. When
 ``transformers.trainer_utils`` is first imported, adapt Trainer's checkpoint rotation and
-resume to saves still in flight (``deepspeed_async_ckpt/hf_trainer.py``). This module imports
-nothing heavy, and not the package itself, so the package is resolved only when DeepSpeed is
-actually used (a working tree on ``PYTHONPATH`` then wins over an installed copy).
+resume to saves still in flight. Both are done by ``deepspeed_async_ckpt.integrations.activation``,
+named here by string. This module imports nothing heavy, and not the package itself, so the
+package is resolved only when DeepSpeed or Trainer is actually used (a working tree on
+``PYTHONPATH`` then wins over an installed copy).
 
 Set ``DS_ASYNC_CKPT_AUTOLOAD=0`` to turn auto-activation off; ``deepspeed_async_ckpt.install()``
 then activates it explicitly.
@@ -15,11 +16,13 @@ import os
 import sys
 
 ENV_SWITCH = "DS_ASYNC_CKPT_AUTOLOAD"
-PLUGIN = "deepspeed_async_ckpt.deepspeed_plugin"
+ACTIVATION = "deepspeed_async_ckpt.integrations.activation"
 
-#: Set when DeepSpeed's engine finished importing while our plugin module was itself being
-#: imported (it imports DeepSpeed); the plugin then installs at the end of its own import.
-install_when_ready = False
+
+def _activation():
+    import importlib  # here, not at interpreter start: it is not imported there otherwise
+
+    return importlib.import_module(ACTIVATION)
 
 
 def enabled() -> bool:
@@ -27,15 +30,8 @@ def enabled() -> bool:
 
 
 def _on_engine_import(module) -> None:
-    global install_when_ready
-    plugin = sys.modules.get(PLUGIN)
-    if plugin is not None and not hasattr(plugin, "install"):
-        install_when_ready = True
-        return
     try:
-        from deepspeed_async_ckpt.deepspeed_plugin import install
-
-        install()
+        _activation().install()
     except Exception as exc:  # never break `import deepspeed` for everyone in the environment
         print(f"deepspeed_async_ckpt: auto-activation failed, DeepSpeed runs without this engine "
               f"(an 'async_checkpoint' config key is ignored): {type(exc).__name__}: {exc}. "
@@ -43,14 +39,25 @@ def _on_engine_import(module) -> None:
               "auto-activation off.", file=sys.stderr)
 
 
+def _on_trainer_utils_import(module) -> None:
+    try:
+        _activation().adapt_trainer(module)
+    except Exception as exc:  # never break `import transformers`
+        print(f"deepspeed_async_ckpt: adapting transformers' Trainer to asynchronous saves failed "
+              f"(its save_total_limit rotation and resume_from_checkpoint=True do not know about "
+              f"saves in flight): {type(exc).__name__}: {exc}. {ENV_SWITCH}=0 turns "
+              "auto-activation off.", file=sys.stderr)
+
+
 class _PostImportHook:
     """A ``sys.meta_path`` finder that runs ``hook(module)`` once ``target`` has been imported
     (executed): it asks the finders after it for the module's spec and wraps its loader's
-    ``exec_module``; it then takes itself off ``sys.meta_path``. Hand-written rather than
+    ``exec_module``; it then takes itself off ``sys.meta_path``. The package keeps its own
+    (in ``activation``): this one must work before the package may be imported, and the
+    package must not import this module. Hand-written rather than
     ``wrapt.register_post_import_hook`` because this runs at every interpreter start in the
-    environment (data-loader workers, tools): importing wrapt 2.x took 43 ms of the 50 ms of
-    ``python -c pass`` here (it imports asyncio, inspect and importlib.metadata), this module
-    about 1 ms."""
+    environment (data-loader workers, tools): importing wrapt 2.x takes 43 ms of the 50 ms of
+    ``python -c pass``, this module about 1 ms."""
 
     def __init__(self, target: str, hook) -> None:
         self.target, self.hook = target, hook
@@ -81,35 +88,19 @@ class _PostImportHook:
         return spec
 
 
-def _on_trainer_utils_import(module) -> None:
-    try:
-        from deepspeed_async_ckpt.hf_trainer import install
-
-        install(module)
-    except Exception as exc:  # never break `import transformers`
-        print(f"deepspeed_async_ckpt: adapting transformers' Trainer to asynchronous saves failed "
-              f"(its save_total_limit rotation and resume_from_checkpoint=True do not know about "
-              f"saves in flight): {type(exc).__name__}: {exc}. {ENV_SWITCH}=0 turns "
-              "auto-activation off.", file=sys.stderr)
-
-
-def hook_import(target: str, hook):
-    """Run ``hook(module)`` once ``target`` is imported: now if it already is. Returns the
-    finder left on ``sys.meta_path`` (None if it ran now)."""
+def _hook_import(target: str, hook) -> None:
+    """Run ``hook(module)`` once ``target`` is imported: now if it already is."""
     if target in sys.modules:
         hook(sys.modules[target])
-        return None
-    finder = _PostImportHook(target, hook)
-    sys.meta_path.insert(0, finder)
-    return finder
+    else:
+        sys.meta_path.insert(0, _PostImportHook(target, hook))
 
 
 def register() -> None:
     if not enabled():
         return
-    hook_import("deepspeed.runtime.engine", _on_engine_import)
-    # Hugging Face Trainer's checkpoint rotation and resume (deepspeed_async_ckpt/hf_trainer.py)
-    hook_import("transformers.trainer_utils", _on_trainer_utils_import)
+    _hook_import("deepspeed.runtime.engine", _on_engine_import)
+    _hook_import("transformers.trainer_utils", _on_trainer_utils_import)
 
 
 register()

@@ -41,8 +41,8 @@ _LAZY = {
     "Pointer": "commit",
     "fence_all": "checkpointer",
     "verify_checkpoint": "commit",
-    "install": "deepspeed_plugin",
-    "uninstall": "deepspeed_plugin",
+    "install": "integrations.activation",
+    "uninstall": "integrations.activation",
 }
 
 

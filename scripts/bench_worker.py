@@ -174,7 +174,7 @@ class Adapter:
 def use_checkpoint_engine(ds_engine, ckpt_engine) -> None:
     """Swap engines as ``deepspeed.initialize`` would have built them (which replicas save the
     model states follows the engine): see the plugin's ``use_checkpoint_engine``."""
-    from deepspeed_async_ckpt.deepspeed_plugin import use_checkpoint_engine as use
+    from deepspeed_async_ckpt.integrations.deepspeed.patches import use_checkpoint_engine as use
 
     use(ds_engine, ckpt_engine)
 
@@ -464,7 +464,8 @@ def main(argv=None) -> int:
     from deepspeed.utils import logger as ds_logger
 
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
-    from deepspeed_async_ckpt.deepspeed_plugin import AsyncCheckpointEngine, install
+    from deepspeed_async_ckpt.integrations.activation import install
+    from deepspeed_async_ckpt.integrations.deepspeed.engine import AsyncCheckpointEngine
 
     install()  # what the .pth hook does at import; idempotent, so no dependence on the hook
     ds_logger.setLevel(logging.WARNING)

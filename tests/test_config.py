@@ -4,7 +4,7 @@ import pytest
 
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import ConfigError
-from deepspeed_async_ckpt.deepspeed_plugin import parse_config
+from deepspeed_async_ckpt.integrations.deepspeed.patches import parse_config
 
 
 def test_defaults_and_round_trip():

@@ -192,8 +192,8 @@ def test_deepspeed_node_local_storage_across_nodes_is_a_config_error():
     """With ``use_node_local_storage`` on several nodes, rank 0 cannot see the other nodes'
     records: every commit waited ``commit_timeout_s`` (600 s) and failed. Refused at once,
     naming the key; on one node it is everyone's directory and stays allowed."""
-    from deepspeed_async_ckpt.deepspeed_plugin import check_node_local
     from deepspeed_async_ckpt.errors import ConfigError
+    from deepspeed_async_ckpt.integrations.deepspeed.replicas import check_node_local
 
     with pytest.raises(ConfigError, match=r"checkpoint.use_node_local_storage .* \(16 ranks, 8 per node\)"):
         check_node_local(True, 16, 8)
@@ -216,10 +216,11 @@ def test_node_local_storage_across_nodes_is_refused_whatever_the_launcher(monkey
     accepted and every commit then waited commit_timeout_s and failed (found by an audit)."""
     import torch.distributed as dist
 
-    from deepspeed_async_ckpt import deepspeed_plugin
     from deepspeed_async_ckpt.errors import ConfigError
+    from deepspeed_async_ckpt.integrations.deepspeed import engine as deepspeed_engine
+    from deepspeed_async_ckpt.integrations.deepspeed import replicas
 
-    for name in deepspeed_plugin._LOCAL_SIZE_VARIABLES:
+    for name in replicas._LOCAL_SIZE_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -229,7 +230,7 @@ def test_node_local_storage_across_nodes_is_refused_whatever_the_launcher(monkey
     monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, *a, **k: out.__setitem__(slice(None), hosts))
 
     def build():
-        engine = deepspeed_plugin.AsyncCheckpointEngine(
+        engine = deepspeed_engine.AsyncCheckpointEngine(
             SimpleNamespace(use_node_local_storage=True),
             AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), zero_stage=1)
         engine.checkpointer.close()
@@ -252,7 +253,7 @@ def test_deepspeed_tags_that_are_not_one_plain_name_are_refused(tmp_path, tag):
     the pointers' own names ("latest" made every later save fail at its commit)."""
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-    from deepspeed_async_ckpt.deepspeed_plugin import AsyncCheckpointEngine
+    from deepspeed_async_ckpt.integrations.deepspeed.engine import AsyncCheckpointEngine
 
     engine = AsyncCheckpointEngine(None, AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
     save_dir = tmp_path / "sd"
@@ -270,16 +271,16 @@ def test_a_ctrl_c_in_a_sync_deepspeed_saves_end_still_joins_the_exchange(tmp_pat
     review, session 20). It joins the exchange with the interrupt, then raises it."""
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
-    from deepspeed_async_ckpt import deepspeed_plugin
+    from deepspeed_async_ckpt.integrations.deepspeed import engine as deepspeed_engine
 
-    engine = deepspeed_plugin.AsyncCheckpointEngine(
+    engine = deepspeed_engine.AsyncCheckpointEngine(
         None, AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01))
     import types
     engine.begin_save(types.SimpleNamespace(zero_optimization_partition_weights=lambda: True), None)
     engine.create(CheckpointCommitInfo(tag="t1", save_dir=str(tmp_path), save_latest=True))
     engine.save({"w": torch.ones(4)}, str(tmp_path / "t1" / "model.pt"))
     exchanged = []
-    monkeypatch.setattr(deepspeed_plugin, "exchange_across_ranks",
+    monkeypatch.setattr(deepspeed_engine, "exchange_across_ranks",
                         lambda value, error, key="": (exchanged.append(error), ("", {}))[1])
     monkeypatch.setattr(engine.checkpointer, "end",
                         lambda commit=True: (_ for _ in ()).throw(KeyboardInterrupt()))
@@ -599,7 +600,7 @@ def test_the_pool_estimate_counts_dense_tensors_and_passes_over_sparse_ones():
     """A sparse buffer in the module made the DeepSpeed plugin's estimate raise (a sparse
     tensor has no ``data_ptr``), and the pool was then not sized ahead of the first save.
     Its parts are copied at save time, outside the pool: it counts nothing."""
-    from deepspeed_async_ckpt.deepspeed_plugin import checkpoint_bytes_estimate
+    from deepspeed_async_ckpt.integrations.deepspeed.engine import checkpoint_bytes_estimate
     from deepspeed_async_ckpt.storage import aligned_size
 
     module = torch.nn.Linear(100, 10)
@@ -619,7 +620,7 @@ def test_fence_all_and_the_hybrid_engines_lora_fusion_come_before_an_in_place_ed
     from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 
     import deepspeed_async_ckpt
-    from deepspeed_async_ckpt.deepspeed_plugin import patch_weight_editors, unpatch_weight_editors
+    from deepspeed_async_ckpt.integrations.deepspeed.weight_editors import patch_weight_editors, unpatch_weight_editors
 
     release = held_copier
     monkeypatch.setattr(DeepSpeedHybridEngine, "_fuse_lora_layer", DeepSpeedHybridEngine._fuse_lora_layer)

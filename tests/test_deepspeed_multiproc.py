@@ -559,7 +559,7 @@ class _Engine:
     (3, True, False, {"load_module_only": True}, True),
 ])
 def test_files_a_deepspeed_load_reads(stage, moe, universal, arguments, optimizer_files_read):
-    from deepspeed_async_ckpt.deepspeed_plugin import files_read_by_load
+    from deepspeed_async_ckpt.integrations.deepspeed.loading import files_read_by_load
 
     include = files_read_by_load(_Engine(stage, moe, universal), dict(arguments, load_dir="d"))
     assert include is None or include("mp_rank_00_model_states.pt")
@@ -571,7 +571,7 @@ def test_a_zero3_load_without_optimizer_takes_the_module_from_the_checkpoint_lat
     ``latest`` names, whatever tag was asked for: that one is named (warned about, and its
     optimizer files checked); an unreadable ``latest`` names none (rank 0 alone warns, between
     two collectives: it must not raise there)."""
-    from deepspeed_async_ckpt.deepspeed_plugin import zero3_module_source
+    from deepspeed_async_ckpt.integrations.deepspeed.loading import zero3_module_source
 
     (tmp_path / "latest").write_text("global_step4")
     asked = {"load_dir": str(tmp_path), "tag": "global_step2", "load_optimizer_states": False}
@@ -591,7 +591,7 @@ def test_the_ranks_load_the_tag_rank_0_read_from_latest(tmp_path):
     is now rank 0's read, exchanged, and passed to DeepSpeed; a rank that cannot read its copy
     makes every rank raise. A ZeRO-3 load without optimizer states checks the module's
     source on every rank alike."""
-    from deepspeed_async_ckpt.deepspeed_plugin import agreed_latest_tag, takes_module_from_latest
+    from deepspeed_async_ckpt.integrations.deepspeed.loading import agreed_latest_tag, takes_module_from_latest
     from deepspeed_async_ckpt.errors import CommitError
 
     class Checkpointer:
@@ -663,12 +663,14 @@ def test_auto_activation_comes_from_the_installed_pth_and_can_be_switched_off(tm
     # An activation that fails (a DeepSpeed whose engine module changed, say) must not break
     # `import deepspeed` for everyone in the environment: it did, raising out of the import.
     broken = tmp_path / "broken" / "deepspeed_async_ckpt"
-    broken.mkdir(parents=True)
+    (broken / "integrations").mkdir(parents=True)
     (broken / "__init__.py").write_text("")
-    (broken / "deepspeed_plugin.py").write_text(
+    (broken / "integrations" / "__init__.py").write_text("")
+    (broken / "integrations" / "activation.py").write_text(
         "def install():\n    raise AttributeError('no create_checkpoint_engine here')\n")
     out = subprocess.run([sys.executable, "-c", "import deepspeed.runtime.engine; print('imported')"],
-                         env=dict(repo_env, PYTHONPATH=str(broken.parent)), capture_output=True, text=True,
+                         env=dict(repo_env, PYTHONPATH=f"{broken.parent}{os.pathsep}{REPO}"),
+                         capture_output=True, text=True,
                          cwd=tmp_path)  # (not the working tree, which `-c` puts first on sys.path)
     assert out.returncode == 0 and out.stdout.split()[-1] == "imported", out.stderr[-2000:]
     assert "auto-activation failed, DeepSpeed runs without this engine" in out.stderr

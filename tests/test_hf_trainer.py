@@ -1,4 +1,4 @@
-"""Hugging Face Trainer with this engine (deepspeed_async_ckpt/hf_trainer.py): its
+"""Hugging Face Trainer with this engine (deepspeed_async_ckpt/integrations/hf_trainer/): its
 save_total_limit rotation and resume_from_checkpoint=True against saves still in flight.
 
 The in-process tests build Trainer-style output directories with the core API (a
@@ -22,9 +22,11 @@ import torch
 
 import transformers.trainer_utils as trainer_utils  # the test extra installs transformers 5.x
 
-from deepspeed_async_ckpt import AsyncCheckpointConfig, AsyncCheckpointer, Pointer, hf_trainer
+from deepspeed_async_ckpt import AsyncCheckpointConfig, AsyncCheckpointer, Pointer
 from deepspeed_async_ckpt.commit import MANIFEST, META_DIR
 from deepspeed_async_ckpt.errors import PersistError
+from deepspeed_async_ckpt.integrations import activation
+from deepspeed_async_ckpt.integrations.hf_trainer import in_flight, rotation, trainer_methods
 from launch import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,29 +37,30 @@ WORKER = os.path.join(REPO, "tests", "workers", "hf_worker.py")
 def wrapped():
     """transformers.trainer_utils with this package's wrappers, for this module's tests (the
     .pth hook may have installed them already: then they stay)."""
-    patched = hf_trainer.install(trainer_utils)
-    assert trainer_utils.rotate_checkpoints is hf_trainer.rotate_checkpoints
+    patched = rotation.install(trainer_utils)
+    assert trainer_utils.rotate_checkpoints is rotation.rotate_checkpoints
     yield
-    hf_trainer._forget_in_child()  # no rotation at exit left over from a failed test
+    rotation._forget_in_child()  # no rotation at exit left over from a failed test
     if patched:
-        hf_trainer.uninstall()
+        rotation.uninstall()
+        trainer_methods.uninstall()
 
 
 @pytest.fixture
 def fresh_trainer_methods(monkeypatch):
-    """Trainer's methods that the engine wraps when it is built (hf_trainer.TRAINER_METHODS),
+    """Trainer's methods that the engine wraps when it is built (trainer_methods.TRAINER_METHODS),
     as transformers has them, and restored after the test with whatever wrapped them."""
     import transformers.modeling_utils  # noqa: F401  (and the other modules, below)
     import transformers.trainer  # noqa: F401
     import transformers.trainer_jit_checkpoint  # noqa: F401
 
     names = set()
-    for (module, owner), methods in hf_trainer.TRAINER_METHODS.items():
-        cls = hf_trainer._owner(module, owner)
+    for (module, owner), methods in trainer_methods.TRAINER_METHODS.items():
+        cls = trainer_methods._owner(module, owner)
         for name in methods:
             names.add(name)
-            monkeypatch.setattr(cls, name, hf_trainer._ORIGINALS.get(name, getattr(cls, name)))
-    monkeypatch.setattr(hf_trainer, "_ORIGINALS", {k: v for k, v in hf_trainer._ORIGINALS.items() if k not in names})
+            monkeypatch.setattr(cls, name, trainer_methods._ORIGINALS.get(name, getattr(cls, name)))
+    monkeypatch.setattr(trainer_methods, "_ORIGINALS", {k: v for k, v in trainer_methods._ORIGINALS.items() if k not in names})
 
 
 class WritesHeld:
@@ -145,10 +148,10 @@ def test_resume_skips_checkpoints_whose_save_never_committed(tmp_path, ck, caplo
     run = str(tmp_path)
     committed(ck, run, 2)
     cut_short(ck, run, 4)
-    with caplog.at_level(logging.WARNING, logger=hf_trainer.__name__):
+    with caplog.at_level(logging.WARNING, logger=rotation.__name__):
         assert trainer_utils.get_last_checkpoint(run) == os.path.join(run, "checkpoint-2")
     assert "not resuming from" in caplog.text and "checkpoint-4" in caplog.text
-    assert hf_trainer._ORIGINALS["get_last_checkpoint"](run) == os.path.join(run, "checkpoint-4")
+    assert rotation._ORIGINALS["get_last_checkpoint"](run) == os.path.join(run, "checkpoint-4")
 
     plain(run, 6)  # not this engine's: Trainer's own judgement
     assert trainer_utils.get_last_checkpoint(run) == os.path.join(run, "checkpoint-6")
@@ -168,10 +171,10 @@ def test_rotation_counts_committed_checkpoints_and_keeps_the_save_in_flight(tmp_
     trainer_utils.rotate_checkpoints(run, save_total_limit=1)
     assert names(run) == ["checkpoint-4", "checkpoint-6"]
     ck.end()
-    hf_trainer._rotate_at_exit()  # at exit, once the save in flight committed: done again
+    rotation._rotate_at_exit()  # at exit, once the save in flight committed: done again
     assert names(run) == ["checkpoint-6"]
     assert trainer_utils.get_last_checkpoint(run) == os.path.join(run, "checkpoint-6")
-    assert not hf_trainer._deferred
+    assert not rotation._deferred
 
 
 @pytest.mark.parametrize("best_step", [2, 4])
@@ -193,9 +196,9 @@ def test_save_total_limit_1_keeps_only_the_best_model_at_the_end_as_trainer_does
     # the one in flight left alone (and checkpoint-2 deleted where checkpoint-4 is the best)
     assert names(run) == (["checkpoint-2", "checkpoint-4"] if best_step == 2 else ["checkpoint-4"])
     ck.end()  # the exit flush commits it
-    hf_trainer._rotate_at_exit()
+    rotation._rotate_at_exit()
     assert names(run) == [f"checkpoint-{best_step}"]
-    assert not hf_trainer._deferred and not hf_trainer._best_only_at_exit
+    assert not rotation._deferred and not rotation._best_only_at_exit
 
 
 def test_save_total_limit_1_with_the_best_model_in_flight_keeps_one_committed_checkpoint(tmp_path, ck):
@@ -210,7 +213,7 @@ def test_save_total_limit_1_with_the_best_model_in_flight_keeps_one_committed_ch
         trainer_utils.rotate_checkpoints(output_dir=run, save_total_limit=1, best_model_checkpoint=best)
         assert names(run) == [f"checkpoint-{n}" for n in (step - 2, step) if n > 0], step
         ck.end()
-    hf_trainer._rotate_at_exit()
+    rotation._rotate_at_exit()
     assert names(run) == ["checkpoint-8"]
 
 
@@ -220,11 +223,11 @@ def test_the_end_of_training_without_a_best_model_or_a_save_in_flight_changes_no
     begin_save(ck, run, 4)
     trainer_utils.rotate_checkpoints(output_dir=run, save_total_limit=1)
     trainer_utils.sort_checkpoints(output_dir=run)  # no best model: nothing noted
-    assert not hf_trainer._best_only_at_exit
+    assert not rotation._best_only_at_exit
     ck.end()
     trainer_utils.sort_checkpoints(output_dir=run, best_model_checkpoint=os.path.join(run, "checkpoint-2"))
-    assert not hf_trainer._best_only_at_exit  # nothing in flight: Trainer saw every checkpoint
-    hf_trainer._rotate_at_exit()
+    assert not rotation._best_only_at_exit  # nothing in flight: Trainer saw every checkpoint
+    rotation._rotate_at_exit()
     assert names(run) == ["checkpoint-4"]
 
 
@@ -254,7 +257,7 @@ def test_rotation_deletes_only_on_evidence_and_never_the_best_model(tmp_path, ck
     cut_short(ck, run, 4)
     cut_short(ck, run, 6)
     committed(ck, run, 8)
-    assert "cannot be read" in hf_trainer.why_not_resumable(os.path.join(run, "checkpoint-2"))
+    assert "cannot be read" in rotation.why_not_resumable(os.path.join(run, "checkpoint-2"))
     trainer_utils.rotate_checkpoints(run, save_total_limit=1,
                                      best_model_checkpoint=os.path.join(run, "checkpoint-4"))
     assert names(run) == ["checkpoint-2", "checkpoint-4", "checkpoint-8"]
@@ -276,8 +279,8 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, fresh_train
     pushed = []
 
     def state(folder):
-        return [hf_trainer.why_not_resumable(d) for d in sorted(glob.glob(folder + "/*/"))] \
-            if not os.path.basename(folder).startswith("checkpoint-") else hf_trainer.why_not_resumable(folder)
+        return [rotation.why_not_resumable(d) for d in sorted(glob.glob(folder + "/*/"))] \
+            if not os.path.basename(folder).startswith("checkpoint-") else rotation.why_not_resumable(folder)
 
     def push_to_hub(self):  # Trainer's: save_model, then _finish_current_push, then the upload
         self._finish_current_push()
@@ -287,8 +290,8 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, fresh_train
                         lambda self, folder: pushed.append((folder, state(folder))))
     monkeypatch.setattr(trainer.Trainer, "push_to_hub", push_to_hub)
     monkeypatch.setattr(trainer.Trainer, "_finish_current_push", lambda self: None)
-    hf_trainer.check_installed()  # what building the engine does
-    for name, wrapper in hf_trainer.TRAINER_METHODS[("transformers.trainer", "Trainer")].items():
+    activation.check_installed()  # what building the engine does
+    for name, wrapper in trainer_methods.TRAINER_METHODS[("transformers.trainer", "Trainer")].items():
         assert getattr(trainer.Trainer, name) is wrapper, name
 
     def fake_trainer(rank0=True, busy_push=False, **args):
@@ -308,7 +311,7 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, fresh_train
             ck.end()
             t = fake_trainer(rank0, busy_push, hub_strategy=strategy)
             trainer.Trainer._push_from_checkpoint(t, folder)
-        saving = hf_trainer.SAVING_REASON
+        saving = rotation.SAVING_REASON
         # no wait: another strategy, another rank, a push Trainer skips; then the one that pushes
         assert [p[1] for p in pushed] == [saving, saving, saving, None], pushed
         releaser.join()
@@ -322,7 +325,7 @@ def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, fresh_train
             ck.end()
             t = fake_trainer(push_to_hub=push_to_hub, output_dir=out)
             trainer.Trainer._finish_current_push(t)  # the end of train(): no upload, no wait
-            assert hf_trainer._being_saved(out)
+            assert in_flight.being_saved(out)
             trainer.Trainer.push_to_hub(t)
             assert pushed[-1] == (out, [None])  # uploaded once committed
             releaser.join()
@@ -358,8 +361,8 @@ def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, f
     sentinel now goes once the save has committed. transformers' own CheckpointManager runs."""
     from transformers.trainer_jit_checkpoint import CheckpointManager
 
-    hf_trainer.check_installed()
-    assert CheckpointManager.execute_jit_checkpoint is hf_trainer.execute_jit_checkpoint
+    activation.check_installed()
+    assert CheckpointManager.execute_jit_checkpoint is trainer_methods.execute_jit_checkpoint
     releaser = writes_held.start()
     run, seen = str(tmp_path), {}
     ck_async = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
@@ -369,7 +372,7 @@ def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, f
     real_remove = os.remove
 
     def remove(path):  # the sentinel's removal: is the save committed by then?
-        seen[os.path.basename(path)] = hf_trainer.why_not_resumable(os.path.join(run, "checkpoint-7"))
+        seen[os.path.basename(path)] = rotation.why_not_resumable(os.path.join(run, "checkpoint-7"))
         real_remove(path)
 
     monkeypatch.setattr(os, "remove", remove)
@@ -403,7 +406,7 @@ def test_a_just_in_time_checkpoint_whose_save_failed_keeps_its_sentinel_and_fail
     gets the failure, as a synchronous save would have raised it: the sentinel stays."""
     from transformers.trainer_jit_checkpoint import CheckpointManager
 
-    hf_trainer.check_installed()
+    activation.check_installed()
     run = str(tmp_path)
     ck_async = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
 
@@ -434,7 +437,7 @@ def test_a_just_in_time_checkpoint_on_another_rank_waits_for_rank_0s_commit(tmp_
 
     from deepspeed_async_ckpt.errors import CommitError
 
-    hf_trainer.check_installed()
+    activation.check_installed()
     action = "marking the just-in-time checkpoint complete"
     report = {0: "PersistError: [Errno 28] No space left on device"} if rank0 == "failed" else {}
     exchanged = []
@@ -499,7 +502,7 @@ def test_push_to_hub_is_not_failed_by_an_older_checkpoints_save(tmp_path, fresh_
     monkeypatch.setattr(trainer.Trainer, "push_to_hub",
                         lambda self: (self._finish_current_push(), pushed.append(self.args.output_dir)))
     monkeypatch.setattr(trainer.Trainer, "_finish_current_push", lambda self: None)
-    hf_trainer.check_installed()
+    activation.check_installed()
     run = str(tmp_path)
     t = types.SimpleNamespace(args=types.SimpleNamespace(output_dir=run))
     t._finish_current_push = lambda: trainer.Trainer._finish_current_push(t)
@@ -534,7 +537,7 @@ def test_a_push_of_a_checkpoint_whose_save_failed_fails_and_uploads_nothing(tmp_
     monkeypatch.setattr(trainer.Trainer, "push_to_hub",
                         lambda self: (self._finish_current_push(), pushed.append(self.args.output_dir)))
     monkeypatch.setattr(trainer.Trainer, "_finish_current_push", lambda self: None)
-    hf_trainer.check_installed()
+    activation.check_installed()
 
     def fake_trainer(**args):
         t = types.SimpleNamespace(args=types.SimpleNamespace(hub_always_push=False, **args),
@@ -636,16 +639,16 @@ def test_a_checkpoints_weights_export_is_written_by_the_engine_and_committed_wit
     import transformers.trainer as trainer
     from safetensors.torch import load_file
 
-    hf_trainer.check_installed()
-    assert modeling_utils.safe_save_file is hf_trainer.safe_save_file
-    assert trainer.Trainer.save_model is hf_trainer.save_model
+    activation.check_installed()
+    assert modeling_utils.safe_save_file is trainer_methods.safe_save_file
+    assert trainer.Trainer.save_model is trainer_methods.save_model
     from deepspeed_async_ckpt import persist
 
     gate, real_write = threading.Event(), persist.write_safetensors
     monkeypatch.setattr(persist, "write_safetensors", lambda *a, **k: (gate.wait(60), real_write(*a, **k))[1])
-    monkeypatch.setitem(hf_trainer._ORIGINALS, "save_model",  # Trainer's, without DeepSpeed
+    monkeypatch.setitem(trainer_methods._ORIGINALS, "save_model",  # Trainer's, without DeepSpeed
                         lambda self, output_dir=None, _internal_call=False: self.model.save_pretrained(output_dir))
-    monkeypatch.setitem(hf_trainer._ORIGINALS, "_save_checkpoint",  # Trainer's: save_model first
+    monkeypatch.setitem(trainer_methods._ORIGINALS, "_save_checkpoint",  # Trainer's: save_model first
                         lambda self, folder: trainer.Trainer.save_model(self, folder, _internal_call=True))
     exports, real_beside = [], AsyncCheckpointer.write_beside
     monkeypatch.setattr(AsyncCheckpointer, "write_beside",
@@ -662,7 +665,7 @@ def test_a_checkpoints_weights_export_is_written_by_the_engine_and_committed_wit
         trainer.Trainer._save_checkpoint(t, folder)
         assert os.path.exists(os.path.join(folder, "config.json"))  # Trainer's small files: as before
         assert not os.path.exists(os.path.join(folder, "model.safetensors"))
-        assert hf_trainer.why_not_resumable(folder) == hf_trainer.SAVING_REASON  # rotation keeps it
+        assert rotation.why_not_resumable(folder) == rotation.SAVING_REASON  # rotation keeps it
         with torch.no_grad():
             for p in model.parameters():  # the optimizer step after the save
                 p.add_(1.0)
@@ -695,7 +698,7 @@ def test_a_checkpoints_weights_export_is_written_by_the_engine_and_committed_wit
             ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, host_buffer_gb=0.01))
             engine.checkpoint_engine.checkpointer = ck
             if in_checkpoint:
-                monkeypatch.setitem(hf_trainer._ORIGINALS, "_save_checkpoint",
+                monkeypatch.setitem(trainer_methods._ORIGINALS, "_save_checkpoint",
                                     lambda self, folder, internal=internal:
                                     trainer.Trainer.save_model(self, folder, _internal_call=internal))
                 trainer.Trainer._save_checkpoint(t, os.path.join(run, name))
@@ -715,9 +718,9 @@ def test_a_rotation_it_does_not_know_is_left_alone():
     unknown = types.SimpleNamespace(sort_checkpoints=lambda *a: [], get_last_checkpoint=lambda f: None,
                                     rotate_checkpoints=lambda folder, keep: None)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(hf_trainer, "_ORIGINALS", {})
-        assert not hf_trainer.install(unknown)
-        assert "rotate_checkpoints" not in hf_trainer._ORIGINALS
+        mp.setattr(rotation, "_ORIGINALS", {})
+        assert not rotation.install(unknown)
+        assert "rotate_checkpoints" not in rotation._ORIGINALS
 
 
 @pytest.mark.parametrize("limit,best,use_mtime", [(1, None, False), (2, None, True), (1, 3, False),
@@ -730,7 +733,7 @@ def test_without_this_engine_the_wrappers_do_what_transformers_does(tmp_path, li
             plain(str(run), step)
             os.utime(run / f"checkpoint-{step}", (1000 + 10 * step, 1000 + 10 * step))
         (run / "checkpoint-x").mkdir()
-    originals = hf_trainer._ORIGINALS
+    originals = rotation._ORIGINALS
     for variant, rotate, last in (("original", originals["rotate_checkpoints"], originals["get_last_checkpoint"]),
                                   ("wrapped", trainer_utils.rotate_checkpoints, trainer_utils.get_last_checkpoint)):
         run = str(tmp_path / variant)
@@ -744,26 +747,26 @@ def test_without_this_engine_the_wrappers_do_what_transformers_does(tmp_path, li
 def test_install_rebinds_names_imported_before_it_and_uninstall_restores_them(wrapped):
     import transformers.trainer as trainer
 
-    assert trainer.get_last_checkpoint is hf_trainer.get_last_checkpoint
-    assert trainer.rotate_checkpoints is hf_trainer.rotate_checkpoints
-    assert trainer.sort_checkpoints is hf_trainer.sort_checkpoints
-    originals = dict(hf_trainer._ORIGINALS)
-    hf_trainer.uninstall()
+    assert trainer.get_last_checkpoint is rotation.get_last_checkpoint
+    assert trainer.rotate_checkpoints is rotation.rotate_checkpoints
+    assert trainer.sort_checkpoints is rotation.sort_checkpoints
+    originals = dict(rotation._ORIGINALS)
+    rotation.uninstall()
     try:
         assert trainer.rotate_checkpoints is originals["rotate_checkpoints"]
         assert trainer_utils.get_last_checkpoint is originals["get_last_checkpoint"]
     finally:
-        assert hf_trainer.install(trainer_utils)
-    assert trainer.rotate_checkpoints is hf_trainer.rotate_checkpoints
+        assert rotation.install(trainer_utils)
+    assert trainer.rotate_checkpoints is rotation.rotate_checkpoints
 
 
 def test_the_engine_warns_when_trainer_is_imported_without_the_wrappers(fresh_trainer_methods, monkeypatch,
                                                                        caplog):
-    monkeypatch.setattr(hf_trainer, "_ORIGINALS", {})
-    monkeypatch.setattr(hf_trainer, "_warned", False)
-    with caplog.at_level(logging.WARNING, logger=hf_trainer.__name__):
-        hf_trainer.check_installed()
-        hf_trainer.check_installed()
+    monkeypatch.setattr(rotation, "_ORIGINALS", {})
+    monkeypatch.setattr(activation, "_warned", False)
+    with caplog.at_level(logging.WARNING, logger=activation.__name__):
+        activation.check_installed()
+        activation.check_installed()
     assert caplog.text.count("save_total_limit") == 1
 
 
@@ -772,13 +775,13 @@ def test_auto_activation_wraps_trainer_utils_when_transformers_is_imported(repo_
     where deepspeed_async_ckpt.install() after the import does it."""
     probe = ("import deepspeed_async_ckpt_autoload, sys\n"
              "import transformers.trainer as t\n"
-             "from deepspeed_async_ckpt import hf_trainer\n"
-             "print(t.rotate_checkpoints is hf_trainer.rotate_checkpoints,"
-             " t.get_last_checkpoint is hf_trainer.get_last_checkpoint)\n"
+             "from deepspeed_async_ckpt.integrations.hf_trainer import rotation\n"
+             "print(t.rotate_checkpoints is rotation.rotate_checkpoints,"
+             " t.get_last_checkpoint is rotation.get_last_checkpoint)\n"
              "if sys.argv[1] == 'install':\n"
              "    import deepspeed_async_ckpt; deepspeed_async_ckpt.install()\n"
-             "    print(t.rotate_checkpoints is hf_trainer.rotate_checkpoints,"
-             " t.get_last_checkpoint is hf_trainer.get_last_checkpoint)\n")
+             "    print(t.rotate_checkpoints is rotation.rotate_checkpoints,"
+             " t.get_last_checkpoint is rotation.get_last_checkpoint)\n")
     runs = {
         "on": ([sys.executable, "-c", probe, "-"], repo_env),
         "off": ([sys.executable, "-c", probe, "install"], dict(repo_env, DS_ASYNC_CKPT_AUTOLOAD="0")),
@@ -821,7 +824,7 @@ def test_trainer_rotation_leaves_saves_in_flight_alone_and_every_save_commits(tm
         {"checkpoint-4": "global_step4", "checkpoint-6": None}
     run = out / "run"
     for name in names(run):  # every checkpoint left can be resumed from
-        assert hf_trainer.why_not_resumable(str(run / name)) is None, name
+        assert rotation.why_not_resumable(str(run / name)) is None, name
     # rotated again at exit, after the exit flush committed step 6's save: the limit holds
     assert names(run) == ["checkpoint-6"]
     # each save's model.safetensors was written by the engine, and holds that step's weights
@@ -877,14 +880,16 @@ def test_trainer_killed_mid_save_with_save_total_limit_1_resumes_from_the_last_c
             for name, tensor in saved.items():
                 assert torch.equal(resumed["module"][name], tensor), (rank, name)
     assert names(run) == ["checkpoint-6"]
-    assert hf_trainer.why_not_resumable(str(run / "checkpoint-6")) is None
+    assert rotation.why_not_resumable(str(run / "checkpoint-6")) is None
 
 
 def test_a_failing_adaptation_does_not_break_importing_transformers(tmp_path, repo_env):
     broken = tmp_path / "broken" / "deepspeed_async_ckpt"
-    broken.mkdir(parents=True)
+    (broken / "integrations").mkdir(parents=True)
     (broken / "__init__.py").write_text("")
-    (broken / "hf_trainer.py").write_text("def install(module):\n    raise KeyError('rotate_checkpoints')\n")
+    (broken / "integrations" / "__init__.py").write_text("")
+    (broken / "integrations" / "activation.py").write_text(
+        "def adapt_trainer(module):\n    raise KeyError('rotate_checkpoints')\n")
     out = subprocess.run([sys.executable, "-c", "import transformers.trainer_utils; print('imported')"],
                          env=dict(repo_env, PYTHONPATH=f"{broken.parent}{os.pathsep}{REPO}"),
                          capture_output=True, text=True, cwd=tmp_path, timeout=120)

@@ -156,19 +156,19 @@ def test_safetensors_the_library_refuses_get_its_error_not_an_unreadable_file(tm
     committed with the checkpoint, where ``safetensors`` raises ``TypeError`` at the call (a
     review, session 30); an integer name was written as a string. Such calls now go to the
     library, through Trainer's path, and raise its error."""
-    from deepspeed_async_ckpt import hf_trainer
+    from deepspeed_async_ckpt.integrations.hf_trainer import trainer_methods
     from deepspeed_async_ckpt.persist import safetensors_writable
 
     assert not safetensors_writable(tensors, metadata)
     assert safetensors_writable({"w": torch.ones(4)}, {"format": "pt"})
-    monkeypatch.setattr(hf_trainer._exporting, "checkpointer", ck, raising=False)
-    monkeypatch.setattr(hf_trainer._exporting, "model", None, raising=False)
+    monkeypatch.setattr(trainer_methods._exporting, "checkpointer", ck, raising=False)
+    monkeypatch.setattr(trainer_methods._exporting, "model", None, raising=False)
     from safetensors.torch import save_file
 
-    monkeypatch.setitem(hf_trainer._ORIGINALS, "safe_save_file", save_file)  # what install() keeps
+    monkeypatch.setitem(trainer_methods._ORIGINALS, "safe_save_file", save_file)  # what install() keeps
     path = str(tmp_path / "model.safetensors")
     with pytest.raises((TypeError, ValueError), match=error):
-        hf_trainer.safe_save_file(tensors, path, metadata)
+        trainer_methods.safe_save_file(tensors, path, metadata)
     assert not os.path.exists(path)
 
 

@@ -100,7 +100,8 @@ def train(engine, args, steps, start=0):
 def phase_save(args):
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
-    from deepspeed_async_ckpt.deepspeed_plugin import AsyncCheckpointEngine, use_checkpoint_engine
+    from deepspeed_async_ckpt.integrations.deepspeed.engine import AsyncCheckpointEngine
+    from deepspeed_async_ckpt.integrations.deepspeed.patches import use_checkpoint_engine
     config = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05, "writer_threads": 2})
     engine = init(args, config)
     ours = engine.checkpoint_engine
@@ -502,7 +503,7 @@ def phase_export(args):
     """save_16bit_model (DeepSpeed's 16-bit weights export) through this engine, then through
     DeepSpeed's own at the same state; then a save_checkpoint, which must still work."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-    from deepspeed_async_ckpt.deepspeed_plugin import use_checkpoint_engine
+    from deepspeed_async_ckpt.integrations.deepspeed.patches import use_checkpoint_engine
 
     cfg = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05})
     cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
@@ -531,7 +532,7 @@ def phase_gathered(args):
     import deepspeed
     from _copier import hold_copier_until_fence
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-    from deepspeed_async_ckpt.deepspeed_plugin import use_checkpoint_engine
+    from deepspeed_async_ckpt.integrations.deepspeed.patches import use_checkpoint_engine
 
     release = hold_copier_until_fence()
     config = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05})
@@ -563,7 +564,7 @@ def phase_universal(args):
     """Save through this engine and DeepSpeed's own at the same state, with the client state
     DeepSpeed's universal-checkpoint converter requires (Megatron-DeepSpeed's trainer adds it)."""
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-    from deepspeed_async_ckpt.deepspeed_plugin import use_checkpoint_engine
+    from deepspeed_async_ckpt.integrations.deepspeed.patches import use_checkpoint_engine
 
     engine = init(args, ds_config(args, {"enabled": True, "host_buffer_gb": 0.05}))
     train(engine, args, 3)
@@ -587,7 +588,7 @@ def phase_moe(args):
     from deepspeed.moe.layer import MoE
     from deepspeed.moe.utils import split_params_into_different_moe_groups_for_optimizer
     from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
-    from deepspeed_async_ckpt.deepspeed_plugin import use_checkpoint_engine
+    from deepspeed_async_ckpt.integrations.deepspeed.patches import use_checkpoint_engine
 
     class Model(nn.Module):
         def __init__(self):

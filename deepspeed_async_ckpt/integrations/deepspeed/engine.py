@@ -1,0 +1,283 @@
+"""``AsyncCheckpointEngine``: DeepSpeed's ``CheckpointEngine`` contract over
+:class:`~deepspeed_async_ckpt.checkpointer.AsyncCheckpointer`. It holds no I/O logic.
+
+- The engine is *decoupled* with no commit info, so DeepSpeed never writes ``latest`` itself;
+  the core's commit stage does, once every rank persisted.
+- ``is_data_parallel_writer`` says yes for every data-parallel replica (without ZeRO-3, MoE or
+  node-local storage), so each is handed the model-states file and writes a share of it
+  (:class:`~deepspeed_async_ckpt.checkpointer.Replicas`); with ``split_replicated_files`` off,
+  only the first replica writes it, as DeepSpeed's own engine does.
+- :meth:`~AsyncCheckpointEngine.begin_save` / :meth:`~AsyncCheckpointEngine.end_save` and the
+  optimizer-step hooks are called by the patched ``DeepSpeedEngine`` methods (:mod:`.patches`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import threading
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
+from deepspeed.utils import logger as ds_logger
+
+from ...checkpointer import AsyncCheckpointer, CommitInfo, by_rank, exchange_across_ranks, only_durability
+from ...commit import Pointer, check_name
+from ...config import AsyncCheckpointConfig
+from ...errors import CommitError, DurabilityError, describe
+from ...storage import aligned_size, temporary_path
+from .loading import POINTER_NAMES
+from .replicas import check_node_local, data_parallel_replicas, ranks_on_this_node, with_rank0_shared_params
+from .weight_editors import patch_weight_editors
+
+ENGINE_NAME = "AsyncCheckpointEngine"
+logger = logging.getLogger(__name__)
+
+#: Top-level keys of DeepSpeed's model-states file whose tensors the training loop may change
+#: outside the optimizer step; they are copied before ``save_checkpoint`` returns.
+_DEEPSPEED_EAGER_KEYS = ("lr_scheduler", "data_sampler", "random_ltd", "ds_config")
+
+
+def _log_commit(info: CommitInfo) -> None:
+    """Rank 0, on the commit callbacks' thread: the commit in DeepSpeed's own log (its logger, its
+    level), where its engine says a checkpoint "is about to be saved" and users look for
+    when one is safe: ``[AsyncCheckpointEngine] checkpoint global_step100 committed: ...``."""
+    ds_logger.info(f"[{ENGINE_NAME}] {info}")
+
+
+class AsyncCheckpointEngine(CheckpointEngine):
+    """DeepSpeed's checkpoint-engine contract, delegating every stage to the core."""
+
+    def __init__(self, config_params: Any, async_config: AsyncCheckpointConfig, *,
+                 zero_stage: Any = None, has_moe_layers: bool = False) -> None:
+        super().__init__(config_params)
+        self.name = ENGINE_NAME
+        initialized = dist.is_available() and dist.is_initialized()
+        world_size = dist.get_world_size() if initialized else 1
+        self._node_local = bool(getattr(config_params, "use_node_local_storage", False))
+        if self._node_local and world_size > 1:
+            check_node_local(True, world_size, ranks_on_this_node(world_size))
+        self.checkpointer = AsyncCheckpointer(
+            async_config, rank=dist.get_rank() if initialized else 0, world_size=world_size,
+            on_commit=_log_commit)
+        patch_weight_editors()
+        # Every data-parallel replica saves the model-states file and writes a share of it
+        # (ZeRO-3 has one model-states file per rank; MoE's expert files follow other rules;
+        # node-local storage gives each node its own copy). Unknown stage: not split.
+        self.split = (async_config.split_replicated_files and not async_config.zip_crc32
+                      and zero_stage is not None and int(zero_stage) < 3 and not has_moe_layers
+                      and not self._node_local)
+        self._ds_engine: Any = None  # the DeepSpeedEngine saving now (begin_save .. end_save)
+        self._replicated: str | None = None  # that save's model-states file, held by every replica
+        self._eager_keys: tuple[str, ...] = _DEEPSPEED_EAGER_KEYS
+        self._buffers: list[torch.Tensor] = []  # the model's: a forward may update them
+        self._reserved = False  # the host pool was sized after the first optimizer step
+        self._held: Exception | None = None  # sync mode: this save's first write error
+        self.reservation: threading.Thread | None = None
+        """The thread faulting the host pool in after the first optimizer step, if any."""
+
+    # DeepSpeed's contract -------------------------------------------------------------
+    def create(self, info: CheckpointCommitInfo) -> None:
+        # the tag names the checkpoint's directory in save_dir, and `latest` holds it: "a/b"
+        # or "../x" would put it elsewhere, "" make save_dir itself the checkpoint
+        check_name(str(info.tag), f"save_checkpoint(tag={info.tag!r})")
+        if str(info.tag) in POINTER_NAMES:  # the save would replace the pointer with a directory
+            raise ValueError(f"save_checkpoint(tag={info.tag!r}): the name of DeepSpeed's pointer file "
+                             f"in save_dir ({', '.join(POINTER_NAMES)}) cannot name a checkpoint")
+        if self._ds_engine is None:  # not inside save_checkpoint: save_16bit_model (see save)
+            return
+        pointer = Pointer(os.path.join(info.save_dir, "latest"), info.tag) if info.save_latest else None
+        # save_latest=False keeps a checkpoint aside (a "best" model): out of keep_last's rotation
+        self.checkpointer.begin(os.path.join(info.save_dir, info.tag), tag=info.tag, pointer=pointer,
+                                rotation=info.save_latest)
+        self._replicated = None
+        ds = self._ds_engine
+        if ds is not None and not self._node_local and not ds.zero_optimization_partition_weights() \
+                and not getattr(ds, "has_moe_layers", False):
+            self._replicated = os.path.abspath(ds._get_ckpt_name(info.save_dir, info.tag))
+
+    def save(self, state_dict: Any, path: str) -> None:
+        if self._ds_engine is None:
+            self._save_now(state_dict, path)
+            return
+        replicas = None
+        if self._replicated is not None and os.path.abspath(path) == self._replicated:
+            replicas = data_parallel_replicas()
+            if not self.split:
+                if replicas.rank != 0:  # DeepSpeed's rule: the first replica writes it
+                    return
+                replicas = None
+            else:
+                state_dict = with_rank0_shared_params(state_dict, self._ds_engine, replicas)
+        try:
+            self.checkpointer.save(state_dict, path, eager_keys=self._eager_keys,
+                                   eager_tensors=self._buffers, replicas=replicas)
+        except Exception as exc:
+            if not self.hold(exc):
+                raise
+
+    def hold(self, exc: Exception) -> bool:
+        """Sync mode, inside ``save_checkpoint``: keep ``exc`` (a write of this save failed,
+        or a step of DeepSpeed's own that runs on some ranks only) for :meth:`end_save`,
+        which shares it, and return True. Raised at once, it would leave the other ranks in
+        DeepSpeed's closing barrier for good. Async mode: False (raise it)."""
+        if self.checkpointer.config.is_async or self._ds_engine is None:
+            return False
+        self._held = self._held or exc
+        return True
+
+    def _save_now(self, state_dict: Any, path: str) -> None:
+        """A file DeepSpeed writes through this engine outside ``save_checkpoint``:
+        ``save_16bit_model`` (DeepSpeed's 16-bit weights export), whose caller reads, converts or
+        uploads the file as soon as the call returns, and which is no checkpoint (one file in
+        a directory of the caller's, no tag, no ``latest``). Written before this returns, as
+        DeepSpeed's own engine does, whole or not at all: a temporary file, fsynced (with
+        ``fsync``), renamed. It opens no checkpoint: nothing would end one."""
+        storage = self.checkpointer.storage
+        tmp = temporary_path(path, os.getpid())
+        try:
+            with open(tmp, "wb") as f:
+                torch.save(state_dict, f)
+                if self.checkpointer.config.fsync:
+                    f.flush()
+                    os.fsync(f.fileno())
+            storage.replace(tmp, path, durable=self.checkpointer.config.fsync)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def is_data_parallel_writer(self, dp_rank: int) -> bool:
+        return self.split or dp_rank == 0
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        return self.checkpointer.load(path, map_location=map_location)
+
+    def commit(self, info: CheckpointCommitInfo) -> bool:
+        # our commit stage runs in the background once every rank persisted (outside
+        # save_checkpoint, _save_now's file is durable already)
+        return True
+
+    def is_decoupled(self) -> bool:
+        return True
+
+    def get_commit_info(self) -> None:
+        return None  # so DeepSpeed never writes `latest` before the data is durable
+
+    def preserves_storage_sharing(self) -> bool:
+        return False  # the snapshot makes its own compact copies
+
+    def cleanup(self) -> None:
+        self.checkpointer.close()
+
+    # Our hooks, called by the patched DeepSpeedEngine methods ---------------------------
+    def begin_save(self, ds_engine: Any, client_state: dict | None) -> None:
+        self._ds_engine = ds_engine
+        self._eager_keys = _DEEPSPEED_EAGER_KEYS + tuple(client_state or ())
+        # Buffers change outside the optimizer step, in the forward that follows the save
+        # (BatchNorm's running statistics), so the copier may not get to them first.
+        module = getattr(ds_engine, "module", None)
+        self._buffers = list(module.buffers()) if isinstance(module, torch.nn.Module) else []
+
+    def end_save(self, ok: bool) -> None:
+        held, self._held = self._held, None
+        self._ds_engine = self._replicated = None
+        self._buffers = []
+        if not self.checkpointer.is_open:
+            return
+        if ok and not self.checkpointer.config.is_async:
+            self._end_sync(held)
+            return
+        if held is not None:  # DeepSpeed raised after it (its own error goes up)
+            logger.error("async checkpoint: a file of this save failed first: %s", held)
+        self.checkpointer.end(commit=ok)
+
+    def _end_sync(self, held: Exception | None) -> None:
+        """Sync mode, DeepSpeed's ``save_checkpoint`` done on this rank and so on every rank
+        (its last step is a barrier): end the checkpoint (rank 0 commits it), then share the
+        outcome in one exchange. Every rank returns once the checkpoint is committed, or raises
+        if it is not: a rank whose write failed its own error, the others naming it. Raised
+        inside DeepSpeed's save instead, the failing rank would leave the others in its closing
+        barrier for good."""
+        error: BaseException | None = held
+        try:
+            self.checkpointer.end(commit=held is None)  # a failed file: abandoned
+        except BaseException as exc:  # Ctrl-C too: the other ranks are in the exchange
+            error = error or exc
+        _, failed = exchange_across_ranks("", None if error is None else
+                                          f"{type(error).__name__}: {describe(error)}")
+        if error is not None:
+            raise error
+        if failed:  # end() put this save last in the history, raising or not
+            tag = self.checkpointer.history[-1].tag
+            if only_durability(failed):
+                raise DurabilityError(f"checkpoint {tag}'s commit did not complete, because of "
+                                      f"rank(s) {by_rank(failed)}")
+            raise CommitError(f"checkpoint {tag} was not committed (the last committed one is "
+                              f"intact), because of rank(s) {by_rank(failed)}")
+
+    def before_optimizer_step(self) -> None:
+        self.checkpointer.fence()
+
+    def after_optimizer_step(self, ds_engine: Any) -> None:
+        if self._reserved:
+            return
+        self._reserved = True
+        try:
+            share = 1.0 / data_parallel_replicas().size if self.split else 1.0
+            nbytes = checkpoint_bytes_estimate(ds_engine, model_share=share)
+        except Exception as exc:  # an optimizer we cannot walk: the first save allocates
+            logger.warning("async checkpoint: not sizing the host pool ahead of the first save: "
+                           "%s: %s", type(exc).__name__, exc)
+            return
+        self.reservation = self.checkpointer.reserve(nbytes)
+
+
+def checkpoint_bytes_estimate(ds_engine: Any, model_share: float = 1.0) -> int:
+    """Host pool bytes this rank's DeepSpeed checkpoint needs, from the live state: module
+    parameters and buffers where this rank writes the model-states file (``model_share`` of
+    them where the replicas split it, plus its largest tensor, since shares end between
+    tensors), and the tensors of the optimizer chain (``engine.optimizer`` and the wrapped
+    ``.optimizer``s: their states and parameter groups, which hold ZeRO's fp32 partitions)
+    where it writes the optimizer state (ZeRO files, or the model-states file without ZeRO;
+    also shared then). Each tensor view counts once, rounded up to whole pages as the pool
+    holds it. An estimate: it sizes the host pool ahead of the first save, nothing else."""
+    seen: set[tuple] = set()
+    sizes: dict[str, list[int]] = {"model": [], "zero": []}
+
+    def add(t: Any, part: str) -> None:
+        # (a sparse or nested tensor's parts are copied at save time, outside the pool)
+        if isinstance(t, torch.Tensor) and t.device.type != "meta" and t.layout == torch.strided \
+                and not t.is_nested:
+            key = (t.data_ptr(), t.numel(), t.dtype)
+            if key not in seen:
+                seen.add(key)
+                sizes[part].append(aligned_size(t.numel() * t.element_size()))
+
+    writes_model = getattr(ds_engine, "save_non_zero_checkpoint", True)
+    zero = getattr(ds_engine, "zero_optimization", lambda: False)()
+    module = getattr(ds_engine, "module", None)
+    if writes_model and isinstance(module, torch.nn.Module):
+        for t in itertools.chain(module.parameters(), module.buffers()):
+            add(t, "model")
+    if getattr(ds_engine, "save_zero_checkpoint", False) if zero else writes_model:
+        opt, visited = getattr(ds_engine, "optimizer", None), set()
+        while opt is not None and id(opt) not in visited:
+            visited.add(id(opt))
+            if isinstance(opt, torch.optim.Optimizer):
+                part = "zero" if zero else "model"  # without ZeRO: in the model-states file
+                for state in opt.state.values():
+                    for value in state.values():
+                        add(value, part)
+                for group in opt.param_groups:
+                    for p in group["params"]:
+                        add(p, part)
+            opt = getattr(opt, "optimizer", None)
+    model = sum(sizes["model"])
+    if model_share < 1.0:
+        model = min(model, int(model * model_share) + max(sizes["model"], default=0))
+    return model + sum(sizes["zero"])
