@@ -1176,7 +1176,7 @@ def test_zip_crc32_option_files_load_and_verify(tmp_path, zip_crc32):
 
 
 def test_write_behind_file_writes_every_byte(tmp_path):
-    from deepspeed_async_ckpt.storage import WriteBehindFile, _sync_file_range
+    from deepspeed_async_ckpt.storage.files import WriteBehindFile, _sync_file_range
 
     if _sync_file_range is None:
         pytest.skip("sync_file_range is Linux-only; LocalStorage writes plainly elsewhere")
@@ -1232,16 +1232,17 @@ def test_a_filesystem_refusing_o_direct_at_open_gets_buffered_writes(tmp_path, m
     """Some FUSE and network filesystems refuse ``O_DIRECT`` with EOPNOTSUPP, not EINVAL: that
     failed every save instead of falling back to buffered writes (a review, session 30)."""
     from deepspeed_async_ckpt import storage
+    from deepspeed_async_ckpt.storage.direct import O_DIRECT
 
     real_open = os.open
 
     def no_direct(path, flags, *args):
-        if flags & storage._O_DIRECT:
+        if flags & O_DIRECT:
             raise OSError(code, os.strerror(code), path)
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(storage.os, "open", no_direct)
-    if not storage._O_DIRECT:
+    monkeypatch.setattr(os, "open", no_direct)
+    if not O_DIRECT:
         pytest.skip("no O_DIRECT on this platform")
     path = tmp_path / "f"
     with LocalStorage(fsync=True).open_write(str(path)) as f:
@@ -1260,14 +1261,14 @@ def test_a_direct_file_whose_stage_cannot_be_mapped_closes_its_descriptor(tmp_pa
     buffer; when that failed (ENOMEM) the descriptor was never closed, and the failed save's
     unlinked temporary kept its disk space and a descriptor until the process exited (a
     review, session 30)."""
-    from deepspeed_async_ckpt import storage
+    from deepspeed_async_ckpt.storage import direct
 
     _direct_file_or_skip(tmp_path / "probe").close()
 
     def no_memory(nbytes):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(storage, "host_buffer", no_memory)
+    monkeypatch.setattr(direct, "host_buffer", no_memory)
     before = set(os.listdir("/proc/self/fd"))
     for i in range(3):
         path = str(tmp_path / f"f{i}.tmp")
