@@ -4989,13 +4989,13 @@ def test_verify_with_a_data_file_the_user_may_not_read_is_not_called_corrupt(tmp
     """An intact checkpoint with a file another user owns (mode 0600) was reported "CORRUPT",
     exit 1, which a cleanup script takes for damage (a review, session 30); as with an
     unreadable manifest, it is an error about reading it, exit 2. A missing file stays CORRUPT."""
-    import deepspeed_async_ckpt.persist as persist
+    from deepspeed_async_ckpt.persist import checksum
 
     ck = make()
     save_one(ck, str(tmp_path), sample_state())
     ck.close()
     with monkeypatch.context() as m:
-        _denied(m, persist, "open", lambda path: path.endswith("model.pt"))
+        _denied(m, checksum, "open", lambda path: path.endswith("model.pt"))
         assert cli_main(["verify", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: cannot read checkpoint") and "Permission denied" in err, err
