@@ -62,7 +62,7 @@ def _strided_span(t: torch.Tensor) -> int | None:
     offset on, if it is worth recording those with its own strides rather than its values in
     order (as many or fewer elements): a transposed or ``channels_last`` tensor keeps its
     layout (``torch.save`` keeps it), an expanded one (stride 0) is not materialized (a
-    4-byte ``ones(1).expand(4_000_000)`` took 16 MB of staging and file). None for a view
+    4-byte ``ones(1).expand(4_000_000)`` would take 16 MB of staging and file). None for a view
     with gaps (a slice: its values alone are fewer), or one with the conjugate or negative
     bit (their values are resolved by the copy)."""
     if not t.numel() or t.is_conj() or t.is_neg():

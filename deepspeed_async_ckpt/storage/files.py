@@ -38,8 +38,8 @@ class WholeFile:
     file's does, without a buffer's copy. A raw file's ``write`` is one ``write(2)``, which may
     take less: Linux takes at most 2 GiB - 4 KiB per call, and a disk filling up takes what
     fits before the call that fails; a caller that trusted it (``safetensors``' layout in
-    :func:`~.persist.write_safetensors`, a ``write_beside`` callback) left a short file that
-    was then made durable and renamed into place as whole."""
+    :func:`~.persist.write_safetensors`, a ``write_beside`` callback) would leave a short file,
+    made durable and renamed into place as whole."""
 
     def __init__(self, f: BinaryIO, start: int = 0) -> None:
         self._f = f
