@@ -181,8 +181,8 @@ def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
     fio = shutil.which("fio")
     if fio:
         return _fio_bandwidth(fio, work_dir, nbytes, reps)
-    from deepspeed_async_ckpt.storage import (DirectFile, LocalStorage, WriteBehindFile,
-                                              _sync_file_range, host_buffer)
+    from deepspeed_async_ckpt.storage import DirectFile, LocalStorage, WriteBehindFile, host_buffer
+    from deepspeed_async_ckpt.storage.files import _sync_file_range
 
     # page-aligned and in huge pages, as the engine's pool: direct writes from 4 KiB pages
     # are split into smaller block requests, which on this disk cost about half the bandwidth

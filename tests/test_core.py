@@ -1013,7 +1013,7 @@ def test_second_save_allocates_nothing_one_block_per_file(tmp_path, caplog):
 
 
 def test_reserve_faults_the_pool_in_ahead_of_the_first_save(tmp_path, monkeypatch):
-    from deepspeed_async_ckpt import snapshot
+    from deepspeed_async_ckpt.snapshot import pool as pool_module
     from deepspeed_async_ckpt.storage import aligned_size
 
     model = {"module": {f"p{i}": torch.randn(64, 64 + i) for i in range(20)}}
@@ -1022,18 +1022,18 @@ def test_reserve_faults_the_pool_in_ahead_of_the_first_save(tmp_path, monkeypatc
     # The first save starts while the reservation is still faulting its block in: the copier
     # waits for that block instead of allocating a second one.
     faulting, go_on = threading.Event(), threading.Event()
-    real_block = snapshot._Block
+    real_block = pool_module.HostBlock
 
     def slow_block(nbytes, pin):
         faulting.set()
         assert go_on.wait(10)
         return real_block(nbytes, pin)
 
-    monkeypatch.setattr(snapshot, "_Block", slow_block)
+    monkeypatch.setattr(pool_module, "HostBlock", slow_block)
     thread = ck.reserve(need)
     assert faulting.wait(10)
     assert ck.reserve(need) is None  # one reservation at a time
-    monkeypatch.setattr(snapshot, "_Block", real_block)
+    monkeypatch.setattr(pool_module, "HostBlock", real_block)
     save_one(ck, str(tmp_path), model, eager=())
     go_on.set()
     thread.join(10)
@@ -1048,10 +1048,10 @@ def test_reserve_faults_the_pool_in_ahead_of_the_first_save(tmp_path, monkeypatc
     pool.reserve(10**9).join()
     assert pool.held_bytes == 10 * 4096
     broken = HostBufferPool(10 * 4096, pin=False)
-    monkeypatch.setattr(snapshot, "_Block", lambda n, pin: (_ for _ in ()).throw(MemoryError("no")))
+    monkeypatch.setattr(pool_module, "HostBlock", lambda n, pin: (_ for _ in ()).throw(MemoryError("no")))
     broken.reserve(4096).join()
     assert isinstance(broken.reserve_error, MemoryError) and broken.held_bytes == 0
-    monkeypatch.setattr(snapshot, "_Block", real_block)
+    monkeypatch.setattr(pool_module, "HostBlock", real_block)
     buf = broken.acquire(4096, "x")  # allocates on demand as before
     assert broken.allocations == 1
     broken.release(buf)
@@ -1067,7 +1067,7 @@ def test_pinned_pool_pins_exactly_its_blocks_and_unpins_what_it_drops(monkeypatc
     fail with "CUDA error: invalid argument" on an H100."""
     import gc
 
-    from deepspeed_async_ckpt import snapshot
+    from deepspeed_async_ckpt.snapshot import pinned as pinned_memory
     from deepspeed_async_ckpt.storage import host_buffer
 
     page = 4096
@@ -1082,8 +1082,8 @@ def test_pinned_pool_pins_exactly_its_blocks_and_unpins_what_it_drops(monkeypatc
     def unlock(address, device):
         assert pinned.pop(address)[1] == device  # once, on its device
 
-    monkeypatch.setattr(snapshot, "_page_lock", lock)
-    monkeypatch.setattr(snapshot, "_page_unlock", unlock)
+    monkeypatch.setattr(pinned_memory, "_page_lock", lock)
+    monkeypatch.setattr(pinned_memory, "_page_unlock", unlock)
     pool = HostBufferPool(100 * page, pin=True, device=3)
     a = pool.acquire(5 * page, "a", expected_bytes=31 * page)  # torch's allocator: 32 pages
     assert list(pinned.values()) == [(31 * page, 3)]
@@ -1098,10 +1098,10 @@ def test_pinned_pool_pins_exactly_its_blocks_and_unpins_what_it_drops(monkeypatc
     reserved.reserve(10 * page).join()
     assert reserved.reserve_error is None and sorted(pinned.values()) == [(10 * page, 1), (70 * page, 3)]
     # where registering fails, the block still comes pinned, from torch's allocator, said once
-    monkeypatch.setattr(snapshot, "_page_lock", lambda address, nbytes, device: (_ for _ in ()).throw(
+    monkeypatch.setattr(pinned_memory, "_page_lock", lambda address, nbytes, device: (_ for _ in ()).throw(
         RuntimeError("CUDA error: out of memory")))
     fallback = []
-    monkeypatch.setattr(snapshot, "_torch_pinned", lambda n: fallback.append(n) or torch.frombuffer(
+    monkeypatch.setattr(pinned_memory, "_torch_pinned", lambda n: fallback.append(n) or torch.frombuffer(
         host_buffer(n), dtype=torch.uint8))
     other = HostBufferPool(100 * page, pin=True, device=0)
     with caplog.at_level("WARNING", logger="deepspeed_async_ckpt.snapshot"):
@@ -1177,7 +1177,7 @@ def test_zip_crc32_option_files_load_and_verify(tmp_path, zip_crc32):
 
 
 def test_write_behind_file_writes_every_byte(tmp_path):
-    from deepspeed_async_ckpt.storage import WriteBehindFile, _sync_file_range
+    from deepspeed_async_ckpt.storage.files import WriteBehindFile, _sync_file_range
 
     if _sync_file_range is None:
         pytest.skip("sync_file_range is Linux-only; LocalStorage writes plainly elsewhere")
@@ -1233,16 +1233,17 @@ def test_a_filesystem_refusing_o_direct_at_open_gets_buffered_writes(tmp_path, m
     """Some FUSE and network filesystems refuse ``O_DIRECT`` with EOPNOTSUPP, not EINVAL: that
     failed every save instead of falling back to buffered writes (a review, session 30)."""
     from deepspeed_async_ckpt import storage
+    from deepspeed_async_ckpt.storage.direct import O_DIRECT
 
     real_open = os.open
 
     def no_direct(path, flags, *args):
-        if flags & storage._O_DIRECT:
+        if flags & O_DIRECT:
             raise OSError(code, os.strerror(code), path)
         return real_open(path, flags, *args)
 
-    monkeypatch.setattr(storage.os, "open", no_direct)
-    if not storage._O_DIRECT:
+    monkeypatch.setattr(os, "open", no_direct)
+    if not O_DIRECT:
         pytest.skip("no O_DIRECT on this platform")
     path = tmp_path / "f"
     with LocalStorage(fsync=True).open_write(str(path)) as f:
@@ -1261,14 +1262,14 @@ def test_a_direct_file_whose_stage_cannot_be_mapped_closes_its_descriptor(tmp_pa
     buffer; when that failed (ENOMEM) the descriptor was never closed, and the failed save's
     unlinked temporary kept its disk space and a descriptor until the process exited (a
     review, session 30)."""
-    from deepspeed_async_ckpt import storage
+    from deepspeed_async_ckpt.storage import direct
 
     _direct_file_or_skip(tmp_path / "probe").close()
 
     def no_memory(nbytes):
         raise OSError(errno.ENOMEM, "Cannot allocate memory")
 
-    monkeypatch.setattr(storage, "host_buffer", no_memory)
+    monkeypatch.setattr(direct, "host_buffer", no_memory)
     before = set(os.listdir("/proc/self/fd"))
     for i in range(3):
         path = str(tmp_path / f"f{i}.tmp")
@@ -3931,21 +3932,21 @@ def test_a_failed_registration_clears_the_error_it_leaves_before_raising(monkeyp
     on that thread would raise as its own; it is read (cleared) before the failure is raised,
     and a successful call clears nothing. The CUDA calls are faked here; the GPU test below
     makes a registration fail for real."""
-    from deepspeed_async_ckpt import snapshot
+    from deepspeed_async_ckpt.snapshot import pinned
 
     cleared = []
     monkeypatch.setattr(torch.cuda, "cudart", lambda: SimpleNamespace(cudaError=SimpleNamespace(success=0)))
-    monkeypatch.setattr(snapshot, "_cuda_runtime", lambda: SimpleNamespace(cudaGetLastError=lambda: cleared.append(1)))
+    monkeypatch.setattr(pinned, "_cuda_runtime", lambda: SimpleNamespace(cudaGetLastError=lambda: cleared.append(1)))
 
     def check_error(code):
         if code:
             raise RuntimeError(f"CUDA error {code} (cleared {len(cleared)})")
 
     monkeypatch.setattr(torch.cuda, "check_error", check_error)
-    snapshot._checked(0)
+    pinned._checked(0)
     assert cleared == []
     with pytest.raises(RuntimeError, match=r"CUDA error 712 \(cleared 1\)"):
-        snapshot._checked(712)
+        pinned._checked(712)
 
 
 @pytest.mark.gpu
@@ -3953,22 +3954,22 @@ def test_a_failed_registration_clears_the_error_it_leaves_before_raising(monkeyp
 def test_cuda_a_failed_registration_leaves_no_error_for_the_next_kernel():
     """Registering memory twice fails (already registered); the next kernel launched on this
     thread, whose launch torch checks with ``cudaGetLastError``, must not raise that error."""
-    from deepspeed_async_ckpt import snapshot
+    from deepspeed_async_ckpt.snapshot import pinned
     from deepspeed_async_ckpt.storage import host_buffer
 
     mapping = host_buffer(1 << 20)
     memory = torch.frombuffer(mapping, dtype=torch.uint8)
     device = torch.cuda.current_device()
-    snapshot._page_lock(memory.data_ptr(), 1 << 20, device)
+    pinned._page_lock(memory.data_ptr(), 1 << 20, device)
     try:
         with pytest.raises(RuntimeError):
-            snapshot._page_lock(memory.data_ptr(), 1 << 20, device)
-        assert snapshot._cuda_runtime() is not None  # torch's runtime, found as a shared library
+            pinned._page_lock(memory.data_ptr(), 1 << 20, device)
+        assert pinned._cuda_runtime() is not None  # torch's runtime, found as a shared library
         x = torch.ones(64, 32, device="cuda").t().contiguous()  # kernel launches, checked
         torch.cuda.synchronize()
         assert float(x.sum()) == 64 * 32
     finally:
-        snapshot._page_unlock(memory.data_ptr(), device)
+        pinned._page_unlock(memory.data_ptr(), device)
 
 
 @pytest.mark.gpu
@@ -4989,13 +4990,13 @@ def test_verify_with_a_data_file_the_user_may_not_read_is_not_called_corrupt(tmp
     """An intact checkpoint with a file another user owns (mode 0600) was reported "CORRUPT",
     exit 1, which a cleanup script takes for damage (a review, session 30); as with an
     unreadable manifest, it is an error about reading it, exit 2. A missing file stays CORRUPT."""
-    import deepspeed_async_ckpt.persist as persist
+    from deepspeed_async_ckpt.persist import checksum
 
     ck = make()
     save_one(ck, str(tmp_path), sample_state())
     ck.close()
     with monkeypatch.context() as m:
-        _denied(m, persist, "open", lambda path: path.endswith("model.pt"))
+        _denied(m, checksum, "open", lambda path: path.endswith("model.pt"))
         assert cli_main(["verify", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: cannot read checkpoint") and "Permission denied" in err, err

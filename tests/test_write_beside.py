@@ -202,7 +202,7 @@ def test_a_file_beside_is_written_whole_by_a_raw_file_that_writes_short(tmp_path
 
     from safetensors.torch import load_file
 
-    from deepspeed_async_ckpt import storage as storage_module
+    from deepspeed_async_ckpt.storage import local as storage_module
     from deepspeed_async_ckpt.persist import write_safetensors
 
     limit = {"bytes": 1000}

@@ -210,7 +210,7 @@ def phase_load(args):
 
 
 def phase_kill(args):
-    import deepspeed_async_ckpt.persist as persist
+    from deepspeed_async_ckpt.persist.checksum import ChecksumSink
 
     # keep_last=1: global_step1 is removed once global_step2 commits, and global_step2 must
     # survive the failed save after it (retention runs only after a commit).
@@ -224,14 +224,14 @@ def phase_kill(args):
     engine.checkpoint_engine.checkpointer.wait()  # global_step2 is committed
     torch.distributed.barrier()
     if torch.distributed.get_rank() == args.kill_rank:
-        original = persist._ChecksumSink.write
+        original = ChecksumSink.write
 
         def write_then_die(self, data):
             if self.nbytes > 4096:  # in the middle of a file's tensor records
                 os.kill(os.getpid(), signal.SIGKILL)
             return original(self, data)
 
-        persist._ChecksumSink.write = write_then_die
+        ChecksumSink.write = write_then_die
     train(engine, args, 2, start=2)
     # global_step4 (or, --resave, global_step2 again): one rank dies while persisting it
     engine.save_checkpoint(save_dir, tag="global_step2" if args.resave else None)

@@ -1,0 +1,37 @@
+"""Stage 2 of 3: persist (host copies -> storage), run by background writer threads.
+
+Each file is written in ``torch.save``'s zip format with torch's own writer, record by record as
+the snapshot stage delivers them, so a file larger than the host pool streams through it.
+Files stay ``torch.load``-compatible: DeepSpeed's ``zero_to_fp32.py`` and ``ds_to_universal.py``
+read them unchanged. Each is written under a temporary name, checksummed while the bytes go
+out, fsynced, then renamed.
+
+- :mod:`.writer`: :func:`write_file`, one file to storage, and its :class:`FileRecord`.
+- :mod:`.archive`: one ``torch.save`` archive, record by record, laid out on pages.
+- :mod:`.shares`: a file that several ranks write at once, each a :class:`Share` of it.
+- :mod:`.checksum`: the hashers (:data:`HASHERS`), the sink that hashes while writing, and
+  :func:`hash_ranges` for verification.
+- :mod:`.safetensors`: :func:`write_safetensors`, for files written beside a checkpoint.
+
+The commit stage (:mod:`..commit`) renames shared files and records every file in the manifest.
+"""
+
+from .archive import check_torch_writer
+from .checksum import HASHERS, hash_ranges, new_hasher
+from .safetensors import SAFETENSORS_DTYPES, safetensors_writable, write_safetensors
+from .shares import Share, split_items
+from .writer import FileRecord, write_file
+
+__all__ = [
+    "HASHERS",
+    "SAFETENSORS_DTYPES",
+    "FileRecord",
+    "Share",
+    "check_torch_writer",
+    "hash_ranges",
+    "new_hasher",
+    "safetensors_writable",
+    "split_items",
+    "write_file",
+    "write_safetensors",
+]

@@ -1,0 +1,168 @@
+"""Host memory for staging: :class:`HostBlock`, one page-aligned allocation, page-locked for
+CUDA copies where CUDA is present, and carved into buffers in ring order.
+
+:class:`~.pool.HostBufferPool` holds a few of these. This module owns the CUDA host
+registration behind them (``cudaHostRegister`` / ``cudaHostUnregister``), including clearing
+the error a failed registration leaves behind.
+"""
+
+from __future__ import annotations
+
+import collections
+import ctypes
+import functools
+import logging
+import mmap
+from typing import Any
+
+import torch
+
+from ..storage import aligned_size, host_buffer  # every buffer starts on a page: O_DIRECT can write it
+
+log = logging.getLogger(__name__)
+
+
+def _page_lock(address: int, nbytes: int, device: int) -> None:
+    """Page-lock host memory for asynchronous copies from CUDA device ``device``
+    (``cudaHostRegister``, portable to every context); raises ``RuntimeError`` on failure."""
+    with torch.cuda.device(device):  # a thread without a device would make a context on GPU 0
+        _checked(torch.cuda.cudart().cudaHostRegister(address, nbytes, 1))
+
+
+def _page_unlock(address: int, device: int) -> None:
+    with torch.cuda.device(device):
+        _checked(torch.cuda.cudart().cudaHostUnregister(address))
+
+
+def _checked(code: Any) -> None:
+    """Raise for a failed CUDA runtime call, first clearing the error it left as this
+    thread's last error: handled here (the pool falls back to torch's pinned allocator),
+    it would otherwise be raised again by the next kernel launch on this thread, which
+    torch checks with ``cudaGetLastError``."""
+    if code != torch.cuda.cudart().cudaError.success:
+        library = _cuda_runtime()
+        if library is not None:
+            library.cudaGetLastError()
+        torch.cuda.check_error(code)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_runtime() -> Any:
+    """The CUDA runtime library torch loaded (``ctypes``), for ``cudaGetLastError``, which
+    ``torch.cuda.cudart()`` does not offer; None where none is loaded as a shared library."""
+    try:
+        with open("/proc/self/maps", encoding="utf-8") as maps:
+            paths = sorted({line.split()[-1] for line in maps if "/libcudart.so" in line})
+    except OSError:
+        return None
+    for path in paths:
+        try:
+            return ctypes.CDLL(path)  # already loaded: the same library, the same error state
+        except OSError:
+            continue
+    return None
+
+
+class _Mapping(mmap.mmap):
+    """A :func:`~.storage.host_buffer` mapping that ends its CUDA registration, if it has one,
+    before it is unmapped.
+
+    Memory unmapped while still registered leaves the driver's record of the address range
+    behind, and pageable memory mapped there later (a plain ``tensor.cpu()`` after a pool was
+    dropped) then fails to copy with "CUDA error: invalid argument" (seen on an H100 with torch
+    2.11). The mapping lives as long as any tensor viewing it, so this runs only once nothing
+    can copy into it any more.
+    """
+
+    registration: tuple[int, int] | None = None
+    """(address, CUDA device) while registered."""
+
+    def unregister(self) -> None:
+        """End the registration, if any (once; raises ``RuntimeError`` if CUDA refuses)."""
+        if self.registration is not None:
+            (address, device), self.registration = self.registration, None
+            _page_unlock(address, device)
+
+    def __del__(self) -> None:
+        try:
+            self.unregister()
+        except Exception:  # interpreter shutdown, or a driver already gone: nothing to keep
+            pass
+
+
+def _torch_pinned(nbytes: int) -> torch.Tensor:
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)  # starts on a page
+
+
+class HostBlock:
+    """One contiguous host allocation, carved into buffers in ring (FIFO) order.
+
+    Records are staged in file order and written, then released, in the same order, so a ring
+    reuses the block with no fragmentation: the oldest live buffer is the next to come back.
+    Out-of-order releases (several writer threads) only delay the reuse of their space.
+
+    The memory is always a :func:`~.storage.host_buffer` mapping (page-aligned, so O_DIRECT
+    can write it; huge pages). With ``pin_device`` (a CUDA device index) it is page-locked in
+    place with ``cudaHostRegister``, as torch's own DCP stager does, rather than taken from
+    torch's pinned allocator, which rounds every block up to a power of two (a 5 GiB block
+    would pin 8 GiB) and caches a freed block instead of unpinning it (so a replaced block
+    would stay pinned beside its successor): the pool's bound would not bound pinned memory.
+    """
+
+    def __init__(self, nbytes: int, pin_device: int | None) -> None:
+        self._mapping = host_buffer(nbytes, _Mapping)
+        self.memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        if pin_device is not None:
+            try:
+                _page_lock(self.memory.data_ptr(), nbytes, pin_device)
+                self._mapping.registration = (self.memory.data_ptr(), pin_device)
+            except RuntimeError as exc:  # still pinned, only less exactly
+                log.warning("cudaHostRegister of %d bytes failed (%s); the staging block comes "
+                            "from torch's pinned allocator instead (rounded up to a power of two)",
+                            nbytes, exc)
+                self.memory = _torch_pinned(nbytes)
+                try:  # unused now: give back its address space and whatever the attempt faulted in
+                    self._mapping.close()
+                except BufferError:  # still viewed somewhere: it goes with its last view
+                    pass
+        self.size = nbytes
+        self._live: collections.deque[list] = collections.deque()  # [start, end, released]
+        self._head = 0  # where the next buffer starts
+
+    @property
+    def pinned_on(self) -> int | None:
+        """The CUDA device the memory is registered with; None if not registered."""
+        registration = self._mapping.registration
+        return None if registration is None else registration[1]
+
+    def free(self) -> None:
+        """Unpin an idle block the pool drops at once (the mapping goes with its last
+        reference; a block dropped otherwise, with its pool, is unpinned then)."""
+        self._mapping.unregister()
+
+    @property
+    def idle(self) -> bool:
+        return not self._live
+
+    def carve(self, nbytes: int) -> tuple[int, list] | None:
+        """Offset and bookkeeping entry of a free ``nbytes`` range, or None if none is free."""
+        n = aligned_size(nbytes)
+        if not self._live:
+            start = 0 if n <= self.size else None
+        else:
+            tail = self._live[0][0]
+            if self._head > tail:  # live range is [tail, head): free space on both sides
+                start = self._head if self._head + n <= self.size else (0 if n <= tail else None)
+            else:  # wrapped: free space is [head, tail)
+                start = self._head if self._head + n <= tail else None
+        if start is None:
+            return None
+        entry = [start, start + n, False]
+        self._live.append(entry)
+        self._head = start + n
+        return start, entry
+
+    def give_back(self, entry: list) -> None:
+        entry[2] = True
+        while self._live and self._live[0][2]:
+            self._live.popleft()

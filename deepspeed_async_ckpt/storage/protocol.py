@@ -1,0 +1,69 @@
+"""The storage seam: the few filesystem operations the persist and commit stages use, and the
+names of files not yet renamed into place.
+
+:class:`Storage` is what both stages are written against; :class:`~.local.LocalStorage` is the
+default implementation. Tests inject faults by subclassing it; a remote backend would implement
+the same ten methods.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import BinaryIO, Protocol
+
+#: The engine writes every file under a temporary name, ``<path>.tmp.<owner>`` (a save's id, or
+#: the writing process's pid), and renames it to ``path`` once whole: what a crashed or failed
+#: save leaves behind has such a name.
+_TEMPORARY = re.compile(r"\.tmp\.[0-9a-f]+$")
+
+
+def temporary_path(path: str, owner: str | int) -> str:
+    """Where ``path`` is written before its rename (see ``_TEMPORARY``)."""
+    return f"{path}.tmp.{owner}"
+
+
+def is_temporary(name: str) -> bool:
+    return _TEMPORARY.search(name) is not None
+
+
+class Storage(Protocol):
+    def open_write(self, path: str) -> BinaryIO:
+        """A new unbuffered binary file at ``path`` (truncated if present), whose ``write``
+        writes all it is given or raises."""
+
+    def write_small(self, path: str, data: bytes, *, durable: bool = True) -> None:
+        """A new small file at ``path`` (a record, the manifest, a pointer) holding ``data``,
+        written whole and, unless ``durable=False`` (others need only see it once closed),
+        made durable."""
+
+    def open_write_at(self, path: str, offset: int) -> BinaryIO:
+        """``path`` (created if absent, never truncated) for writing from ``offset`` on: one
+        rank's share of a file that several ranks write at once, each its own byte range."""
+
+    def sync_file(self, f: BinaryIO) -> None:
+        """Make what was written to ``f`` durable."""
+
+    def replace(self, src: str, dst: str, *, durable: bool = True) -> None:
+        """Atomically rename ``src`` to ``dst`` and (unless ``durable=False``: others need only
+        see it) make the rename durable."""
+
+    def exchange(self, a: str, b: str) -> bool:
+        """Atomically swap directories ``a`` and ``b`` and make it durable; False (nothing
+        done) where the filesystem cannot (then two renames do it, see
+        :func:`~.commit.replace_checkpoint`)."""
+
+    def link(self, src: str, dst: str) -> None:
+        """Make file ``src`` also appear at ``dst`` (a hard link, or a copy where links fail)."""
+
+    def makedirs(self, path: str) -> None:
+        ...
+
+    def sync_dir(self, path: str) -> None:
+        """Make the entries of directory ``path`` (links, directories made in it) durable."""
+
+    def listdir(self, path: str) -> list[str]:
+        """Names in directory ``path`` (rank 0 polls the checkpoint's records with one call)."""
+
+    def remove_tree(self, path: str) -> None:
+        """Delete directory ``path`` and everything under it (retention); a symbolic link or
+        a file at ``path`` is unlinked."""
