@@ -2,14 +2,16 @@
 
 :func:`scan_checkpoints` sorts the directories of a save directory into committed checkpoints
 and those that can never be loaded; the command line and the Hugging Face callback read it
-too. :func:`retire_checkpoints` runs on rank 0 once a commit has moved the pointer: it removes
-the checkpoints beyond the newest ``keep_last``, each by an atomic rename for deletion (:data:`.layout.REMOVING_PREFIX`) and then the deletion.
+too. :func:`retire_checkpoints` runs on rank 0 once a commit has moved the pointer: it asks a
+:class:`.policy.RetentionPolicy` which checkpoints to keep and removes the others, each by an
+atomic rename for deletion (:data:`.layout.REMOVING_PREFIX`) and then the deletion.
 """
 
 from __future__ import annotations
 
 import logging
 import os
+import re
 import threading
 from typing import Callable
 
@@ -17,9 +19,20 @@ from ..errors import IntegrityError
 from ..storage import Storage
 from .layout import MANIFEST, META_DIR, REMOVING_PREFIX
 from .manifest import is_finalized, read_manifest
+from .policy import CheckpointInfo, KeepAny, KeepIf, KeepLast, RetentionPolicy
 from .replace import delete_renamed, remove_trash
 
 logger = logging.getLogger(__name__)
+
+_TRAILING_STEP = re.compile(r"(\d+)$")
+
+
+def step_in_name(name: str) -> int | None:
+    """The step a checkpoint's name ends with (``global_step900``, ``iter_0000900``,
+    ``checkpoint-900``: 900), or None."""
+    match = _TRAILING_STEP.search(name)
+    return None if match is None else int(match[1])
+
 
 def _checkpoint_candidates(save_dir: str) -> list[os.DirEntry]:
     """The directories directly under ``save_dir`` that may be checkpoints: not links, not
@@ -102,28 +115,51 @@ def linked_checkpoints(save_dir: str) -> dict[str, list[str]]:
     return linked
 
 
-def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
+def _policy_of(policy: RetentionPolicy | None, keep_last: int | None,
+               keep: Callable[[str], bool] | None) -> RetentionPolicy:
+    """The policy :func:`retire_checkpoints` asks: ``policy``, or the one its keyword form
+    (``keep_last``, ``keep``) describes."""
+    if policy is not None:
+        if keep_last is not None or keep is not None:
+            raise ValueError("retire_checkpoints: policy is given, so keep_last and keep must not be")
+        if not isinstance(policy, RetentionPolicy):
+            raise ValueError(f"retire_checkpoints: policy must be a RetentionPolicy, got {policy!r}")
+        return policy
+    if keep_last is None:
+        raise ValueError("retire_checkpoints: keep_last (or policy) is required")
+    return KeepLast(keep_last) if keep is None else KeepAny(KeepLast(keep_last), KeepIf(keep))
+
+
+def retire_checkpoints(storage: Storage, save_dir: str, *,
                        protected: Callable[[], set[str]], lock: threading.Lock,
+                       policy: RetentionPolicy | None = None,
+                       keep_last: int | None = None,
                        keep: Callable[[str], bool] | None = None,
-                       committed_now: str | None = None) -> list[str]:
-    """Retention, on rank 0 once a commit has moved the pointer: remove the committed
-    checkpoints of ``save_dir`` beyond the ``keep_last`` most recently committed, except those
-    whose name ``keep`` accepts (e.g. every N-th iteration) or a symbolic link in ``save_dir``
-    names (:func:`linked_checkpoints`), which stay, and those saved aside, without moving a
-    pointer (a "best" model kept with DeepSpeed's ``save_latest=False``): neither counted nor
-    removed. With ``committed_now`` (the name
-    of the checkpoint whose commit this follows), also this engine's checkpoints that can
-    never be loaded and were last changed before that commit (see :func:`scan_checkpoints`):
-    a crash during a save otherwise leaves one behind for good, as large as a checkpoint.
-    Returns the names removed.
+                       committed_now: str | None = None,
+                       step_of: Callable[[str], int | None] = step_in_name) -> list[str]:
+    """Retention, on rank 0 once a commit has moved the pointer: remove the checkpoints of
+    ``save_dir`` that ``policy`` does not keep. ``keep_last=N`` stands for ``KeepLast(N)``,
+    with ``keep`` (a name predicate, e.g. every N-th iteration) for
+    ``KeepAny(KeepLast(N), KeepIf(keep))``. The policy is asked about the committed
+    checkpoints, newest first (by commit time), each with its step as ``step_of`` reads it
+    from the name, and, with ``committed_now`` (the name of the checkpoint whose commit this
+    follows), this engine's checkpoints that can never be loaded and were last changed before
+    that commit (see :func:`scan_checkpoints`): a crash during a save otherwise leaves one
+    behind for good, as large as a checkpoint. Whatever the policy answers, these stay: what
+    a symbolic link in ``save_dir`` names (:func:`linked_checkpoints`), what ``protected()``
+    names, and the checkpoints saved aside, without moving a pointer (a "best" model kept
+    with DeepSpeed's ``save_latest=False``), which are not even offered. Returns the names
+    removed.
 
     ``protected()`` gives the absolute paths that must stay (the pointer's target, and the
     directory of every save begun and not yet committed); it is called with ``lock`` held, and
     a save announces its directory under the same lock before any rank can write into it, so a
     directory is never taken away from under a save. Each removal is an atomic rename to
     :data:`REMOVING_PREFIX` + name (made durable), then the deletion; a deletion that a crash
-    cut short is finished by the next call.
+    cut short is finished by the next call. ``ValueError`` for both ``policy`` and the keyword
+    form, or neither.
     """
+    policy = _policy_of(policy, keep_last, keep)
     save_dir = os.path.abspath(save_dir)
     remove_trash(storage, save_dir)  # removals a crash cut short
     removed = []
@@ -134,9 +170,16 @@ def retire_checkpoints(storage: Storage, save_dir: str, *, keep_last: int,
         logger.warning("async checkpoint: %s is not a committed checkpoint of %s: checkpoints "
                        "that never committed are left there", committed_now, save_dir)
     unloadable = [] if before is None else sorted(n for n, changed in abandoned.items() if changed < before)
+    candidates = [CheckpointInfo(name, step_of(name), True) for name in _newest_first(committed)] + \
+                 [CheckpointInfo(name, step_of(name), False) for name in unloadable]
+    kept = policy.should_keep(candidates)
+    if len(kept) != len(candidates):
+        raise ValueError(f"retire_checkpoints: {policy!r} answered {len(kept)} times for "
+                         f"{len(candidates)} checkpoints")
     linked = linked_checkpoints(save_dir)
-    for name in _newest_first(committed)[keep_last:] + unloadable:
-        if (keep is not None and keep(name)) or name in linked:
+    for candidate, keep_it in zip(candidates, kept):
+        name = candidate.name
+        if keep_it or name in linked:
             continue
         path = os.path.join(save_dir, name)
         with lock:
