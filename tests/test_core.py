@@ -1741,7 +1741,7 @@ def test_a_save_directory_is_unlocked_once_saves_go_elsewhere(tmp_path, held_cop
     checkpointer kept each one's lock file open until close(), one descriptor per save, and a
     long run failed with "Too many open files" (found by a review, session 22). A directory is
     unlocked once a save begins elsewhere and none of its own is still in flight."""
-    from deepspeed_async_ckpt import commit as commit_module
+    from deepspeed_async_ckpt.commit import claims as commit_module
 
     def fds():
         return len(os.listdir("/proc/self/fd"))
@@ -1807,7 +1807,7 @@ def test_a_close_interrupted_while_a_commit_runs_keeps_the_save_directory_locked
     still to write its manifest and pointer, so another job could start sweeping the directory
     under it (noticed in session 19). The lock now stays until the process ends."""
     from deepspeed_async_ckpt import checkpointer as checkpointer_module
-    from deepspeed_async_ckpt import commit as commit_module
+    from deepspeed_async_ckpt.commit import claims as commit_module
 
     root = str(tmp_path)
     release = threading.Event()
@@ -2248,7 +2248,7 @@ def test_packed_file_is_checksummed_per_archive_and_a_partial_load_checks_only_w
     without the optimizer state) hashes only those, and a flipped byte elsewhere is found by
     the full check, naming its range. Earlier versions gave a packed file one checksum, so such
     a load hashed every optimizer byte too."""
-    from deepspeed_async_ckpt import commit as commit_mod
+    from deepspeed_async_ckpt.commit import verify as commit_mod
 
     torch.manual_seed(2)
     parts = [(str(k), torch.randn(2000 + 500 * k)) for k in range(4)]
@@ -2373,7 +2373,7 @@ def test_verify_all_ranks_always_reaches_the_exchange_and_load_then_skips_the_fi
     """Whatever goes wrong on a rank (a missing file here), it still takes part in the exchange
     (or the other ranks would hang in it) and raises naming the file; once a checkpoint
     verified, load() does not hash its files again, until the checkpoint is saved anew."""
-    import deepspeed_async_ckpt.commit as commit_module
+    import deepspeed_async_ckpt.commit.verify as commit_module
 
     calls = []
 
@@ -2429,7 +2429,7 @@ def test_a_rank_with_nothing_to_load_still_takes_part_in_the_check(tmp_path):
 def test_verify_all_ranks_for_a_partial_load_checks_only_its_files_and_load_checks_the_rest(tmp_path):
     """A load that reads only some files (DeepSpeed's ``load_optimizer_states=False`` under
     ZeRO) hashes only those; a file left out is still checked if it is loaded after all."""
-    from deepspeed_async_ckpt import commit as commit_mod
+    from deepspeed_async_ckpt.commit import verify as commit_mod
 
     ck, d = make(), str(tmp_path / "t1")
     ck.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
@@ -3328,7 +3328,7 @@ def test_commit_comes_within_a_sixteenth_of_the_wait_after_the_last_record(tmp_p
         time = staticmethod(time.time)
 
     clock, d = Clock(), str(tmp_path / "t1")
-    monkeypatch.setattr(commit_mod, "time", clock)
+    monkeypatch.setattr(commit_mod.protocol, "time", clock)
     seen = {}
 
     class LateRank(LocalStorage):
@@ -3474,7 +3474,7 @@ def test_keep_last_never_removes_the_checkpoint_the_pointer_names_after_the_cloc
     import deepspeed_async_ckpt.commit as commit_mod
 
     clock = {"t": 1_000_000.0}
-    monkeypatch.setattr(commit_mod, "time", types.SimpleNamespace(
+    monkeypatch.setattr(commit_mod.protocol, "time", types.SimpleNamespace(
         time=lambda: clock["t"], monotonic=time.monotonic, sleep=time.sleep, perf_counter=time.perf_counter))
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=1))
     root = str(tmp_path)
@@ -4975,7 +4975,7 @@ def test_a_shared_file_whose_directory_cannot_be_made_stays_saved(tmp_path):
 def test_verify_with_an_unreadable_manifest_exits_with_a_message(tmp_path, capsys, monkeypatch):
     """A manifest the user may not read (another user's checkpoint) gave a PermissionError
     traceback from `verify` (exit 1 from Python, as for a corrupt checkpoint)."""
-    import deepspeed_async_ckpt.commit as commit
+    import deepspeed_async_ckpt.commit.manifest as commit
 
     ck = make()
     save_one(ck, str(tmp_path), sample_state())

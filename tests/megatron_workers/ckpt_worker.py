@@ -308,7 +308,7 @@ def hashed_bytes_of_loads(r: Rank, ckpt_dir: str) -> dict[str, int]:
     load without the optimizer state (``--no-load-optim``, a fine-tuning start), before one
     where the ranks request different parts, and told only to skip the optimizer state (the
     Megatron-LM hook, which never sees the request)."""
-    import deepspeed_async_ckpt.commit as commit
+    import deepspeed_async_ckpt.commit.verify as commit
 
     real, hashed = commit.hash_ranges, {}
 

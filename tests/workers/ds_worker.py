@@ -152,7 +152,7 @@ def phase_save(args):
 
 def count_hashed_bytes():
     """Bytes this rank hashes to verify checkpoint files on load, in ``counter["bytes"]``."""
-    import deepspeed_async_ckpt.commit as commit
+    import deepspeed_async_ckpt.commit.verify as commit
 
     counter, hash_ranges = {"bytes": 0}, commit.hash_ranges
 

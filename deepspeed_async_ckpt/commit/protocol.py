@@ -1,0 +1,212 @@
+"""The commit: per-rank records -> manifest -> pointer, on rank 0.
+
+Every rank writes its record once its files are durable (:mod:`.records`); rank 0's
+:func:`commit` waits for all of them, joins the files written in shares, writes the manifest
+(the commit itself), swaps a re-saved checkpoint in (:mod:`.replace`) and only then replaces
+the pointer (DeepSpeed's ``latest``, Megatron's ``latest_checkpointed_iteration.txt``) by
+write-to-temp, fsync, rename. A crash at any moment therefore leaves the pointer on the
+previous, complete checkpoint. Retention runs after the pointer moved (:mod:`.retention`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from typing import Sequence
+
+from ..errors import CommitError, DurabilityError
+from ..storage import Storage, temporary_path
+from .atomic import write_text_atomic
+from .layout import FORMAT, MANIFEST, META_DIR, STAGING_PREFIX, Pointer
+from .manifest import holds_save, manifest_problem
+from .records import failure_record_path, rank_record_path, read_rank_record
+from .replace import carry_over_listed, replace_checkpoint
+
+#: Rank 0 polls for the ranks' records at once, then again after a wait of 1/16 of the time it
+#: has waited so far, at least ``_POLL_MIN_S`` and at most ``_POLL_MAX_S``: the commit comes
+#: at most about 6% (and 1 ms) after the last rank's record, or ``_POLL_MAX_S`` once it has
+#: waited 0.8 s. Each poll is one directory listing whatever the world size: about 16 polls
+#: per doubling of the wait, 20 a second after that.
+_POLL_MIN_S = 0.001
+_POLL_FRACTION = 1 / 16
+_POLL_MAX_S = 0.05
+
+
+def poll_delay(waited_s: float) -> float:
+    """How long rank 0 sleeps before its next look for the ranks' records, having waited
+    ``waited_s`` seconds for them so far."""
+    return min(_POLL_MAX_S, max(_POLL_MIN_S, waited_s * _POLL_FRACTION))
+
+
+def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
+           checksum: str, timeout_s: float, pointer: Pointer | None,
+           replaces: str | None = None, late_files: Sequence[str] = (),
+           rotation: bool = True) -> dict:
+    """Rank 0: wait for every rank's record, write the manifest, swap ``ckpt_dir`` in for
+    ``replaces`` if given (a staging directory, see :func:`.replace.replace_checkpoint`), then
+    move the pointer. If the commit fails, the files the replicas were writing in shares are
+    removed (a rank's own temporary files are removed by that rank). ``late_files``: files the
+    caller writes after the commit (see :func:`.manifest.record_late_files`), listed in the
+    manifest so that verification requires them. ``rotation=False``: a save that moves no
+    pointer (DeepSpeed's ``save_latest=False``), which retention must leave alone (see
+    :func:`.retention.retire_checkpoints`)."""
+    try:
+        manifest = _commit(storage, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
+                           checksum=checksum, timeout_s=timeout_s, late_files=late_files,
+                           rotation=rotation, replaces=replaces)
+    except (CommitError, OSError):  # OSError: a share's rename, the records' listing
+        suffix = temporary_path("", save_id)
+        # at any depth: a file saved in a subdirectory (os.walk of a missing directory, staged
+        # with no rank yet writing, yields nothing)
+        for top, _, names in os.walk(ckpt_dir):
+            for name in names:
+                if name.endswith(suffix):
+                    try:
+                        os.unlink(os.path.join(top, name))
+                    except OSError:
+                        pass
+        raise
+    parent = os.path.dirname(os.path.abspath(ckpt_dir))
+    try:
+        if replaces is not None:  # the exchange syncs the directory holding both names
+            replace_checkpoint(storage, ckpt_dir, replaces, save_id=save_id)
+        elif pointer is None or os.path.dirname(os.path.abspath(pointer.path)) != parent:
+            # The checkpoint's own entry (renamed into place without fsync by
+            # make_checkpoint_dir) is made durable by the pointer's update when the pointer
+            # lies beside it; else here, before any pointer elsewhere names it.
+            storage.sync_dir(parent)
+        if pointer is not None:
+            write_text_atomic(storage, pointer.path, pointer.text)
+    except OSError as exc:
+        raise after_the_manifest(exc, ckpt_dir, replaces, tag, save_id, pointer,
+                                  finished_later=bool(late_files)) from exc
+    return manifest
+
+
+def after_the_manifest(exc: OSError, written: str, replaces: str | None, tag: str, save_id: str,
+                        pointer: Pointer | None, *, finished_later: bool) -> BaseException:
+    """What a failure after the manifest was written means, from what is on disk: if the new
+    checkpoint is where loads look (a re-save's exchange done; the pointer's rename done, its
+    fsync failed; no pointer to move), a :class:`DurabilityError` saying so, since "the last
+    committed one is intact" would be false; else ``exc`` (nothing a load sees changed). Not
+    for a checkpoint its caller finishes after the commit (``late_files``: Megatron's markers,
+    then its swap and tracker), which a failure here leaves unfinished, wherever it is; the
+    caller asks again for its own last steps (``finished_later=False``: the Megatron adapter's
+    swap and tracker, once its markers are recorded)."""
+    target = replaces or written
+    if finished_later or os.path.basename(target).startswith(STAGING_PREFIX):
+        return exc
+    if replaces is not None and not os.path.lexists(replaces) and holds_save(written, save_id):
+        # two renames (no exchange): the old one moved to the trash, then this one failed
+        return DurabilityError(f"checkpoint {replaces!r} (tag {tag}) is committed, at {written!r}, "
+                               f"but renaming it into place failed: {exc}: the next load or save "
+                               "renames it there (the checkpoint it replaces is gone)")
+    if not holds_save(target, save_id):
+        return exc
+    named = False
+    if pointer is not None:
+        try:
+            with open(pointer.path, encoding="utf-8") as f:
+                named = f.read() == pointer.text
+        except (OSError, ValueError):  # unreadable: not known to name it
+            pass
+    if not (replaces is not None or named or pointer is None):  # a new tag the pointer does not name
+        return exc
+    where = (f"and {pointer.path} names it" if named else
+             "no pointer names it" if pointer is None else f"but {pointer.path} was not moved to it")
+    return DurabilityError(f"checkpoint {target!r} (tag {tag}) is committed and in place, {where}, "
+                           f"but a step after that failed: {exc}: it loads now, yet a crash may "
+                           "undo it (then the previous checkpoint is what a load finds)",
+                           pointer_moved=named)
+
+
+def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
+            checksum: str, timeout_s: float, late_files: Sequence[str] = (),
+            rotation: bool = True, replaces: str | None = None) -> dict:
+    start = time.monotonic()
+    deadline = start + timeout_s
+    meta = os.path.join(ckpt_dir, META_DIR)
+    paths = {r: rank_record_path(ckpt_dir, r, save_id) for r in range(world_size)}
+    # What each rank leaves in ``meta``: its record, or a failure record (names built once).
+    done = {r: os.path.basename(p) for r, p in paths.items()}
+    failure = {r: os.path.basename(failure_record_path(ckpt_dir, r, save_id)) for r in paths}
+    missing = sorted(paths)
+    while True:
+        try:
+            names = set(storage.listdir(meta))
+        except FileNotFoundError:
+            names = set()
+        missing = [r for r in missing if done[r] not in names]
+        if not missing:
+            break
+        failed = [r for r in missing if failure[r] in names]
+        if failed:
+            with open(failure_record_path(ckpt_dir, failed[0], save_id), encoding="utf-8") as f:
+                reason = f.read()
+            raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank(s) "
+                              f"{_ranges(failed)} failed to persist their part ({reason})")
+        if time.monotonic() > deadline:
+            raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank(s) "
+                              f"{_ranges(missing)} did not finish persisting within "
+                              f"{timeout_s:.0f} s (async_checkpoint.commit_timeout_s)")
+        time.sleep(poll_delay(time.monotonic() - start))
+    files: dict[str, dict] = {}
+    ranks: dict[str, list[str]] = {}
+    writer: dict[str, int] = {}  # file -> the first rank whose record has it
+    for r, p in paths.items():
+        record = read_rank_record(p, r, save_id=save_id, checksum=checksum, ckpt_dir=ckpt_dir, tag=tag)
+        for rel, entry in record["files"].items():
+            if rel not in files:
+                files[rel], writer[rel] = entry, r
+            elif "tmp" in entry and "tmp" in files[rel]:  # another share of a file seen already
+                files[rel]["segments"] += entry["segments"]
+            elif entry != files[rel]:  # (equal: the same bytes, whichever rename came last)
+                # two ranks wrote different bytes to one name: the manifest would describe one
+                # of them and the file on disk may be the other's, failing every load
+                raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: ranks "
+                                  f"{writer[rel]} and {r} both wrote {rel}, with different "
+                                  "contents; each file must be saved by one rank")
+        ranks[str(r)] = sorted(record["files"])
+    _join_shares(storage, ckpt_dir, files, tag)
+    carried = carry_over_listed(storage, replaces, ckpt_dir, files, checksum) if replaces else []
+    manifest = {"format": FORMAT, "tag": tag, "save_id": save_id, "world_size": world_size,
+                "checksum": checksum, "committed_at": time.time(), "files": files, "ranks": ranks}
+    if carried:
+        manifest["carried"] = carried
+    if late_files:
+        manifest["late_files"] = sorted(late_files)
+    if not rotation:  # absent means in the rotation
+        manifest["rotation"] = False
+    problem = manifest_problem(manifest)  # what every reader would refuse: never committed
+    if problem:
+        raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: its manifest would "
+                          f"be damaged: {problem}")
+    write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
+                      json.dumps(manifest, indent=1, sort_keys=True))
+    return manifest
+
+
+def _join_shares(storage: Storage, ckpt_dir: str, files: dict[str, dict], tag: str) -> None:
+    """Files written in shares by several ranks: check that the shares cover each file, end to
+    end, then rename it from its temporary name (what no rank could do alone: each knows only
+    that its own share is durable)."""
+    for rel, entry in sorted(files.items()):
+        if "tmp" not in entry:  # written whole by one rank
+            continue
+        entry["segments"].sort()
+        at = 0
+        for offset, length, _ in entry["segments"]:
+            if offset != at:
+                raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: {rel} "
+                                  f"has {'no share for' if offset > at else 'overlapping shares at'} "
+                                  f"bytes {min(at, offset)}-{max(at, offset)}")
+            at = offset + length
+        if at != entry["bytes"]:
+            raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: {rel} has no "
+                              f"share for bytes {at}-{entry['bytes']}")
+        storage.replace(os.path.join(ckpt_dir, entry.pop("tmp")), os.path.join(ckpt_dir, rel))
+
+
+def _ranges(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks[:16])) + (f" and {len(ranks) - 16} more" if len(ranks) > 16 else "")

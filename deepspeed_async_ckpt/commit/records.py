@@ -1,0 +1,104 @@
+"""Per-rank records: how each rank tells rank 0 that its part of a save is durable, or failed.
+
+Every rank (writer or not) writes ``.async_ckpt/rank_NNNNN.<save_id>.json`` once all of its
+files for a save are durable (:func:`write_rank_record`), or ``rank_NNNNN.<save_id>.failed``
+if its part failed (:func:`write_rank_failure`). Rank 0's commit (:func:`.protocol.commit`)
+waits for them and reads them back (:func:`read_rank_record`). Records are exchanged through
+the checkpoint directory itself (which rank 0 must see, as DeepSpeed's own ``latest`` already
+assumes), so no collective ever runs on a background thread.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Iterable
+
+from ..errors import CommitError
+from ..persist import FileRecord
+from ..storage import Storage
+from .atomic import write_text_atomic
+from .layout import META_DIR
+from .manifest import is_segment
+
+
+def rank_record_path(ckpt_dir: str, rank: int, save_id: str) -> str:
+    """Where rank ``rank`` records that its part of save ``save_id`` is durable."""
+    return os.path.join(ckpt_dir, META_DIR, f"rank_{rank:05d}.{save_id}.json")
+
+
+def failure_record_path(ckpt_dir: str, rank: int, save_id: str) -> str:
+    """Where rank ``rank`` records that its part of save ``save_id`` failed."""
+    return os.path.join(ckpt_dir, META_DIR, f"rank_{rank:05d}.{save_id}.failed")
+
+
+def write_rank_failure(storage: Storage, ckpt_dir: str, *, rank: int, save_id: str, message: str) -> None:
+    """Called by a rank whose part of a save failed, so rank 0 abandons the commit at once
+    instead of waiting ``commit_timeout_s`` for a record that will never come."""
+    storage.makedirs(os.path.join(ckpt_dir, META_DIR))
+    write_text_atomic(storage, failure_record_path(ckpt_dir, rank, save_id), message, durable=False)
+
+
+def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: str,
+                      checksum: str, files: Iterable[FileRecord]) -> None:
+    """Called by every rank (writer or not) once all of its files for this save are durable.
+
+    The record is published (written whole, then renamed into place) but not fsynced: rank 0
+    copies every record into the manifest, which is made durable before the pointer moves, so
+    a record a crash loses belongs to a save that was not committed anyway. Two fsyncs fewer
+    on every rank's way to the commit (1.7 -> 0.1 ms for this step on this VM's disk)."""
+    storage.makedirs(os.path.join(ckpt_dir, META_DIR))
+    entries = {}
+    for r in files:
+        rel = os.path.relpath(r.path, ckpt_dir)
+        if r.segment is not None:  # a share of a file: its bytes, and where all shares went
+            entries[rel] = {"bytes": r.nbytes, "segments": [[*r.segment, r.checksum]],
+                            "tmp": os.path.relpath(r.tmp, ckpt_dir)}
+            continue
+        if r.parts is not None:  # a packed file: where each archive lies, and its checksum
+            entries[rel] = {"bytes": r.nbytes, "parts": {n: list(s) for n, s in r.parts.items()},
+                            "segments": [list(s) for s in r.part_checksums]}
+            continue
+        entries[rel] = {"bytes": r.nbytes, checksum: r.checksum}
+    record = {"rank": rank, "save_id": save_id, "checksum": checksum, "files": entries}
+    write_text_atomic(storage, rank_record_path(ckpt_dir, rank, save_id), json.dumps(record, indent=1),
+                      durable=False)
+
+
+def read_rank_record(path: str, rank: int, *, save_id: str, checksum: str, ckpt_dir: str,
+                     tag: str) -> dict:
+    """Rank 0: rank ``rank``'s record at ``path``, as :func:`write_rank_record` writes it; a
+    record that is not (damaged, or another version's) is a ``CommitError`` naming it and the
+    rank, before anything of it reaches the manifest."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            record = json.load(f)
+        problem = _record_problem(record, rank, save_id, checksum)
+    except (OSError, ValueError) as exc:  # unreadable; not JSON (ValueError), not UTF-8
+        problem = f"{type(exc).__name__}: {exc}"
+    if problem:
+        raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank {rank}'s record "
+                          f"{path} is damaged: {problem}")
+    return record
+
+
+def _record_problem(record: object, rank: int, save_id: str, checksum: str) -> str | None:
+    if not isinstance(record, dict) or not isinstance(record.get("files"), dict):
+        return "no 'files' object"
+    for key, want in (("rank", rank), ("save_id", save_id), ("checksum", checksum)):
+        if record.get(key) != want or type(record.get(key)) is not type(want):
+            return f"{key} {record.get(key)!r}, expected {want!r}"
+    for rel, entry in record["files"].items():
+        if os.path.isabs(rel) or os.pardir in rel.split("/") or not rel:
+            return f"file {rel!r} is outside the checkpoint"
+        if not isinstance(entry, dict) or type(entry.get("bytes")) is not int or entry["bytes"] < 0:
+            return f"file {rel!r} has no size"
+        segments = entry.get("segments", [])
+        if not isinstance(segments, list) or not all(is_segment(seg) for seg in segments):
+            return f"file {rel!r} has malformed segments"
+        if "segments" not in entry and not isinstance(entry.get(checksum), str):
+            return f"file {rel!r} has no {checksum} checksum"
+        if "tmp" in entry and not (isinstance(entry["tmp"], str) and segments
+                                   and not os.path.isabs(entry["tmp"]) and os.pardir not in entry["tmp"].split("/")):
+            return f"file {rel!r}: a share without its temporary name or segment"
+    return None

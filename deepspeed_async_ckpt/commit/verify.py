@@ -1,0 +1,112 @@
+"""Load-time verification: a checkpoint's files against its manifest's sizes and checksums.
+
+Any rank calls these before a load. :func:`verify_checkpoint` splits the work among the ranks
+(each checks its share of the files and segments, together every byte once), and rank 0 also
+checks the late files (:data:`.layout.LATE_FILES`). :func:`verify_file` checks one file, as a
+load of just that file does.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Callable, Iterable, Sequence
+
+from ..errors import IntegrityError
+from ..persist import HASHERS, hash_ranges
+from .layout import LATE_FILES, META_DIR, find_checkpoint_dir
+from .manifest import manifest_problem, read_json, read_manifest
+
+
+def verify_file(path: str, manifest: dict | None = None, segment: int | Sequence[int] | None = None,
+                *, ckpt_dir: str | None = None) -> None:
+    """Check one file against the committed manifest of its checkpoint; raises IntegrityError
+    naming the file. Files outside any checkpoint of ours are not checked. ``segment``: check
+    only that segment, or those, of a file checksummed in segments (a file the replicas wrote
+    in shares, a packed file's archives), and the file's size."""
+    ckpt_dir = ckpt_dir or find_checkpoint_dir(path)
+    if ckpt_dir is None:
+        return
+    manifest = manifest or read_manifest(ckpt_dir)
+    rel = os.path.relpath(os.path.abspath(path), ckpt_dir)
+    entry = manifest["files"].get(rel)
+    if entry is None:
+        raise IntegrityError(f"{path} is not listed in the manifest of checkpoint {ckpt_dir!r}")
+    algorithm = manifest["checksum"]
+    if algorithm not in HASHERS:
+        raise IntegrityError(f"manifest of checkpoint {ckpt_dir!r} uses checksum {algorithm!r}, "
+                             f"which this version cannot compute (it knows {', '.join(HASHERS)})")
+    # [offset, length, checksum] of each part checksummed on its own: the whole file, each
+    # share of a file the replicas wrote in shares, or each archive of a packed file
+    segments = entry.get("segments") or [[0, None, entry.get(algorithm)]]
+    if segment is not None:
+        segments = [segments[i] for i in ([segment] if isinstance(segment, int) else segment)]
+    try:
+        size = os.path.getsize(path)
+        if size == entry["bytes"]:
+            hashed = hash_ranges(path, algorithm, [(offset, length) for offset, length, _ in segments])
+    except OSError as exc:  # missing, unreadable: as bad as a wrong checksum
+        raise IntegrityError(f"{path}: listed in the manifest of checkpoint {ckpt_dir!r} but "
+                             f"cannot be read: {exc}") from exc
+    if size != entry["bytes"]:
+        raise IntegrityError(f"{path}: size {size} bytes, manifest says {entry['bytes']}: file truncated or replaced")
+    for (offset, length, expected), (n, digest) in zip(segments, hashed):
+        where = "" if length is None else f" (bytes {offset}-{offset + length})"
+        if n != (size if length is None else length):  # changed while it was read
+            raise IntegrityError(f"{path}: read {n} bytes{where}, expected {length or size}: file truncated")
+        if algorithm != "none" and digest != expected:
+            raise IntegrityError(f"{path}: {algorithm} {digest}{where} does not match manifest "
+                                 f"{expected}: file corrupted")
+
+
+def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
+                      manifest: dict | None = None,
+                      include: Callable[[str], bool] | None = None,
+                      reads: Callable[[str], Iterable[tuple[int, int]] | None] | None = None) -> dict:
+    """Verify the files of a committed checkpoint (against ``manifest`` if already read);
+    returns its manifest. With ``world_size`` ranks each verifying its share, rank ``r``
+    checks the units ``r, r + world_size, ...`` of the manifest, a unit being a file or one
+    share of a file the replicas wrote in shares (so the largest file, which every replica
+    loads, is read by as many ranks as wrote it), and together they read every byte once.
+    ``include``: check only the files (by path within the checkpoint) it accepts, those a
+    partial load reads. ``reads``: the (offset, length) ranges a load reads in a file, None
+    for all of it; of a packed file, only the archives holding those are checked."""
+    manifest = manifest or read_manifest(ckpt_dir)
+    units: list[tuple[str, int | list[int] | None]] = []
+    for rel, entry in sorted(manifest["files"].items()):
+        if include is not None and not include(rel):
+            continue
+        if "parts" in entry and "segments" in entry:  # packed: one unit, the archives read
+            # (a packed file listed with one checksum for the whole file is checked whole below)
+            wanted = None if reads is None else reads(rel)
+            chosen = [i for i, (offset, length, _) in enumerate(entry["segments"])
+                      if wanted is None or any(o < offset + length and offset < o + n for o, n in wanted)]
+            if chosen:
+                units.append((rel, chosen))
+        else:
+            units += [(rel, i if "segments" in entry else None)
+                      for i in range(len(entry.get("segments", [None])))]
+    for rel, segment in units[rank::world_size]:
+        verify_file(os.path.join(ckpt_dir, rel), manifest, segment, ckpt_dir=ckpt_dir)
+    if rank == 0:  # a few small files, which every load reads
+        _verify_late_files(ckpt_dir, manifest)
+    return manifest
+
+
+def _verify_late_files(ckpt_dir: str, manifest: dict) -> None:
+    names = manifest.get("late_files")
+    if not names:
+        return
+    path = os.path.join(ckpt_dir, META_DIR, LATE_FILES)
+    try:
+        files = read_json(ckpt_dir, path, "the record of its late files")
+    except FileNotFoundError:
+        raise IntegrityError(f"checkpoint {ckpt_dir!r} was committed but never finalized "
+                             f"({', '.join(names)} not recorded): load the one the pointer "
+                             "names") from None
+    with_late = dict(manifest, files=files)
+    problem = manifest_problem(with_late)
+    if problem or sorted(files) != sorted(names):
+        raise IntegrityError(f"checkpoint {ckpt_dir!r}: {path} is damaged: "
+                             f"{problem or f'it records {sorted(files)}, not {sorted(names)}'}")
+    for rel in names:
+        verify_file(os.path.join(ckpt_dir, rel), with_late, ckpt_dir=ckpt_dir)
