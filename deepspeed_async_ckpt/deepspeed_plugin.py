@@ -14,7 +14,7 @@ It holds no I/O logic. What it translates (checked against DeepSpeed 0.19.8's so
   rank's share of the state and faulted in, in the background, ahead of the first save.
 - ``is_data_parallel_writer`` says yes for every data-parallel replica (without ZeRO-3, MoE or
   node-local storage), so each is handed the model-states file and writes a share of it
-  (:class:`~.checkpointer.Replicas`); with ``split_replicated_files`` off, only the first
+  (:class:`~.core.Replicas`); with ``split_replicated_files`` off, only the first
   replica writes it, as DeepSpeed's own engine does.
 - ``save_checkpoint`` is wrapped to seal the checkpoint when DeepSpeed's save returns and to
   freeze ``client_state`` eagerly (in sync mode it also holds a failed write, and rank 0's
@@ -47,7 +47,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from deepspeed.utils import logger as ds_logger
 
 from . import hf_trainer
-from .checkpointer import (AsyncCheckpointer, CommitInfo, Replicas, by_rank, exchange_across_ranks,
+from .core import (AsyncCheckpointer, CommitInfo, Replicas, by_rank, exchange_across_ranks,
                            only_durability)
 from .commit import Pointer, check_name
 from .config import CONFIG_KEY, AsyncCheckpointConfig
@@ -668,7 +668,7 @@ _EDITORS: dict[tuple[Any, str], Any] = {}
 
 def patch_weight_editors() -> None:
     """Make DeepSpeed's own in-place weight edits outside the optimizer step fence first
-    (:func:`~.checkpointer.fence_all`), so a save's lazy copies are done before them:
+    (:func:`~.core.fence_all`), so a save's lazy copies are done before them:
 
     - ``DeepSpeedHybridEngine._fuse_lora_layer``: ``generate()`` (RLHF rollouts) adds the
       LoRA product into the frozen base weights (``weight.data += scaling * A @ B``), then
@@ -680,7 +680,7 @@ def patch_weight_editors() -> None:
     Idempotent; called when an engine is built (DeepSpeed is fully imported by then)."""
     if _EDITORS:
         return
-    from .checkpointer import fence_all
+    from .core import fence_all
 
     targets = []
     try:

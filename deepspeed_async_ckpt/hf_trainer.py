@@ -123,7 +123,7 @@ def _inside(path: str, real_root: str) -> bool:
 
 
 def _being_saved(path: str) -> bool:
-    checkpointer = sys.modules.get(f"{__package__}.checkpointer")
+    checkpointer = sys.modules.get(f"{__package__}.core.lifecycle")
     if checkpointer is None:  # no checkpointer was ever made in this process
         return False
     real = os.path.realpath(path)
@@ -232,7 +232,7 @@ def _remove_later(checkpointer: Any, path: str) -> bool:
 
 
 def _async_checkpointer_of_process() -> Any:
-    checkpointer = sys.modules.get(f"{__package__}.checkpointer")
+    checkpointer = sys.modules.get(f"{__package__}.core.lifecycle")
     if checkpointer is None:
         return None
     return next((c for c in checkpointer.open_checkpointers() if c.config.is_async), None)
@@ -381,7 +381,7 @@ def _async_checkpointer(trainer: Any) -> Any:
         return None
     engine = getattr(getattr(trainer, "deepspeed", None), "checkpoint_engine", None)
     checkpointer = getattr(engine, "checkpointer", None)
-    from .checkpointer import AsyncCheckpointer
+    from .core import AsyncCheckpointer
 
     if not isinstance(checkpointer, AsyncCheckpointer) or checkpointer._closed \
             or not checkpointer.config.is_async:
@@ -393,7 +393,7 @@ def safe_save_file(tensors: dict, filename: str, metadata: dict | None = None, *
                    **kwargs: Any) -> Any:
     """``safetensors.torch.save_file`` as ``transformers.modeling_utils`` calls it from
     ``save_pretrained``. Inside :func:`save_model` for a checkpoint, the file is written by
-    the engine's writers (:meth:`~.checkpointer.AsyncCheckpointer.write_beside`), whole or not
+    the engine's writers (:meth:`~.core.AsyncCheckpointer.write_beside`), whole or not
     at all, byte for byte what that function writes, but with direct I/O
     (:func:`~.persist.write_safetensors`), and the DeepSpeed checkpoint that Trainer saves
     next into the same directory commits only once it is durable. The tensors are accelerate's
@@ -511,7 +511,7 @@ def _owner(module: str, owner: str | None) -> Any:
 
 
 def _wait_beside(path: str) -> None:
-    checkpointer = sys.modules.get(f"{__package__}.checkpointer")
+    checkpointer = sys.modules.get(f"{__package__}.core.lifecycle")
     if checkpointer is not None:
         checkpointer.wait_beside(path)
 
@@ -521,7 +521,7 @@ def wait_for_saves_in(path: str, strict: bool = False, before: str = "going on")
     holding them) are committed or have failed. A failure is raised at the next save, as
     always; with ``strict``, also here (:func:`_raise_failure`), for callers that do something
     next that cannot wait for that save (an upload, the end of training)."""
-    checkpointer = sys.modules.get(f"{__package__}.checkpointer")
+    checkpointer = sys.modules.get(f"{__package__}.core.lifecycle")
     if checkpointer is None:
         return
     checkpointer.wait_beside(path)  # the saves into path wait for them too; pushes of other kinds
@@ -537,7 +537,7 @@ def wait_for_saves_in(path: str, strict: bool = False, before: str = "going on")
 def _raise_failure(path: str, before: str, exports_only: bool = False, directly_in: bool = False) -> None:
     """Raise a :class:`~.errors.PersistError` if this process's last save into ``path`` (or
     under it; ``directly_in``: its checkpoints directly in ``path``) failed, or the weights
-    export into it (:meth:`~.checkpointer.AsyncCheckpointer.write_beside`), waiting for the
+    export into it (:meth:`~.core.AsyncCheckpointer.write_beside`), waiting for the
     exports; ``exports_only``: only those. Only failures the engine has not reported yet
     count (one it raised at a save or ``wait`` was dealt with). The error stays the engine's
     too (raised at its next save or ``close``). Until session 30 the callers waited and went
@@ -545,7 +545,7 @@ def _raise_failure(path: str, before: str, exports_only: bool = False, directly_
     just-in-time checkpoint, and training ended with the error only on stderr at exit."""
     from .errors import PersistError, describe
 
-    module = sys.modules.get(f"{__package__}.checkpointer")
+    module = sys.modules.get(f"{__package__}.core.lifecycle")
     if module is None:
         return
     real = os.path.realpath(path)
