@@ -366,16 +366,16 @@ def test_fence_copies_from_the_back_while_a_slow_copier_works_from_the_front(tmp
     state = {f"w{i}": torch.randn(128, 128) for i in range(8)}
     expected = {k: v.clone() for k, v in state.items()}
     ck = make()
-    if ck._stager.use_cuda != cuda:  # the other machine's stager
+    if ck._files.stager.use_cuda != cuda:  # the other machine's stager
         if cuda:  # as with CUDA, its stream never used (host sources only)
             monkeypatch.setattr(torch.cuda, "Stream", lambda: object())
             monkeypatch.setattr(Stager, "ready_event", lambda self: None)
-        ck._stager.close()
-        ck._stager = Stager(ck.pool, use_cuda=cuda)
+        ck._files.stager.close()
+        ck._files.stager = Stager(ck.pool, use_cuda=cuda)
     save_one(ck, str(tmp_path), state, eager=())
     others = 7 * 128 * 128 * 4
     watcher = threading.Thread(target=lambda: (
-        [time.sleep(0.01) for _ in range(1000) if ck._stager.fence_copied_bytes < others],
+        [time.sleep(0.01) for _ in range(1000) if ck._files.stager.fence_copied_bytes < others],
         release.set()))
     watcher.start()
     ck.fence()
@@ -385,7 +385,7 @@ def test_fence_copies_from_the_back_while_a_slow_copier_works_from_the_front(tmp
     ck.wait()
     ck.close()
     assert not timed_out, "the fence left every copy to the copier"
-    assert ck._stager.fence_copied_bytes == others
+    assert ck._files.stager.fence_copied_bytes == others
     assert_same(torch.load(tmp_path / "t1" / "model.pt", weights_only=True), expected)
 
 
@@ -1617,7 +1617,7 @@ def test_a_ctrl_c_between_the_fences_claim_and_its_copy_fails_the_save_not_the_n
     from deepspeed_async_ckpt.snapshot import Stager
 
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05))
-    stager = ck._stager
+    stager = ck._files.stager
     stage, copy = stager.stage, Stager._copy
     slow = threading.Event()
     monkeypatch.setattr(stager, "stage", lambda item, ready=None, expected_bytes=0:
@@ -1932,7 +1932,7 @@ def test_a_checkpointer_made_in_a_child_forked_after_cuda_init_does_without_cuda
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     ck = make()
-    assert not ck.pool.pin and not ck._stager.use_cuda
+    assert not ck.pool.pin and not ck._files.stager.use_cuda
     save_one(ck, str(tmp_path), sample_state())
     ck.fence()
     ck.wait()
@@ -2067,7 +2067,7 @@ def test_saves_waited_for_without_a_fence_leave_nothing_queued_for_one(tmp_path)
     for step in range(20):
         save_one(ck, str(tmp_path), {f"w{i}": torch.randn(64) for i in range(10)}, tag=f"t{step}", eager=())
         ck.wait()
-    left = len(ck._stager._pending)
+    left = len(ck._files.stager._pending)
     ck.close()
     assert left == 0
 
@@ -3493,7 +3493,7 @@ def test_keep_last_never_removes_the_checkpoint_the_pointer_names_after_the_cloc
     save("s2", 1_000_100)
     ck.wait()
     gate = threading.Event()
-    ck._later(gate.wait)  # the retention thread is busy until s4 has committed
+    ck._retention.later(gate.wait)  # the retention thread is busy until s4 has committed
     save("s3", 999_500)  # ten minutes back
     save("s4", 999_600)
     gate.set()
@@ -4525,7 +4525,7 @@ def test_close_from_a_commit_callback_stops_everything(tmp_path):
     save_one(ck, str(tmp_path), sample_state())
     ck.wait()
     assert stopped.wait(30)  # the callback's close() has returned
-    assert not errors and ck._closed and not ck._stager._thread.is_alive()
+    assert not errors and ck._closed and not ck._files.stager._thread.is_alive()
 
 
 def test_retention_sees_a_save_that_is_ending_while_it_looks(tmp_path):

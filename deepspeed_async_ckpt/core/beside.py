@@ -16,11 +16,13 @@ import os
 import threading
 import uuid
 from concurrent.futures import Executor, Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, BinaryIO, Callable, Iterable
 
-from ..errors import PersistError, describe
+from ..errors import AsyncCheckpointError, PersistError, describe
 from ..storage import Storage, temporary_path
 from .handle import CheckpointHandle
+from .saves import time_left
 
 
 class _Beside:
@@ -50,8 +52,19 @@ class BesideFiles:
         self._entries: list[_Beside] = []
 
     def write(self, path: str, write: Callable[[BinaryIO], Any]) -> Future:
-        """Write ``path`` on a writer thread: ``write(f)`` writes it whole into a temporary
-        file, which is then made durable and renamed to ``path``."""
+        """Write ``path``, a file of no checkpoint of this engine that sits in a save directory
+        (Hugging Face Trainer's ``model.safetensors`` in ``checkpoint-N``, see
+        :mod:`..hf_trainer`), on a writer thread: ``write(f)`` writes it whole into ``f``, a
+        temporary file opened as this engine opens its own (``Storage.open_write``: direct I/O
+        where it can), which is then made durable (with ``fsync``) and renamed to ``path``, so
+        ``path`` is whole or absent. ``write`` must own what it writes: no fence covers it.
+
+        Until it is durable, its directory counts as being saved into
+        (:func:`~.lifecycle.saving_dirs`), and a save into that directory
+        (``begin(<that directory>/<tag>)``) is not persisted on this rank before it is: its
+        failure is then that save's (raised at the next ``begin`` or ``wait``, on every rank at
+        a ``begin``); otherwise it is raised there itself.
+        ``close`` (and so the exit flush) waits for it."""
         path = os.path.abspath(path)
         entry = _Beside(path, self._writers.submit(self._write, path, write))
         with self._lock:
@@ -102,13 +115,30 @@ class BesideFiles:
         for entry in self.entries(None if directory is None else os.path.realpath(directory)):
             entry.future.exception()  # waits
 
+    def wait_all(self, deadline: float | None, timeout: float | None) -> None:
+        """Wait until every file beside is written or has failed, until ``deadline``
+        (``time.monotonic``); past it, raise naming ``timeout`` (s)."""
+        for entry in self.entries():
+            try:
+                entry.future.exception(time_left(deadline))
+            except FutureTimeout:
+                raise AsyncCheckpointError(f"writing {entry.path} did not finish within {timeout} s") \
+                    from None
+
     def unreported_failures(self, where: Callable[[str, bool], bool], exports_only: bool,
                             unreported: Callable[[], list[BaseException]],
                             history: Iterable[CheckpointHandle]
                             ) -> list[tuple[str, BaseException]]:
-        """See :meth:`AsyncCheckpointer.unreported_failures
-        <.checkpointer.AsyncCheckpointer.unreported_failures>`; ``unreported``: the errors
-        the ledger holds (read after the files beside are waited for), ``history``: the checkpointer's last sealed saves."""
+        """``(path, error)`` of the failures recorded and not yet reported (raised at a
+        ``begin``, ``wait`` or ``close``) of the last save into each checkpoint directory that
+        ``where(ckpt_dir, False)`` accepts, with the files written beside it, and of the files
+        written beside into directories that ``where(directory, True)`` accepts (waiting for
+        those); ``exports_only``: of the files beside alone. A save ended with
+        ``commit=False`` counts as failed. They stay recorded: reported here, they are raised
+        again at the next ``begin``, ``wait`` or ``close`` (see :mod:`..hf_trainer`).
+
+        ``unreported``: the errors the ledger holds (read after the files beside are waited
+        for); ``history``: the checkpointer's last sealed saves."""
         failures: list[tuple[str, BaseException]] = []
         for entry in self.entries():  # not taken yet: not reported
             if where(entry.directory, True) and entry.future.exception() is not None:

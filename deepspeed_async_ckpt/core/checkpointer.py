@@ -32,7 +32,6 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, BinaryIO, Callable, Iterable
 
 import torch
@@ -212,7 +211,7 @@ class AsyncCheckpointer:
         current = self._saves.current
         if current is not None:  # fenced inside a save: its copies must come first
             self._files.seal(current)
-        self._stager.fence()
+        self._files.stager.fence()
         if self.history:
             self.history[-1].fence_wait_s += time.perf_counter() - t0
 
@@ -225,6 +224,7 @@ class AsyncCheckpointer:
         if type(nbytes) is not int or nbytes < 0:
             raise ValueError(f"reserve(nbytes={nbytes!r}): an int >= 0")
         return self.pool.reserve(nbytes)
+
     def wait(self, timeout: float | None = None) -> None:
         """Block until every file written beside (:meth:`write_beside`) is durable, every
         sealed checkpoint is committed and the retention its commit started (``keep_last``) is
@@ -237,46 +237,25 @@ class AsyncCheckpointer:
             if math.isinf(timeout):
                 timeout = None
         deadline = None if timeout is None else time.monotonic() + timeout
-        for entry in self._beside.entries():  # outcome taken below, as a background error
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                entry.future.exception(left)
-            except FutureTimeout:
-                raise AsyncCheckpointError(f"writing {entry.path} did not finish within {timeout} s") \
-                    from None
-        while True:
-            handle = self._saves.oldest_inflight()
-            if handle is None:
-                break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            if not handle.wait_committed(left):
-                raise CommitError(f"checkpoint {handle.tag!r} not committed within {timeout} s")
-        self._stager.forget_issued()  # those saves are over: their items need no fence
-        while True:
-            retiring = self._retention.oldest()
-            if retiring is None:
-                break
-            left = None if deadline is None else max(0.0, deadline - time.monotonic())
-            try:
-                retiring.exception(left)  # waits; retire_older logs its OSErrors
-            except FutureTimeout:
-                raise AsyncCheckpointError(f"removing older checkpoints (keep_last) did not "
-                                           f"finish within {timeout} s") from None
-            self._retention.waited(retiring)
-            if retiring.exception() is not None:  # anything else is a bug: raised once, here
-                exc, more = self._failures.take()
-                if exc is None:
-                    raise retiring.exception()
-                # a failed save goes first (close() raises once, and it would be lost behind
-                # this); the retention bug is logged with its traceback
-                logger.error("async checkpoint: removing older checkpoints failed",
-                             exc_info=retiring.exception())
-                raise reraise(exc, more)
+        self._beside.wait_all(deadline, timeout)  # outcome taken below, as a background error
+        self._saves.wait_committed(deadline, timeout)
+        self._files.stager.forget_issued()  # those saves are over: their items need no fence
+        bug = self._retention.wait(deadline, timeout)
+        if bug is not None:  # anything but an OSError is a bug: raised once, here
+            exc, more = self._failures.take()
+            if exc is None:
+                raise bug
+            # a failed save goes first (close() raises once, and it would be lost behind
+            # this); the retention bug is logged with its traceback
+            logger.error("async checkpoint: removing older checkpoints failed", exc_info=bug)
+            raise reraise(exc, more)
         self.raise_background_error()
+
     def raise_background_error(self) -> None:
         """Raise (once) the first error a background stage recorded, if any, with how many
         more there were (consumed too)."""
         self._failures.raise_first()
+
     def wait_all_ranks(self, timeout: float | None = None, *, action: str = "wait_all_ranks()",
                        recover: str | None = None, error: Exception | None = None) -> None:
         """Collective :meth:`wait` (every rank): call it before a step that must start on all
@@ -321,103 +300,84 @@ class AsyncCheckpointer:
         if failed:
             raise (DurabilityError if only_durability(failed) else CommitError)(
                 f"{action} refused on every rank, because of rank(s) " + by_rank(failed) + retry)
+
     # ------------------------------------------------------------------ files beside
     def write_beside(self, path: str, write: Callable[[BinaryIO], Any]) -> Future:
-        """Write ``path``, a file of no checkpoint of this engine that sits in a save directory
-        (Hugging Face Trainer's ``model.safetensors`` in ``checkpoint-N``, see
-        :mod:`.hf_trainer`), on a writer thread: ``write(f)`` writes it whole into ``f``, a
-        temporary file opened as this engine opens its own (``Storage.open_write``: direct I/O
-        where it can), which is then made durable (with ``fsync``) and renamed to ``path``, so
-        ``path`` is whole or absent. ``write`` must own what it writes: no fence covers it.
-
-        Until it is durable, its directory counts as being saved into (:func:`saving_dirs`),
-        and a save into that directory (``begin(<that directory>/<tag>)``) is not persisted on
-        this rank before it is: its failure is then that save's (raised at the next ``begin``
-        or ``wait``, on every rank at a ``begin``); otherwise it is raised there itself.
-        :meth:`close` (and so the exit flush) waits for it."""
+        """Write ``path``, a file of no checkpoint of this engine, in a save directory, on a
+        writer thread (the Hugging Face integration's weights export): see
+        :meth:`.beside.BesideFiles.write`. :meth:`close` (and so the exit flush) waits for it."""
         self._check_open()
         return self._beside.write(path, write)
+
     def unreported_failures(self, where: Callable[[str, bool], bool], *, exports_only: bool = False
                             ) -> list[tuple[str, BaseException]]:
-        """``(path, error)`` of the failures recorded and not yet reported (raised at a
-        ``begin``, ``wait`` or ``close``) of the last save into each checkpoint directory that
-        ``where(ckpt_dir, False)`` accepts, with the files written beside it, and of the files
-        written beside into directories that ``where(directory, True)`` accepts (waiting for
-        those); ``exports_only``: of the files beside alone. A save ended with
-        ``commit=False`` counts as failed. They stay recorded: reported here, they are raised
-        again at the next ``begin``, ``wait`` or ``close`` (see :mod:`.hf_trainer`)."""
+        """``(path, error)`` of the failures recorded and not yet reported of the saves and
+        files beside that ``where`` accepts: see :meth:`.beside.BesideFiles.unreported_failures`."""
         return self._beside.unreported_failures(where, exports_only, self._failures.unreported,
                                                 self.history)
+
     def wait_beside(self, directory: str | None = None) -> None:
         """Wait until the files being written beside (:meth:`write_beside`) into ``directory``
         (None: all) are written or have failed (a failure is raised as always: by the save
         beside it, or at the next ``begin`` or ``wait``)."""
         self._check_not_forked()
         self._beside.wait(directory)
+
     # ------------------------------------------------------------------ retention (rank 0)
     def retire_older(self, handle: CheckpointHandle, *, keep_last: int | None = None,
                      keep: Callable[[str], bool] | None = None) -> list[str]:
         """Retention (rank 0, once ``handle`` is committed and the pointer names it): see
         :meth:`.retention.Retention.retire_older`. Returns the names of the checkpoints removed."""
         return self._retention.retire_older(handle, keep_last=keep_last, keep=keep)
+
     def pointer_moved(self, handle: CheckpointHandle) -> None:
         """Rank 0: the pointer of ``handle``'s save directory now names it, so retention
         never removes it (see :meth:`.retention.Retention.pointer_moved`)."""
         self._retention.pointer_moved(handle)
+
     def retire_older_later(self, handle: CheckpointHandle, *, keep_last: int | None = None,
                            keep: Callable[[str], bool] | None = None) -> Future:
         """:meth:`retire_older` on the retention thread, one call at a time (see
         :meth:`.retention.Retention.retire_older_later`); :meth:`wait` and :meth:`close` wait for it."""
         return self._retention.retire_older_later(handle, keep_last=keep_last, keep=keep)
+
     def swap_in(self, handle: CheckpointHandle) -> None:
         """Rank 0, for a save begun with ``swap_at_commit=False``, once it is committed and
         the caller's own files are in ``handle.write_dir``: replace ``handle.ckpt_dir`` with
         it (nothing to do when the save was not staged)."""
         self._retention.swap_in(handle)
+
     def abandon_swap(self, handle: CheckpointHandle) -> None:
         """Rank 0, for a save begun with ``swap_at_commit=False`` that the caller will not
         :meth:`swap_in` (its own files failed): the checkpoint it would have replaced stays,
         and the next save sweeps its staging directory."""
         self._retention.abandon_swap(handle)
+
     def recover(self, save_dir: str, *, sweep: bool = True) -> list[str]:
         """Rank 0, before saving into or loading from ``save_dir``: see
         :meth:`.retention.Retention.recover`. Returns the names of the checkpoints it put back."""
         return self._retention.recover(save_dir, sweep=sweep)
 
-    def _later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
-        """``fn(*args, **kwargs)`` on the retention thread (see :meth:`.retention.Retention.later`)."""
-        return self._retention.later(fn, *args, **kwargs)
-
-    def _remove_trash(self, save_dir: str) -> None:
-        self._retention.remove_trash(save_dir)
-
     # ------------------------------------------------------------------ load path
     def verify_all_ranks(self, ckpt_dir: str | None, *, action: str = "load",
                          include: Callable[[str], bool] | None = None) -> None:
         """Collective: check a checkpoint of this engine before any rank loads from it, each
-        rank hashing a disjoint share of its files (rank ``r``: files ``r, r + world_size, ...``
-        of the manifest), and raise on every rank if any file is bad or the checkpoint was
-        never committed: the rank that found it with its :class:`IntegrityError` naming the
-        file, the others naming that rank. Every file is read once across the ranks, where
-        checking each file on every rank that loads it reads a file all ranks load (DeepSpeed's
-        model states) once per rank. :meth:`load` then skips the files of this checkpoint. A
-        directory without this engine's records (another engine's checkpoint) passes as it is.
-        ``include``: only the files (by path within the checkpoint) it accepts, those the load
-        will read; :meth:`load` still checks any other file it is asked for. ``None``: this
-        rank has nothing to load (no ``latest`` yet): it still takes part, so that ranks which
-        read ``latest`` on either side of its first write all raise, none waiting for the rest.
-        """
+        rank hashing a share of its files, and raise on every rank if any file is bad or the
+        checkpoint was never committed: see :meth:`.loader.Loader.verify_all_ranks`."""
         self._loader.verify_all_ranks(ckpt_dir, action=action, include=include)
+
     def load(self, path: str, map_location: Any = None) -> Any:
         """``torch.load`` after checking the file against its checkpoint's committed manifest
         (unless :meth:`verify_all_ranks` checked that checkpoint, as it still is)."""
         if self._saves.inflight:
             self.wait()
         return self._loader.load(path, map_location)
+
     def collective_load(self, action: str = "load") -> contextlib.AbstractContextManager[None]:
         """Collective (every rank): a framework's load, whose files :meth:`load` reads;
         see :meth:`.loader.Loader.collective_load`."""
         return self._loader.collective_load(action)
+
     # ------------------------------------------------------------------ commit reports (rank 0)
     def add_commit_callback(self, fn: Callable[[CommitInfo], None]) -> None:
         """Call ``fn(info)`` (a :class:`CommitInfo`) on rank 0 for every checkpoint committed from
@@ -430,12 +390,14 @@ class AsyncCheckpointer:
         before saving that tag again). They run on rank 0 only: do not close the checkpointer
         from one (rank 0's next save would fail alone while the others wait for it)."""
         self._reporter.callbacks.append(fn)
+
     def report(self, fn: Callable[..., Any], *args: Any, about: str | None = None) -> None:
         """Run ``fn(*args)`` on the commit callbacks' thread, after those queued before (once
         closed: here, after those). Its exception is logged. ``about``: the checkpoint
         directory it reads, which retention leaves until it has run. Adapters use it for their
         own reports."""
         self._reporter.report(fn, *args, about=about)
+
     def _background_busy(self) -> bool:
         """Whether a report or a deletion is queued or running (claims stay meanwhile)."""
         with self._saves.lock:
@@ -460,7 +422,7 @@ class AsyncCheckpointer:
             self._committer.stop(timeout=_COMMITTER_JOIN_S)
             self._writers.shutdown(wait=True)
             self._retention.shutdown()
-            self._stager.close()
+            self._files.stager.close()
             if self._committer.thread.is_alive():  # close interrupted (Ctrl-C), a commit still running:
                 logger.warning("async checkpoint: closed while a commit still runs; the save "
                                "directory stays locked until it ends with the process")
@@ -477,21 +439,12 @@ class AsyncCheckpointer:
     @property
     def staged_bytes(self) -> int:
         """Bytes this rank copied to host so far (what non-writer ranks must keep at 0)."""
-        return self._stager.staged_bytes
+        return self._files.stager.staged_bytes
 
     @property
     def pooled_bytes(self) -> int:
         """Host pool bytes those copies took so far (each record rounded up to whole pages)."""
-        return self._stager.pooled_bytes
-
-    @property
-    def _stager(self) -> Stager:
-        """The copier (device -> pinned host) the save's files use."""
-        return self._files.stager
-
-    @_stager.setter
-    def _stager(self, stager: Stager) -> None:
-        self._files.stager = stager
+        return self._files.stager.pooled_bytes
 
     @property
     def _closed(self) -> bool:

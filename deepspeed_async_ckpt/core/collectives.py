@@ -44,6 +44,8 @@ def _collective_device(group: Any = None) -> torch.device:
 
 def without_key(exchange: Callable[[str, str | None], tuple[str, dict[int, str]]], value: str,
                  error: str | None, key: str = "") -> tuple[str, dict[int, str]]:
+    """``exchange``, which takes no ``key`` (a test's, say), called as one that does: the key
+    is not checked."""
     return exchange(value, error)
 
 

@@ -161,7 +161,7 @@ class SaveFiles:
         over ``host_buffer_gb``. Only those are waited for: they are written without this
         thread, where this save's own are written once it is sealed, so one save's eager
         copies may exceed the bound alone. Without it, saves of eager state (``client_state``,
-        module buffers) against a slow disk piled up host copies without limit."""
+        module buffers) against a slow disk would pile up host copies without limit."""
         if not nbytes:
             return
         start = None

@@ -14,12 +14,14 @@ import collections
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
 from ..commit import finish_replacements, remove_trash, replace_checkpoint, retire_checkpoints
+from ..errors import AsyncCheckpointError
 from ..storage import Storage
 from .handle import CheckpointHandle
-from .saves import Saves
+from .saves import Saves, time_left
 
 logger = logging.getLogger(__name__)
 
@@ -84,8 +86,8 @@ class Retention:
         """Rank 0: the pointer of ``handle``'s save directory now names it. Retention never
         removes that checkpoint, whatever the commit times say: it orders checkpoints by the
         manifest's ``committed_at``, and after rank 0's clock stepped back (an NTP step, a
-        restart on a node whose clock is behind) a pass that ran behind the commits removed the
-        checkpoint ``latest`` had just moved to. The commit stage calls it for the pointer it
+        restart on a node whose clock is behind) a pass that ran behind the commits would remove
+        the checkpoint ``latest`` had just moved to. The commit stage calls it for the pointer it
         moves; an adapter that moves its own (Megatron's tracker) calls it after."""
         with self._saves.dirs_lock:
             self.pointed[os.path.dirname(handle.ckpt_dir)] = handle.ckpt_dir
@@ -186,15 +188,25 @@ class Retention:
         """Under ``saves.lock``: whether a deletion is queued or running."""
         return any(not f.done() for f in self.retiring)
 
-    def oldest(self) -> Future | None:
-        with self._saves.lock:
-            return self.retiring[0] if self.retiring else None
-
-    def waited(self, future: Future) -> None:
-        """``future``, the oldest, was waited for: forget it."""
-        with self._saves.lock:
-            if self.retiring and self.retiring[0] is future:
-                self.retiring.popleft()
+    def wait(self, deadline: float | None, timeout: float | None) -> BaseException | None:
+        """Wait until what is queued has run, until ``deadline`` (``time.monotonic``; past it,
+        raise naming ``timeout``, in s). Returns the exception of the first task that raised
+        (a bug: :meth:`retire_older` logs its OSErrors), once; None if none did."""
+        while True:
+            with self._saves.lock:
+                retiring = self.retiring[0] if self.retiring else None
+            if retiring is None:
+                return None
+            try:
+                retiring.exception(time_left(deadline))  # waits
+            except FutureTimeout:
+                raise AsyncCheckpointError(f"removing older checkpoints (keep_last) did not "
+                                           f"finish within {timeout} s") from None
+            with self._saves.lock:
+                if self.retiring and self.retiring[0] is retiring:
+                    self.retiring.popleft()
+            if retiring.exception() is not None:
+                return retiring.exception()
 
     def shutdown(self) -> None:
         """Run what is queued to the end and stop the thread (``close``, once closed)."""

@@ -11,8 +11,15 @@ from __future__ import annotations
 
 import collections
 import threading
+import time
 
+from ..errors import CommitError
 from .handle import CheckpointHandle
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (``time.monotonic``; None: no limit), at least 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
 class Saves:
@@ -51,9 +58,16 @@ class Saves:
     def busy(self, ckpt_dir: str) -> bool:
         return any(h.ckpt_dir == ckpt_dir for h in self.pending())
 
-    def oldest_inflight(self) -> CheckpointHandle | None:
-        with self.lock:
-            return self.inflight[0] if self.inflight else None
+    def wait_committed(self, deadline: float | None, timeout: float | None) -> None:
+        """Wait until every sealed save is settled by the committer, until ``deadline``
+        (``time.monotonic``); past it, raise naming ``timeout`` (s)."""
+        while True:
+            with self.lock:
+                handle = self.inflight[0] if self.inflight else None
+            if handle is None:
+                return
+            if not handle.wait_committed(time_left(deadline)):
+                raise CommitError(f"checkpoint {handle.tag!r} not committed within {timeout} s")
 
     def settle(self, handle: CheckpointHandle) -> None:
         """The committer is done with ``handle``: no longer in flight, and, failed or

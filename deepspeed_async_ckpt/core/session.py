@@ -19,7 +19,7 @@ import logging
 import os
 import time
 import uuid
-from typing import Any, Callable, Iterable
+from typing import Callable, Iterable
 
 from ..commit import (META_DIR, Pointer, check_checkpoint_dir, check_name, make_checkpoint_dir,
                       remove_stale_temporaries, staging_dir)
@@ -90,23 +90,9 @@ class Session:
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
               swap_at_commit: bool = True, late_files: Iterable[str] = (),
               own_pointer: str | None = None, rotation: bool = True) -> CheckpointHandle:
-        """Start a checkpoint (collective: every rank). If a previous save failed on any rank,
-        raises on every rank (the failing one gets its own error) and starts nothing.
-
-        If ``ckpt_dir`` already holds files (the checkpoint the pointer names, saved again
-        under the same tag, say) or a save of it is still in flight, this save's files go to a
-        staging directory beside it (``handle.write_dir``) and the commit swaps it in
-        (:func:`~.commit.replace_checkpoint`): the old checkpoint stays whole and loadable
-        until the new one is committed. ``swap_at_commit=False``: rank 0 calls
-        :meth:`swap_in` itself once the commit is done (the Megatron adapter, whose marker
-        files come after the commit). ``late_files``: files (paths in the checkpoint) that
-        rank 0's caller writes after the commit and records with
-        :func:`~.commit.record_late_files`; until then the checkpoint does not verify.
-        ``own_pointer``: the path of a pointer the caller writes itself, after the commit
-        (Megatron's tracker), instead of ``pointer``: rank 0 removes the temporaries of it
-        that a killed process left, as it does ``pointer``'s. ``rotation=False``: a checkpoint
-        saved aside (DeepSpeed's ``save_latest=False``: a "best" model, say), which retention
-        neither counts nor removes (its manifest says ``"rotation": false``)."""
+        """Open a checkpoint (collective: every rank); see :meth:`AsyncCheckpointer.begin
+        <.checkpointer.AsyncCheckpointer.begin>`. If a previous save failed on any rank, raises
+        on every rank and starts nothing."""
         saves = self._saves
         if saves.current is not None:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {saves.current.tag!r} is "
@@ -161,8 +147,8 @@ class Session:
                 None if local is None else f"{type(local).__name__}: {local}"
             save_id, failed = self.exchange(save_id, message, key=ckpt_dir)
             try:
-                if local is not None:  # taken above: raised first, or it was lost behind a
-                    raise reraise(local, more)  # refusal
+                if local is not None:  # taken above: raised first, or it would be lost
+                    raise reraise(local, more)  # behind a refusal
                 if refused is not None:
                     raise refused
                 if failed.get(0, "").startswith(_REFUSED):  # rank 0's refusal, in its words
@@ -207,8 +193,8 @@ class Session:
         """Rank 0, in ``begin`` before the exchange: the directory this save writes into, with
         this engine's marker, so that a crash leaves it partial (listed so, refused by loads,
         removed by retention), not a stranger's; and made before the exchange, because once
-        it returns the other ranks create files in it (rank 0 renaming the directory into
-        place under them made their file creation fail with ENOENT). Returns it and the
+        it returns the other ranks create files in it (were rank 0 to rename the directory
+        into place under them, their file creation would fail with ENOENT). Returns it and the
         directories made for it that were not there (it, the save directory on a first save),
         deepest first, for :func:`_remove_if_empty`; None if it could not be made (logged: the
         writes into it fail too, and report it to all ranks)."""
