@@ -109,62 +109,14 @@ class Session:
         save_dir = os.path.dirname(ckpt_dir)
         try:
             local, more = self._ledger.take()
-            save_id = uuid.uuid4().hex[:16]
-            refused: AsyncCheckpointError | None = None
-            if self._rank == 0 and os.path.isdir(save_dir):
-                try:  # before anything in it is touched (another job's staging, say)
-                    self._claims.claim(save_dir)
-                except AsyncCheckpointError as exc:
-                    refused = exc
-            if self._rank == 0 and refused is None:  # decided by rank 0 alone, before any rank can write: staged?
-                try:  # never raise before the exchange: the other ranks would wait in it
-                    try:
-                        self._retention.recover(save_dir)
-                        for path in (pointer.path if pointer is not None else None, own_pointer):
-                            if path is not None:
-                                remove_stale_temporaries(self._storage, path)
-                    except OSError as exc:
-                        logger.warning("async checkpoint: cleaning up %s failed: %s",
-                                       save_dir, exc)
-                    if saves.busy(ckpt_dir) or _holds_files(ckpt_dir):
-                        save_id += _STAGED
-                    if local is None:  # before the exchange, so before another rank writes into it
-                        made = self._make_write_dir(ckpt_dir, save_id)
-                        if made is not None and save_dir in made[1]:
-                            try:  # the save directory is new: claimed as soon as it exists
-                                self._claims.claim(save_dir)
-                            except AsyncCheckpointError as exc:  # another job made it meanwhile
-                                refused = exc
-                except Exception as exc:  # a Storage of the user's: every rank raises it, below
-                    if local is None:  # this save refused, not "a previous checkpoint failed"
-                        refused = AsyncCheckpointError(
-                            f"preparing checkpoint {ckpt_dir!r} failed, nothing was written (the "
-                            f"last committed one is intact): {type(exc).__name__}: {describe(exc)}")
-                        refused.__cause__ = exc
-                    else:  # an earlier save's failure goes first; this one is only logged
-                        logger.warning("async checkpoint: preparing %s failed: %s", ckpt_dir, exc)
+            save_id, made, refused = uuid.uuid4().hex[:16], None, None
+            if self._rank == 0:
+                save_id, made, refused = self._prepare(ckpt_dir, save_id, local, pointer, own_pointer)
             message = f"{_REFUSED}{refused}" if refused is not None else \
                 None if local is None else f"{type(local).__name__}: {local}"
             save_id, failed = self.exchange(save_id, message, key=ckpt_dir)
             try:
-                if local is not None:  # taken above: raised first, or it would be lost
-                    raise reraise(local, more)  # behind a refusal
-                if refused is not None:
-                    raise refused
-                if failed.get(0, "").startswith(_REFUSED):  # rank 0's refusal, in its words
-                    raise AsyncCheckpointError(f"rank 0: {failed[0][len(_REFUSED):]}")
-                elsewhere = {r: m for r, m in failed.items() if m.startswith(ELSEWHERE)}
-                if elsewhere:  # a rank-specific tag, or a relative save_dir from another directory
-                    raise AsyncCheckpointError(
-                        f"the ranks are not saving the same checkpoint (rank {self._rank}: "
-                        f"{ckpt_dir!r}): rank(s) {by_rank(elsewhere)}; every rank must pass the "
-                        "same save_dir and tag (nothing was written)")
-                if failed:
-                    if only_durability(failed):
-                        raise DurabilityError("a previous checkpoint's commit did not complete on "
-                                              "rank(s) " + by_rank(failed))
-                    raise CommitError("a previous checkpoint failed and was not committed (the last "
-                                      "committed one is intact) on rank(s) " + by_rank(failed))
+                self._raise_if_refused(ckpt_dir, local, more, refused, failed)
             except BaseException:
                 if made is not None:  # refused: nothing of it is left
                     if save_dir in made[1]:  # its lock too, if claimed here
@@ -172,7 +124,6 @@ class Session:
                     _remove_if_empty(made)
                 raise
             save_id, write_dir = _write_dir(ckpt_dir, save_id)
-            staged = write_dir != ckpt_dir
             handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
                                       swap_at_commit, tuple(late_files), rotation=rotation)
             saves.current = handle
@@ -188,6 +139,77 @@ class Session:
             with saves.dirs_lock:
                 saves.beginning = None
         return handle
+
+    def _prepare(self, ckpt_dir: str, save_id: str, local: BaseException | None,
+                 pointer: Pointer | None, own_pointer: str | None
+                 ) -> tuple[str, tuple[str, list[str]] | None, AsyncCheckpointError | None]:
+        """Rank 0, in ``begin`` before the exchange: claim the save directory, finish there
+        what a crash cut short, decide whether this save is staged (``save_id`` marked so) and,
+        unless an earlier failure (``local``) stops it, make the directory it writes into.
+        Returns the save id, what :meth:`_make_write_dir` made, and why the save is refused
+        (None: it is not). A failure is returned, not raised: the other ranks would wait in
+        the exchange."""
+        save_dir = os.path.dirname(ckpt_dir)
+        made: tuple[str, list[str]] | None = None
+        refused: AsyncCheckpointError | None = None
+        if os.path.isdir(save_dir):
+            try:  # before anything in it is touched (another job's staging, say)
+                self._claims.claim(save_dir)
+            except AsyncCheckpointError as exc:
+                refused = exc
+        if refused is not None:
+            return save_id, made, refused
+        # staged or not: decided by rank 0 alone, before any rank can write
+        try:  # never raise before the exchange: the other ranks would wait in it
+            try:
+                self._retention.recover(save_dir)
+                for path in (pointer.path if pointer is not None else None, own_pointer):
+                    if path is not None:
+                        remove_stale_temporaries(self._storage, path)
+            except OSError as exc:
+                logger.warning("async checkpoint: cleaning up %s failed: %s",
+                               save_dir, exc)
+            if self._saves.busy(ckpt_dir) or _holds_files(ckpt_dir):
+                save_id += _STAGED
+            if local is None:  # before the exchange, so before another rank writes into it
+                made = self._make_write_dir(ckpt_dir, save_id)
+                if made is not None and save_dir in made[1]:
+                    try:  # the save directory is new: claimed as soon as it exists
+                        self._claims.claim(save_dir)
+                    except AsyncCheckpointError as exc:  # another job made it meanwhile
+                        refused = exc
+        except Exception as exc:  # a Storage of the user's: every rank raises it, below
+            if local is None:  # this save refused, not "a previous checkpoint failed"
+                refused = AsyncCheckpointError(
+                    f"preparing checkpoint {ckpt_dir!r} failed, nothing was written (the "
+                    f"last committed one is intact): {type(exc).__name__}: {describe(exc)}")
+                refused.__cause__ = exc
+            else:  # an earlier save's failure goes first; this one is only logged
+                logger.warning("async checkpoint: preparing %s failed: %s", ckpt_dir, exc)
+        return save_id, made, refused
+
+    def _raise_if_refused(self, ckpt_dir: str, local: BaseException | None, more: int,
+                          refused: AsyncCheckpointError | None, failed: dict[int, str]) -> None:
+        """After ``begin``'s exchange, on every rank: raise this rank's earlier failure
+        (``local``, with ``more``), rank 0's refusal, or what other ranks reported (``failed``)."""
+        if local is not None:  # taken above: raised first, or it would be lost
+            raise reraise(local, more)  # behind a refusal
+        if refused is not None:
+            raise refused
+        if failed.get(0, "").startswith(_REFUSED):  # rank 0's refusal, in its words
+            raise AsyncCheckpointError(f"rank 0: {failed[0][len(_REFUSED):]}")
+        elsewhere = {r: m for r, m in failed.items() if m.startswith(ELSEWHERE)}
+        if elsewhere:  # a rank-specific tag, or a relative save_dir from another directory
+            raise AsyncCheckpointError(
+                f"the ranks are not saving the same checkpoint (rank {self._rank}: "
+                f"{ckpt_dir!r}): rank(s) {by_rank(elsewhere)}; every rank must pass the "
+                "same save_dir and tag (nothing was written)")
+        if failed:
+            if only_durability(failed):
+                raise DurabilityError("a previous checkpoint's commit did not complete on "
+                                      "rank(s) " + by_rank(failed))
+            raise CommitError("a previous checkpoint failed and was not committed (the last "
+                              "committed one is intact) on rank(s) " + by_rank(failed))
 
     def _make_write_dir(self, ckpt_dir: str, save_id: str) -> tuple[str, list[str]] | None:
         """Rank 0, in ``begin`` before the exchange: the directory this save writes into, with
