@@ -227,7 +227,7 @@ def _remove_later(checkpointer: Any, path: str) -> bool:
         os.rename(path, os.path.join(parent, f"{REMOVING_PREFIX}{name}.{os.urandom(6).hex()}"))
     except OSError:
         return False
-    checkpointer._retention.later(checkpointer._retention.remove_trash, parent)
+    checkpointer._later(checkpointer._remove_trash, parent)
     return True
 
 

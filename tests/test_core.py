@@ -3493,7 +3493,7 @@ def test_keep_last_never_removes_the_checkpoint_the_pointer_names_after_the_cloc
     save("s2", 1_000_100)
     ck.wait()
     gate = threading.Event()
-    ck._retention.later(gate.wait)  # the retention thread is busy until s4 has committed
+    ck._later(gate.wait)  # the retention thread is busy until s4 has committed
     save("s3", 999_500)  # ten minutes back
     save("s4", 999_600)
     gate.set()

@@ -358,6 +358,14 @@ class AsyncCheckpointer:
         :meth:`.retention.Retention.recover`. Returns the names of the checkpoints it put back."""
         return self._retention.recover(save_dir, sweep=sweep)
 
+    def _later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """``fn(*args, **kwargs)`` on the retention thread, after what was queued there before
+        (the Hugging Face integration's deletions; see :meth:`.retention.Retention.later`)."""
+        return self._retention.later(fn, *args, **kwargs)
+
+    def _remove_trash(self, save_dir: str) -> None:
+        self._retention.remove_trash(save_dir)
+
     # ------------------------------------------------------------------ load path
     def verify_all_ranks(self, ckpt_dir: str | None, *, action: str = "load",
                          include: Callable[[str], bool] | None = None) -> None:
