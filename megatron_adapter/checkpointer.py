@@ -46,9 +46,9 @@ from typing import Any, Callable, Iterable, Sequence
 import torch
 import torch.distributed as dist
 
-from deepspeed_async_ckpt.checkpointer import (AsyncCheckpointer, CheckpointHandle, CommitInfo,
-                                               by_rank, cancel_flush_at_exit,
-                                               exchange_across_ranks, flush_at_exit)
+from deepspeed_async_ckpt.core import (AsyncCheckpointer, CheckpointHandle, CommitInfo,
+                                       by_rank, cancel_flush_at_exit,
+                                       exchange_across_ranks, flush_at_exit)
 from deepspeed_async_ckpt.commit import (META_DIR, Pointer, after_the_manifest, read_manifest,
                                          record_late_files, verify_checkpoint, write_text_atomic)
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig

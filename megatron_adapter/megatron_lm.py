@@ -46,7 +46,7 @@ import runpy
 import sys
 from typing import Any, Callable
 
-from deepspeed_async_ckpt.checkpointer import by_rank, exchange_across_ranks
+from deepspeed_async_ckpt.core import by_rank, exchange_across_ranks
 from deepspeed_async_ckpt.commit import META_DIR
 from deepspeed_async_ckpt.errors import ConfigError, IntegrityError
 

@@ -759,7 +759,7 @@ def gpu_report(seconds_budget: float = 120.0) -> dict:
 
     if not torch.cuda.is_available():
         return {"available": False, "reason": "NVML sees a GPU but this torch build has no CUDA"}
-    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.core import AsyncCheckpointer
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 
     handle = pynvml.nvmlDeviceGetHandleByIndex(torch.cuda.current_device())

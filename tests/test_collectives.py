@@ -5,7 +5,7 @@ import os
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deepspeed_async_ckpt.checkpointer import exchange_across_ranks
+from deepspeed_async_ckpt.core import exchange_across_ranks
 
 WORLD = 3
 
@@ -28,7 +28,7 @@ def _rank(rank: int, init: str, out: str) -> None:
     got.append(exchange_across_ranks("v", "E1" if rank == 1 else None,
                                      key="/ckpt/step9" if rank < 2 else "/other/step9"))
     # begin() on ranks that save into different directories: an error on every rank at once
-    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.core import AsyncCheckpointer
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
     from deepspeed_async_ckpt.errors import AsyncCheckpointError
 
@@ -44,7 +44,7 @@ def _rank(rank: int, init: str, out: str) -> None:
     # 0's rename into place raced the other ranks' first files (ENOENT, the save failed).
     import time
 
-    from deepspeed_async_ckpt import checkpointer as checkpointer_module
+    from deepspeed_async_ckpt.core import session as checkpointer_module
 
     real = checkpointer_module.make_checkpoint_dir
     checkpointer_module.make_checkpoint_dir = lambda *a, **k: (time.sleep(0.3), real(*a, **k))[1]
@@ -136,7 +136,7 @@ def _replica_state(rank: int, differ: bool = False) -> dict:
 def _replicas_rank(rank: int, init: str, out: str) -> None:
     import torch
 
-    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, Replicas
+    from deepspeed_async_ckpt.core import AsyncCheckpointer, Replicas
     from deepspeed_async_ckpt.commit import Pointer
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
     from deepspeed_async_ckpt.errors import AsyncCheckpointError
@@ -174,7 +174,7 @@ def test_replicas_write_one_share_each_of_the_same_file(tmp_path):
     import pytest
     import torch
 
-    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.core import AsyncCheckpointer
     from deepspeed_async_ckpt.commit import read_manifest, verify_checkpoint, verify_file
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
     from deepspeed_async_ckpt.errors import IntegrityError
@@ -217,7 +217,7 @@ def test_replicas_write_one_share_each_of_the_same_file(tmp_path):
 def _verify_rank(rank: int, init: str, out: str) -> None:
     import torch
 
-    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.core import AsyncCheckpointer
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
     from deepspeed_async_ckpt.errors import IntegrityError
 
@@ -249,7 +249,7 @@ def test_ranks_verifying_different_checkpoints_are_refused(tmp_path):
 
     import torch
 
-    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.core import AsyncCheckpointer
     from deepspeed_async_ckpt.commit import Pointer
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 

@@ -18,7 +18,7 @@ import pytest
 import torch
 import xxhash
 
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.commit import (LOCK_FILE, META_DIR, REMOVING_PREFIX, Pointer, read_manifest,
                                          verify_checkpoint)
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
@@ -331,7 +331,7 @@ def test_background_threads_start_only_when_the_save_is_sealed(tmp_path):
     ck.save(state, str(d / "model.pt"), eager_keys=("client",))
     time.sleep(0.3)  # ample time for a writer thread to open its temporary file
     assert not [p.name for p in d.iterdir() if p.name.startswith("model.pt")]
-    handle = ck._current
+    handle = ck._saves.current
     assert not any(i._issued for i in handle.items if not i.eager)  # no lazy copy yet
     ck.end()
     ck.wait()
@@ -367,16 +367,16 @@ def test_fence_copies_from_the_back_while_a_slow_copier_works_from_the_front(tmp
     state = {f"w{i}": torch.randn(128, 128) for i in range(8)}
     expected = {k: v.clone() for k, v in state.items()}
     ck = make()
-    if ck._stager.use_cuda != cuda:  # the other machine's stager
+    if ck._files.stager.use_cuda != cuda:  # the other machine's stager
         if cuda:  # as with CUDA, its stream never used (host sources only)
             monkeypatch.setattr(torch.cuda, "Stream", lambda: object())
             monkeypatch.setattr(Stager, "ready_event", lambda self: None)
-        ck._stager.close()
-        ck._stager = Stager(ck.pool, use_cuda=cuda)
+        ck._files.stager.close()
+        ck._files.stager = Stager(ck.pool, use_cuda=cuda)
     save_one(ck, str(tmp_path), state, eager=())
     others = 7 * 128 * 128 * 4
     watcher = threading.Thread(target=lambda: (
-        [time.sleep(0.01) for _ in range(1000) if ck._stager.fence_copied_bytes < others],
+        [time.sleep(0.01) for _ in range(1000) if ck._files.stager.fence_copied_bytes < others],
         release.set()))
     watcher.start()
     ck.fence()
@@ -386,7 +386,7 @@ def test_fence_copies_from_the_back_while_a_slow_copier_works_from_the_front(tmp
     ck.wait()
     ck.close()
     assert not timed_out, "the fence left every copy to the copier"
-    assert ck._stager.fence_copied_bytes == others
+    assert ck._files.stager.fence_copied_bytes == others
     assert_same(torch.load(tmp_path / "t1" / "model.pt", weights_only=True), expected)
 
 
@@ -755,7 +755,7 @@ def test_parameters_in_a_state_are_copied_lazily_and_checked_like_their_detached
     d = tmp_path / "t1"
     ck.begin(str(d), tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
     ck.save({"model": model.state_dict(keep_vars=True)}, str(d / "model.pt"), eager_keys=())
-    items = list(ck._current.items)
+    items = list(ck._saves.current.items)
     ck.end()
     assert len(items) == 2 and not any(i.eager for i in items)  # left to the copier
     ck.fence()  # the optimizer step's
@@ -781,7 +781,7 @@ def test_pool_smaller_than_state_streams_and_buffers_are_reused(tmp_path, caplog
     big = {"module": {f"p{i}": torch.randn(64, 1024) for i in range(8)}}  # 8 x 256 KiB = 2 MiB
     cap_gb = 600 * 1024 / 1024**3  # 600 KiB: at most 2 records in flight
     ck = make(gb=cap_gb)
-    with caplog.at_level("WARNING", logger="deepspeed_async_ckpt.checkpointer"):
+    with caplog.at_level("WARNING", logger="deepspeed_async_ckpt.core"):
         for step in range(3):
             save_one(ck, str(tmp_path), big, tag=f"s{step}")
             ck.fence()
@@ -817,7 +817,7 @@ def test_a_fence_on_another_thread_during_a_save_or_its_end_loses_and_doubles_no
     to the copier and then emptied them: a file saved meanwhile kept its writer waiting for
     copies never queued (the save never committed, ``wait`` and ``close`` never returned),
     and a fence during ``end`` gave one file to two writers."""
-    from deepspeed_async_ckpt.checkpointer import fence_all
+    from deepspeed_async_ckpt.core import fence_all
     from deepspeed_async_ckpt.snapshot import Stager
 
     window, slow = threading.Event(), {"at": None}
@@ -994,7 +994,7 @@ def test_second_save_allocates_nothing_one_block_per_file(tmp_path, caplog):
     model = {"module": {f"p{i}": torch.randn(64, 64 + i) for i in range(20)}}
     optim = {"optimizer": {f"m{i}": torch.randn(64, 64 + i) for i in range(20)}}
     ck = make(gb=0.1)
-    caplog.set_level("WARNING", logger="deepspeed_async_ckpt.checkpointer")
+    caplog.set_level("WARNING", logger="deepspeed_async_ckpt.core")
     for step in range(3):
         d = tmp_path / f"s{step}"
         ck.begin(str(d), tag=f"s{step}")
@@ -1453,8 +1453,9 @@ def run_script(script: str, env: dict, *args: str, timeout: float = 120):
 
 EXIT_SCRIPT = """
 import sys, time, torch
-import deepspeed_async_ckpt.checkpointer as checkpointer
+import deepspeed_async_ckpt.core.files as checkpointer
 from deepspeed_async_ckpt.commit import Pointer
+from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 
 real_write_file = checkpointer.write_file
@@ -1466,7 +1467,7 @@ checkpointer.write_file = slow_write_file
 root = sys.argv[1]
 torch.manual_seed(0)
 state = {"w": torch.randn(1 << 20), "b": torch.randn(1000).to(torch.bfloat16), "step": 7}
-ck = checkpointer.AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05))
+ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05))
 ck.begin(root + "/final", tag="final", pointer=Pointer(root + "/latest", "final"))
 ck.save(state, root + "/final/model.pt")
 ck.end()
@@ -1494,7 +1495,7 @@ def test_script_that_returns_right_after_saving_commits_its_last_checkpoint(tmp_
 
 THREAD_EXIT_SCRIPT = """
 import os, sys, threading, time, torch
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.commit import Pointer
 root = sys.argv[1]
@@ -1528,14 +1529,14 @@ def test_the_exit_flush_waits_for_a_training_thread_still_saving(tmp_path, repo_
 
 THREAD_BETWEEN_SAVES_SCRIPT = """
 import os, sys, threading, time, torch
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.commit import Pointer
 root, slow_begin = sys.argv[1], sys.argv[2] == "slow_begin"
 ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
 if slow_begin:  # begin's collective waits for the slowest rank
-    exchange = ck._exchange
-    ck._exchange = lambda *a, **k: (time.sleep(1.0), exchange(*a, **k))[1]
+    exchange = ck._session.exchange
+    ck._session.exchange = lambda *a, **k: (time.sleep(1.0), exchange(*a, **k))[1]
 first = threading.Event()
 def save(tag):
     d = os.path.join(root, tag)
@@ -1618,7 +1619,7 @@ def test_a_ctrl_c_between_the_fences_claim_and_its_copy_fails_the_save_not_the_n
     from deepspeed_async_ckpt.snapshot import Stager
 
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05))
-    stager = ck._stager
+    stager = ck._files.stager
     stage, copy = stager.stage, Stager._copy
     slow = threading.Event()
     monkeypatch.setattr(stager, "stage", lambda item, ready=None, expected_bytes=0:
@@ -1672,7 +1673,7 @@ def test_a_reservation_whose_thread_cannot_start_leaves_the_first_save_to_alloca
 
 OTHER_JOB_SCRIPT = """
 import os, sys, time, torch
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.commit import Pointer
 root = sys.argv[1]
@@ -1783,7 +1784,7 @@ def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses
         release.set()
     ck.wait()
     deadline = time.monotonic() + 30  # wait() does not wait for callbacks: until they are done
-    while ck._reports and time.monotonic() < deadline:
+    while ck._reporter.queued and time.monotonic() < deadline:
         time.sleep(0.001)
     save_one(ck, d3, sample_state(), tag="c1")
     assert not lock_held(d1) and not lock_held(d2) and lock_held(d3)
@@ -1806,13 +1807,14 @@ def test_a_close_interrupted_while_a_commit_runs_keeps_the_save_directory_locked
     save directory's lock was released after the committer's join gave up, with the commit
     still to write its manifest and pointer, so another job could start sweeping the directory
     under it (noticed in session 19). The lock now stays until the process ends."""
-    from deepspeed_async_ckpt import checkpointer as checkpointer_module
     from deepspeed_async_ckpt.commit import claims as commit_module
+    from deepspeed_async_ckpt.core import checkpointer as checkpointer_module
+    from deepspeed_async_ckpt.core import committer as committer_module
 
     root = str(tmp_path)
     release = threading.Event()
-    real_commit = checkpointer_module.commit
-    monkeypatch.setattr(checkpointer_module, "commit",
+    real_commit = committer_module.commit
+    monkeypatch.setattr(committer_module, "commit",
                         lambda *a, **k: (release.wait(30), real_commit(*a, **k))[1])
     monkeypatch.setattr(checkpointer_module, "_COMMITTER_JOIN_S", 0.2)
     ck = make("async")
@@ -1824,7 +1826,7 @@ def test_a_close_interrupted_while_a_commit_runs_keeps_the_save_directory_locked
         ck.close()
     assert key in commit_module._claims  # still locked: the commit has not run
     release.set()
-    ck._committer.join(30)
+    ck._committer.thread.join(30)
     assert (tmp_path / "latest").read_text() == "t1"
     verify_checkpoint(os.path.join(root, "t1"))
     commit_module.release_save_dir(key)  # what this process's end would do
@@ -1833,7 +1835,7 @@ def test_a_close_interrupted_while_a_commit_runs_keeps_the_save_directory_locked
 POOL_EXIT_SCRIPT = """
 import sys, torch
 from concurrent.futures import ThreadPoolExecutor
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.commit import Pointer
 root = sys.argv[1]
@@ -1875,7 +1877,7 @@ def test_a_save_that_raised_in_a_pool_worker_does_not_hang_the_exit(tmp_path, re
 
 FORK_LOCK_SCRIPT = """
 import os, sys, time, torch
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, fence_all
+from deepspeed_async_ckpt.core import AsyncCheckpointer, fence_all
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.commit import Pointer
 root = sys.argv[1]
@@ -1932,7 +1934,7 @@ def test_a_checkpointer_made_in_a_child_forked_after_cuda_init_does_without_cuda
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "_is_in_bad_fork", lambda: True)
     ck = make()
-    assert not ck.pool.pin and not ck._stager.use_cuda
+    assert not ck.pool.pin and not ck._files.stager.use_cuda
     save_one(ck, str(tmp_path), sample_state())
     ck.fence()
     ck.wait()
@@ -1942,8 +1944,9 @@ def test_a_checkpointer_made_in_a_child_forked_after_cuda_init_does_without_cuda
 
 FORK_SCRIPT = """
 import multiprocessing, os, sys, threading, time, torch
-import deepspeed_async_ckpt.checkpointer as checkpointer
+import deepspeed_async_ckpt.core.files as checkpointer
 from deepspeed_async_ckpt.commit import Pointer
+from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 
 child_gone = threading.Event()
@@ -1957,7 +1960,7 @@ def child():  # a DataLoader worker's life: some work, then return
     pass
 
 def main(root, how):
-    ck = checkpointer.AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05))
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05))
     ck.begin(root + "/t1", tag="t1", pointer=Pointer(root + "/latest", "t1"))
     ck.save({"w": torch.randn(1 << 16)}, root + "/t1/model.pt")
     ck.end()
@@ -2066,7 +2069,7 @@ def test_saves_waited_for_without_a_fence_leave_nothing_queued_for_one(tmp_path)
     for step in range(20):
         save_one(ck, str(tmp_path), {f"w{i}": torch.randn(64) for i in range(10)}, tag=f"t{step}", eager=())
         ck.wait()
-    left = len(ck._stager._pending)
+    left = len(ck._files.stager._pending)
     ck.close()
     assert left == 0
 
@@ -2105,7 +2108,7 @@ def test_retention_futures_do_not_pile_up_after_one_retention_bug(tmp_path):
         ck.fence()
         handle.wait_committed()
         ck.retire_older_later(handle, keep_last=1, keep=keep).exception()
-    held = len(ck._retiring)
+    held = len(ck._retention.retiring)
     with pytest.raises(ValueError, match="a retention bug"):
         ck.close()
     assert held <= 2, held
@@ -2670,7 +2673,7 @@ def test_a_failure_after_the_checkpoint_is_in_place_says_so(tmp_path, tag, where
         assert "a crash may undo it" in message and "not committed" not in message, message
         assert (tmp_path / "latest").read_text() == tag
         assert _steps(tmp_path / tag / "model.pt") == 9
-        assert ck._pointed[str(tmp_path)] == str(tmp_path / tag)  # retention keeps it
+        assert ck._retention.pointed[str(tmp_path)] == str(tmp_path / tag)  # retention keeps it
     else:
         assert "was not committed (the last committed one is intact)" in message, message
         assert (tmp_path / "latest").read_text() == "t1" and _steps(tmp_path / "t1" / "model.pt") == 5
@@ -3217,7 +3220,7 @@ def test_a_load_of_a_tag_saved_again_meanwhile_is_refused_not_mixed(tmp_path):
 def test_saving_again_a_directory_whose_save_is_in_flight_does_not_wait_for_it(tmp_path, monkeypatch):
     """The second save of one directory no longer waits in begin() for the first to commit:
     it is staged, and swapped in after the first commit, in order."""
-    import deepspeed_async_ckpt.checkpointer as checkpointer
+    import deepspeed_async_ckpt.core.files as checkpointer
 
     real = checkpointer.write_file
     second_saved = threading.Event()
@@ -3426,7 +3429,7 @@ def test_packed_file_holds_one_torch_save_archive_per_part_at_page_offsets(tmp_p
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_keep_last_removes_older_committed_checkpoints_and_nothing_else(tmp_path, mode, caplog):
-    caplog.set_level("INFO", logger="deepspeed_async_ckpt.checkpointer")
+    caplog.set_level("INFO", logger="deepspeed_async_ckpt.core")
     root = str(tmp_path)
     # What retention must leave alone: another engine's checkpoint, a checkpoint of ours whose
     # manifest is damaged (someone should look at it), a plain file; what it must finish: a
@@ -3621,7 +3624,7 @@ def test_keep_last_never_takes_a_directory_from_under_a_save_being_begun(tmp_pat
     """A save announces its directory before begin()'s exchange, that is before any rank can
     write into it: retention running meanwhile (the commit of the previous save, on rank 0's
     committer thread) must skip it, even when it is an old committed checkpoint re-saved."""
-    from deepspeed_async_ckpt.checkpointer import CheckpointHandle
+    from deepspeed_async_ckpt.core import CheckpointHandle
 
     root = str(tmp_path)
     plain = make()
@@ -4329,7 +4332,7 @@ def test_a_sync_end_raises_its_failure_even_when_another_threads_wait_took_it(tm
     """Sync ``end`` on a training thread while another thread waits (the exit flush's close,
     say) and takes the background errors first: ``end`` raised ``ValueError: list.remove(x)``
     in place of its save's error (found by a review, session 20). Both now report it."""
-    from deepspeed_async_ckpt import checkpointer as checkpointer_module
+    from deepspeed_async_ckpt.core import committer as checkpointer_module
 
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device")
@@ -4524,7 +4527,7 @@ def test_close_from_a_commit_callback_stops_everything(tmp_path):
     save_one(ck, str(tmp_path), sample_state())
     ck.wait()
     assert stopped.wait(30)  # the callback's close() has returned
-    assert not errors and ck._closed and not ck._stager._thread.is_alive()
+    assert not errors and ck._closed and not ck._files.stager._thread.is_alive()
 
 
 def test_retention_sees_a_save_that_is_ending_while_it_looks(tmp_path):
@@ -4536,7 +4539,7 @@ def test_retention_sees_a_save_that_is_ending_while_it_looks(tmp_path):
     save_one(ck, str(tmp_path), sample_state(), tag="t1")
     ck.wait()
     in_window = threading.Event()
-    real_pending = ck._pending
+    real_pending = ck._saves.pending
 
     def pending():
         got = real_pending()
@@ -4545,7 +4548,7 @@ def test_retention_sees_a_save_that_is_ending_while_it_looks(tmp_path):
             time.sleep(0.3)  # a thread switch right here
         return got
 
-    ck._pending = pending
+    ck._saves.pending = pending
     save_one(ck, str(tmp_path), sample_state(), tag="t2")  # committed in the background...
     d = tmp_path / "t3"  # ...with t3 begun before: t3's directory is older than t2's commit
     ck.begin(str(d), tag="t3", pointer=Pointer(str(tmp_path / "latest"), "t3"))
@@ -4668,8 +4671,7 @@ def test_a_storage_error_before_the_exchange_does_not_hide_an_earlier_failure(tm
     storage error while preparing the new save (here listing the save directory, to clean
     up) is only logged then (it replaced the failure)."""
     ck, sent = _object_store_checkpointer("listdir")
-    with ck._lock:
-        ck._errors.append(PersistError("disk full on rank 0"))
+    ck._failures.record(PersistError("disk full on rank 0"))
     with pytest.raises(AsyncCheckpointError, match="disk full"):
         ck.begin(str(tmp_path / "s1"), tag="s1")
     assert len(sent) == 1 and "disk full" in sent[0]
@@ -4863,14 +4865,14 @@ def test_a_begin_refused_for_its_directory_still_raises_an_earlier_saves_failure
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
     mine, other = str(tmp_path / "mine"), str(tmp_path / "other")
     os.makedirs(other)
-    real_claim = ck._claim
+    real_claim = ck._claims.claim
 
     def claim(save_dir):
         if save_dir.startswith(other):
             raise AsyncCheckpointError(f"save directory {save_dir!r} is being saved into by another process")
         return real_claim(save_dir)
 
-    monkeypatch.setattr(ck, "_claim", claim)
+    monkeypatch.setattr(ck._claims, "claim", claim)
     _save_to(ck, mine, "t1")
     ck.wait()
     storage.full = True
@@ -4905,7 +4907,7 @@ def test_close_raises_a_failed_save_though_retention_failed_too(tmp_path, caplog
     with caplog.at_level(logging.ERROR), pytest.raises(PersistError, match="No space left"):
         ck.close()
     assert "removing older checkpoints failed" in caplog.text and "a retention bug" in caplog.text
-    assert not ck._errors
+    assert not ck._failures.errors
 
 
 def test_a_save_whose_directory_cannot_be_made_leaves_nothing_waiting_and_can_be_retried(tmp_path):
@@ -4944,7 +4946,7 @@ def test_a_shared_file_whose_directory_cannot_be_made_stays_saved(tmp_path):
     """With replicas writing a file in shares, they met (a collective) before its directory
     is made: a retry on one rank would wait for the others there, so it is refused at once as
     "already saved", as before session 30 (a review of that session's fix)."""
-    from deepspeed_async_ckpt.checkpointer import Replicas
+    from deepspeed_async_ckpt.core import Replicas
 
     class TwoReplicas(Replicas):  # rank 0 of 2, the other agreeing
         def gather(self, digest):

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.cli import main as cli
 from deepspeed_async_ckpt.commit import LOCK_FILE, verify_checkpoint
 

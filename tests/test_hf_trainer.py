@@ -82,7 +82,7 @@ class WritesHeld:
 
 @pytest.fixture
 def writes_held(monkeypatch):
-    from deepspeed_async_ckpt import checkpointer as checkpointer_module
+    from deepspeed_async_ckpt.core import files as checkpointer_module
 
     held = WritesHeld()
     real_write, real_wait = checkpointer_module.write_file, checkpointer_module.CheckpointHandle.wait_committed
@@ -390,7 +390,7 @@ def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, f
 @pytest.fixture
 def writes_fail(monkeypatch):
     """Every checkpoint file's write fails, as on a full disk."""
-    from deepspeed_async_ckpt import checkpointer as checkpointer_module
+    from deepspeed_async_ckpt.core import files as checkpointer_module
 
     def write_file(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")

@@ -488,7 +488,7 @@ def test_megatron_lm_hook_prints_megatron_lms_saved_line_for_log_monitors(monkey
 
     from megatron.core import mpu
 
-    from deepspeed_async_ckpt.checkpointer import CommitInfo
+    from deepspeed_async_ckpt.core import CommitInfo
     from megatron_adapter import megatron_lm
 
     for name, value in (("get_tensor_model_parallel_rank", 0), ("get_pipeline_model_parallel_rank", 0),
@@ -598,7 +598,7 @@ def test_a_megatron_finalization_failing_after_the_checkpoint_is_in_place_says_s
     from concurrent.futures import Future
     from types import SimpleNamespace
 
-    from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer
+    from deepspeed_async_ckpt.core import AsyncCheckpointer
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
     import torch
 
@@ -652,7 +652,7 @@ def test_a_megatron_finalization_failing_after_the_checkpoint_is_in_place_says_s
     assert "finalization did not complete" in str(error) and "still names the previous" not in str(error)
     if mode == "tracker_fsync":
         assert "latest_checkpointed_iteration.txt names it" in str(error)
-        assert ck._pointed[root] == os.path.abspath(checkpoint_dir(root, 20))
+        assert ck._retention.pointed[root] == os.path.abspath(checkpoint_dir(root, 20))
     else:
         assert "renaming it into place failed" in str(error)
     ck.recover(root)

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer, saving_dirs, wait_beside
+from deepspeed_async_ckpt.core import AsyncCheckpointer, saving_dirs, wait_beside
 from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import PersistError

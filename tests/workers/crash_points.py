@@ -37,7 +37,7 @@ import torch
 
 sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
 
-from deepspeed_async_ckpt.checkpointer import AsyncCheckpointer  # noqa: E402
+from deepspeed_async_ckpt.core import AsyncCheckpointer  # noqa: E402
 from deepspeed_async_ckpt.commit import Pointer  # noqa: E402
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig  # noqa: E402
 from deepspeed_async_ckpt.storage import local as storage_mod  # noqa: E402

@@ -243,7 +243,7 @@ def slow_writes():
     """Every file write starts 0.5 s late: the save is still being written when main returns."""
     import time
 
-    import deepspeed_async_ckpt.checkpointer as checkpointer
+    import deepspeed_async_ckpt.core.files as checkpointer
 
     real_write_file = checkpointer.write_file
 

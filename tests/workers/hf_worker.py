@@ -51,10 +51,11 @@ deepspeed_async_ckpt.install()  # a no-op where the .pth hook already did it (pi
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-import deepspeed_async_ckpt.checkpointer as checkpointer  # noqa: E402
+import deepspeed_async_ckpt.core.files as checkpointer  # noqa: E402
+from deepspeed_async_ckpt.core import AsyncCheckpointer  # noqa: E402
 
 exports = []
-real_write_beside = checkpointer.AsyncCheckpointer.write_beside
+real_write_beside = AsyncCheckpointer.write_beside
 
 
 def write_beside(self, path, write):
@@ -62,7 +63,7 @@ def write_beside(self, path, write):
     return real_write_beside(self, path, write)
 
 
-checkpointer.AsyncCheckpointer.write_beside = write_beside
+AsyncCheckpointer.write_beside = write_beside
 hold, released = [False], threading.Event()
 if RANK == 0 and args.hold_from:
     real_write_file = checkpointer.write_file

@@ -1,11 +1,11 @@
 """``AsyncCheckpointEngine``: DeepSpeed's ``CheckpointEngine`` contract over
-:class:`~deepspeed_async_ckpt.checkpointer.AsyncCheckpointer`. It holds no I/O logic.
+:class:`~deepspeed_async_ckpt.core.AsyncCheckpointer`. It holds no I/O logic.
 
 - The engine is *decoupled* with no commit info, so DeepSpeed never writes ``latest`` itself;
   the core's commit stage does, once every rank persisted.
 - ``is_data_parallel_writer`` says yes for every data-parallel replica (without ZeRO-3, MoE or
   node-local storage), so each is handed the model-states file and writes a share of it
-  (:class:`~deepspeed_async_ckpt.checkpointer.Replicas`); with ``split_replicated_files`` off,
+  (:class:`~deepspeed_async_ckpt.core.Replicas`); with ``split_replicated_files`` off,
   only the first replica writes it, as DeepSpeed's own engine does.
 - :meth:`~AsyncCheckpointEngine.begin_save` / :meth:`~AsyncCheckpointEngine.end_save` and the
   optimizer-step hooks are called by the patched ``DeepSpeedEngine`` methods (:mod:`.patches`).
@@ -25,7 +25,7 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.utils import logger as ds_logger
 
-from ...checkpointer import AsyncCheckpointer, CommitInfo, by_rank, exchange_across_ranks, only_durability
+from ...core import AsyncCheckpointer, CommitInfo, by_rank, exchange_across_ranks, only_durability
 from ...commit import Pointer, check_name
 from ...config import AsyncCheckpointConfig
 from ...errors import CommitError, DurabilityError, describe

@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Any, Callable
 
-from ...checkpointer import by_rank
+from ...core import by_rank
 from ...errors import CommitError
 
 logger = logging.getLogger(__name__)

@@ -11,7 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from ...checkpointer import Replicas
+from ...core import Replicas
 from ...errors import ConfigError
 
 

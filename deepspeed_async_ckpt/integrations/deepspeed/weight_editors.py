@@ -15,7 +15,7 @@ _EDITORS: dict[tuple[Any, str], Any] = {}
 
 def patch_weight_editors() -> None:
     """Make DeepSpeed's own in-place weight edits outside the optimizer step fence first
-    (:func:`~deepspeed_async_ckpt.checkpointer.fence_all`), so a save's lazy copies are done
+    (:func:`~deepspeed_async_ckpt.core.fence_all`), so a save's lazy copies are done
     before them:
 
     - ``DeepSpeedHybridEngine._fuse_lora_layer``: ``generate()`` (RLHF rollouts) adds the
@@ -28,7 +28,7 @@ def patch_weight_editors() -> None:
     Idempotent; called when an engine is built (DeepSpeed is fully imported by then)."""
     if _EDITORS:
         return
-    from ...checkpointer import fence_all
+    from ...core import fence_all
 
     targets = []
     try:

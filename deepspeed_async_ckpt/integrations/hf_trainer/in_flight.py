@@ -16,9 +16,9 @@ def _core() -> Any:
     """The core module that keeps this process's open checkpointers (``open_checkpointers``,
     ``saving_dirs``, ``saves_in_flight``, ``wait_beside``). Imported on first use: Trainer's
     own process has imported torch by then."""
-    from ... import checkpointer
+    from ... import core
 
-    return checkpointer
+    return core
 
 
 def inside(path: str, real_root: str) -> bool:
@@ -75,7 +75,7 @@ def raise_failure(path: str, before: str, exports_only: bool = False, directly_i
     """Raise a :class:`~deepspeed_async_ckpt.errors.PersistError` if this process's last save
     into ``path`` (or under it; ``directly_in``: its checkpoints directly in ``path``) failed,
     or the weights export into it
-    (:meth:`~deepspeed_async_ckpt.checkpointer.AsyncCheckpointer.write_beside`), waiting for
+    (:meth:`~deepspeed_async_ckpt.core.AsyncCheckpointer.write_beside`), waiting for
     the exports; ``exports_only``: only those. Only failures the engine has not reported yet
     count (one it raised at a save or ``wait`` was dealt with). The error stays the engine's
     too (raised at its next save or ``close``). Raised here, a checkpoint whose save failed is

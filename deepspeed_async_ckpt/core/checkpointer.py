@@ -1,0 +1,487 @@
+"""The framework-neutral engine: one save runs snapshot -> persist -> commit.
+
+Call order, on every rank, for one checkpoint::
+
+    handle = ckpt.begin(ckpt_dir, tag=..., pointer=Pointer(...))   # collective (agrees a save id)
+    ckpt.save(state, path)                                          # per file this rank writes
+    ckpt.end()                                                      # seals; returns at once (async)
+    ...forward/backward...
+    ckpt.fence()                      # before the optimizer step: waits for outstanding copies
+    ckpt.wait()                       # optional: every sealed save committed (raises bg errors)
+
+In ``"sync"`` mode the very same stages run inline inside ``save``/``end``; a test asserts both
+modes write byte-identical files. Background failures are re-raised at the next ``begin`` or
+``wait``; a failed save never moves the pointer, so the previous checkpoint stays loadable.
+
+:class:`AsyncCheckpointer` builds one collaborator per job and delegates to them: the save
+session (:mod:`.session`, :mod:`.files`), the committer thread (:mod:`.committer`), commit
+reports (:mod:`.reports`), retention (:mod:`.retention`), the failure ledger
+(:mod:`.failures`), loads (:mod:`.loader`), files written beside (:mod:`.beside`) and the
+process-wide lifecycle (:mod:`.lifecycle`). Their shared state is one :class:`~.saves.Saves`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import inspect
+import logging
+import math
+import os
+import sys
+import threading
+import time
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, BinaryIO, Callable, Iterable
+
+import torch
+
+from ..commit import Pointer
+from ..config import AsyncCheckpointConfig
+from ..errors import AsyncCheckpointError, CommitError, DurabilityError
+from ..persist import check_torch_writer
+from ..snapshot import HostBufferPool, Stager
+from ..storage import LocalStorage, Storage
+from . import lifecycle
+from .beside import BesideFiles
+from .collectives import Replicas, by_rank, exchange_across_ranks, only_durability, without_key
+from .committer import Committer
+from .failures import FailureLedger, reraise
+from .files import SaveFiles
+from .handle import CheckpointHandle, CommitInfo
+from .lifecycle import SaveDirClaims
+from .loader import Loader
+from .reports import Reporter
+from .retention import Retention
+from .saves import Saves
+from .session import Session
+
+logger = logging.getLogger(__name__)
+
+#: How long ``close`` waits for the committer to finish once no save is left to wait for.
+_COMMITTER_JOIN_S = 60.0
+
+
+def _cuda_usable() -> bool:
+    """Whether this process can use CUDA: a GPU is there, and this is not a child forked after
+    its parent initialized CUDA (an evaluation process, a long-lived worker), where any CUDA
+    call raises "Cannot re-initialize CUDA in forked subprocess". A checkpointer made there
+    stages host tensors without CUDA, as on a machine without a GPU."""
+    return torch.cuda.is_available() and not torch.cuda._is_in_bad_fork()
+
+
+class AsyncCheckpointer:
+    """Snapshot, persist and commit checkpoints for one rank.
+
+    ``exchange`` is the one collective ``begin`` makes (on the training thread, every rank):
+    agree on rank 0's save id, share every rank's pending background error and check that
+    every rank saves into the same directory, see :func:`~.collectives.exchange_across_ranks`,
+    whose signature it has (``value, error, key=""``). Tests and single-process use may pass
+    their own; one taking only ``(value, error)`` is called without the key.
+    """
+
+    def __init__(self, config: AsyncCheckpointConfig, *, rank: int = 0, world_size: int = 1,
+                 storage: Storage | None = None,
+                 exchange: Callable[..., tuple[str, dict[int, str]]] | None = None,
+                 on_commit: Callable[[CommitInfo], None] | None = None,
+                 ) -> None:
+        check_torch_writer()  # before any thread starts: a clear error, not a failed first save
+        if not isinstance(config, AsyncCheckpointConfig):  # a dict: AsyncCheckpointConfig.from_dict
+            raise TypeError(f"AsyncCheckpointer(config=...): an AsyncCheckpointConfig, got a "
+                            f"{type(config).__name__} (AsyncCheckpointConfig.from_dict reads a dict)")
+        for name, value, least in (("world_size", world_size, 1), ("rank", rank, 0)):
+            if type(value) is not int or value < least:  # bool is an int: not a rank
+                raise ValueError(f"AsyncCheckpointer({name}={value!r}): an int >= {least}")
+        if rank >= world_size:  # its records would never be waited for, or rank 0's never come
+            raise ValueError(f"AsyncCheckpointer(rank={rank}, world_size={world_size}): rank must be "
+                             "below world_size")
+        self.config = config
+        self.rank, self.world_size = rank, world_size
+        self.storage = storage or LocalStorage(fsync=config.fsync, direct_io=config.direct_io)
+        if exchange is not None and "key" not in inspect.signature(exchange).parameters:
+            exchange = functools.partial(without_key, exchange)
+        self._exchange = exchange or exchange_across_ranks
+        use_cuda = _cuda_usable()
+        self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda)
+        self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="async-ckpt-writer")
+        saves = self._saves = Saves()
+        self.history = saves.history
+        """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
+        self._beside = BesideFiles(self.storage, self._writers, saves.lock, durable=config.fsync)
+        self._failures = FailureLedger(saves.lock, self._beside.take_failures)
+        self._retention = Retention(saves, self.storage, config.keep_last)
+        self._reporter = Reporter(saves, world_size=world_size, released=self._retention.released,
+                                  callbacks=[on_commit] if on_commit else [])
+        self._files = SaveFiles(saves, self.storage, config, rank=rank, pool=self.pool,
+                                stager=Stager(self.pool, use_cuda), writers=self._writers)
+        self._committer = Committer(saves, self.storage, config, rank=rank, world_size=world_size,
+                                    ledger=self._failures, retention=self._retention,
+                                    reporter=self._reporter, written=self._files.eager_written)
+        self._loader = Loader(rank=rank, world_size=world_size, exchange=self._exchange,
+                              verify_on_load=config.verify_on_load)
+        self._claims = SaveDirClaims(saves, self._background_busy)
+        self._session = Session(saves, self.storage, config, rank=rank, exchange=self._exchange,
+                                ledger=self._failures, claims=self._claims, retention=self._retention,
+                                loader=self._loader, beside=self._beside, files=self._files,
+                                committer=self._committer)
+        self._pid = os.getpid()
+        self._owner: threading.Thread | None = None
+        """The thread that began the last save (the training loop's)."""
+        self._forked = False
+        """True in a child forked from the process that made this checkpointer (see
+        :mod:`.lifecycle`): its threads do not run there."""
+        lifecycle.register(self)
+
+    # ------------------------------------------------------------------ save path
+
+    def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
+              swap_at_commit: bool = True, late_files: Iterable[str] = (),
+              own_pointer: str | None = None, rotation: bool = True) -> CheckpointHandle:
+        """Start a checkpoint (collective: every rank). If a previous save failed on any rank,
+        raises on every rank (the failing one gets its own error) and starts nothing.
+
+        If ``ckpt_dir`` already holds files (the checkpoint the pointer names, saved again
+        under the same tag, say) or a save of it is still in flight, this save's files go to a
+        staging directory beside it (``handle.write_dir``) and the commit swaps it in
+        (:func:`~.commit.replace_checkpoint`): the old checkpoint stays whole and loadable
+        until the new one is committed. ``swap_at_commit=False``: rank 0 calls
+        :meth:`swap_in` itself once the commit is done (the Megatron adapter, whose marker
+        files come after the commit). ``late_files``: files (paths in the checkpoint) that
+        rank 0's caller writes after the commit and records with
+        :func:`~.commit.record_late_files`; until then the checkpoint does not verify.
+        ``own_pointer``: the path of a pointer the caller writes itself, after the commit
+        (Megatron's tracker), instead of ``pointer``: rank 0 removes the temporaries of it
+        that a killed process left, as it does ``pointer``'s. ``rotation=False``: a checkpoint
+        saved aside (DeepSpeed's ``save_latest=False``: a "best" model, say), which retention
+        neither counts nor removes (its manifest says ``"rotation": false``)."""
+        self._check_open()
+        self._owner = threading.current_thread()
+        return self._session.begin(ckpt_dir, tag=tag, pointer=pointer, swap_at_commit=swap_at_commit,
+                                   late_files=late_files, own_pointer=own_pointer, rotation=rotation)
+
+    def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = (),
+             eager_tensors: Iterable[torch.Tensor] = (), replicas: Replicas | None = None) -> int:
+        """Add one file to the open checkpoint: ``state`` as ``torch.save`` would write it.
+
+        Python values are frozen before this returns. Tensors are copied lazily, before the
+        next :meth:`fence`, except what the loop may change outside the optimizer step, which
+        is copied now: tensors reachable under ``state[k]`` for ``k`` in ``eager_keys``, and
+        tensors viewing the memory of any of ``eager_tensors`` (a model's buffers: a forward
+        updates BatchNorm's running statistics). Returns the tensor bytes this file stages
+        (what it costs the host pool).
+
+        ``replicas``: every rank of that group calls ``save`` for this ``path`` at this point
+        (collective). If they all planned the same archive (the same pickle and record sizes:
+        one all-gather of a digest), each copies and writes one share of its records, of
+        about equal bytes (see :class:`~.persist.Share`), and the commit joins the shares into
+        the same file the first replica would have written alone. Otherwise, or with
+        ``zip_crc32`` (the zip directory's CRCs need every record), the first replica writes
+        it alone and the others nothing.
+        """
+        return self._files.add(path, [state], None, eager_keys, eager_tensors, replicas)[0]
+
+    def save_packed(self, path: str, parts: Iterable[tuple[str, Any]], *,
+                    eager_tensors: Iterable[torch.Tensor] = ()) -> list[int]:
+        """Add one file holding several ``torch.save`` archives back to back, one per
+        ``(name, state)`` of ``parts``, each starting on a page. The committed manifest gives
+        each name's offset and length (``files[<path in the checkpoint>]["parts"][name]``), so
+        a reader can ``torch.load`` a view of just those bytes (what megatron-core's
+        ``.distcp`` files are). Tensors are copied lazily, except those viewing the memory of
+        any of ``eager_tensors`` (see :meth:`save`). Returns the tensor bytes each part stages.
+        """
+        parts = list(parts)
+        return self._files.add(path, [state for _, state in parts], [name for name, _ in parts], (),
+                               eager_tensors)
+
+    def end(self, *, commit: bool = True) -> CheckpointHandle:
+        """Seal the open checkpoint. In sync mode, return once this rank's files are persisted
+        and, on rank 0, the checkpoint is committed; raise this save's failure here (the
+        adapters then share the outcome across ranks, so that every rank knows it).
+
+        ``commit=False`` abandons it (the framework's save raised midway): its files still
+        drain from the pool, but it is never recorded or committed.
+        """
+        return self._session.end(commit=commit)
+
+    def fence(self) -> None:
+        """Call before parameters or optimizer state are modified (the optimizer step, or any
+        in-place edit outside it: see :func:`fence_all`)."""
+        self._check_not_forked()
+        t0 = time.perf_counter()
+        current = self._saves.current
+        if current is not None:  # fenced inside a save: its copies must come first
+            self._files.seal(current)
+        self._files.stager.fence()
+        if self.history:
+            self.history[-1].fence_wait_s += time.perf_counter() - t0
+
+    def reserve(self, nbytes: int) -> threading.Thread | None:
+        """Prepare the host pool for saves of about ``nbytes`` on this rank: allocate it and
+        fault it in now, in a background thread, instead of during the first save (whose
+        stall would include it). Optional; the DeepSpeed plugin calls it after the first
+        optimizer step. See :meth:`HostBufferPool.reserve`."""
+        self._check_open()
+        if type(nbytes) is not int or nbytes < 0:
+            raise ValueError(f"reserve(nbytes={nbytes!r}): an int >= 0")
+        return self.pool.reserve(nbytes)
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Block until every file written beside (:meth:`write_beside`) is durable, every
+        sealed checkpoint is committed and the retention its commit started (``keep_last``) is
+        done; raise a background error if any."""
+        self._check_not_forked()
+        if timeout is not None:
+            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) \
+                    or timeout < 0:
+                raise ValueError(f"wait(timeout={timeout!r}): a number of seconds >= 0, or None")
+            if math.isinf(timeout):
+                timeout = None
+        deadline = None if timeout is None else time.monotonic() + timeout
+        self._beside.wait_all(deadline, timeout)  # outcome taken below, as a background error
+        self._saves.wait_committed(deadline, timeout)
+        self._files.stager.forget_issued()  # those saves are over: their items need no fence
+        bug = self._retention.wait(deadline, timeout)
+        if bug is not None:  # anything but an OSError is a bug: raised once, here
+            exc, more = self._failures.take()
+            if exc is None:
+                raise bug
+            # a failed save goes first (close() raises once, and it would be lost behind
+            # this); the retention bug is logged with its traceback
+            logger.error("async checkpoint: removing older checkpoints failed", exc_info=bug)
+            raise reraise(exc, more)
+        self.raise_background_error()
+
+    def raise_background_error(self) -> None:
+        """Raise (once) the first error a background stage recorded, if any, with how many
+        more there were (consumed too)."""
+        self._failures.raise_first()
+
+    def wait_all_ranks(self, timeout: float | None = None, *, action: str = "wait_all_ranks()",
+                       recover: str | None = None, error: Exception | None = None) -> None:
+        """Collective :meth:`wait` (every rank): call it before a step that must start on all
+        ranks or on none, e.g. a framework's ``load_checkpoint``, whose collectives would hang
+        if a background error stopped only the rank that has it.
+
+        Each rank waits until its own sealed checkpoints are committed, then all ranks share the
+        outcome in one call of the exchange (the one :meth:`begin` makes). If a save failed, or
+        the wait timed out, on any rank, every rank raises, naming ``action`` as refused: the
+        failing rank its own error, the others a :class:`CommitError` naming the failing
+        rank(s) and their messages. A failed save is never committed, so the last committed
+        checkpoint (the one ``latest`` names) is intact. Every background error recorded so far
+        is consumed, so calling again proceeds. Without a process group (a single process) the
+        exchange is a no-op: this is :meth:`wait`, raising with the same message.
+
+        ``recover``: a save directory about to be loaded from; rank 0 first finishes there what
+        a crash cut short (:meth:`recover`), so every rank then finds the checkpoint in place.
+        ``error``: this rank failed already (the caller's step before this call): it is shared
+        without waiting, and raised here as it is, after the exchange.
+        """
+        local: Exception | None = error
+        try:
+            if error is None:
+                self.wait(timeout)  # raises (and consumes) the background errors
+                if recover is not None and self.rank == 0:
+                    self.recover(recover, sweep=False)
+        except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
+            local = exc
+        # raised by wait's own steps (a timeout), the background errors are still there
+        first, more = self._failures.take()
+        detail = None
+        if local is not None:
+            count = 0 if first is None else 1 + more
+            detail = f"{local}" + (f" (and {count} more failed save(s))" if count else "")
+        _, failed = self._exchange(action, None if local is None else f"{type(local).__name__}: {detail}")
+        retry = f". The errors reported here are cleared: calling {action} again retries."
+        if error is not None:
+            raise error
+        if local is not None:
+            cls = type(local) if isinstance(local, AsyncCheckpointError) else CommitError
+            raise cls(f"{action} refused on every rank: {detail}{retry}") from local
+        if failed:
+            raise (DurabilityError if only_durability(failed) else CommitError)(
+                f"{action} refused on every rank, because of rank(s) " + by_rank(failed) + retry)
+
+    # ------------------------------------------------------------------ files beside
+    def write_beside(self, path: str, write: Callable[[BinaryIO], Any]) -> Future:
+        """Write ``path``, a file of no checkpoint of this engine, in a save directory, on a
+        writer thread (the Hugging Face integration's weights export): see
+        :meth:`.beside.BesideFiles.write`. :meth:`close` (and so the exit flush) waits for it."""
+        self._check_open()
+        return self._beside.write(path, write)
+
+    def unreported_failures(self, where: Callable[[str, bool], bool], *, exports_only: bool = False
+                            ) -> list[tuple[str, BaseException]]:
+        """``(path, error)`` of the failures recorded and not yet reported of the saves and
+        files beside that ``where`` accepts: see :meth:`.beside.BesideFiles.unreported_failures`."""
+        return self._beside.unreported_failures(where, exports_only, self._failures.unreported,
+                                                self.history)
+
+    def wait_beside(self, directory: str | None = None) -> None:
+        """Wait until the files being written beside (:meth:`write_beside`) into ``directory``
+        (None: all) are written or have failed (a failure is raised as always: by the save
+        beside it, or at the next ``begin`` or ``wait``)."""
+        self._check_not_forked()
+        self._beside.wait(directory)
+
+    # ------------------------------------------------------------------ retention (rank 0)
+    def retire_older(self, handle: CheckpointHandle, *, keep_last: int | None = None,
+                     keep: Callable[[str], bool] | None = None) -> list[str]:
+        """Retention (rank 0, once ``handle`` is committed and the pointer names it): see
+        :meth:`.retention.Retention.retire_older`. Returns the names of the checkpoints removed."""
+        return self._retention.retire_older(handle, keep_last=keep_last, keep=keep)
+
+    def pointer_moved(self, handle: CheckpointHandle) -> None:
+        """Rank 0: the pointer of ``handle``'s save directory now names it, so retention
+        never removes it (see :meth:`.retention.Retention.pointer_moved`)."""
+        self._retention.pointer_moved(handle)
+
+    def retire_older_later(self, handle: CheckpointHandle, *, keep_last: int | None = None,
+                           keep: Callable[[str], bool] | None = None) -> Future:
+        """:meth:`retire_older` on the retention thread, one call at a time (see
+        :meth:`.retention.Retention.retire_older_later`); :meth:`wait` and :meth:`close` wait for it."""
+        return self._retention.retire_older_later(handle, keep_last=keep_last, keep=keep)
+
+    def swap_in(self, handle: CheckpointHandle) -> None:
+        """Rank 0, for a save begun with ``swap_at_commit=False``, once it is committed and
+        the caller's own files are in ``handle.write_dir``: replace ``handle.ckpt_dir`` with
+        it (nothing to do when the save was not staged)."""
+        self._retention.swap_in(handle)
+
+    def abandon_swap(self, handle: CheckpointHandle) -> None:
+        """Rank 0, for a save begun with ``swap_at_commit=False`` that the caller will not
+        :meth:`swap_in` (its own files failed): the checkpoint it would have replaced stays,
+        and the next save sweeps its staging directory."""
+        self._retention.abandon_swap(handle)
+
+    def recover(self, save_dir: str, *, sweep: bool = True) -> list[str]:
+        """Rank 0, before saving into or loading from ``save_dir``: see
+        :meth:`.retention.Retention.recover`. Returns the names of the checkpoints it put back."""
+        return self._retention.recover(save_dir, sweep=sweep)
+
+    def _later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
+        """``fn(*args, **kwargs)`` on the retention thread, after what was queued there before
+        (the Hugging Face integration's deletions; see :meth:`.retention.Retention.later`)."""
+        return self._retention.later(fn, *args, **kwargs)
+
+    def _remove_trash(self, save_dir: str) -> None:
+        self._retention.remove_trash(save_dir)
+
+    # ------------------------------------------------------------------ load path
+    def verify_all_ranks(self, ckpt_dir: str | None, *, action: str = "load",
+                         include: Callable[[str], bool] | None = None) -> None:
+        """Collective: check a checkpoint of this engine before any rank loads from it, each
+        rank hashing a share of its files, and raise on every rank if any file is bad or the
+        checkpoint was never committed: see :meth:`.loader.Loader.verify_all_ranks`."""
+        self._loader.verify_all_ranks(ckpt_dir, action=action, include=include)
+
+    def load(self, path: str, map_location: Any = None) -> Any:
+        """``torch.load`` after checking the file against its checkpoint's committed manifest
+        (unless :meth:`verify_all_ranks` checked that checkpoint, as it still is)."""
+        if self._saves.inflight:
+            self.wait()
+        return self._loader.load(path, map_location)
+
+    def collective_load(self, action: str = "load") -> contextlib.AbstractContextManager[None]:
+        """Collective (every rank): a framework's load, whose files :meth:`load` reads;
+        see :meth:`.loader.Loader.collective_load`."""
+        return self._loader.collective_load(action)
+
+    # ------------------------------------------------------------------ commit reports (rank 0)
+    def add_commit_callback(self, fn: Callable[[CommitInfo], None]) -> None:
+        """Call ``fn(info)`` (a :class:`CommitInfo`) on rank 0 for every checkpoint committed from
+        now on, after the pointer moved. Callbacks run in commit order on a thread of their own,
+        so a slow one (an upload, say) holds up neither training, nor :meth:`wait`, nor the next
+        commit; :meth:`close` waits for them. An exception in one is logged: the checkpoint
+        stays committed. The ``on_commit`` argument adds one. Retention (``keep_last``) leaves
+        the checkpoint until its callbacks are done; a save of the same tag that commits
+        meanwhile swaps the directory under them (a fixed tag such as ``"last"``: read it
+        before saving that tag again). They run on rank 0 only: do not close the checkpointer
+        from one (rank 0's next save would fail alone while the others wait for it)."""
+        self._reporter.callbacks.append(fn)
+
+    def report(self, fn: Callable[..., Any], *args: Any, about: str | None = None) -> None:
+        """Run ``fn(*args)`` on the commit callbacks' thread, after those queued before (once
+        closed: here, after those). Its exception is logged. ``about``: the checkpoint
+        directory it reads, which retention leaves until it has run. Adapters use it for their
+        own reports."""
+        self._reporter.report(fn, *args, about=about)
+
+    def _background_busy(self) -> bool:
+        """Whether a report or a deletion is queued or running (claims stay meanwhile)."""
+        with self._saves.lock:
+            return bool(self._reporter.queued) or self._retention.running()
+
+    # ------------------------------------------------------------------ lifecycle
+    def close(self) -> None:
+        """Flush: wait for every checkpoint to commit, then stop the background threads. In a
+        forked child (whose copy of this checkpointer has no threads): only marks it closed."""
+        if self._forked:
+            self._closed = True
+            return
+        if self._closed:  # (by a commit callback, say: its thread could not wait for itself)
+            self._reporter.drain()
+            return
+        try:
+            if self._saves.current is not None:  # a save that never finished must not be committed
+                self.end(commit=False)
+            self.wait()
+        finally:
+            self._closed = True
+            self._committer.stop(timeout=_COMMITTER_JOIN_S)
+            self._writers.shutdown(wait=True)
+            self._retention.shutdown()
+            self._files.stager.close()
+            if self._committer.thread.is_alive():  # close interrupted (Ctrl-C), a commit still running:
+                logger.warning("async checkpoint: closed while a commit still runs; the save "
+                               "directory stays locked until it ends with the process")
+            else:  # released under a running commit, another job could sweep its directory
+                self._claims.release_all()
+            lifecycle.unregister(self)
+            self._reporter.drain()
+
+    @property
+    def is_open(self) -> bool:
+        """True between begin() and end()."""
+        return self._saves.current is not None
+
+    @property
+    def staged_bytes(self) -> int:
+        """Bytes this rank copied to host so far (what non-writer ranks must keep at 0)."""
+        return self._files.stager.staged_bytes
+
+    @property
+    def pooled_bytes(self) -> int:
+        """Host pool bytes those copies took so far (each record rounded up to whole pages)."""
+        return self._files.stager.pooled_bytes
+
+    @property
+    def _closed(self) -> bool:
+        return self._saves.closed
+
+    @_closed.setter
+    def _closed(self, closed: bool) -> None:
+        self._saves.closed = closed
+
+    def join_training_thread(self) -> None:
+        """At interpreter exit: wait for the training thread if it is another one and
+        may still save (see :func:`.lifecycle.join_training_thread`)."""
+        lifecycle.join_training_thread(self._owner, self._saves)
+
+    def _at_exit(self) -> None:
+        self.join_training_thread()
+        try:
+            self.close()
+        except BaseException as exc:  # nothing left to raise to at interpreter exit
+            print(f"deepspeed_async_ckpt: rank {self.rank}: final checkpoint not committed: {exc}",
+                  file=sys.stderr)
+
+    def _check_open(self) -> None:
+        self._check_not_forked()
+        if self._closed:
+            raise AsyncCheckpointError("the checkpointer is closed")
+
+    def _check_not_forked(self) -> None:
+        if self._forked:
+            raise AsyncCheckpointError(f"this checkpointer belongs to process {self._pid}; this is a "
+                                       "child forked from it, where its background threads do not "
+                                       "run: save from the parent, or make a checkpointer here")

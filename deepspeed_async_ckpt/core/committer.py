@@ -1,0 +1,141 @@
+"""The committer: one thread per checkpointer that takes the sealed saves in order, waits for
+their files, and commits them.
+
+Every rank runs one (``async-ckpt-committer``); a sync save runs :meth:`Committer.commit_one`
+inline on the training thread instead. For each save, every rank makes its files' directory
+entries durable and publishes its record; rank 0 then writes the manifest and moves the
+pointer (:func:`~..commit.commit`), announces the commit and queues retention. A failure is
+recorded in the failure ledger (raised at the next ``begin`` or ``wait``) and, where this
+rank's own part failed, written as this rank's failure record, so that rank 0 stops waiting.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+from ..commit import commit, write_rank_failure, write_rank_record
+from ..config import AsyncCheckpointConfig
+from ..errors import DurabilityError
+from ..persist import FileRecord
+from ..storage import Storage
+from .failures import FailureLedger
+from .handle import CheckpointHandle
+from .reports import Reporter
+from .retention import Retention
+from .saves import Saves
+
+logger = logging.getLogger(__name__)
+
+
+class Committer:
+    """Commits the saves of one rank, in the order they were sealed.
+
+    ``written(handle)``: called once ``handle``'s files are written or failed (its eager
+    copies are released). Starts its thread at once; :meth:`stop` ends it."""
+
+    def __init__(self, saves: Saves, storage: Storage, config: AsyncCheckpointConfig, *, rank: int,
+                 world_size: int, ledger: FailureLedger, retention: Retention, reporter: Reporter,
+                 written: Callable[[CheckpointHandle], None]) -> None:
+        self._saves, self._storage, self._config = saves, storage, config
+        self._rank, self._world_size = rank, world_size
+        self._ledger, self._retention, self._reporter = ledger, retention, reporter
+        self._written = written
+        self._queue: queue.SimpleQueue[CheckpointHandle | None] = queue.SimpleQueue()
+        self.thread = threading.Thread(target=self._loop, name="async-ckpt-committer", daemon=True)
+        self.thread.start()
+
+    def put(self, handle: CheckpointHandle) -> None:
+        """Queue the sealed ``handle`` (it is in flight: ``saves.inflight``)."""
+        self._queue.put(handle)
+
+    def stop(self, timeout: float) -> None:
+        """End the thread once what is queued is committed, waiting up to ``timeout`` s."""
+        self._queue.put(None)
+        self.thread.join(timeout=timeout)
+
+    def _loop(self) -> None:
+        while True:
+            handle = self._queue.get()
+            if handle is None:
+                return
+            self.commit_one(handle)
+
+    def commit_one(self, handle: CheckpointHandle) -> None:
+        recorded = False  # this rank's record is written: rank 0 takes it from there
+        try:
+            records: list[FileRecord] = []
+            first_error: BaseException | None = None
+            for fut in handle.files:  # wait for all, so no writer still runs after a failure
+                try:
+                    records.append(fut.result())
+                except BaseException as exc:
+                    first_error = first_error or exc
+            for fut in handle.beside:  # Trainer's model.safetensors: durable before the commit
+                try:
+                    fut.result()
+                except BaseException as exc:
+                    first_error = first_error or exc
+            self._written(handle)  # its files are written (or failed): copies released
+            if first_error is not None:
+                raise first_error
+            if handle.abandoned:  # the framework's save raised here: rank 0 must not wait for
+                if self._rank != 0:  # this rank's record until commit_timeout_s
+                    self._report_failure(handle, handle.failure or "the save raised on this rank "
+                                                                   "before it was sealed")
+                return
+            # The entries of the directories made for it: files are synced in their own
+            # directory as they are renamed into place, but a new directory's entry lies in its
+            # parent (a first save's save directory, Trainer's checkpoint-N at every save).
+            for parent in dict.fromkeys(os.path.dirname(d) for d in handle.new_dirs):
+                try:
+                    self._storage.sync_dir(parent)
+                except PermissionError as exc:  # a directory this process may not read (not open)
+                    logger.warning("async checkpoint: cannot sync directory %s (%s): the entries "
+                                   "made in it are as durable as the filesystem makes them", parent, exc)
+            handle.times["persisted"] = time.perf_counter()
+            handle._persisted.set()
+            cfg = self._config
+            swap = handle.write_dir != handle.ckpt_dir and handle.swap_at_commit
+            write_rank_record(self._storage, handle.write_dir, rank=self._rank, save_id=handle.save_id,
+                              checksum=cfg.checksum, files=records)
+            recorded = True
+            manifest = None
+            if self._rank == 0:
+                manifest = commit(self._storage, handle.write_dir, tag=handle.tag, save_id=handle.save_id,
+                                  world_size=self._world_size, checksum=cfg.checksum,
+                                  timeout_s=cfg.commit_timeout_s, pointer=handle.pointer,
+                                  replaces=handle.ckpt_dir if swap else None, late_files=handle.late_files,
+                                  rotation=handle.rotation)
+            handle.times["committed"] = time.perf_counter()
+            if manifest is not None and handle.pointer is not None:
+                self._retention.pointer_moved(handle)
+            if manifest is not None:
+                self._reporter.announce(handle, manifest)
+            if self._rank == 0 and swap:  # the checkpoint it replaced: deleted in the background
+                self._retention.later(self._retention.remove_trash, os.path.dirname(handle.ckpt_dir))
+            if self._rank == 0 and handle.pointer is not None and cfg.keep_last:
+                self._retention.retire_older_later(handle)
+        except BaseException as exc:
+            handle.error = exc
+            if isinstance(exc, DurabilityError) and exc.pointer_moved and handle.pointer is not None:
+                self._retention.pointer_moved(handle)  # it names this one now: retention must keep it
+            self._ledger.record(exc)
+            if not recorded:  # this rank's own part failed (its files, or its record): tell rank 0
+                self._report_failure(handle, f"{type(exc).__name__}: {exc}")
+        finally:
+            self._saves.settle(handle)  # failed: never swapped in, its staging is abandoned
+            self._written(handle)
+            handle._persisted.set()
+            handle._committed.set()
+
+    def _report_failure(self, handle: CheckpointHandle, message: str) -> None:
+        try:
+            write_rank_failure(self._storage, handle.write_dir, rank=self._rank,
+                               save_id=handle.save_id, message=message)
+        except OSError:
+            pass  # rank 0 then times out after commit_timeout_s

@@ -1,0 +1,112 @@
+"""A save's handle: what one rank knows of one checkpoint, and the named points to wait at.
+
+Made by :meth:`AsyncCheckpointer.begin <.checkpointer.AsyncCheckpointer.begin>` on the training
+thread of every rank; filled in by the training thread (``save``, ``end``), the writers and the
+copier (its files and copies) and the committer thread (its outcome, then ``persisted`` and
+``committed`` set). A caller waits on it from any thread.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+from ..commit import Pointer
+from ..persist import Share
+from ..snapshot import FilePlan, TensorItem
+
+
+@dataclass(frozen=True)
+class CommitInfo:
+    """What rank 0 knows of a checkpoint once it is committed: what the commit log line says,
+    and what an ``on_commit`` callback gets."""
+
+    tag: str
+    ckpt_dir: str
+    files: int
+    bytes: int
+    world_size: int
+    seconds: float
+    """From ``begin`` (once the ranks agreed to save) to the commit (the pointer moved):
+    staging, writing and the commit, beside training. ``str()`` gives bytes over it as GB/s,
+    which is not the disk's bandwidth."""
+
+    def __str__(self) -> str:
+        rate = self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
+        return (f"checkpoint {self.tag} committed: {self.ckpt_dir}, {self.files} file(s), "
+                f"{self.bytes / 1e9:.3g} GB from {self.world_size} rank(s), {self.seconds:.2f} s "
+                f"after the save began ({rate:.3g} GB/s)")
+
+
+
+class CheckpointHandle:
+    """One checkpoint of one rank, with named wait points: staged, persisted, committed.
+
+    "Committed" means: on rank 0, the manifest and pointer are durable; on other ranks, this
+    rank's files are durable and its record is published (its part of the commit).
+    """
+
+    def __init__(self, ckpt_dir: str, tag: str, save_id: str, pointer: Pointer | None,
+                 write_dir: str | None = None, swap_at_commit: bool = True,
+                 late_files: tuple[str, ...] = (), rotation: bool = True) -> None:
+        self.ckpt_dir, self.tag, self.save_id, self.pointer = ckpt_dir, tag, save_id, pointer
+        self.rotation = rotation
+        """False for a save that moves no pointer: retention neither counts nor removes it."""
+        self.write_dir = write_dir or ckpt_dir
+        """Where this save's files go: ``ckpt_dir``, or, when that already held files, a
+        staging directory beside it that the commit swaps in (see :meth:`AsyncCheckpointer.begin`)."""
+        self.swap_at_commit = swap_at_commit
+        self.late_files = late_files
+        """Files rank 0's caller writes after the commit (see :meth:`AsyncCheckpointer.begin`)."""
+        self.new_dirs: list[str] = []
+        """Directories this rank made for the save (the save directory on a first save, the
+        checkpoint's, its marker, subdirectories of files; on rank 0 also the save directory,
+        whoever made it): their entries are made durable before this rank's record, so that
+        no crash after the commit takes them back."""
+        self.paths: set[str] = set()
+        """The files saved so far, by their path in the checkpoint (each may be saved once)."""
+        self.items: list[TensorItem] = []
+        self.unsubmitted: list[TensorItem] = []
+        """Lazy items of an open save, queued for the copier when it is sealed."""
+        self.unwritten: list[tuple[str, list[FilePlan], list[str] | None, Share | None]] = []
+        """Files of an open save, handed to the writers when it is sealed."""
+        self.files: list[Future] = []
+        self.beside: list[Future] = []
+        """Files written beside it (:meth:`AsyncCheckpointer.write_beside`) into its save
+        directory before it began: this rank's part is persisted once they are durable too."""
+        self.nbytes = 0
+        self.error: BaseException | None = None
+        self.abandoned = False
+        self.failure: str | None = None
+        """Why a sync save's file failed on this rank (rank 0's commit error quotes it)."""
+        self.fence_wait_s = 0.0
+        """Time the training loop spent blocked at fences waiting for this save's copies."""
+        self.eager_wait_s = 0.0
+        """Time its ``save`` calls waited for earlier saves' eager copies to be written (their
+        backpressure: see ``SaveFiles._eager_room`` in :mod:`.files`)."""
+        self.retired: list[str] = []
+        """Older checkpoints that retention (``keep_last``) removed after this one committed
+        (filled in the background, after the commit: see :meth:`AsyncCheckpointer.wait`)."""
+        self.times: dict[str, float] = {"begin": time.perf_counter()}
+        self.commit_info: CommitInfo | None = None
+        """Rank 0, once committed: what the commit wrote (see :class:`CommitInfo`)."""
+        self._persisted = threading.Event()
+        self._committed = threading.Event()
+
+    def wait_staged(self) -> None:
+        for item in self.items:
+            item.wait_copied()
+        self.times.setdefault("staged", time.perf_counter())
+
+    def wait_persisted(self, timeout: float | None = None) -> bool:
+        return self._persisted.wait(timeout)
+
+    def wait_committed(self, timeout: float | None = None) -> bool:
+        return self._committed.wait(timeout)
+
+    @property
+    def committed(self) -> bool:
+        return self._committed.is_set() and self.error is None and not self.abandoned
+

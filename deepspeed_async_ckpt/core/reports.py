@@ -1,0 +1,98 @@
+"""Commit reports: the log line and the ``on_commit`` callbacks of each committed checkpoint,
+and the adapters' own reports, run in commit order on a thread of their own.
+
+Rank 0 only. The committer thread queues them (:meth:`Reporter.announce`), adapters queue
+their own (:meth:`Reporter.report`); they run on the reporter thread
+(``async-ckpt-reporter``), or, once the checkpointer is closed, on the caller's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable
+
+from .handle import CheckpointHandle, CommitInfo
+from .saves import Saves
+
+logger = logging.getLogger(__name__)
+
+
+class Reporter:
+    """The commit callbacks of one checkpointer and the thread they run on.
+
+    While a report about a checkpoint directory is queued or running, the directory is listed
+    in ``saves.reporting`` (retention leaves it); ``released(ckpt_dir)`` is called once the
+    last of them is done."""
+
+    def __init__(self, saves: Saves, *, world_size: int, released: Callable[[str], None],
+                 callbacks: list[Callable[[CommitInfo], None]]) -> None:
+        self._saves, self._world_size, self._released = saves, world_size, released
+        self.callbacks = callbacks
+        self._executor: ThreadPoolExecutor | None = None  # started on first use
+        self._thread: threading.Thread | None = None
+        self.queued = 0
+        """Under ``saves.lock``: reports (commit callbacks included) queued or running."""
+
+    def report(self, fn: Callable[..., Any], *args: Any, about: str | None = None) -> None:
+        """Run ``fn(*args)`` on the commit callbacks' thread, after those queued before (once
+        closed: here, after those). Its exception is logged. ``about``: the checkpoint
+        directory it reads, which retention leaves until it has run."""
+        saves = self._saves
+
+        def call() -> None:
+            self._thread = threading.current_thread()
+            try:
+                fn(*args)
+            except BaseException as exc:  # noqa: BLE001 - a report, never the save's failure
+                logger.warning("async checkpoint: a commit callback failed: %s: %s",
+                               type(exc).__name__, exc)
+            finally:
+                try:
+                    if about is not None:
+                        with saves.lock:
+                            saves.reporting[about] -= 1
+                            released = not saves.reporting[about]
+                            if released:
+                                del saves.reporting[about]
+                        if released:  # the retention that left it for this callback: again
+                            self._released(about)
+                finally:
+                    with saves.lock:  # only now: that retention is queued (idle claims)
+                        self.queued -= 1
+        with saves.lock:
+            self.queued += 1
+            if about is not None:
+                saves.reporting[about] += 1
+            if not saves.closed:
+                if self._executor is None:
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-reporter")
+                self._executor.submit(call)
+                return
+        self.drain()  # in order: after what was queued before the close
+        call()
+
+    def drain(self) -> None:
+        """Once closed: run the commit callbacks queued so far to the end and stop their
+        thread; from that thread itself (close() in a callback), stop it without waiting."""
+        with self._saves.lock:
+            executor = self._executor
+        if executor is not None:
+            executor.shutdown(wait=threading.current_thread() is not self._thread)
+
+    def announce(self, handle: CheckpointHandle, manifest: dict) -> None:
+        """Rank 0, once a checkpoint is committed: log it (INFO) and queue the commit callbacks.
+        A failure here is logged, never the save's: the pointer has moved already."""
+        try:
+            info = CommitInfo(tag=handle.tag, ckpt_dir=handle.ckpt_dir, files=len(manifest["files"]),
+                              bytes=sum(e["bytes"] for e in manifest["files"].values()),
+                              world_size=self._world_size,
+                              seconds=handle.times["committed"] - handle.times["begin"])
+            handle.commit_info = info
+            logger.info("async checkpoint: %s", info)
+            for fn in list(self.callbacks):
+                self.report(fn, info, about=handle.ckpt_dir)
+        except Exception as exc:  # noqa: BLE001 - a report, not part of the commit
+            logger.warning("async checkpoint: reporting the commit of %s failed (it is committed): "
+                           "%s", handle.tag, exc)

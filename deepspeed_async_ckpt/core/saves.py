@@ -1,0 +1,79 @@
+"""The saves of one checkpointer and the lock that guards them: the one open, those in
+flight, those committed and awaiting their swap-in.
+
+One :class:`Saves` is shared by the checkpointer's collaborators: the training thread opens
+and seals saves here, the committer thread settles them, retention and the process registry
+read which directories are in use. Lock order: ``dirs_lock`` before ``lock``; neither is held
+while waiting for a save.
+"""
+
+from __future__ import annotations
+
+import collections
+import threading
+import time
+
+from ..errors import CommitError
+from .handle import CheckpointHandle
+
+
+def time_left(deadline: float | None) -> float | None:
+    """Seconds left until ``deadline`` (``time.monotonic``; None: no limit), at least 0."""
+    return None if deadline is None else max(0.0, deadline - time.monotonic())
+
+
+class Saves:
+    """What is being saved, as every thread of one checkpointer sees it."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        """Guards ``inflight``, ``unswapped`` and ``reporting`` here, and the lists of the collaborators
+        built with it (recorded failures, files beside, reports, retention futures)."""
+        self.dirs_lock = threading.Lock()
+        """Retention against saves announcing their directories (``beginning``, the pointer
+        each save directory names)."""
+        self.current: CheckpointHandle | None = None
+        """The open save (between ``begin`` and ``end``), on the training thread."""
+        self.beginning: str | None = None
+        """Under ``dirs_lock``: the directory of a ``begin`` still agreeing its save id."""
+        self.inflight: collections.deque[CheckpointHandle] = collections.deque()
+        """Under ``lock``: sealed saves the committer has not settled yet, oldest first."""
+        self.unswapped: set[CheckpointHandle] = set()
+        """Under ``lock``, rank 0: staged saves begun with ``swap_at_commit=False``, not yet
+        through ``swap_in``. Committed or not, their staging directory is not abandoned and
+        their target not to be retired (:meth:`pending`)."""
+        self.reporting: collections.Counter[str] = collections.Counter()
+        """Under ``lock``: checkpoint directories whose commit callbacks are queued or running:
+        retention leaves them (a callback may be uploading the checkpoint)."""
+        self.closed = False
+        self.history: collections.deque[CheckpointHandle] = collections.deque(maxlen=64)
+        """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
+
+    def pending(self) -> list[CheckpointHandle]:
+        """Saves whose directories are in use: in flight, or committed and awaiting
+        ``swap_in``."""
+        with self.lock:
+            return [*self.inflight, *self.unswapped]
+
+    def busy(self, ckpt_dir: str) -> bool:
+        return any(h.ckpt_dir == ckpt_dir for h in self.pending())
+
+    def wait_committed(self, deadline: float | None, timeout: float | None) -> None:
+        """Wait until every sealed save is settled by the committer, until ``deadline``
+        (``time.monotonic``); past it, raise naming ``timeout`` (s)."""
+        while True:
+            with self.lock:
+                handle = self.inflight[0] if self.inflight else None
+            if handle is None:
+                return
+            if not handle.wait_committed(time_left(deadline)):
+                raise CommitError(f"checkpoint {handle.tag!r} not committed within {timeout} s")
+
+    def settle(self, handle: CheckpointHandle) -> None:
+        """The committer is done with ``handle``: no longer in flight, and, failed or
+        abandoned, never swapped in (its staging directory is abandoned)."""
+        with self.lock:
+            if handle in self.inflight:
+                self.inflight.remove(handle)
+            if handle.error is not None or handle.abandoned:
+                self.unswapped.discard(handle)

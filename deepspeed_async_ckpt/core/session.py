@@ -1,0 +1,280 @@
+"""The save session of one rank: ``begin`` opens a checkpoint (collective), ``end`` seals it
+and hands it to the committer.
+
+Call order, on the training thread of every rank::
+
+    begin(ckpt_dir, tag=..., pointer=...)   # collective: agrees a save id, shares failures
+    save(...) / save_packed(...)            # per file this rank writes (see :mod:`.files`)
+    end()                                   # seals: queued for the committer, or (sync) committed
+
+``begin`` is where the ranks meet: rank 0 decides alone, before any rank can write, whether the
+save is staged beside an existing checkpoint, and makes the directory it writes into; one
+exchange then gives every rank that decision and every rank's pending failure, so that all
+of them raise, or none.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+import uuid
+from typing import Callable, Iterable
+
+from ..commit import (META_DIR, Pointer, check_checkpoint_dir, check_name, make_checkpoint_dir,
+                      remove_stale_temporaries, staging_dir)
+from ..config import AsyncCheckpointConfig
+from ..errors import AsyncCheckpointError, CommitError, DurabilityError, describe
+from ..storage import Storage
+from .beside import BesideFiles
+from .collectives import ELSEWHERE, by_rank, only_durability
+from .committer import Committer
+from .failures import FailureLedger, reraise, this_save_failed
+from .files import SaveFiles, missing_dirs
+from .handle import CheckpointHandle
+from .lifecycle import SaveDirClaims
+from .loader import Loader
+from .retention import Retention
+from .saves import Saves
+
+logger = logging.getLogger(__name__)
+
+_STAGED = "+staged"  # appended by rank 0 to the save id it sends when the save is staged
+_REFUSED = "refused: "  # rank 0's message in begin's exchange: the save directory is another job's
+
+
+def _holds_files(path: str) -> bool:
+    try:
+        with os.scandir(path) as entries:
+            return next(entries, None) is not None
+    except (FileNotFoundError, NotADirectoryError):
+        return False
+    except OSError:  # cannot tell: stage, so that nothing there is overwritten
+        return True
+
+
+def _write_dir(ckpt_dir: str, save_id: str) -> tuple[str, str]:
+    """The save id without its staged mark, and the directory the save writes into: its
+    staging directory if rank 0 marked it staged (``ckpt_dir`` holds a checkpoint), else
+    ``ckpt_dir``."""
+    save_id, staged, _ = save_id.partition(_STAGED)
+    return save_id, staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
+
+
+def _remove_if_empty(made: tuple[str, list[str]]) -> None:
+    """Undo ``_make_write_dir`` for a save ``begin`` then refused: the empty marker, and the
+    directories it created (deepest first), as long as nothing else is in them. A directory
+    that was there before (empty, made by hand) stays."""
+    write_dir, created = made
+    try:
+        os.rmdir(os.path.join(write_dir, META_DIR))
+        for path in created:
+            os.rmdir(path)
+    except OSError:
+        pass
+
+
+class Session:
+    """Opens and seals the saves of one rank. ``exchange``: the collective ``begin`` makes
+    (see :func:`~.collectives.exchange_across_ranks`)."""
+
+    def __init__(self, saves: Saves, storage: Storage, config: AsyncCheckpointConfig, *, rank: int,
+                 exchange: Callable[..., tuple[str, dict[int, str]]], ledger: FailureLedger,
+                 claims: SaveDirClaims, retention: Retention, loader: Loader, beside: BesideFiles,
+                 files: SaveFiles, committer: Committer) -> None:
+        self._saves, self._storage, self._config, self._rank = saves, storage, config, rank
+        self.exchange = exchange
+        self._ledger, self._claims, self._retention = ledger, claims, retention
+        self._loader, self._beside, self._files, self._committer = loader, beside, files, committer
+
+    def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
+              swap_at_commit: bool = True, late_files: Iterable[str] = (),
+              own_pointer: str | None = None, rotation: bool = True) -> CheckpointHandle:
+        """Open a checkpoint (collective: every rank); see :meth:`AsyncCheckpointer.begin
+        <.checkpointer.AsyncCheckpointer.begin>`. If a previous save failed on any rank, raises
+        on every rank and starts nothing."""
+        saves = self._saves
+        if saves.current is not None:
+            raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {saves.current.tag!r} is "
+                                       "still open: call end() first")
+        ckpt_dir = check_checkpoint_dir(ckpt_dir)
+        if pointer is not None:  # written later, by the committer: not wherever the cwd is then
+            # what it names must be a checkpoint beside it (retention keeps that one alone)
+            check_name(pointer.text, f"Pointer({pointer.path!r}, text)")
+            pointer = Pointer(os.path.abspath(pointer.path), pointer.text)
+        self._loader.forget(ckpt_dir)  # being saved again: its files will change
+        with saves.dirs_lock:  # before the exchange, so before any rank writes into it
+            saves.beginning = ckpt_dir  # retention leaves it alone (see retire_older)
+        made: tuple[str, list[str]] | None = None
+        save_dir = os.path.dirname(ckpt_dir)
+        try:
+            local, more = self._ledger.take()
+            save_id, made, refused = uuid.uuid4().hex[:16], None, None
+            if self._rank == 0:
+                save_id, made, refused = self._prepare(ckpt_dir, save_id, local, pointer, own_pointer)
+            message = f"{_REFUSED}{refused}" if refused is not None else \
+                None if local is None else f"{type(local).__name__}: {local}"
+            save_id, failed = self.exchange(save_id, message, key=ckpt_dir)
+            try:
+                self._raise_if_refused(ckpt_dir, local, more, refused, failed)
+            except BaseException:
+                if made is not None:  # refused: nothing of it is left
+                    if save_dir in made[1]:  # its lock too, if claimed here
+                        self._claims.unclaim(save_dir)
+                    _remove_if_empty(made)
+                raise
+            save_id, write_dir = _write_dir(ckpt_dir, save_id)
+            handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
+                                      swap_at_commit, tuple(late_files), rotation=rotation)
+            saves.current = handle
+            handle.beside = self._beside.claim(save_dir)
+            if self._rank == 0:  # and the marker's entry (made under another name, renamed), and
+                # the save directory's, which Trainer makes for each checkpoint-N: the pointer in it
+                handle.new_dirs += [*(made[1] if made else ()), os.path.join(write_dir, META_DIR),
+                                    save_dir]
+            if not swap_at_commit and self._rank == 0:  # in use until swap_in / abandon_swap
+                with saves.lock:
+                    saves.unswapped.add(handle)
+        finally:
+            with saves.dirs_lock:
+                saves.beginning = None
+        return handle
+
+    def _prepare(self, ckpt_dir: str, save_id: str, local: BaseException | None,
+                 pointer: Pointer | None, own_pointer: str | None
+                 ) -> tuple[str, tuple[str, list[str]] | None, AsyncCheckpointError | None]:
+        """Rank 0, in ``begin`` before the exchange: claim the save directory, finish there
+        what a crash cut short, decide whether this save is staged (``save_id`` marked so) and,
+        unless an earlier failure (``local``) stops it, make the directory it writes into.
+        Returns the save id, what :meth:`_make_write_dir` made, and why the save is refused
+        (None: it is not). A failure is returned, not raised: the other ranks would wait in
+        the exchange."""
+        save_dir = os.path.dirname(ckpt_dir)
+        made: tuple[str, list[str]] | None = None
+        refused: AsyncCheckpointError | None = None
+        if os.path.isdir(save_dir):
+            try:  # before anything in it is touched (another job's staging, say)
+                self._claims.claim(save_dir)
+            except AsyncCheckpointError as exc:
+                refused = exc
+        if refused is not None:
+            return save_id, made, refused
+        # staged or not: decided by rank 0 alone, before any rank can write
+        try:  # never raise before the exchange: the other ranks would wait in it
+            try:
+                self._retention.recover(save_dir)
+                for path in (pointer.path if pointer is not None else None, own_pointer):
+                    if path is not None:
+                        remove_stale_temporaries(self._storage, path)
+            except OSError as exc:
+                logger.warning("async checkpoint: cleaning up %s failed: %s",
+                               save_dir, exc)
+            if self._saves.busy(ckpt_dir) or _holds_files(ckpt_dir):
+                save_id += _STAGED
+            if local is None:  # before the exchange, so before another rank writes into it
+                made = self._make_write_dir(ckpt_dir, save_id)
+                if made is not None and save_dir in made[1]:
+                    try:  # the save directory is new: claimed as soon as it exists
+                        self._claims.claim(save_dir)
+                    except AsyncCheckpointError as exc:  # another job made it meanwhile
+                        refused = exc
+        except Exception as exc:  # a Storage of the user's: every rank raises it, below
+            if local is None:  # this save refused, not "a previous checkpoint failed"
+                refused = AsyncCheckpointError(
+                    f"preparing checkpoint {ckpt_dir!r} failed, nothing was written (the "
+                    f"last committed one is intact): {type(exc).__name__}: {describe(exc)}")
+                refused.__cause__ = exc
+            else:  # an earlier save's failure goes first; this one is only logged
+                logger.warning("async checkpoint: preparing %s failed: %s", ckpt_dir, exc)
+        return save_id, made, refused
+
+    def _raise_if_refused(self, ckpt_dir: str, local: BaseException | None, more: int,
+                          refused: AsyncCheckpointError | None, failed: dict[int, str]) -> None:
+        """After ``begin``'s exchange, on every rank: raise this rank's earlier failure
+        (``local``, with ``more``), rank 0's refusal, or what other ranks reported (``failed``)."""
+        if local is not None:  # taken above: raised first, or it would be lost
+            raise reraise(local, more)  # behind a refusal
+        if refused is not None:
+            raise refused
+        if failed.get(0, "").startswith(_REFUSED):  # rank 0's refusal, in its words
+            raise AsyncCheckpointError(f"rank 0: {failed[0][len(_REFUSED):]}")
+        elsewhere = {r: m for r, m in failed.items() if m.startswith(ELSEWHERE)}
+        if elsewhere:  # a rank-specific tag, or a relative save_dir from another directory
+            raise AsyncCheckpointError(
+                f"the ranks are not saving the same checkpoint (rank {self._rank}: "
+                f"{ckpt_dir!r}): rank(s) {by_rank(elsewhere)}; every rank must pass the "
+                "same save_dir and tag (nothing was written)")
+        if failed:
+            if only_durability(failed):
+                raise DurabilityError("a previous checkpoint's commit did not complete on "
+                                      "rank(s) " + by_rank(failed))
+            raise CommitError("a previous checkpoint failed and was not committed (the last "
+                              "committed one is intact) on rank(s) " + by_rank(failed))
+
+    def _make_write_dir(self, ckpt_dir: str, save_id: str) -> tuple[str, list[str]] | None:
+        """Rank 0, in ``begin`` before the exchange: the directory this save writes into, with
+        this engine's marker, so that a crash leaves it partial (listed so, refused by loads,
+        removed by retention), not a stranger's; and made before the exchange, because once
+        it returns the other ranks create files in it (were rank 0 to rename the directory
+        into place under them, their file creation would fail with ENOENT). Returns it and the
+        directories made for it that were not there (it, the save directory on a first save),
+        deepest first, for :func:`_remove_if_empty`; None if it could not be made (logged: the
+        writes into it fail too, and report it to all ranks)."""
+        save_id, write_dir = _write_dir(ckpt_dir, save_id)
+        staged = write_dir != ckpt_dir
+        created = missing_dirs(write_dir)
+        try:
+            if staged:  # a crash before its marker leaves a staging dir: swept anyway
+                self._storage.makedirs(os.path.join(write_dir, META_DIR))
+            else:
+                make_checkpoint_dir(self._storage, write_dir, save_id)
+        except OSError as exc:
+            logger.warning("async checkpoint: cannot create %s: %s", write_dir, exc)
+            return None
+        return write_dir, created
+
+    def end(self, *, commit: bool = True) -> CheckpointHandle:
+        """Seal the open checkpoint. In sync mode, return once this rank's files are persisted
+        and, on rank 0, the checkpoint is committed; raise this save's failure here (the
+        adapters then share the outcome across ranks, so that every rank knows it).
+
+        ``commit=False`` abandons it (the framework's save raised midway): its files still
+        drain from the pool, but it is never recorded or committed.
+        """
+        saves = self._saves
+        handle = saves.current
+        if handle is None:
+            raise AsyncCheckpointError("end() without begin()")
+        if saves.closed:  # closed under it by another thread (it had passed begin's check)
+            saves.current = None
+            raise AsyncCheckpointError(f"checkpoint {handle.tag!r} was not committed: the checkpointer "
+                                       "was closed while it was being saved")
+        handle.abandoned = not commit
+        handle.times["end"] = time.perf_counter()
+        saves.history.append(handle)
+        if self._config.is_async:
+            try:
+                with saves.lock:
+                    saves.inflight.append(handle)
+                saves.current = None  # only now: retention sees its directory as in use throughout
+                self._files.seal(handle)
+            except BaseException:  # cut short (Ctrl-C, a SIGTERM handler's exit): never committed,
+                handle.abandoned = True  # and the committer still settles what was handed over
+                saves.current = None
+                raise
+            finally:
+                with saves.lock:
+                    queued = handle in saves.inflight
+                if queued:  # in flight: wait() and close() wait until the committer settles it
+                    self._committer.put(handle)
+        else:
+            with saves.lock:
+                saves.inflight.append(handle)
+            saves.current = None
+            self._committer.commit_one(handle)
+            if handle.error is not None:  # this save's failure, not "a previous checkpoint's"
+                self._ledger.discard(handle.error)  # (unless another thread's wait() took it)
+                raise this_save_failed(handle, handle.error)
+            self._ledger.raise_first()
+        return handle
+
