@@ -26,7 +26,8 @@ def pointer_target(save_dir: str) -> str | None:
                     text = f.read().strip()
             except (OSError, ValueError) as exc:
                 raise CliError(f"cannot read the pointer {path!r}: {exc}") from None
-            if not text:  # it named save_dir itself: "not written by this engine" said nothing
+            if not text:  # it would name save_dir itself: "not written by this engine" would
+                # not say what is wrong
                 raise CliError(f"the pointer {path!r} is empty: it names no checkpoint")
             return fmt.format(text)
     return None
