@@ -36,6 +36,6 @@ setup(
         "test": ["pytest>=8", "pytest-timeout", "megatron-core>=0.16,<0.17", "matplotlib",
                  "transformers>=5,<6", "accelerate>=1.0"],
     },
-    entry_points={"console_scripts": ["ds-async-ckpt=deepspeed_async_ckpt.cli:main"]},
+    entry_points={"console_scripts": ["ds-async-ckpt=deepspeed_async_ckpt.tools.cli:main"]},
     cmdclass={"build_py": build_py},
 )

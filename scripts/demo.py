@@ -4,6 +4,10 @@ TorchCheckpointEngine, to print each checkpoint's blocking time side by side.
 
     python scripts/demo.py [--workdir demo_out] [--steps 30] [--kill-at 20] [--nproc 2]
 
+The kill waits until an earlier checkpoint has committed (``--commit-timeout``), so that the run
+has one to resume from however slow the machine is; if none commits in time, the demo stops
+with an error naming the save directory.
+
 The ranks run on the CPU unless ``DS_ACCELERATOR`` says otherwise (``DS_ACCELERATOR=cuda
 scripts/demo.py --nproc 1`` on one GPU, as ``scripts/gpu_check.py`` runs it).
 """
@@ -19,22 +23,32 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
-from launch import POSITIVE, launch, scratch_dir  # noqa: E402
+from launch import POSITIVE, _seconds, launch, scratch_dir  # noqa: E402
 
 
-def run(tag, workdir, extra, nproc=2, expect_kill=False):
+def run(tag, workdir, extra, nproc=2, expect_kill=False, save_dir=None):
     log = os.path.join(workdir, f"{tag}.jsonl")
     args = ["--config", os.path.join(REPO, "configs", "deepspeed_async.json"), "--log", log, *extra]
     print(f"\n$ launch --nproc {nproc} scripts/ds_train.py {' '.join(args)}", flush=True)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([REPO, os.environ.get("PYTHONPATH", "")]))
     codes = launch(os.path.join(HERE, "ds_train.py"), args, nproc, timeout=900, env=env)
+    with open(log) as f:
+        events = [json.loads(line) for line in f]
     if expect_kill:
+        late = [e for e in events if e["event"] == "no_commit"]
+        if late:
+            raise SystemExit(f"{tag}: no checkpoint committed in {save_dir} within "
+                             f"{late[0]['timeout_s']:g} s before the kill at step {late[0]['step']}: "
+                             f"nothing to resume from (a very slow disk or machine? raise "
+                             f"--commit-timeout)")
         if not all(c == -9 for c in codes):
             raise SystemExit(f"{tag}: expected every rank to be SIGKILLed, exit codes {codes}")
+        if not os.path.isfile(os.path.join(save_dir, "latest")):
+            raise SystemExit(f"{tag}: killed with no committed checkpoint in {save_dir} (no "
+                             f"`latest`): nothing to resume from")
     elif codes != [0] * nproc:
         raise SystemExit(f"{tag}: ranks failed with exit codes {codes}")
-    with open(log) as f:
-        return [json.loads(line) for line in f]
+    return events
 
 
 def stalls(events):
@@ -51,6 +65,9 @@ def main() -> int:
     p.add_argument("--nproc", type=POSITIVE, default=2, help="ranks (one GPU each with DS_ACCELERATOR=cuda)")
     p.add_argument("--hidden", type=POSITIVE, default=1024)
     p.add_argument("--layers", type=POSITIVE, default=6)
+    p.add_argument("--commit-timeout", type=_seconds, default=300.0, metavar="S",
+                   help="how long the killed run waits for an earlier checkpoint to commit before "
+                        "the kill (default 300)")
     a = p.parse_args()
     if not (a.save_every < a.kill_at < a.steps and a.kill_at % a.save_every == 0):
         p.error(f"--kill-at {a.kill_at} must be a multiple of --save-every {a.save_every} above it "
@@ -62,9 +79,10 @@ def main() -> int:
               "--layers", str(a.layers)]
 
     print(f"1) async engine: train, checkpoint every {a.save_every} steps, SIGKILL every rank "
-          f"right after issuing the step-{a.kill_at} checkpoint")
-    first = run("async_killed", a.workdir, [*common, "--save-dir", ours_dir, "--kill-at-step", str(a.kill_at)],
-                nproc=a.nproc, expect_kill=True)
+          f"right after issuing the step-{a.kill_at} checkpoint (once an earlier one has committed)")
+    first = run("async_killed", a.workdir, [*common, "--save-dir", ours_dir, "--kill-at-step", str(a.kill_at),
+                                            "--commit-timeout", str(a.commit_timeout)],
+                nproc=a.nproc, expect_kill=True, save_dir=ours_dir)
     with open(os.path.join(ours_dir, "latest")) as f:
         latest = f.read()
     print(f"   killed at step {a.kill_at}; `latest` -> {latest} (a checkpoint still being written "

@@ -21,7 +21,7 @@ import time
 import torch
 import torch.nn as nn
 
-from launch import NON_NEGATIVE, POSITIVE  # scripts/, this file's directory
+from launch import NON_NEGATIVE, POSITIVE, _seconds  # scripts/, this file's directory
 
 
 def build_model(hidden: int, layers: int, pipeline_stages: int = 0):
@@ -49,6 +49,23 @@ def _fence_wait_s(engine) -> float:
     return history[-1].fence_wait_s if history else 0.0
 
 
+#: Exit code of a rank whose ``--kill-at-step`` found no committed checkpoint in time.
+EXIT_NO_COMMIT = 3
+
+
+def wait_for_pointer(save_dir: str, timeout_s: float) -> bool:
+    """Whether DeepSpeed's ``latest`` pointer exists in ``save_dir``, waiting up to ``timeout_s``
+    seconds for it. An async save commits in the background, and its pointer is written last
+    (atomically, after every rank persisted): once it exists, a checkpoint is loadable."""
+    deadline = time.monotonic() + timeout_s
+    pointer = os.path.join(save_dir, "latest")
+    while not os.path.isfile(pointer):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", required=True, help="DeepSpeed JSON config")
@@ -59,7 +76,11 @@ def main(argv=None) -> int:
     p.add_argument("--layers", type=POSITIVE, default=4)
     p.add_argument("--resume", action="store_true", help="load `latest` from --save-dir first")
     p.add_argument("--kill-at-step", type=NON_NEGATIVE, default=0,
-                   help="SIGKILL every rank right after this step's checkpoint is issued")
+                   help="SIGKILL every rank right after this step's checkpoint is issued, once an "
+                        "earlier one has committed (`latest` exists), so there is one to resume from")
+    p.add_argument("--commit-timeout", type=_seconds, default=300.0, metavar="S",
+                   help="with --kill-at-step: how long to wait for that earlier commit before giving "
+                        f"up (exit code {EXIT_NO_COMMIT}, no kill); default 300")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=None, help="override the config's ZeRO stage")
     p.add_argument("--no-async", action="store_true", help="drop the async_checkpoint key")
     p.add_argument("--pipeline-stages", type=NON_NEGATIVE, default=0)
@@ -119,10 +140,21 @@ def main(argv=None) -> int:
                  stall_s=pending_save_s + _fence_wait_s(engine))
             pending_save_s = None
         if (step + 1) % args.save_every == 0:
+            kill = args.kill_at_step and step + 1 == args.kill_at_step
+            # On a loaded machine the earlier saves may still be in flight here: a kill now
+            # would leave nothing to resume from. Wait (before this save, so that the kill
+            # still lands while a checkpoint is being written) until one has committed.
+            if kill and not wait_for_pointer(args.save_dir, args.commit_timeout):
+                emit(event="no_commit", step=step + 1, timeout_s=args.commit_timeout)
+                print(f"rank {rank}: no checkpoint committed in {args.save_dir} within "
+                      f"{args.commit_timeout:g} s before the kill at step {step + 1}", file=sys.stderr,
+                      flush=True)
+                # at once: the engine's flush at exit would wait for the very saves that are late
+                os._exit(EXIT_NO_COMMIT)
             t0 = time.perf_counter()
             engine.save_checkpoint(args.save_dir)
             pending_save_s = time.perf_counter() - t0
-            if args.kill_at_step and step + 1 == args.kill_at_step:
+            if kill:
                 emit(event="killed", step=step + 1)
                 os.kill(os.getpid(), signal.SIGKILL)
     t0 = time.perf_counter()

@@ -2213,7 +2213,7 @@ def test_a_save_cut_short_is_partial_refused_by_loads_and_removed_by_retention_a
     crashes every few hours grew its save directory by one such directory each time. With
     ``keep_last``, the next commit removes those last changed before it, and not one a save
     still writes into (changed after it)."""
-    from deepspeed_async_ckpt.cli import main as cli_main
+    from deepspeed_async_ckpt.tools.cli import main as cli_main
 
     state = sample_state()
     storage = FailingStorage(budget=1000)
@@ -3052,7 +3052,7 @@ def test_a_crash_between_the_two_renames_is_finished_before_the_next_load_or_sav
     assert not (tmp_path / "t").exists()  # between the renames
     ck._closed = True  # the process is gone: nothing of its own runs any more
     staged_name = next(n for n in os.listdir(root) if n.startswith(".async_ckpt_staging."))
-    from deepspeed_async_ckpt.cli import main
+    from deepspeed_async_ckpt.tools.cli import main
     assert main(["verify", root]) == 0  # the pointer's checkpoint, where it waits
     assert "stopped between its two renames" in capsys.readouterr().out
     shutil.copytree(tmp_path / staged_name, tmp_path / "staged")
@@ -4016,7 +4016,7 @@ def test_cuda_pool_pins_blocks_exactly_and_unpins_dropped_ones():
 
 
 def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
-    from deepspeed_async_ckpt.cli import main
+    from deepspeed_async_ckpt.tools.cli import main
 
     ck = make()
     save_one(ck, str(tmp_path), sample_state())
@@ -4050,7 +4050,7 @@ def test_verify_cli_names_files_it_did_not_check_and_a_save_dir_without_its_poin
     unchecked), "OK ... none verified" when only sizes were, and "not written by this engine"
     about a save directory whose `latest` was deleted, though `list` showed its checkpoints
     (found by a review, session 29)."""
-    from deepspeed_async_ckpt.cli import main
+    from deepspeed_async_ckpt.tools.cli import main
 
     ck = make(checksum="none")
     save_one(ck, str(tmp_path), sample_state())
@@ -4094,7 +4094,7 @@ def test_a_damaged_manifest_is_an_integrity_error_naming_it(tmp_path, capsys, da
     load, and tracebacks from ``verify`` and ``list``; until session 18 (an audit), so did a
     commit time that is no time (``list``), a file's malformed segments (``verify``) and a
     manifest that is a directory."""
-    from deepspeed_async_ckpt.cli import main
+    from deepspeed_async_ckpt.tools.cli import main
 
     ck = make()
     save_one(ck, str(tmp_path), sample_state())
@@ -4121,7 +4121,7 @@ def test_a_damaged_manifest_is_an_integrity_error_naming_it(tmp_path, capsys, da
 
 
 def test_an_unreadable_pointer_is_a_cli_error(tmp_path, capsys):
-    from deepspeed_async_ckpt.cli import main
+    from deepspeed_async_ckpt.tools.cli import main
 
     (tmp_path / "iter_0000001").mkdir()
     (tmp_path / "latest_checkpointed_iteration.txt").write_bytes(b"\xff\xfe")
@@ -4133,7 +4133,7 @@ def test_an_unreadable_pointer_is_a_cli_error(tmp_path, capsys):
 @pytest.mark.parametrize("pointer", ["latest", "latest_checkpointed_iteration.txt"])
 def test_an_empty_pointer_is_named_as_empty(tmp_path, capsys, pointer):
     """It named the save directory itself, reported as "not written by this engine"."""
-    from deepspeed_async_ckpt.cli import main
+    from deepspeed_async_ckpt.tools.cli import main
 
     (tmp_path / pointer).write_text(" \n")
     for command in ("verify", "list"):
@@ -4145,7 +4145,7 @@ def test_an_empty_pointer_is_named_as_empty(tmp_path, capsys, pointer):
 def test_list_cli_shows_committed_newest_first_partial_and_other(tmp_path, capsys):
     import json
 
-    from deepspeed_async_ckpt.cli import main
+    from deepspeed_async_ckpt.tools.cli import main
 
     ck = make()
     for tag in ("s1", "s2"):
@@ -4812,7 +4812,7 @@ def test_a_file_saved_twice_in_one_checkpoint_is_refused_by_name(tmp_path, mode)
 
 # --------------------------------------------- found by an audit (session 18): verify and list
 def cli_main(argv):
-    from deepspeed_async_ckpt.cli import main
+    from deepspeed_async_ckpt.tools.cli import main
 
     return main(argv)
 

@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from deepspeed_async_ckpt.core import AsyncCheckpointer
-from deepspeed_async_ckpt.cli import main as cli
+from deepspeed_async_ckpt.tools.cli import main as cli
 from deepspeed_async_ckpt.commit import LOCK_FILE, verify_checkpoint
 
 HERE = os.path.dirname(os.path.abspath(__file__))

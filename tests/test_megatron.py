@@ -254,7 +254,7 @@ def test_marker_files_are_verified_and_a_checkpoint_without_them_is_unfinalized(
     markers were never written shows as unfinalized in ``list`` and fails ``verify``."""
     import shutil
 
-    from deepspeed_async_ckpt.cli import main
+    from deepspeed_async_ckpt.tools.cli import main
 
     save_dir = str(tmp_path / "ckpt")
     shutil.copytree(os.path.join(saved_tp2_pp2, "ckpt_balanced"), save_dir)

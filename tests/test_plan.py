@@ -1,4 +1,5 @@
-"""Unit tests for ``deepspeed_async_ckpt.plan`` and the ``plan`` CLI.
+"""Unit tests for the capacity planner (``deepspeed_async_ckpt.tools.capacity``, its formulas
+and inputs) and the ``plan`` subcommand of the CLI.
 
 Every expected number is worked out by hand in the comments next to it.
 Reference layout ("GPT-3"): 175e9 params, bf16 + adam, tp8 pp8 dp16 = 1024
@@ -13,11 +14,9 @@ import sys
 
 import pytest
 
-from deepspeed_async_ckpt import cli
-from deepspeed_async_ckpt.plan import (
-    ModelShape,
-    PlanInputError,
-    PlanInputs,
+from deepspeed_async_ckpt.tools import cli, plan_cmd, plan_report
+from deepspeed_async_ckpt.tools.capacity import ModelShape, PlanInputError, PlanInputs, make_plan
+from deepspeed_async_ckpt.tools.formulas import (
     busiest_node_bytes,
     bytes_per_param,
     cluster_mttf_s,
@@ -25,7 +24,6 @@ from deepspeed_async_ckpt.plan import (
     interval_for_k_s,
     lazy_stall_s,
     lost_fraction,
-    make_plan,
     max_cost_for_overhead_s,
     nodes_for,
     write_time_s,
@@ -346,7 +344,7 @@ def test_single_gpu():
     (dict(shape=ModelShape(num_layers=1, hidden_size=8, vocab_size=8)), "params",
      "exactly one of params or shape"),
     (dict(params=1.5e9), "params", "params must be an integer"),
-    (dict(tp=4.0), "tp", "tp must be an integer >= 1, got 4.0"),  # said "got 4" until session 29
+    (dict(tp=4.0), "tp", "tp must be an integer >= 1, got 4.0"),  # not "got 4": it is not one
 ])
 def test_invalid_inputs_name_the_field(overrides, field, text):
     with pytest.raises(PlanInputError) as e:
@@ -426,10 +424,10 @@ def test_cli_usage_errors_return_2(capsys):
 
 
 def test_cli_params_suffixes():
-    assert cli._params_arg("175e9") == 175_000_000_000
-    assert cli._params_arg("175B") == 175_000_000_000
-    assert cli._params_arg("1.5T") == 1_500_000_000_000
-    assert cli._params_arg("350M") == 350_000_000
+    assert plan_cmd._params_arg("175e9") == 175_000_000_000
+    assert plan_cmd._params_arg("175B") == 175_000_000_000
+    assert plan_cmd._params_arg("1.5T") == 1_500_000_000_000
+    assert plan_cmd._params_arg("350M") == 350_000_000
 
 
 def test_cli_overhead_percent_equals_fraction(capsys):
@@ -474,35 +472,35 @@ def test_cli_model_and_ds_config(tmp_path, capsys):
 
 
 def test_cli_format_helpers():
-    assert cli.fmt_bytes(2.45e12) == "2.45 TB"
-    assert cli.fmt_bytes(306.25e9) == "306 GB"
-    assert cli.fmt_duration(30.625) == "30.6 s"
-    assert cli.fmt_duration(3281.2) == "54.7 min (3281 s)"
-    assert cli.fmt_duration(175781.25) == "48.8 h (175781 s)"
-    assert cli.fmt_gbps(0.638) == "0.638 GB/s"
-    assert cli.fmt_pct(0.0028667) == "0.287 %"
+    assert plan_report.fmt_bytes(2.45e12) == "2.45 TB"
+    assert plan_report.fmt_bytes(306.25e9) == "306 GB"
+    assert plan_report.fmt_duration(30.625) == "30.6 s"
+    assert plan_report.fmt_duration(3281.2) == "54.7 min (3281 s)"
+    assert plan_report.fmt_duration(175781.25) == "48.8 h (175781 s)"
+    assert plan_report.fmt_gbps(0.638) == "0.638 GB/s"
+    assert plan_report.fmt_pct(0.0028667) == "0.287 %"
 
 
 def test_python_dash_m_entry_point():
-    r = subprocess.run([sys.executable, "-m", "deepspeed_async_ckpt.cli"] + GPT3_ARGV + ["--json"],
+    r = subprocess.run([sys.executable, "-m", "deepspeed_async_ckpt.tools.cli"] + GPT3_ARGV + ["--json"],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["total_bytes"] == 2_450_000_000_000
-    r = subprocess.run([sys.executable, "-m", "deepspeed_async_ckpt.cli", "plan", "--params", "1e9",
+    r = subprocess.run([sys.executable, "-m", "deepspeed_async_ckpt.tools.cli", "plan", "--params", "1e9",
                         "--write-gbps", "0", "--mtbf-hours", "1"],
                        cwd=REPO, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
     assert "storage_write_gbps must be > 0, got 0" in r.stderr
 
 
-# --------------------------------------------- found by an audit (session 18): the plan CLI
-AUDIT_PLAN = ["plan", "--params", "175e9", "--write-gbps", "10", "--mtbf-hours", "50000"]
+# --------------------------------------------- the plan CLI at the edges of its inputs
+PLAN_175B = ["plan", "--params", "175e9", "--write-gbps", "10", "--mtbf-hours", "50000"]
 
 
 @pytest.mark.parametrize("step_time", [7.0, 4.9, 9.8, 3.27])
 def test_the_interval_in_steps_is_never_shorter_than_the_write(step_time):
-    """Formula 8: the interval is never shorter than the write time; in steps it was
-    ``round(interval / step)``: 1 step of 7 s for a 9.8 s write (a review, session 30)."""
+    """Formula 8: the interval is never shorter than the write time, in whole steps too
+    (``round(interval / step)`` alone would give 1 step of 7 s for a 9.8 s write)."""
     p = make_plan(PlanInputs(params=7_000_000_000, storage_write_gbps=10.0, mtbf_hours=50000.0,
                              step_time_s=step_time))
     assert p.interval_basis == "write_time_floor"
@@ -513,8 +511,8 @@ def test_the_interval_in_steps_is_never_shorter_than_the_write(step_time):
 @pytest.mark.parametrize("argv,flag", [(["--tp", "1" + "0" * 320], "--tp"),
                                        (["--dp", "-" + "9" * 400], "--dp")])
 def test_an_integer_too_large_for_a_float_is_refused_naming_the_flag(capsys, argv, flag):
-    """The bound's message formatted the value as a float: OverflowError traceback (a review,
-    session 30)."""
+    """The bound's message shows the value by its magnitude: formatted as a float, it would
+    raise OverflowError."""
     assert cli.main(["plan", "--params", "7e9", "--write-gbps", "10", "--mtbf-hours", "50000", *argv]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and flag in err and len(err) < 200, err
@@ -527,7 +525,7 @@ def test_an_integer_too_large_for_a_float_is_refused_naming_the_flag(capsys, arg
                          ids=["1e20", "1e20-1", "-1e5000", "1e320"])
 def test_a_huge_integer_is_shown_by_its_magnitude(value, shown):
     """(an integer past 4300 digits cannot even be turned into a string)"""
-    from deepspeed_async_ckpt.plan import _show
+    from deepspeed_async_ckpt.tools.plan_inputs import _show
 
     value = value()
     assert _show(value) == shown
@@ -537,24 +535,25 @@ def test_a_huge_integer_is_shown_by_its_magnitude(value, shown):
 
 
 def test_target_overhead_pct_below_its_floor_names_the_flag_in_percent(capsys):
-    """It was refused as 'target_overhead_fraction must be at least 1e-06, got 5e-07
-    (--target-overhead)', a flag not given, in another unit (a review, session 30)."""
-    assert cli.main(AUDIT_PLAN + ["--target-overhead-pct", "0.00005"]) == 2
+    """The message names the flag given, in its unit (percent), not the fraction it becomes
+    and its flag --target-overhead."""
+    assert cli.main(PLAN_175B + ["--target-overhead-pct", "0.00005"]) == 2
     err = capsys.readouterr().err
     assert "at least 0.0001 percent, got 5e-05 (--target-overhead-pct)" in err, err
 
 
 def test_target_overhead_pct_error_names_the_flag_given(capsys):
-    """--target-overhead-pct 150 was refused as 'target_overhead_fraction ... got 1.5
-    (--target-overhead)': a flag the user did not pass, and a value they did not type."""
-    assert cli.main(AUDIT_PLAN + ["--target-overhead-pct", "150"]) == 2
+    """--target-overhead-pct 150 is refused naming --target-overhead-pct, not the
+    --target-overhead the user did not pass, with a value they did not type."""
+    assert cli.main(PLAN_175B + ["--target-overhead-pct", "150"]) == 2
     err = capsys.readouterr().err
     assert "--target-overhead-pct" in err, err
 
 
 @pytest.mark.parametrize("flag", ["--model-config", "--ds-config"])
 def test_a_config_file_that_is_not_utf8_is_a_cli_error(tmp_path, capsys, flag):
-    """A binary file given by mistake (a .pt, a gzip) raised UnicodeDecodeError out of main()."""
+    """A binary file given by mistake (a .pt, a gzip) is an ``error:`` naming the flag, not a
+    UnicodeDecodeError out of main()."""
     bad = tmp_path / "bad.json"
     bad.write_bytes(b"\xff\xfe{\x00\x80")
     argv = ["plan", flag, str(bad), "--write-gbps", "10", "--mtbf-hours", "50000"]
@@ -567,8 +566,7 @@ def test_a_config_file_that_is_not_utf8_is_a_cli_error(tmp_path, capsys, flag):
 
 def test_a_null_padded_vocab_size_falls_back_to_vocab_size(tmp_path, capsys):
     """README: "padded_vocab_size wins if present". A config with "padded_vocab_size": null
-    (an args dump taken before Megatron pads the vocabulary) was refused as "shape.vocab_size
-    ... got None" although vocab_size is there."""
+    (an args dump taken before Megatron pads the vocabulary) uses vocab_size."""
     model = tmp_path / "m.json"
     model.write_text(json.dumps({"num_layers": 2, "hidden_size": 64, "vocab_size": 100,
                                  "padded_vocab_size": None}))
@@ -587,15 +585,15 @@ def test_a_null_padded_vocab_size_falls_back_to_vocab_size(tmp_path, capsys):
     (["--params", "1e308"], "--params"),
     (["--target-time", "1e-300"], "--target-time"),
     (["--target-k", "1e-300"], "--target-k"),
-    (["--step-time", "1e-310"], "--step-time"),  # these four since session 28
+    (["--step-time", "1e-310"], "--step-time"),  # below the floors that keep the arithmetic finite
     (["--target-overhead", "1e-160"], "--target-overhead"),
     (["--target-overhead", "1e-200"], "--target-overhead"),
     (["--target-overhead-pct", "1e-200"], "--target-overhead"),
 ])
 def test_magnitudes_no_cluster_has_are_refused_naming_the_flag(capsys, extra, flag):
-    """Absurd magnitudes (found by an audit) gave an OverflowError or ZeroDivisionError
-    traceback out of the plan's arithmetic, or a plan of nonsense ('interval 0 s')."""
-    assert cli.main(AUDIT_PLAN + extra) == 2
+    """Absurd magnitudes are refused naming the flag: in the plan's arithmetic they would
+    overflow, divide by zero, or give a plan of nonsense ('interval 0 s')."""
+    assert cli.main(PLAN_175B + extra) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and flag in err, err
 
@@ -614,7 +612,7 @@ def test_every_corner_of_the_bounds_gives_a_finite_plan():
     import itertools
     import math
 
-    from deepspeed_async_ckpt.plan import MAX_COUNT, MAX_GBPS, MAX_PARAMS, MAX_SECONDS, MIN_GBPS
+    from deepspeed_async_ckpt.tools.plan_inputs import MAX_COUNT, MAX_GBPS, MAX_PARAMS, MAX_SECONDS, MIN_GBPS
 
     corners = dict(params=[1, MAX_PARAMS], tp=[1, MAX_COUNT], pp=[1, MAX_COUNT], dp=[1, MAX_COUNT],
                    gpus_per_node=[1, MAX_COUNT], storage_write_gbps=[MIN_GBPS, MAX_GBPS],
@@ -629,6 +627,6 @@ def test_every_corner_of_the_bounds_gives_a_finite_plan():
         kw = {k: v for k, v in zip(corners, combo) if v is not None}
         for target in targets:
             plan = make_plan(PlanInputs(**kw, **target))
-            cli.format_plan(plan)
+            plan_report.format_plan(plan)
             values = json.loads(json.dumps(plan.to_dict(), allow_nan=False))  # raises on inf/NaN
             assert all(math.isfinite(v) for v in values.values() if isinstance(v, float)), (kw, target)
