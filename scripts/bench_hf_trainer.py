@@ -97,7 +97,7 @@ def child(args) -> dict:
         checkpointer = engine.checkpointer
         checkpointer.wait()
         # from the start of Trainer's save (its model export goes first, before DeepSpeed's save
-        # and the engine's begin: until session 29 timed from begin, 3% short)
+        # and the engine's begin: timed from begin it reads about 3% short)
         # (the history keeps the last saves only: paired from the end)
         history = list(checkpointer.history)
         result["commit_s"] = [h.times["committed"] - t0 for h, t0 in zip(history, save_started[-len(history):])]
