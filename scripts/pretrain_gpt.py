@@ -118,7 +118,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add_arguments(p)
     args = p.parse_args(argv)
     # megatron-core's scheduler asserts these after the process group and the model are built,
-    # naming no flag (a review, session 30)
+    # naming no flag: refused here at parse, naming the flag
     if args.lr_warmup_iters >= args.train_iters:
         p.error(f"--lr-warmup-iters ({args.lr_warmup_iters}) must be below --train-iters ({args.train_iters})")
     if args.min_lr > args.lr:
@@ -322,8 +322,8 @@ def save_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, sch
     if dist.get_rank() == 0:
         # --save-retain-interval as Megatron-LM applies it: once the tracker moved, the
         # checkpoint it named before goes unless its iteration is a multiple of N (read from
-        # the tracker, as Megatron-LM does: the one a resumed run started from goes too; until
-        # session 30 only this run's own previous save was considered)
+        # the tracker, as Megatron-LM does: the one a resumed run started from goes too, not
+        # only this run's own previous save)
         previous = None
         if args.save_retain_interval:
             try:
@@ -378,7 +378,7 @@ def load_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, sch
     else:
         # the optimizer's fp32 main copies (--bf16) still hold the initial weights: its first
         # step would copy them back over the loaded ones, as Megatron-LM avoids the same way
-        # (until session 30, a --bf16 resume without the optimizer restarted from them)
+        # (without this, a --bf16 resume without the optimizer restarts from the initial weights)
         optimizer.reload_model_params()
     if with_rng:
         rng = state["rng_state"][0]
