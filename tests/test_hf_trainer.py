@@ -26,7 +26,7 @@ from deepspeed_async_ckpt import AsyncCheckpointConfig, AsyncCheckpointer, Point
 from deepspeed_async_ckpt.commit import MANIFEST, META_DIR
 from deepspeed_async_ckpt.errors import PersistError
 from deepspeed_async_ckpt.integrations import activation
-from deepspeed_async_ckpt.integrations.hf_trainer import in_flight, rotation, trainer_methods
+from deepspeed_async_ckpt.integrations.hf_trainer import beside, in_flight, rotation, trainer_methods
 from launch import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -567,7 +567,7 @@ def test_a_push_of_a_checkpoint_whose_save_failed_fails_and_uploads_nothing(tmp_
 
         folder = os.path.join(run, "checkpoint-4")
         os.makedirs(folder)
-        ck.write_beside(os.path.join(folder, "model.safetensors"), no_room)
+        beside.write_beside(ck, os.path.join(folder, "model.safetensors"), no_room)
         with pytest.raises(PersistError, match=r"model.safetensors: the save failed.*model files"):
             trainer.Trainer._push_from_checkpoint(fake_trainer(hub_strategy="every_save"), folder)
         with pytest.raises(PersistError):
@@ -650,9 +650,9 @@ def test_a_checkpoints_weights_export_is_written_by_the_engine_and_committed_wit
                         lambda self, output_dir=None, _internal_call=False: self.model.save_pretrained(output_dir))
     monkeypatch.setitem(trainer_methods._ORIGINALS, "_save_checkpoint",  # Trainer's: save_model first
                         lambda self, folder: trainer.Trainer.save_model(self, folder, _internal_call=True))
-    exports, real_beside = [], AsyncCheckpointer.write_beside
-    monkeypatch.setattr(AsyncCheckpointer, "write_beside",
-                        lambda self, path, write: (exports.append(path), real_beside(self, path, write))[1])
+    exports, real_beside = [], beside.write_beside
+    monkeypatch.setattr(beside, "write_beside",
+                        lambda ck, path, write: (exports.append(path), real_beside(ck, path, write))[1])
     model = tiny_gpt2()
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     ck_async = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
