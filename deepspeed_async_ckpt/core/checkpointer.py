@@ -39,7 +39,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..commit import Pointer
+from ..commit import REMOVING_PREFIX, Pointer
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, CommitError, DurabilityError
 from ..persist import check_torch_writer
@@ -335,6 +335,25 @@ class AsyncCheckpointer:
         """The background errors recorded and not raised yet, oldest first."""
         return self._failures.unreported()
 
+    def exchange(self, value: str, error: str | None, key: str = "") -> tuple[str, dict[int, str]]:
+        """The collective :meth:`begin` makes (every rank, training thread), for adapters' own
+        agreements: see :func:`~.collectives.exchange_across_ranks`."""
+        return self._exchange(value, error, key=key)
+
+    def remove_later(self, path: str) -> bool:
+        """Rename the directory ``path`` out of sight now (as retention does) and delete it on
+        the retention thread, which :meth:`wait` and :meth:`close` wait for. False, nothing
+        done, if it is a link, no directory, or cannot be renamed. Any thread."""
+        parent, name = os.path.split(os.path.abspath(path))
+        if os.path.islink(path) or not os.path.isdir(path):
+            return False
+        try:
+            os.rename(path, os.path.join(parent, f"{REMOVING_PREFIX}{name}.{os.urandom(6).hex()}"))
+        except OSError:
+            return False
+        self._retention.later(self._retention.remove_trash, parent)
+        return True
+
     # ------------------------------------------------------------------ retention (rank 0)
     def retire_older(self, handle: CheckpointHandle, *, keep_last: int | None = None,
                      keep: Callable[[str], bool] | None = None) -> list[str]:
@@ -374,9 +393,6 @@ class AsyncCheckpointer:
         """``fn(*args, **kwargs)`` on the retention thread, after what was queued there before
         (see :meth:`.retention.Retention.later`)."""
         return self._retention.later(fn, *args, **kwargs)
-
-    def _remove_trash(self, save_dir: str) -> None:
-        self._retention.remove_trash(save_dir)
 
     # ------------------------------------------------------------------ load path
     def verify_all_ranks(self, ckpt_dir: str | None, *, action: str = "load",
@@ -455,6 +471,11 @@ class AsyncCheckpointer:
     def is_open(self) -> bool:
         """True between begin() and end()."""
         return self._saves.current is not None
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` began (or, in a forked child, was called)."""
+        return self._saves.closed
 
     @property
     def staged_bytes(self) -> int:

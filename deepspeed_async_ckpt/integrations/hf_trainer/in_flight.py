@@ -54,7 +54,7 @@ def async_checkpointer(trainer: Any) -> Any:
         return None
     engine = getattr(getattr(trainer, "deepspeed", None), "checkpoint_engine", None)
     checkpointer = getattr(engine, "checkpointer", None)
-    if not isinstance(checkpointer, _core().AsyncCheckpointer) or checkpointer._closed \
+    if not isinstance(checkpointer, _core().AsyncCheckpointer) or checkpointer.closed \
             or not checkpointer.config.is_async:
         return None
     return checkpointer
