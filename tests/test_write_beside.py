@@ -154,11 +154,10 @@ def test_a_safetensors_file_written_by_the_engine_is_byte_for_byte_the_librarys(
 ])
 def test_safetensors_the_library_refuses_get_its_error_not_an_unreadable_file(tmp_path, ck, monkeypatch,
                                                                                 tensors, metadata, error):
-    """``write_safetensors`` wrote any metadata and any names it was given: an integer in the
-    metadata gave a ``model.safetensors`` that ``safe_open`` refuses ("expected a string"),
-    committed with the checkpoint, where ``safetensors`` raises ``TypeError`` at the call (a
-    review, session 30); an integer name was written as a string. Such calls now go to the
-    library, through Trainer's path, and raise its error."""
+    """Metadata or names that ``safetensors`` refuses (an integer in the metadata, which
+    ``safe_open`` would not read back; an integer name) are not written by the engine: such
+    calls go to the library, through Trainer's path, and raise its error at the call, with no
+    file left under the name."""
     from deepspeed_async_ckpt.integrations.hf_trainer import trainer_methods
     from deepspeed_async_ckpt.persist import safetensors_writable
 
@@ -198,9 +197,8 @@ class _ShortWrites:
 @pytest.mark.parametrize("storage", [dict(fsync=False), dict(fsync=True, direct_io=False)])
 def test_a_file_beside_is_written_whole_by_a_raw_file_that_writes_short(tmp_path, monkeypatch, storage):
     """Without direct I/O the engine's files are raw ones, whose ``write`` may take less than it
-    is given: write_safetensors (one ``write`` per tensor) left a short model.safetensors that
-    was then renamed into place as whole. Now the file writes every byte, or the write fails
-    and nothing is left under the name."""
+    is given: write_safetensors (one ``write`` per tensor) still writes every byte, or the write
+    fails and nothing is left under the name."""
     import builtins
 
     from safetensors.torch import load_file
