@@ -598,7 +598,7 @@ def test_the_ranks_load_the_tag_rank_0_read_from_latest(tmp_path):
         def __init__(self, rank0_reads, failed=None):
             self.rank0_reads, self.failed, self.sent = rank0_reads, failed or {}, []
 
-        def _exchange(self, value, error, key=""):
+        def exchange(self, value, error, key=""):
             self.sent.append((value, error))
             return self.rank0_reads, self.failed
 

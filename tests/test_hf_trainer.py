@@ -26,7 +26,7 @@ from deepspeed_async_ckpt import AsyncCheckpointConfig, AsyncCheckpointer, Point
 from deepspeed_async_ckpt.commit import MANIFEST, META_DIR
 from deepspeed_async_ckpt.errors import PersistError
 from deepspeed_async_ckpt.integrations import activation
-from deepspeed_async_ckpt.integrations.hf_trainer import in_flight, rotation, trainer_methods
+from deepspeed_async_ckpt.integrations.hf_trainer import beside, in_flight, rotation, trainer_methods
 from launch import launch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -143,8 +143,9 @@ def names(run):
 
 
 def test_resume_skips_checkpoints_whose_save_never_committed(tmp_path, ck, caplog):
-    """Trainer resumed from the highest-numbered checkpoint-N, which after a crash mid-persist
-    held no committed DeepSpeed checkpoint: DeepSpeed found no `latest` and Trainer raised."""
+    """Trainer alone resumes from the highest-numbered checkpoint-N, which after a crash
+    mid-persist holds no committed DeepSpeed checkpoint (DeepSpeed finds no `latest` and
+    Trainer raises): with the engine it skips that one and resumes from the newest committed."""
     run = str(tmp_path)
     committed(ck, run, 2)
     cut_short(ck, run, 4)
@@ -180,10 +181,10 @@ def test_rotation_counts_committed_checkpoints_and_keeps_the_save_in_flight(tmp_
 @pytest.mark.parametrize("best_step", [2, 4])
 def test_save_total_limit_1_keeps_only_the_best_model_at_the_end_as_trainer_does(tmp_path, ck, best_step):
     """With a best model tracked (``metric_for_best_model``) and ``save_total_limit=1``,
-    Trainer's end of training deletes every checkpoint but the best one. The last save was
-    still in flight then, so it was left out and stayed, protected at exit as the newest: two
-    checkpoints where Trainer leaves one (a review, session 28). Now the rotation at exit
-    finishes it once the save committed; a best model that is the last save stays alone."""
+    Trainer's end of training deletes every checkpoint but the best one. The last save, still
+    in flight then, is left out of that list; the rotation at exit deletes it once the save
+    committed, so one checkpoint is left, as Trainer leaves; a best model that is the last
+    save stays alone."""
     run = str(tmp_path)
     committed(ck, run, 2)
     best = os.path.join(run, f"checkpoint-{best_step}")
@@ -203,10 +204,10 @@ def test_save_total_limit_1_keeps_only_the_best_model_at_the_end_as_trainer_does
 
 def test_save_total_limit_1_with_the_best_model_in_flight_keeps_one_committed_checkpoint(tmp_path, ck):
     """The metric improves at every evaluation: Trainer's ``best_model_checkpoint`` is the save
-    just begun, still in flight when it rotates. Named as the best, Trainer counted it among the
-    checkpoints to keep although the list left it out, and kept two committed checkpoints plus
-    the one in flight, until the exit (a review, session 30). Now one committed and the one in
-    flight, as with no best model tracked."""
+    just begun, still in flight when it rotates. Named as the best, Trainer would count it among
+    the checkpoints to keep although the list leaves it out, and keep two committed checkpoints
+    plus the one in flight. The rotation keeps one committed and the one in flight, as with no
+    best model tracked."""
     run = str(tmp_path)
     for step in (2, 4, 6, 8):
         best = begin_save(ck, run, step)
@@ -266,12 +267,12 @@ def test_rotation_deletes_only_on_evidence_and_never_the_best_model(tmp_path, ck
 def test_what_trainer_pushes_to_the_hub_is_committed_first(tmp_path, fresh_trainer_methods, writes_held,
                                                             monkeypatch):
     """hub_strategy="checkpoint": Trainer uploads checkpoint-N in the background right after
-    saving it, so the Hub got it without `latest` and with temporary files. The push now waits
-    for the save to commit, on the rank that pushes, when the push happens; with other
-    strategies (model files only, written by Trainer itself) it does not wait. push_to_hub()
-    uploads output_dir, where save_model put a DeepSpeed checkpoint under ZeRO-3 without
-    gathered weights: it waits for that too, also with args.push_to_hub off (a review found
-    that case, session 22)."""
+    saving it, which with a save in flight would give the Hub a checkpoint without `latest` and
+    with temporary files. The push waits for the save to commit, on the rank that pushes, when
+    the push happens; with other strategies (model files only, written by Trainer itself) it
+    does not wait. push_to_hub() uploads output_dir, where save_model put a DeepSpeed
+    checkpoint under ZeRO-3 without gathered weights: it waits for that too, also with
+    args.push_to_hub off."""
     import types
 
     import transformers.trainer as trainer
@@ -356,9 +357,10 @@ def _jit_trainer(ck, run):
 def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, fresh_trainer_methods,
                                                                     writes_held, monkeypatch):
     """enable_jit_checkpoint: on SIGTERM Trainer saves, removes its "checkpoint-is-incomplete"
-    sentinel and logs success as soon as _save_checkpoint returns, with this engine before the
-    save is committed (a SIGKILL then left a checkpoint marked complete that was not). The
-    sentinel now goes once the save has committed. transformers' own CheckpointManager runs."""
+    sentinel and logs success as soon as _save_checkpoint returns, which with this engine is
+    before the save is committed (a SIGKILL would leave a checkpoint marked complete that is
+    not). The sentinel goes once the save has committed. transformers' own CheckpointManager
+    runs."""
     from transformers.trainer_jit_checkpoint import CheckpointManager
 
     activation.check_installed()
@@ -400,10 +402,9 @@ def writes_fail(monkeypatch):
 
 def test_a_just_in_time_checkpoint_whose_save_failed_keeps_its_sentinel_and_fails(tmp_path, fresh_trainer_methods,
                                                                                    writes_fail):
-    """The wrapper waited for the save and went on when it had failed: Trainer removed its
-    sentinel and logged "completed successfully" for a checkpoint that never committed, and
-    training stopped with no later save to raise the error (a review, session 30). Trainer now
-    gets the failure, as a synchronous save would have raised it: the sentinel stays."""
+    """A just-in-time save that fails is not marked complete: Trainer gets the failure, as a
+    synchronous save would have raised it, so the sentinel stays and nothing logs "completed
+    successfully" (training stops next: no later save would raise the error)."""
     from transformers.trainer_jit_checkpoint import CheckpointManager
 
     activation.check_installed()
@@ -424,13 +425,13 @@ def test_a_just_in_time_checkpoint_whose_save_failed_keeps_its_sentinel_and_fail
 
 @pytest.mark.parametrize("rank0", ["committed", "failed", "raised"])
 def test_a_just_in_time_checkpoint_on_another_rank_waits_for_rank_0s_commit(tmp_path, fresh_trainer_methods, rank0):
-    """Every rank runs the just-in-time checkpoint and removes the same sentinel; on a rank
-    other than 0 the wait ended once its own part was durable, so it marked the checkpoint
-    complete whether or not rank 0 committed it (a review, session 30). With the engine of the
-    trainer's DeepSpeed engine, the ranks now share the outcome (``wait_all_ranks``): here rank
-    1 of 2, with rank 0's report stubbed in the exchange. ("raised": this rank's own steps of
-    the save raised, as rank 0's Hub push of a failed save does: it still joins the exchange,
-    with its error, and raises that; it left the others waiting there.)"""
+    """Every rank runs the just-in-time checkpoint and removes the same sentinel; a rank other
+    than 0 must not mark it complete once only its own part is durable, but once rank 0
+    committed. With the engine of the trainer's DeepSpeed engine, the ranks share the outcome
+    (``wait_all_ranks``): here rank 1 of 2, with rank 0's report stubbed in the exchange.
+    ("raised": this rank's own steps of the save raised, as rank 0's Hub push of a failed save
+    does: it still joins the exchange, with its error, so the others are not left waiting
+    there, and raises that.)"""
     import types
 
     from transformers.trainer_jit_checkpoint import CheckpointManager
@@ -490,10 +491,9 @@ def test_a_just_in_time_checkpoint_on_another_rank_waits_for_rank_0s_commit(tmp_
 
 def test_push_to_hub_is_not_failed_by_an_older_checkpoints_save(tmp_path, fresh_trainer_methods, writes_fail,
                                                                 monkeypatch):
-    """``push_to_hub`` uploads output_dir without its checkpoint-* folders; the check before it
-    looked at every save under output_dir, and raised for a checkpoint-N's failed save that
-    the engine had already reported, even once that checkpoint was deleted (a review, session
-    30). It now counts saves directly in output_dir, and failures not reported yet."""
+    """``push_to_hub`` uploads output_dir without its checkpoint-* folders: the check before it
+    counts the saves directly in output_dir, and failures not reported yet, so a checkpoint-N's
+    failed save (reported by the engine, or its checkpoint deleted) does not fail the push."""
     import types
 
     import transformers.trainer as trainer
@@ -522,12 +522,12 @@ def test_push_to_hub_is_not_failed_by_an_older_checkpoints_save(tmp_path, fresh_
 
 def test_a_push_of_a_checkpoint_whose_save_failed_fails_and_uploads_nothing(tmp_path, fresh_trainer_methods,
                                                                            writes_fail, monkeypatch):
-    """hub_strategy="checkpoint" waited for the save and uploaded checkpoint-N when it had
-    failed: no ``latest``, a partial ``global_stepN`` and a new ``trainer_state.json`` beside an
-    older ``latest`` on the Hub's ``last-checkpoint`` (a review, session 30). The push, and
-    ``push_to_hub()`` of an output_dir whose save failed, now raise, as a synchronous save would
-    have before them. A strategy that uploads only the model files fails on a failed weights
-    export, and not on the DeepSpeed save it does not wait for."""
+    """hub_strategy="checkpoint" of a checkpoint-N whose save failed would upload no ``latest``,
+    a partial ``global_stepN`` and a new ``trainer_state.json`` beside an older ``latest`` on
+    the Hub's ``last-checkpoint``. The push, and ``push_to_hub()`` of an output_dir whose save
+    failed, raise instead, as a synchronous save would have before them. A strategy that
+    uploads only the model files fails on a failed weights export, and not on the DeepSpeed
+    save it does not wait for."""
     import types
 
     import transformers.trainer as trainer
@@ -567,7 +567,7 @@ def test_a_push_of_a_checkpoint_whose_save_failed_fails_and_uploads_nothing(tmp_
 
         folder = os.path.join(run, "checkpoint-4")
         os.makedirs(folder)
-        ck.write_beside(os.path.join(folder, "model.safetensors"), no_room)
+        beside.write_beside(ck, os.path.join(folder, "model.safetensors"), no_room)
         with pytest.raises(PersistError, match=r"model.safetensors: the save failed.*model files"):
             trainer.Trainer._push_from_checkpoint(fake_trainer(hub_strategy="every_save"), folder)
         with pytest.raises(PersistError):
@@ -627,11 +627,11 @@ def tiny_gpt2():
 
 def test_a_checkpoints_weights_export_is_written_by_the_engine_and_committed_with_it(
         tmp_path, fresh_trainer_methods, monkeypatch):
-    """Trainer's save_model wrote model.safetensors before the DeepSpeed save began (0.6 of the
-    1.1 s it still took per save, for a 91M-parameter GPT-2). Inside a checkpoint's save_model
-    the file now goes to the engine's writers: save_pretrained returns before it is written,
-    the DeepSpeed checkpoint beside it commits only once it is durable, and it holds the
-    weights of the save even if training changes them meanwhile (here the model's own
+    """Trainer's save_model writes model.safetensors before the DeepSpeed save begins (0.6 of
+    the 1.1 s a save stalls training, for a 91M-parameter GPT-2). Inside a checkpoint's
+    save_model the file goes to the engine's writers: save_pretrained returns before it is
+    written, the DeepSpeed checkpoint beside it commits only once it is durable, and it holds
+    the weights of the save even if training changes them meanwhile (here the model's own
     tensors, which the export copies; accelerate hands it clones)."""
     import types
 
@@ -650,9 +650,9 @@ def test_a_checkpoints_weights_export_is_written_by_the_engine_and_committed_wit
                         lambda self, output_dir=None, _internal_call=False: self.model.save_pretrained(output_dir))
     monkeypatch.setitem(trainer_methods._ORIGINALS, "_save_checkpoint",  # Trainer's: save_model first
                         lambda self, folder: trainer.Trainer.save_model(self, folder, _internal_call=True))
-    exports, real_beside = [], AsyncCheckpointer.write_beside
-    monkeypatch.setattr(AsyncCheckpointer, "write_beside",
-                        lambda self, path, write: (exports.append(path), real_beside(self, path, write))[1])
+    exports, real_beside = [], beside.write_beside
+    monkeypatch.setattr(beside, "write_beside",
+                        lambda ck, path, write: (exports.append(path), real_beside(ck, path, write))[1])
     model = tiny_gpt2()
     saved = {k: v.clone() for k, v in model.state_dict().items()}
     ck_async = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
@@ -688,8 +688,8 @@ def test_a_checkpoints_weights_export_is_written_by_the_engine_and_committed_wit
         # not deferred: the user's own save_model (read right after it returns), save_only_model
         # (no DeepSpeed checkpoint follows), the engine in sync mode, and save_model's own
         # internal calls outside a checkpoint's save (push_to_hub, Ray Tune's
-        # _tune_save_checkpoint: they upload or hand over the directory right after; until
-        # session 30 they got it without its weights)
+        # _tune_save_checkpoint: they upload or hand over the directory right after, so it
+        # must hold its weights by then)
         for name, internal, only_model, mode, in_checkpoint in [("user", False, False, "async", True),
                                                                 ("only_model", True, True, "async", True),
                                                                 ("sync", True, False, "sync", True),
@@ -809,10 +809,10 @@ def seen(out) -> dict:
 @pytest.mark.slow
 def test_trainer_rotation_leaves_saves_in_flight_alone_and_every_save_commits(tmp_path, repo_env):
     """save_total_limit=1, the saves of steps 2 and 4 both still being written when Trainer
-    rotates after step 4's: Trainer deleted checkpoint-2 under the save writing it, which
-    failed (and the job with it, at its next save). Step 6's save is held too until Trainer
-    has rotated after it (until session 24 it was not, and when it committed first, as it did
-    once with two suites on the 2 cores, Trainer rightly deleted checkpoint-4)."""
+    rotates after step 4's: Trainer alone would delete checkpoint-2 under the save writing it,
+    which would fail (and the job with it, at its next save); here both are kept and every save
+    commits. Step 6's save is held too until Trainer has rotated after it (were it committed
+    first, Trainer would rightly delete checkpoint-4, and the listing below would differ)."""
     out = tmp_path / "out"
     run_trainer(repo_env, out, "--limit", 1, "--hold-from", "2,6", "--release-at", "4,6", "--settle-at", 5,
                 expect=lambda codes: codes == [0, 0])
@@ -854,9 +854,9 @@ def assert_export_holds_the_checkpoints_weights(folder, step, zero3=False):
 def test_trainer_killed_mid_save_with_save_total_limit_1_resumes_from_the_last_committed(tmp_path, repo_env,
                                                                                          stage):
     """Rank 0 SIGKILLed while step 4's save is still being written (save_total_limit=1): Trainer
-    had already deleted checkpoint-2, the only committed checkpoint, and resume_from_checkpoint=
-    True picked checkpoint-4 and raised. Now checkpoint-2 is kept and resumed from (ZeRO-2:
-    bitwise, the weights being whole on every rank)."""
+    alone would have deleted checkpoint-2, the only committed checkpoint, and
+    resume_from_checkpoint=True would pick checkpoint-4 and raise. Here checkpoint-2 is kept
+    and resumed from (ZeRO-2: bitwise, the weights being whole on every rank)."""
     out = tmp_path / "out"
     flags = ["--limit", 1, "--stage", stage]
     run_trainer(repo_env, out, *flags, "--settle-at", 3, "--hold-from", 4, "--kill-at", 4,

@@ -1,6 +1,7 @@
-"""Files written beside a checkpoint (AsyncCheckpointer.write_beside): Hugging Face Trainer's
-model.safetensors in checkpoint-N, written in the background. Whole or absent under its name,
-durable before a save into its directory persists, failures reported once."""
+"""Files written beside a checkpoint (the Hugging Face integration's write_beside, on the core's
+submit_write and begin callbacks): Trainer's model.safetensors in checkpoint-N, written in the
+background. Whole or absent under its name, durable before a save into its directory
+persists, failures reported once."""
 
 import os
 import threading
@@ -8,10 +9,12 @@ import threading
 import pytest
 import torch
 
-from deepspeed_async_ckpt.core import AsyncCheckpointer, saving_dirs, wait_beside
+from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.errors import PersistError
+from deepspeed_async_ckpt.integrations.hf_trainer.beside import wait_beside, write_beside
+from deepspeed_async_ckpt.integrations.hf_trainer.in_flight import saving_dirs
 
 
 @pytest.fixture
@@ -46,7 +49,7 @@ def test_a_file_beside_is_whole_or_absent_and_the_save_beside_it_persists_after_
     os.makedirs(save_dir)
     path = os.path.join(save_dir, "model.safetensors")
     gate, data = threading.Event(), os.urandom(1 << 20)
-    future = ck.write_beside(path, writer(data, gate))
+    future = write_beside(ck, path, writer(data, gate))
     assert os.path.realpath(save_dir) in saving_dirs()  # Trainer's rotation leaves it alone
     handle = begin_save(ck, save_dir)
     for fut in handle.files:
@@ -68,7 +71,7 @@ def test_a_failed_write_beside_fails_the_save_beside_it(tmp_path, ck):
     os.makedirs(save_dir)
     path = os.path.join(save_dir, "model.safetensors")
     gate = threading.Event()
-    ck.write_beside(path, writer(b"x" * 4096, gate, OSError(28, "No space left on device")))
+    write_beside(ck, path, writer(b"x" * 4096, gate, OSError(28, "No space left on device")))
     handle = begin_save(ck, save_dir)
     gate.set()
     with pytest.raises(PersistError, match="model.safetensors: writing it in the background failed: "
@@ -85,7 +88,7 @@ def test_a_failed_write_beside_with_no_save_beside_it_is_raised_once_at_the_next
     os.makedirs(os.path.dirname(path))
 
     def failing():
-        ck.write_beside(path, writer(b"x" * 4096, error=OSError(5, "Input/output error")))
+        write_beside(ck, path, writer(b"x" * 4096, error=OSError(5, "Input/output error")))
         wait_beside(os.path.join(out, "checkpoint-4"))  # another directory: returns at once
         wait_beside(os.path.dirname(path))  # done: no later save can take it as its own
 
@@ -106,7 +109,7 @@ def test_a_failed_write_beside_with_no_save_beside_it_is_raised_once_at_the_next
 def test_closing_waits_for_the_files_beside(tmp_path):
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
     path, gate = str(tmp_path / "model.safetensors"), threading.Event()
-    ck.write_beside(path, writer(b"y" * 8192, gate))
+    write_beside(ck, path, writer(b"y" * 8192, gate))
     threading.Timer(0.2, gate.set).start()
     ck.close()  # what the exit flush does
     with open(path, "rb") as f:
@@ -129,7 +132,7 @@ def test_a_safetensors_file_written_by_the_engine_is_byte_for_byte_the_librarys(
     for metadata in ({"format": "pt"}, None):
         ours, theirs = str(tmp_path / "ours.safetensors"), str(tmp_path / "theirs.safetensors")
         assert safetensors_writable(tensors)
-        ck.write_beside(ours, lambda f: write_safetensors(f, tensors, metadata)).result()
+        write_beside(ck, ours, lambda f: write_safetensors(f, tensors, metadata)).result()
         save_file(tensors, theirs, metadata=metadata)
         with open(ours, "rb") as a, open(theirs, "rb") as b:
             assert a.read() == b.read()
@@ -151,11 +154,10 @@ def test_a_safetensors_file_written_by_the_engine_is_byte_for_byte_the_librarys(
 ])
 def test_safetensors_the_library_refuses_get_its_error_not_an_unreadable_file(tmp_path, ck, monkeypatch,
                                                                                 tensors, metadata, error):
-    """``write_safetensors`` wrote any metadata and any names it was given: an integer in the
-    metadata gave a ``model.safetensors`` that ``safe_open`` refuses ("expected a string"),
-    committed with the checkpoint, where ``safetensors`` raises ``TypeError`` at the call (a
-    review, session 30); an integer name was written as a string. Such calls now go to the
-    library, through Trainer's path, and raise its error."""
+    """Metadata or names that ``safetensors`` refuses (an integer in the metadata, which
+    ``safe_open`` would not read back; an integer name) are not written by the engine: such
+    calls go to the library, through Trainer's path, and raise its error at the call, with no
+    file left under the name."""
     from deepspeed_async_ckpt.integrations.hf_trainer import trainer_methods
     from deepspeed_async_ckpt.persist import safetensors_writable
 
@@ -195,9 +197,8 @@ class _ShortWrites:
 @pytest.mark.parametrize("storage", [dict(fsync=False), dict(fsync=True, direct_io=False)])
 def test_a_file_beside_is_written_whole_by_a_raw_file_that_writes_short(tmp_path, monkeypatch, storage):
     """Without direct I/O the engine's files are raw ones, whose ``write`` may take less than it
-    is given: write_safetensors (one ``write`` per tensor) left a short model.safetensors that
-    was then renamed into place as whole. Now the file writes every byte, or the write fails
-    and nothing is left under the name."""
+    is given: write_safetensors (one ``write`` per tensor) still writes every byte, or the write
+    fails and nothing is left under the name."""
     import builtins
 
     from safetensors.torch import load_file
@@ -212,7 +213,7 @@ def test_a_file_beside_is_written_whole_by_a_raw_file_that_writes_short(tmp_path
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, **storage))
     try:
         path = str(tmp_path / "model.safetensors")
-        ck.write_beside(path, lambda f: write_safetensors(f, tensors)).result()
+        write_beside(ck, path, lambda f: write_safetensors(f, tensors)).result()
         loaded = load_file(path)
         assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
         # a call that writes nothing: an error naming the file, no file under its name
@@ -220,7 +221,7 @@ def test_a_file_beside_is_written_whole_by_a_raw_file_that_writes_short(tmp_path
         path = str(tmp_path / "other.safetensors")
         with pytest.raises(PersistError, match=r"other.safetensors: writing it in the background failed: "
                                                r"OSError: .*short write: 0 of \d+ bytes"):
-            ck.write_beside(path, lambda f: write_safetensors(f, tensors)).result()
+            write_beside(ck, path, lambda f: write_safetensors(f, tensors)).result()
         assert sorted(os.listdir(tmp_path)) == ["model.safetensors"]
         with pytest.raises(PersistError):  # reported again by the next wait (no save took it)
             ck.wait()

@@ -12,7 +12,6 @@ The modules, in the order a save goes through them:
   :mod:`.retention`: ``keep_last``, swaps of re-saved checkpoints, deletions.
 - :mod:`.failures`: background failures, raised at the next save or wait.
 - :mod:`.loader`: verified loads.
-- :mod:`.beside`: files written beside a checkpoint (the Hugging Face integration's).
 - :mod:`.lifecycle`: the process's open checkpointers, exit flush, fork, save-directory claims.
 - :mod:`.checkpointer`: :class:`AsyncCheckpointer`, the facade over all of them.
 """
@@ -21,7 +20,7 @@ from .checkpointer import AsyncCheckpointer
 from .collectives import Replicas, by_rank, exchange_across_ranks, layout_digest, only_durability
 from .handle import CheckpointHandle, CommitInfo
 from .lifecycle import (cancel_flush_at_exit, fence_all, flush_at_exit, open_checkpointers,
-                        saves_in_flight, saving_dirs, wait_beside)
+                        saves_in_flight, saving_dirs)
 
 __all__ = [
     "AsyncCheckpointer",
@@ -38,5 +37,4 @@ __all__ = [
     "open_checkpointers",
     "saves_in_flight",
     "saving_dirs",
-    "wait_beside",
 ]

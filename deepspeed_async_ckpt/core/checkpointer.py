@@ -16,8 +16,11 @@ modes write byte-identical files. Background failures are re-raised at the next 
 :class:`AsyncCheckpointer` builds one collaborator per job and delegates to them: the save
 session (:mod:`.session`, :mod:`.files`), the committer thread (:mod:`.committer`), commit
 reports (:mod:`.reports`), retention (:mod:`.retention`), the failure ledger
-(:mod:`.failures`), loads (:mod:`.loader`), files written beside (:mod:`.beside`) and the
-process-wide lifecycle (:mod:`.lifecycle`). Their shared state is one :class:`~.saves.Saves`.
+(:mod:`.failures`), loads (:mod:`.loader`) and the process-wide lifecycle (:mod:`.lifecycle`).
+Their shared state is one :class:`~.saves.Saves`.
+
+Integrations add their own writes to a save through seams, not options: ``submit_write``,
+``add_begin_callback`` and :meth:`CheckpointHandle.depends_on`.
 """
 
 from __future__ import annotations
@@ -32,18 +35,17 @@ import sys
 import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, BinaryIO, Callable, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
-from ..commit import Pointer
+from ..commit import REMOVING_PREFIX, Pointer
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, CommitError, DurabilityError
 from ..persist import check_torch_writer
 from ..snapshot import HostBufferPool, Stager
 from ..storage import LocalStorage, Storage
 from . import lifecycle
-from .beside import BesideFiles
 from .collectives import Replicas, by_rank, exchange_across_ranks, only_durability, without_key
 from .committer import Committer
 from .failures import FailureLedger, reraise
@@ -107,8 +109,8 @@ class AsyncCheckpointer:
         saves = self._saves = Saves()
         self.history = saves.history
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
-        self._beside = BesideFiles(self.storage, self._writers, saves.lock, durable=config.fsync)
-        self._failures = FailureLedger(saves.lock, self._beside.take_failures)
+        self._failures = FailureLedger(saves.lock)
+        self._begin_callbacks: list[Callable[[CheckpointHandle], None]] = []
         self._retention = Retention(saves, self.storage, config.keep_last)
         self._reporter = Reporter(saves, world_size=world_size, released=self._retention.released,
                                   callbacks=[on_commit] if on_commit else [])
@@ -122,7 +124,7 @@ class AsyncCheckpointer:
         self._claims = SaveDirClaims(saves, self._background_busy)
         self._session = Session(saves, self.storage, config, rank=rank, exchange=self._exchange,
                                 ledger=self._failures, claims=self._claims, retention=self._retention,
-                                loader=self._loader, beside=self._beside, files=self._files,
+                                loader=self._loader, begun=self._begun, files=self._files,
                                 committer=self._committer)
         self._pid = os.getpid()
         self._owner: threading.Thread | None = None
@@ -226,9 +228,9 @@ class AsyncCheckpointer:
         return self.pool.reserve(nbytes)
 
     def wait(self, timeout: float | None = None) -> None:
-        """Block until every file written beside (:meth:`write_beside`) is durable, every
-        sealed checkpoint is committed and the retention its commit started (``keep_last``) is
-        done; raise a background error if any."""
+        """Block until every write of :meth:`submit_write` is done, every sealed checkpoint is
+        committed and the retention its commit started (``keep_last``) is done; raise a
+        background error if any."""
         self._check_not_forked()
         if timeout is not None:
             if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) \
@@ -237,7 +239,7 @@ class AsyncCheckpointer:
             if math.isinf(timeout):
                 timeout = None
         deadline = None if timeout is None else time.monotonic() + timeout
-        self._beside.wait_all(deadline, timeout)  # outcome taken below, as a background error
+        self._failures.wait_tracked(deadline, timeout)  # outcome taken below, as a background error
         self._saves.wait_committed(deadline, timeout)
         self._files.stager.forget_issued()  # those saves are over: their items need no fence
         bug = self._retention.wait(deadline, timeout)
@@ -301,27 +303,56 @@ class AsyncCheckpointer:
             raise (DurabilityError if only_durability(failed) else CommitError)(
                 f"{action} refused on every rank, because of rank(s) " + by_rank(failed) + retry)
 
-    # ------------------------------------------------------------------ files beside
-    def write_beside(self, path: str, write: Callable[[BinaryIO], Any]) -> Future:
-        """Write ``path``, a file of no checkpoint of this engine, in a save directory, on a
-        writer thread (the Hugging Face integration's weights export): see
-        :meth:`.beside.BesideFiles.write`. :meth:`close` (and so the exit flush) waits for it."""
+    # ------------------------------------------------------------------ integrations' seams
+    def submit_write(self, path: str, fn: Callable[..., Any], *args: Any) -> Future:
+        """Run ``fn(*args)``, an integration's write of the file ``path``, on a writer thread
+        (any thread may call). Until its outcome is taken, :meth:`wait`, :meth:`close` and the
+        exit flush wait for it, and its failure is raised at the next :meth:`begin` or
+        :meth:`wait`, unless a save depends on it (:meth:`add_begin_callback`)."""
         self._check_open()
-        return self._beside.write(path, write)
+        future = self._writers.submit(fn, *args)
+        self._failures.track(path, future)
+        return future
 
-    def unreported_failures(self, where: Callable[[str, bool], bool], *, exports_only: bool = False
-                            ) -> list[tuple[str, BaseException]]:
-        """``(path, error)`` of the failures recorded and not yet reported of the saves and
-        files beside that ``where`` accepts: see :meth:`.beside.BesideFiles.unreported_failures`."""
-        return self._beside.unreported_failures(where, exports_only, self._failures.unreported,
-                                                self.history)
-
-    def wait_beside(self, directory: str | None = None) -> None:
-        """Wait until the files being written beside (:meth:`write_beside`) into ``directory``
-        (None: all) are written or have failed (a failure is raised as always: by the save
-        beside it, or at the next ``begin`` or ``wait``)."""
+    def submitted_writes(self) -> list[tuple[str, Future]]:
+        """``(path, future)`` of the writes of :meth:`submit_write` whose outcome no
+        :meth:`begin` or :meth:`wait` has taken yet (any thread)."""
         self._check_not_forked()
-        self._beside.wait(directory)
+        return self._failures.tracked()
+
+    def add_begin_callback(self, fn: Callable[[CheckpointHandle], None]) -> None:
+        """Call ``fn(handle)`` in every :meth:`begin`, on its thread (every rank), once the save
+        is open. ``fn`` must not raise; it may call :meth:`CheckpointHandle.depends_on`: the
+        writes of :meth:`submit_write` it names are then the save's (their failure is its)."""
+        self._begin_callbacks.append(fn)
+
+    def _begun(self, handle: CheckpointHandle) -> None:
+        for fn in list(self._begin_callbacks):
+            fn(handle)
+        self._failures.claim(handle.dependencies)
+
+    def unreported_errors(self) -> list[BaseException]:
+        """The background errors recorded and not raised yet, oldest first."""
+        return self._failures.unreported()
+
+    def exchange(self, value: str, error: str | None, key: str = "") -> tuple[str, dict[int, str]]:
+        """The collective :meth:`begin` makes (every rank, training thread), for adapters' own
+        agreements: see :func:`~.collectives.exchange_across_ranks`."""
+        return self._exchange(value, error, key=key)
+
+    def remove_later(self, path: str) -> bool:
+        """Rename the directory ``path`` out of sight now (as retention does) and delete it on
+        the retention thread, which :meth:`wait` and :meth:`close` wait for. False, nothing
+        done, if it is a link, no directory, or cannot be renamed. Any thread."""
+        parent, name = os.path.split(os.path.abspath(path))
+        if os.path.islink(path) or not os.path.isdir(path):
+            return False
+        try:
+            os.rename(path, os.path.join(parent, f"{REMOVING_PREFIX}{name}.{os.urandom(6).hex()}"))
+        except OSError:
+            return False
+        self._retention.later(self._retention.remove_trash, parent)
+        return True
 
     # ------------------------------------------------------------------ retention (rank 0)
     def retire_older(self, handle: CheckpointHandle, *, keep_last: int | None = None,
@@ -360,11 +391,8 @@ class AsyncCheckpointer:
 
     def _later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """``fn(*args, **kwargs)`` on the retention thread, after what was queued there before
-        (the Hugging Face integration's deletions; see :meth:`.retention.Retention.later`)."""
+        (see :meth:`.retention.Retention.later`)."""
         return self._retention.later(fn, *args, **kwargs)
-
-    def _remove_trash(self, save_dir: str) -> None:
-        self._retention.remove_trash(save_dir)
 
     # ------------------------------------------------------------------ load path
     def verify_all_ranks(self, ckpt_dir: str | None, *, action: str = "load",
@@ -443,6 +471,11 @@ class AsyncCheckpointer:
     def is_open(self) -> bool:
         """True between begin() and end()."""
         return self._saves.current is not None
+
+    @property
+    def closed(self) -> bool:
+        """True once :meth:`close` began (or, in a forked child, was called)."""
+        return self._saves.closed
 
     @property
     def staged_bytes(self) -> int:

@@ -75,7 +75,7 @@ class Committer:
                     records.append(fut.result())
                 except BaseException as exc:
                     first_error = first_error or exc
-            for fut in handle.beside:  # Trainer's model.safetensors: durable before the commit
+            for fut in handle.dependencies:  # outside work (depends_on): done before the commit
                 try:
                     fut.result()
                 except BaseException as exc:

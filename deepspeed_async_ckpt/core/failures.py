@@ -4,14 +4,22 @@
 A :class:`FailureLedger` is written by the committer thread (a save's failure) and read by the
 training thread (``begin``, ``wait``, ``end`` of a sync save), or whichever thread closes the
 checkpointer. Every rank keeps its own; ``begin`` and ``wait_all_ranks`` share them across ranks.
+
+It also tracks outside work: writes an integration runs on the checkpointer's writer threads
+(:meth:`AsyncCheckpointer.submit_write <.checkpointer.AsyncCheckpointer.submit_write>`). Such
+a write's failure is a save's when the save depends on it (``begin``'s callbacks claim it);
+otherwise the ledger reports it with the recorded errors.
 """
 
 from __future__ import annotations
 
 import threading
-from typing import TYPE_CHECKING, Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
+from typing import TYPE_CHECKING, Iterable
 
 from ..errors import AsyncCheckpointError, DurabilityError, PersistError, describe
+from .saves import time_left
 
 if TYPE_CHECKING:
     from .handle import CheckpointHandle
@@ -44,18 +52,59 @@ def this_save_failed(handle: CheckpointHandle, exc: BaseException) -> BaseExcept
     return err
 
 
+class _Tracked:
+    """A write tracked until its outcome is taken: by a save that depends on it (``claimed``),
+    or as a background error."""
+
+    __slots__ = ("path", "future", "claimed")
+
+    def __init__(self, path: str, future: Future) -> None:
+        self.path, self.future, self.claimed = path, future, False
+
+
 class FailureLedger:
-    """The errors the background stages recorded and nobody raised yet, in order.
+    """The errors the background stages recorded and nobody raised yet, in order, and the
+    outside writes whose outcome is not taken yet.
 
-    ``lock`` is the checkpointer's lock (:class:`~.saves.Saves`), shared with the files written
-    beside: ``collect`` is called under it when the errors are taken, and returns the failures
-    of those files that no save took as its own, which are reported with the rest."""
+    ``lock`` is the checkpointer's lock (:class:`~.saves.Saves`); it guards both lists."""
 
-    def __init__(self, lock: threading.Lock, collect: Callable[[], list[BaseException]]) -> None:
+    def __init__(self, lock: threading.Lock) -> None:
         self.lock = lock
         self.errors: list[BaseException] = []
         """Under ``lock``: recorded, not yet taken."""
-        self._collect = collect
+        self._tracked: list[_Tracked] = []
+        """Under ``lock``: outside writes, until :meth:`take` finds them done."""
+
+    def track(self, path: str, future: Future) -> None:
+        """Account for the write of ``path`` that ``future`` completes: :meth:`wait_tracked`
+        waits for it, and :meth:`take` reports its failure unless a save claimed it
+        (:meth:`claim`)."""
+        with self.lock:
+            self._tracked.append(_Tracked(path, future))
+
+    def tracked(self) -> list[tuple[str, Future]]:
+        """``(path, future)`` of the tracked writes not yet taken (running, or done since the
+        last :meth:`take`), in the order they were tracked."""
+        with self.lock:
+            return [(t.path, t.future) for t in self._tracked]
+
+    def claim(self, futures: Iterable[Future]) -> None:
+        """``begin``: the tracked writes among ``futures`` are the save's now (it depends on
+        them): their failure is its own, never reported here as well."""
+        claimed = set(map(id, futures))
+        with self.lock:
+            for t in self._tracked:
+                if id(t.future) in claimed:
+                    t.claimed = True
+
+    def wait_tracked(self, deadline: float | None, timeout: float | None) -> None:
+        """Wait until every tracked write is done, until ``deadline`` (``time.monotonic``);
+        past it, raise naming ``timeout`` (s)."""
+        for path, future in self.tracked():
+            try:
+                future.exception(time_left(deadline))
+            except FutureTimeout:
+                raise AsyncCheckpointError(f"writing {path} did not finish within {timeout} s") from None
 
     def record(self, exc: BaseException) -> None:
         with self.lock:
@@ -76,9 +125,17 @@ class FailureLedger:
         of them are consumed, reported once together, so that a failure is not raised again
         at a later save, after its cause was fixed."""
         with self.lock:
-            self.errors.extend(self._collect())
+            self.errors.extend(self._take_tracked())
             errors, self.errors = self.errors, []
         return (errors[0], len(errors) - 1) if errors else (None, 0)
+
+    def _take_tracked(self) -> list[BaseException]:
+        """Under the lock: forget the tracked writes that are done; return the failures among
+        them that no save claimed."""
+        done = [t for t in self._tracked if t.future.done()]
+        self._tracked = [t for t in self._tracked if t not in done]
+        return [t.future.exception() for t in done
+                if not t.claimed and t.future.exception() is not None]
 
     def raise_first(self) -> None:
         """Raise (once) the first error recorded, if any, with how many more there were

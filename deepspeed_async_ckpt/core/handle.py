@@ -73,9 +73,8 @@ class CheckpointHandle:
         self.unwritten: list[tuple[str, list[FilePlan], list[str] | None, Share | None]] = []
         """Files of an open save, handed to the writers when it is sealed."""
         self.files: list[Future] = []
-        self.beside: list[Future] = []
-        """Files written beside it (:meth:`AsyncCheckpointer.write_beside`) into its save
-        directory before it began: this rank's part is persisted once they are durable too."""
+        self.dependencies: list[Future] = []
+        """Outside work this save waits for (:meth:`depends_on`)."""
         self.nbytes = 0
         self.error: BaseException | None = None
         self.abandoned = False
@@ -94,6 +93,15 @@ class CheckpointHandle:
         """Rank 0, once committed: what the commit wrote (see :class:`CommitInfo`)."""
         self._persisted = threading.Event()
         self._committed = threading.Event()
+
+    def depends_on(self, future: Future) -> None:
+        """This rank's part of the save is persisted only once ``future`` is done, and fails
+        with its failure (a file an integration writes into the save directory on the writer
+        threads, say). Call it on the thread that began the save, before ``end``: in a
+        callback of :meth:`AsyncCheckpointer.add_begin_callback
+        <.checkpointer.AsyncCheckpointer.add_begin_callback>`, which also makes the failure of
+        a write from :meth:`~.checkpointer.AsyncCheckpointer.submit_write` this save's alone."""
+        self.dependencies.append(future)
 
     def wait_staged(self) -> None:
         for item in self.items:

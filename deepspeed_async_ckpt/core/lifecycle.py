@@ -3,8 +3,8 @@ flush at interpreter exit, the fork of a child, waiting for a training thread at
 the save directories a checkpointer claims (rank 0) so that no other job saves there.
 
 The registry (:func:`open_checkpointers`, :func:`fence_all`, :func:`saves_in_flight`,
-:func:`saving_dirs`, :func:`wait_beside`) is read from any thread: the training loop, an
-evaluation thread, the Hugging Face integration's hooks. The exit flush runs on the thread
+:func:`saving_dirs`) is read from any thread: the training loop, an evaluation thread, the
+integrations' hooks. The exit flush runs on the thread
 that runs Python's shutdown hooks (the main thread), before ``concurrent.futures`` pools stop
 taking work; the fork handler runs in the child, right after ``fork``. Claims are taken on
 the training thread (``begin``) and released there or by ``close``.
@@ -121,25 +121,16 @@ def open_checkpointers() -> list[AsyncCheckpointer]:
     return [c for c in list(_open_checkpointers) if not c._closed]
 
 
-def wait_beside(directory: str | None = None) -> None:
-    """:meth:`AsyncCheckpointer.wait_beside` on every open checkpointer of this process."""
-    for checkpointer in list(_open_checkpointers):
-        if not checkpointer._closed:
-            checkpointer.wait_beside(directory)
-
-
 def saving_dirs() -> set[str]:
     """Real paths of the checkpoint directories that this process's open checkpointers have
-    begun and not yet committed or failed (or, on rank 0, not yet swapped in), and of the files
-    they are still writing beside them (:meth:`AsyncCheckpointer.write_beside`): directories
-    that must be neither deleted nor resumed from yet (see :mod:`.hf_trainer`)."""
+    begun and not yet committed or failed (or, on rank 0, not yet swapped in): directories that
+    must be neither deleted nor resumed from yet."""
     dirs: set[str] = set()
     for checkpointer in list(_open_checkpointers):
         if checkpointer._closed:
             continue
         current = checkpointer._saves.current  # before pending(), as in retention's protected()
         dirs.update(h.ckpt_dir for h in checkpointer._saves.pending())
-        dirs.update(e.directory for e in checkpointer._beside.entries() if not e.future.done())
         if current is not None:
             dirs.add(current.ckpt_dir)
     return {os.path.realpath(d) for d in dirs}

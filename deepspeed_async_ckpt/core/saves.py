@@ -28,7 +28,7 @@ class Saves:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         """Guards ``inflight``, ``unswapped`` and ``reporting`` here, and the lists of the collaborators
-        built with it (recorded failures, files beside, reports, retention futures)."""
+        built with it (recorded failures and tracked writes, reports, retention futures)."""
         self.dirs_lock = threading.Lock()
         """Retention against saves announcing their directories (``beginning``, the pointer
         each save directory names)."""

@@ -26,7 +26,6 @@ from ..commit import (META_DIR, Pointer, check_checkpoint_dir, check_name, make_
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, CommitError, DurabilityError, describe
 from ..storage import Storage
-from .beside import BesideFiles
 from .collectives import ELSEWHERE, by_rank, only_durability
 from .committer import Committer
 from .failures import FailureLedger, reraise, this_save_failed
@@ -76,16 +75,17 @@ def _remove_if_empty(made: tuple[str, list[str]]) -> None:
 
 class Session:
     """Opens and seals the saves of one rank. ``exchange``: the collective ``begin`` makes
-    (see :func:`~.collectives.exchange_across_ranks`)."""
+    (see :func:`~.collectives.exchange_across_ranks`); ``begun(handle)``: called by ``begin``
+    once the save is open (the checkpointer's begin callbacks)."""
 
     def __init__(self, saves: Saves, storage: Storage, config: AsyncCheckpointConfig, *, rank: int,
                  exchange: Callable[..., tuple[str, dict[int, str]]], ledger: FailureLedger,
-                 claims: SaveDirClaims, retention: Retention, loader: Loader, beside: BesideFiles,
-                 files: SaveFiles, committer: Committer) -> None:
+                 claims: SaveDirClaims, retention: Retention, loader: Loader,
+                 begun: Callable[[CheckpointHandle], None], files: SaveFiles, committer: Committer) -> None:
         self._saves, self._storage, self._config, self._rank = saves, storage, config, rank
         self.exchange = exchange
         self._ledger, self._claims, self._retention = ledger, claims, retention
-        self._loader, self._beside, self._files, self._committer = loader, beside, files, committer
+        self._loader, self._begun, self._files, self._committer = loader, begun, files, committer
 
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
               swap_at_commit: bool = True, late_files: Iterable[str] = (),
@@ -127,7 +127,7 @@ class Session:
             handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
                                       swap_at_commit, tuple(late_files), rotation=rotation)
             saves.current = handle
-            handle.beside = self._beside.claim(save_dir)
+            self._begun(handle)  # the begin callbacks: what it depends on
             if self._rank == 0:  # and the marker's entry (made under another name, renamed), and
                 # the save directory's, which Trainer makes for each checkpoint-N: the pointer in it
                 handle.new_dirs += [*(made[1] if made else ()), os.path.join(write_dir, META_DIR),

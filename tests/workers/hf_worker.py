@@ -52,18 +52,18 @@ deepspeed_async_ckpt.install()  # a no-op where the .pth hook already did it (pi
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 import deepspeed_async_ckpt.core.files as checkpointer  # noqa: E402
-from deepspeed_async_ckpt.core import AsyncCheckpointer  # noqa: E402
+from deepspeed_async_ckpt.integrations.hf_trainer import beside  # noqa: E402
 
 exports = []
-real_write_beside = AsyncCheckpointer.write_beside
+real_write_beside = beside.write_beside
 
 
-def write_beside(self, path, write):
+def write_beside(ck, path, write):
     exports.append(os.path.relpath(path, RUN))
-    return real_write_beside(self, path, write)
+    return real_write_beside(ck, path, write)
 
 
-AsyncCheckpointer.write_beside = write_beside
+beside.write_beside = write_beside
 hold, released = [False], threading.Event()
 if RANK == 0 and args.hold_from:
     real_write_file = checkpointer.write_file

@@ -54,7 +54,7 @@ def agreed_latest_tag(checkpointer: Any, load_dir: str, latest: str = "latest") 
         mine = ""
     except (OSError, ValueError) as exc:
         mine, error = "", f"cannot read {path}: {exc}"
-    value, failed = checkpointer._exchange(mine, error)
+    value, failed = checkpointer.exchange(mine, error)
     if failed:
         raise CommitError(f"load_checkpoint refused on every rank: {failed[min(failed)]} (rank(s) "
                           f"{by_rank(failed)})")

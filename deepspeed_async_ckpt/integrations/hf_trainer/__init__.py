@@ -17,6 +17,8 @@ a checkpoint without ``latest``, with temporary files.
   module is imported;
 - :mod:`.trainer_methods`: Trainer's uploads, model export and just-in-time checkpoint,
   wrapped when this engine is built;
+- :mod:`.beside`: the weights export (``model.safetensors``), written beside the DeepSpeed
+  checkpoint on the engine's writer threads and committed with it;
 - :mod:`.in_flight`: what this process is saving, as both ask about it.
 
 :mod:`deepspeed_async_ckpt.integrations.activation` installs and uninstalls them.

@@ -158,38 +158,22 @@ class _Shutil:
     """``shutil`` as ``transformers.trainer_utils`` sees it (:func:`install`): inside
     :func:`rotate_checkpoints`, with this engine in async mode, ``rmtree`` renames the
     directory out of Trainer's sight (``.async_ckpt_removing.checkpoint-N.<id>``, as retention
-    does) and the engine's retention thread deletes it, off the training thread: deleting the
-    previous checkpoint there takes 0.3 s for 1.85 GB idle, 0.6-1.0 s with the new save's
-    writes in flight. What a crash leaves renamed is deleted at the next rotation in that
-    directory. Anything else: ``shutil``'s."""
+    does) and the engine's retention thread deletes it (``AsyncCheckpointer.remove_later``),
+    off the training thread: deleting the previous checkpoint there takes 0.3 s for 1.85 GB
+    idle, 0.6-1.0 s with the new save's writes in flight. What a crash leaves renamed is
+    deleted at the next rotation in that directory. Anything else: ``shutil``'s."""
 
     def __getattr__(self, name: str) -> Any:
         return getattr(shutil, name)
 
     def rmtree(self, path: Any, *args: Any, **kwargs: Any) -> Any:
         checkpointer = getattr(_rotating, "checkpointer", None)
-        if checkpointer is None or not _remove_later(checkpointer, os.fspath(path)):
+        if checkpointer is None or not checkpointer.remove_later(os.fspath(path)):
             return shutil.rmtree(path, *args, **kwargs)
         return None
 
 
 _SHUTIL = _Shutil()
-
-
-def _remove_later(checkpointer: Any, path: str) -> bool:
-    """Rename ``path`` for deletion and queue its deletion (with any such leftover beside it)
-    on ``checkpointer``'s retention thread; False, nothing done, if it cannot be renamed."""
-    from ...commit import REMOVING_PREFIX
-
-    parent, name = os.path.split(os.path.abspath(path))
-    if os.path.islink(path) or not os.path.isdir(path):
-        return False
-    try:
-        os.rename(path, os.path.join(parent, f"{REMOVING_PREFIX}{name}.{os.urandom(6).hex()}"))
-    except OSError:
-        return False
-    checkpointer._later(checkpointer._remove_trash, parent)
-    return True
 
 
 def _rotate_again_at_exit(key: str, args: tuple, kwargs: dict) -> None:

@@ -13,7 +13,8 @@ import sys
 import threading
 from typing import Any
 
-from .in_flight import async_checkpointer, raise_failure, wait_beside, wait_for_saves_in
+from . import beside
+from .in_flight import async_checkpointer, raise_failure, wait_for_saves_in
 from .rotation import checkpoint_prefix
 
 PUSHED_CHECKPOINTS = ("checkpoint", "all_checkpoints")
@@ -33,7 +34,7 @@ def _push_from_checkpoint(self: Any, checkpoint_folder: str, *args: Any, **kwarg
         if strategy in PUSHED_CHECKPOINTS:
             wait_for_saves_in(checkpoint_folder, strict=True, before="Trainer uploads it")
         else:  # it copies the model files out of checkpoint_folder: model.safetensors whole
-            wait_beside(checkpoint_folder)
+            beside.wait_beside(checkpoint_folder)
             raise_failure(checkpoint_folder, "Trainer uploads its model files", exports_only=True)
     return _ORIGINALS["_push_from_checkpoint"](self, checkpoint_folder, *args, **kwargs)
 
@@ -74,7 +75,7 @@ def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = 
     if checkpointer is None:
         return _ORIGINALS["save_model"](self, output_dir, _internal_call, *args, **kwargs)
     # one export's weights in memory at a time (accelerate cloned them for it)
-    checkpointer.wait_beside()
+    beside.wait_beside(checkpointer=checkpointer)
     _exporting.checkpointer, _exporting.model = checkpointer, getattr(self, "model", None)
     try:
         return _ORIGINALS["save_model"](self, output_dir, _internal_call, *args, **kwargs)
@@ -87,7 +88,7 @@ def safe_save_file(tensors: dict, filename: str, metadata: dict | None = None, *
                    **kwargs: Any) -> Any:
     """``safetensors.torch.save_file`` as ``transformers.modeling_utils`` calls it from
     ``save_pretrained``. Inside :func:`save_model` for a checkpoint, the file is written by
-    the engine's writers (the core's ``AsyncCheckpointer.write_beside``), whole or not at all,
+    the engine's writers (:func:`.beside.write_beside`), whole or not at all,
     byte for byte what that function writes, but with direct I/O (the core's
     ``persist.write_safetensors``), and the DeepSpeed checkpoint that Trainer saves next into
     the same directory commits only once it is durable. The tensors are accelerate's CPU
@@ -101,7 +102,7 @@ def safe_save_file(tensors: dict, filename: str, metadata: dict | None = None, *
     if checkpointer is not None and tensors and not args and not kwargs:
         owned = _owned(tensors, getattr(_exporting, "model", None))
         if safetensors_writable(owned, metadata):  # else the library's own error, or file, right here
-            checkpointer.write_beside(filename, lambda f: write_safetensors(f, owned, metadata))
+            beside.write_beside(checkpointer, filename, lambda f: write_safetensors(f, owned, metadata))
             return None
     return _ORIGINALS["safe_save_file"](tensors, filename, metadata, *args, **kwargs)
 
