@@ -1,8 +1,8 @@
 """ZeRO-1 on 2 DeepSpeed ranks with a flat fp32 partition larger than the host staging pool
 (``host_buffer_gb``): the first save_checkpoint is refused on every rank, naming the record
 and the host_buffer_gb that holds it, before anything is staged; training goes on and nothing
-is committed. (It used to be accepted, to fail in the background copier, and the run ended
-at the next optimizer step with no checkpoint.)"""
+is committed. Accepted, the save would fail in the background copier, at the next optimizer
+step, with no checkpoint saved."""
 
 import json
 import os
