@@ -208,7 +208,7 @@ class Session:
             if only_durability(failed):
                 raise DurabilityError("a previous checkpoint's commit did not complete on "
                                       "rank(s) " + by_rank(failed))
-            # (the other ranks' save directory, as every rank saves into the same one)
+            # this save's directory: the failed save was in it too, as a rule
             raise CommitError("a previous checkpoint failed and was not committed ("
                               f"{what_stays(os.path.dirname(ckpt_dir))}) on rank(s) " + by_rank(failed))
 
