@@ -31,7 +31,7 @@ def test_verify_all_ranks_refuses_a_checkpoint_directory_that_does_not_exist(tmp
 @pytest.mark.slow
 def test_load_checkpoint_of_a_missing_tag_is_refused_on_every_rank_naming_it(tmp_path, repo_env):
     out = str(tmp_path)
-    codes = launch(WORKER, ["missing-tag", "--out", out], 2, timeout=240, env=repo_env)
+    codes = launch(WORKER, ["missing-tag", "--out", out], 2, timeout=600, env=repo_env)
     assert codes == [0, 0], codes
     results = [json.load(open(os.path.join(out, f"missing_tag_rank{r}.json"))) for r in (0, 1)]
     save_dir = os.path.join(out, "ckpt")

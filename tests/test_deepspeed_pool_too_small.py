@@ -19,7 +19,7 @@ pytestmark = pytest.mark.slow
 
 def test_a_partition_larger_than_the_pool_is_refused_by_the_first_save_on_every_rank(tmp_path, repo_env):
     out = str(tmp_path)
-    codes = launch(WORKER, ["pool-too-small", "--out", out], 2, timeout=240, env=repo_env)
+    codes = launch(WORKER, ["pool-too-small", "--out", out], 2, timeout=600, env=repo_env)
     assert codes == [0, 0], codes
     for rank in (0, 1):
         r = json.load(open(os.path.join(out, f"pool_too_small_rank{rank}.json")))
