@@ -18,6 +18,7 @@ The modules, in the order a save goes through them:
 
 from .checkpointer import AsyncCheckpointer
 from .collectives import Replicas, by_rank, exchange_across_ranks, layout_digest, only_durability
+from .failures import what_stays
 from .handle import CheckpointHandle, CommitInfo
 from .lifecycle import (cancel_flush_at_exit, fence_all, flush_at_exit, open_checkpointers,
                         saves_in_flight, saving_dirs)
@@ -37,4 +38,5 @@ __all__ = [
     "open_checkpointers",
     "saves_in_flight",
     "saving_dirs",
+    "what_stays",
 ]

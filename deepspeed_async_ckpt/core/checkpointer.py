@@ -250,7 +250,7 @@ class AsyncCheckpointer:
             # a failed save goes first (close() raises once, and it would be lost behind
             # this); the retention bug is logged with its traceback
             logger.error("async checkpoint: removing older checkpoints failed", exc_info=bug)
-            raise reraise(exc, more)
+            raise reraise(exc, more, self._failures.save_dir_of(exc))
         self.raise_background_error()
 
     def raise_background_error(self) -> None:

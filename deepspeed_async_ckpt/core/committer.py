@@ -124,7 +124,7 @@ class Committer:
             handle.error = exc
             if isinstance(exc, DurabilityError) and exc.pointer_moved and handle.pointer is not None:
                 self._retention.pointer_moved(handle)  # it names this one now: retention must keep it
-            self._ledger.record(exc)
+            self._ledger.record(exc, os.path.dirname(handle.ckpt_dir))
             if not recorded:  # this rank's own part failed (its files, or its record): tell rank 0
                 self._report_failure(handle, f"{type(exc).__name__}: {exc}")
         finally:

@@ -13,11 +13,13 @@ otherwise the ledger reports it with the recorded errors.
 
 from __future__ import annotations
 
+import os
 import threading
 from concurrent.futures import Future
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import TYPE_CHECKING, Iterable
 
+from ..commit import committed_checkpoints
 from ..errors import AsyncCheckpointError, DurabilityError, PersistError, describe
 from .saves import time_left
 
@@ -25,9 +27,23 @@ if TYPE_CHECKING:
     from .handle import CheckpointHandle
 
 
-def reraise(exc: BaseException, more: int = 0) -> AsyncCheckpointError:
+def what_stays(save_dir: str | None) -> str:
+    """What a failed save left in ``save_dir``, for its error message: a failed save never
+    touches a committed checkpoint, so "the last committed one is intact", unless the
+    directory holds none, which that would wrongly promise (a disk full on the first save).
+    None, or a directory that cannot be read: the first answer, as nothing tells otherwise."""
+    if save_dir is not None:
+        try:
+            if not committed_checkpoints(save_dir):
+                return f"nothing has been committed in {save_dir} yet"
+        except OSError:
+            pass
+    return "the last committed one is intact"
+
+
+def reraise(exc: BaseException, more: int = 0, save_dir: str | None = None) -> AsyncCheckpointError:
     """A background stage's error ``exc`` raised for the caller, with ``more`` failed saves
-    after it reported together."""
+    after it reported together; ``save_dir``: the failed save's (see :func:`what_stays`)."""
     more_text = f" (and {more} more failed save(s))" if more else ""
     if isinstance(exc, DurabilityError):  # in place, not "not committed"
         err: AsyncCheckpointError = DurabilityError(f"a previous checkpoint's commit did not complete: "
@@ -35,8 +51,8 @@ def reraise(exc: BaseException, more: int = 0) -> AsyncCheckpointError:
         err.__cause__ = exc
         return err
     cls = exc.__class__ if isinstance(exc, AsyncCheckpointError) else PersistError
-    err = cls(f"a previous checkpoint failed and was not committed (the last committed one is "
-              f"intact): {exc}" + more_text)
+    err = cls(f"a previous checkpoint failed and was not committed ({what_stays(save_dir)}): "
+              f"{exc}" + more_text)
     err.__cause__ = exc
     return err
 
@@ -46,8 +62,9 @@ def this_save_failed(handle: CheckpointHandle, exc: BaseException) -> BaseExcept
     (a commit error; Ctrl-C), else named as this checkpoint's."""
     if isinstance(exc, (AsyncCheckpointError, KeyboardInterrupt, SystemExit)):
         return exc
-    err = PersistError(f"checkpoint {handle.ckpt_dir!r} (tag {handle.tag}) not committed (the last "
-                       f"committed one is intact): {type(exc).__name__}: {describe(exc)}")
+    err = PersistError(f"checkpoint {handle.ckpt_dir!r} (tag {handle.tag}) not committed "
+                       f"({what_stays(os.path.dirname(handle.ckpt_dir))}): {type(exc).__name__}: "
+                       f"{describe(exc)}")
     err.__cause__ = exc
     return err
 
@@ -74,6 +91,9 @@ class FailureLedger:
         """Under ``lock``: recorded, not yet taken."""
         self._tracked: list[_Tracked] = []
         """Under ``lock``: outside writes, until :meth:`take` finds them done."""
+        self._save_dirs: dict[BaseException, str] = {}
+        """Under ``lock``: the save directory of each error recorded with one, until taken,
+        and of the last error :meth:`take` returned (for its message)."""
 
     def track(self, path: str, future: Future) -> None:
         """Account for the write of ``path`` that ``future`` completes: :meth:`wait_tracked`
@@ -106,15 +126,25 @@ class FailureLedger:
             except FutureTimeout:
                 raise AsyncCheckpointError(f"writing {path} did not finish within {timeout} s") from None
 
-    def record(self, exc: BaseException) -> None:
+    def record(self, exc: BaseException, save_dir: str | None = None) -> None:
+        """Record ``exc``, the failure of a save into ``save_dir`` (None: not a save's)."""
         with self.lock:
             self.errors.append(exc)
+            if save_dir is not None:
+                self._save_dirs[exc] = save_dir
+
+    def save_dir_of(self, exc: BaseException) -> str | None:
+        """The save directory ``exc`` was recorded with (taken by the last :meth:`take`, or not
+        taken yet), else None."""
+        with self.lock:
+            return self._save_dirs.get(exc)
 
     def discard(self, exc: BaseException) -> None:
         """Forget ``exc``, raised by its own save (unless another thread took it meanwhile)."""
         with self.lock:
             if exc in self.errors:
                 self.errors.remove(exc)
+            self._save_dirs.pop(exc, None)
 
     def unreported(self) -> list[BaseException]:
         with self.lock:
@@ -127,7 +157,9 @@ class FailureLedger:
         with self.lock:
             self.errors.extend(self._take_tracked())
             errors, self.errors = self.errors, []
-        return (errors[0], len(errors) - 1) if errors else (None, 0)
+            first = errors[0] if errors else None
+            self._save_dirs = {e: d for e, d in self._save_dirs.items() if e is first}
+        return (first, len(errors) - 1) if errors else (None, 0)
 
     def _take_tracked(self) -> list[BaseException]:
         """Under the lock: forget the tracked writes that are done; return the failures among
@@ -142,4 +174,4 @@ class FailureLedger:
         (consumed too)."""
         exc, more = self.take()
         if exc is not None:
-            raise reraise(exc, more)
+            raise reraise(exc, more, self.save_dir_of(exc))

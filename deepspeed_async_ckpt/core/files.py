@@ -22,7 +22,7 @@ import torch
 import xxhash
 
 from ..config import AsyncCheckpointConfig
-from ..errors import AsyncCheckpointError
+from ..errors import AsyncCheckpointError, SnapshotError
 from ..persist import Share, split_items, write_file
 from ..snapshot import (FilePlan, HostBufferPool, Stager, TensorItem, plan_file, storage_addresses,
                         tensor_ids)
@@ -41,6 +41,14 @@ def missing_dirs(path: str) -> list[str]:
         missing.append(path)
         path = os.path.dirname(path)
     return missing
+
+
+def smallest_host_buffer_gb(nbytes: int) -> float:
+    """The smallest ``host_buffer_gb``, in hundredths, whose pool holds ``nbytes``."""
+    gb = -(-nbytes * 100 // 2**30) / 100
+    while int(gb * 2**30) < nbytes:  # float rounding
+        gb = round(gb + 0.01, 2)
+    return gb
 
 
 class SaveFiles:
@@ -95,6 +103,7 @@ class SaveFiles:
                         if k in state:
                             lazy -= tensor_ids(state[k])
                 plans.append(plan_file(state, lazy, what=path))
+            self._check_fits_pool(plans)
             share = None
             if replicas is not None and replicas.size > 1:
                 shared = True  # the replicas met: a retry on this rank alone would wait for them
@@ -154,6 +163,26 @@ class SaveFiles:
                     handle.unsubmitted.extend(i for i in mine if not i.eager)
                 handle.unwritten.append((path, plans, names, share))
         return [sum(i.nbytes for i in mine) for mine in staged]
+
+    def _check_fits_pool(self, plans: list[FilePlan]) -> None:
+        """Refuse a file with a record the pool can never hold, before anything of it is
+        staged: a record is staged in one piece (one buffer from copy to write), so one larger
+        than ``host_buffer_gb`` would fail in the copier, after the save returned, leaving a
+        save that never commits. Every record of the file counts, this replica's share or not,
+        so that the replicas of a shared file all refuse it together. The records staged
+        through the pool: the lazy ones (eager copies are made outside it), or, in sync mode,
+        every one."""
+        capacity = self._pool.capacity_bytes
+        through_pool = [i for plan in plans for i in plan.items if not self._config.is_async or not i.eager]
+        largest = max(through_pool, key=lambda i: aligned_size(i.nbytes), default=None)
+        if largest is None or aligned_size(largest.nbytes) <= capacity:
+            return
+        need = aligned_size(largest.nbytes)
+        raise SnapshotError(
+            f"{largest.what} needs {need} bytes of host staging ({largest.nbytes} rounded up to "
+            f"whole pages), more than async_checkpoint.host_buffer_gb {self._config.host_buffer_gb:g} "
+            f"allows ({capacity} bytes): a record is staged in one piece. Nothing of this save "
+            f"was staged; set host_buffer_gb to at least {smallest_host_buffer_gb(need):g}")
 
     def _eager_room(self, handle: CheckpointHandle, nbytes: int) -> None:
         """Count ``nbytes`` of eager copies for ``handle``, first waiting (backpressure, as the

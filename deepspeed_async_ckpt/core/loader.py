@@ -47,7 +47,8 @@ class Loader:
         file, the others naming that rank. Every file is read once across the ranks, where
         checking each file on every rank that loads it reads a file all ranks load (DeepSpeed's
         model states) once per rank. :meth:`load` then skips the files of this checkpoint. A
-        directory without this engine's records (another engine's checkpoint) passes as it is.
+        directory without this engine's records (another engine's checkpoint) passes as it is;
+        a missing one is refused.
         ``include``: only the files (by path within the checkpoint) it accepts, those the load
         will read; :meth:`load` still checks any other file it is asked for. ``None``: this
         rank has nothing to load (no ``latest`` yet): it still takes part, so that ranks which
@@ -64,6 +65,9 @@ class Loader:
         error: Exception | None = None
         manifest = None
         try:
+            if not os.path.isdir(ckpt_dir):  # a tag, or a `latest`, naming nothing: the framework
+                # would fail on each rank in its own words (DeepSpeed: a bare AssertionError)
+                raise IntegrityError(f"no checkpoint directory at {ckpt_dir!r}")
             if os.path.isdir(os.path.join(ckpt_dir, META_DIR)):
                 manifest = verify_checkpoint(ckpt_dir, rank=self.rank, world_size=self.world_size,
                                              include=include)

@@ -28,7 +28,7 @@ from ..errors import AsyncCheckpointError, CommitError, DurabilityError, describ
 from ..storage import Storage
 from .collectives import ELSEWHERE, by_rank, only_durability
 from .committer import Committer
-from .failures import FailureLedger, reraise, this_save_failed
+from .failures import FailureLedger, reraise, this_save_failed, what_stays
 from .files import SaveFiles, missing_dirs
 from .handle import CheckpointHandle
 from .lifecycle import SaveDirClaims
@@ -181,8 +181,8 @@ class Session:
         except Exception as exc:  # a Storage of the user's: every rank raises it, below
             if local is None:  # this save refused, not "a previous checkpoint failed"
                 refused = AsyncCheckpointError(
-                    f"preparing checkpoint {ckpt_dir!r} failed, nothing was written (the "
-                    f"last committed one is intact): {type(exc).__name__}: {describe(exc)}")
+                    f"preparing checkpoint {ckpt_dir!r} failed, nothing was written "
+                    f"({what_stays(save_dir)}): {type(exc).__name__}: {describe(exc)}")
                 refused.__cause__ = exc
             else:  # an earlier save's failure goes first; this one is only logged
                 logger.warning("async checkpoint: preparing %s failed: %s", ckpt_dir, exc)
@@ -193,7 +193,7 @@ class Session:
         """After ``begin``'s exchange, on every rank: raise this rank's earlier failure
         (``local``, with ``more``), rank 0's refusal, or what other ranks reported (``failed``)."""
         if local is not None:  # taken above: raised first, or it would be lost
-            raise reraise(local, more)  # behind a refusal
+            raise reraise(local, more, self._ledger.save_dir_of(local))  # behind a refusal
         if refused is not None:
             raise refused
         if failed.get(0, "").startswith(_REFUSED):  # rank 0's refusal, in its words
@@ -208,8 +208,9 @@ class Session:
             if only_durability(failed):
                 raise DurabilityError("a previous checkpoint's commit did not complete on "
                                       "rank(s) " + by_rank(failed))
-            raise CommitError("a previous checkpoint failed and was not committed (the last "
-                              "committed one is intact) on rank(s) " + by_rank(failed))
+            # this save's directory: the failed save was in it too, as a rule
+            raise CommitError("a previous checkpoint failed and was not committed ("
+                              f"{what_stays(os.path.dirname(ckpt_dir))}) on rank(s) " + by_rank(failed))
 
     def _make_write_dir(self, ckpt_dir: str, save_id: str) -> tuple[str, list[str]] | None:
         """Rank 0, in ``begin`` before the exchange: the directory this save writes into, with

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.utils import logger as ds_logger
 
-from ...core import AsyncCheckpointer, CommitInfo, by_rank, exchange_across_ranks, only_durability
+from ...core import AsyncCheckpointer, CommitInfo, by_rank, exchange_across_ranks, only_durability, what_stays
 from ...commit import Pointer, check_name
 from ...config import AsyncCheckpointConfig
 from ...errors import CommitError, DurabilityError, describe
@@ -213,12 +213,13 @@ class AsyncCheckpointEngine(CheckpointEngine):
         if error is not None:
             raise error
         if failed:  # end() put this save last in the history, raising or not
-            tag = self.checkpointer.history[-1].tag
+            handle = self.checkpointer.history[-1]
             if only_durability(failed):
-                raise DurabilityError(f"checkpoint {tag}'s commit did not complete, because of "
+                raise DurabilityError(f"checkpoint {handle.tag}'s commit did not complete, because of "
                                       f"rank(s) {by_rank(failed)}")
-            raise CommitError(f"checkpoint {tag} was not committed (the last committed one is "
-                              f"intact), because of rank(s) {by_rank(failed)}")
+            raise CommitError(f"checkpoint {handle.tag} was not committed "
+                              f"({what_stays(os.path.dirname(handle.ckpt_dir))}), because of rank(s) "
+                              f"{by_rank(failed)}")
 
     def before_optimizer_step(self) -> None:
         self.checkpointer.fence()
