@@ -58,6 +58,32 @@ def test_a_steady_state_plan_reuses_the_last_one_and_allocates_a_few_objects_per
     assert len(fresh.items) == records
 
 
+def test_a_plan_leaves_no_reference_cycle_for_the_cyclic_gc_to_free():
+    """Garbage in a cycle lives, with the tensors it holds, until a collection finds it; a
+    plan's objects are freed as soon as the plan is."""
+    state = _state(n=50)
+    for cache in (None, PlanCache(), PlanCache()):
+        gc.collect()
+        gc.disable()
+        try:
+            plan_file(state, set(), "f", cache)
+            plan_file(state, set(), "f", cache)
+            assert gc.collect() == 0
+        finally:
+            gc.enable()
+
+
+def test_a_cached_plan_keeps_no_tensor_of_the_state_alive():
+    import weakref
+
+    cache = PlanCache()
+    state = {"w": torch.randn(64), "n": 1}
+    plan_file(state, set(), "f", cache)
+    gone = weakref.ref(state["w"])
+    state["w"] = torch.randn(64)  # the old tensor is dropped by its owner
+    assert gone() is None
+
+
 def test_a_changed_structure_is_planned_afresh():
     cache = PlanCache()
     state = _state(n=20)

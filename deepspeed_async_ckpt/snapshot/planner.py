@@ -118,9 +118,6 @@ class _Planner(pickle.Pickler):
         self._reset(cached, lazy, what)
         if cached is None:
             self.entries = []
-        self._buf.seek(0)
-        self._buf.truncate()
-        self.clear_memo()
         try:
             self.dump(obj)
             if cached is not None and self.pos != len(cached):
@@ -130,7 +127,10 @@ class _Planner(pickle.Pickler):
             for item in self.items:  # never staged: nothing may wait for them
                 item.cancel()
             raise
-        finally:  # the save's tensors and items are not kept beyond the plan
+        finally:  # the save's objects are not kept beyond the plan (the memo holds them all)
+            self.clear_memo()
+            self._buf.seek(0)
+            self._buf.truncate()
             self._reset(None, set(), "")
 
     def _item(self, t: torch.Tensor, key: str, nbytes: int, span: int | None, shape: tuple) -> TensorItem:
