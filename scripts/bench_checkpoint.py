@@ -193,7 +193,7 @@ def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
     than plain writes on some machines, this one included; and ``O_DIRECT`` writes
     (``storage.DirectFile``, what this engine uses where the filesystem allows it), from a
     buffer in huge pages (``storage.host_buffer``, the engine's pool) and from one in 4 KiB
-    pages (the pool before 2026-11-22; kept to show what the page size is worth).
+    pages (to show what the page size is worth).
     """
     fio = shutil.which("fio")
     if fio:
@@ -204,10 +204,9 @@ def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
     # page-aligned and in huge pages, as the engine's pool: direct writes from 4 KiB pages
     # are split into smaller block requests, which on this disk cost about half the bandwidth
     buf = memoryview(host_buffer(8 << 20))
-    small_pages = memoryview(mmap.mmap(-1, 8 << 20))  # shmem, 4 KiB pages: the pool before 2026-11-22
+    small_pages = memoryview(mmap.mmap(-1, 8 << 20))  # shmem, 4 KiB pages
     # filled, as the pool is when it is written: an untouched mapping is read from the
-    # kernel's zero page (no memory of its own), which a disk write reads faster (until
-    # session 29 the huge-page buffer was never touched)
+    # kernel's zero page (no memory of its own), which a disk write reads faster
     pattern = os.urandom(8 << 20)
     buf[:], small_pages[:] = pattern, pattern
     path = os.path.join(work_dir, "storage.bin")
@@ -231,8 +230,8 @@ def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
                 open(path + ".tmp", "wb", buffering=0)
             with (WriteBehindFile(f) if how == "behind" else f) as out:
                 left = nbytes
-                # through the wrapper: until session 29 the write-behind way wrote to the raw
-                # file, never starting writeback (a second plain-write sample)
+                # through the wrapper, which starts writeback as it goes (writing to the raw
+                # file would be a second plain-write sample)
                 write = f.write_stable if direct else out.write  # in place, as the engine
                 while left > 0:
                     left -= write(src[:min(left, len(src))])
@@ -258,8 +257,8 @@ def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
 
 def _fio_bandwidth(fio: str, work_dir: str, nbytes: int, reps: int) -> dict:
     """fio's sequential write: with fsync, the faster of direct I/O (what the engine uses
-    where the filesystem allows it; until session 29 only buffered writes were measured, 1.5-3x
-    slower on this VM, which inflated "% of disk") and buffered writes with a final fsync."""
+    where the filesystem allows it; buffered writes alone are 1.5-3x slower on this VM, which
+    would inflate "% of disk") and buffered writes with a final fsync."""
     res = {"tool": "fio", "bytes": nbytes}
     for way, flags in (("fsync_direct", ["--direct=1", "--end_fsync=1"]),
                        ("fsync_plain", ["--end_fsync=1"]), ("nofsync", ["--end_fsync=0"])):
@@ -417,8 +416,8 @@ def _timed_figures(name: str, durable: bool, runs: list[dict], base_window: floa
         "stall_s": max(t["stall_s"] for t in timed),
         "save_s": max(t["save_s"] for t in timed),
         "wait_s": max(t["wait_s"] for t in timed),
-        # the next step's slowdown beyond the wait the stall counts already (until session 29
-        # the wait was in both: the decoupled engine's 2.3 s commit wait, twice)
+        # the next step's slowdown beyond the wait the stall counts already (else a wait such
+        # as the decoupled engine's 2.3 s commit would be counted twice)
         "next_step_extra_s": max(t["next_step_s"] - t["wait_s"] for t in timed) - pair["step_s"],
         "persist_s": persist,
         "bytes": nbytes,
@@ -603,9 +602,9 @@ def targets(cell: dict, storage: dict) -> dict:
         repeats = [r["overhead"] for r in a.get("runs", [])] or [a["overhead"]]
         out["overhead_every_k"] = {"value": a["overhead"], "target": OVERHEAD_TARGET,
                                    "met": a["overhead"] < OVERHEAD_TARGET,
-                                   # the spread of this engine's own paired overheads (until
-                                   # session 29 only the spread of every quiet window of the
-                                   # cell, minutes and engines apart, which is kept beside it)
+                                   # the spread of this engine's own paired overheads; the
+                                   # spread of every quiet window of the cell, minutes and
+                                   # engines apart, beside it
                                    "repeat_spread": max(repeats) - min(repeats), "repeats": len(repeats),
                                    "noise": cell["steps"]["baseline_spread"]}
         bare = cell["steps"].get("bare_write")
@@ -670,7 +669,7 @@ def lost_table(result: dict) -> str:
     lines.append("\nlost = save call + the extra time of every step until the next save (the fence wait is "
                  "inside the first) + any wait for the save after those steps; baseline step = median "
                  "step of the same run with no checkpoint in flight (K steps before the engine's first "
-                 "save, K after its last one completed). Worst: often the first save of the process.")
+                 "save, K after its last one completed); the first save of the process is among them.")
     return "\n".join(lines)
 
 
