@@ -26,7 +26,23 @@ step ran at 0.54 s and, after a large free elsewhere left a hole that served it,
 That makes the baseline, and so every overhead figure, a coin toss. A GPU job's host memory
 does not churn like that either. ``--malloc default`` measures glibc's defaults.
 
-Figures, per engine (seconds unless named), each the median over ``--repeats`` timed
+The headline, per engine: **training time lost per checkpoint** (``lost_time.py``), the median
+and the worst over ``--saves`` checkpoints made every K steps as a training loop makes them
+(the engine's first ones in the process, so one-time costs show in the worst):
+
+  lost        save call + the extra time of every step until the next save (step time minus
+              the baseline step; the fence wait is inside the first of them) + any wait for the
+              last save once its K steps are done. Baseline step: the median step of the K
+              steps before the engine's first save and the K steps after its last one
+              completed, the same process with no checkpoint in flight. Against DS
+              TorchCheckpointEngine's lost time, counted the same way, as a ratio.
+
+The lost-time run the docs quote (1 rank, this engine and TorchCheckpointEngine, 0.25/1/2 GB,
+K=10, about 10 minutes on 2 idle cores):
+
+    PYTHONPATH=. python scripts/bench_checkpoint.py --lost --out docs/bench_results/lost.json
+
+Detail figures, per engine (seconds unless named), each the median over ``--repeats`` timed
 checkpoints (3; every one after its own paired baseline window; one in ``--quick``):
   stall       save_checkpoint wall time + any wait the engine adds before the next optimizer
               step (max over ranks); "first" is the first checkpoint of the process, which
@@ -61,6 +77,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(REPO, "scripts", "bench_worker.py")
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 from launch import launch, scratch_dir  # noqa: E402
+from lost_time import baseline_step, lost_time, ratio, summary  # noqa: E402
 GB = 1e9  # decimal, as storage bandwidth is quoted
 
 ENGINES = ("async", "sync", "ds_torch", "ds_decoupled", "dcp_async")
@@ -176,7 +193,7 @@ def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
     than plain writes on some machines, this one included; and ``O_DIRECT`` writes
     (``storage.DirectFile``, what this engine uses where the filesystem allows it), from a
     buffer in huge pages (``storage.host_buffer``, the engine's pool) and from one in 4 KiB
-    pages (the pool before 2026-11-22; kept to show what the page size is worth).
+    pages (to show what the page size is worth).
     """
     fio = shutil.which("fio")
     if fio:
@@ -187,10 +204,9 @@ def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
     # page-aligned and in huge pages, as the engine's pool: direct writes from 4 KiB pages
     # are split into smaller block requests, which on this disk cost about half the bandwidth
     buf = memoryview(host_buffer(8 << 20))
-    small_pages = memoryview(mmap.mmap(-1, 8 << 20))  # shmem, 4 KiB pages: the pool before 2026-11-22
+    small_pages = memoryview(mmap.mmap(-1, 8 << 20))  # shmem, 4 KiB pages
     # filled, as the pool is when it is written: an untouched mapping is read from the
-    # kernel's zero page (no memory of its own), which a disk write reads faster (until
-    # session 29 the huge-page buffer was never touched)
+    # kernel's zero page (no memory of its own), which a disk write reads faster
     pattern = os.urandom(8 << 20)
     buf[:], small_pages[:] = pattern, pattern
     path = os.path.join(work_dir, "storage.bin")
@@ -214,8 +230,8 @@ def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
                 open(path + ".tmp", "wb", buffering=0)
             with (WriteBehindFile(f) if how == "behind" else f) as out:
                 left = nbytes
-                # through the wrapper: until session 29 the write-behind way wrote to the raw
-                # file, never starting writeback (a second plain-write sample)
+                # through the wrapper, which starts writeback as it goes (writing to the raw
+                # file would be a second plain-write sample)
                 write = f.write_stable if direct else out.write  # in place, as the engine
                 while left > 0:
                     left -= write(src[:min(left, len(src))])
@@ -241,8 +257,8 @@ def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
 
 def _fio_bandwidth(fio: str, work_dir: str, nbytes: int, reps: int) -> dict:
     """fio's sequential write: with fsync, the faster of direct I/O (what the engine uses
-    where the filesystem allows it; until session 29 only buffered writes were measured, 1.5-3x
-    slower on this VM, which inflated "% of disk") and buffered writes with a final fsync."""
+    where the filesystem allows it; buffered writes alone are 1.5-3x slower on this VM, which
+    would inflate "% of disk") and buffered writes with a final fsync."""
     res = {"tool": "fio", "bytes": nbytes}
     for way, flags in (("fsync_direct", ["--direct=1", "--end_fsync=1"]),
                        ("fsync_plain", ["--end_fsync=1"]), ("nofsync", ["--end_fsync=0"])):
@@ -400,8 +416,8 @@ def _timed_figures(name: str, durable: bool, runs: list[dict], base_window: floa
         "stall_s": max(t["stall_s"] for t in timed),
         "save_s": max(t["save_s"] for t in timed),
         "wait_s": max(t["wait_s"] for t in timed),
-        # the next step's slowdown beyond the wait the stall counts already (until session 29
-        # the wait was in both: the decoupled engine's 2.3 s commit wait, twice)
+        # the next step's slowdown beyond the wait the stall counts already (else a wait such
+        # as the decoupled engine's 2.3 s commit would be counted twice)
         "next_step_extra_s": max(t["next_step_s"] - t["wait_s"] for t in timed) - pair["step_s"],
         "persist_s": persist,
         "bytes": nbytes,
@@ -434,6 +450,35 @@ def _timed_figures(name: str, durable: bool, runs: list[dict], base_window: floa
         row["snapshot_gbps"] = sum(t["staged_bytes"] for t in timed) / staged / GB  # all ranks
         row["pool_peak_bytes"] = [t["pool_peak_bytes"] for t in timed]
     return row
+
+
+def lost_figures(per: list[dict]) -> dict:
+    """Training time lost per checkpoint (``lost_time.py``) of one engine's cadence, ``per``
+    holding its result on every rank: per save, the largest over ranks (each against its own
+    baseline step); their median and worst; and, as details, the medians of the save call,
+    the fence wait, and what the process spent beyond a quiet interval of K steps (CPU seconds
+    of all its threads, minor page faults; summed over ranks)."""
+    cads = [p["cadence"] for p in per]
+    bases = [baseline_step(c["before"] + c["after"]) for c in cads]
+    quiet = [{k: statistics.mean(u[k] for u in c["quiet_usage"]) for k in ("user_s", "sys_s", "minflt")}
+             for c in cads]
+    lost, save, wait, cpu, faults = [], [], [], [], []
+    for i in range(len(cads[0]["saves"])):
+        recs = [c["saves"][i] for c in cads]
+        lost.append(max(lost_time(r["save_s"], r["steps_s"], b, r.get("tail_s", 0.0))
+                        for r, b in zip(recs, bases)))
+        save.append(max(r["save_s"] for r in recs))
+        wait.append(max(r["wait_s"] for r in recs))
+        cpu.append(sum(r["usage"]["user_s"] + r["usage"]["sys_s"] - q["user_s"] - q["sys_s"]
+                       for r, q in zip(recs, quiet)))
+        faults.append(sum(r["usage"]["minflt"] - q["minflt"] for r, q in zip(recs, quiet)))
+    out = summary(lost)
+    out.update({"per_save_s": lost, "baseline_step_s": max(bases), "save_call_s": _median(save),
+                "fence_wait_s": _median(wait), "extra_cpu_s": _median(cpu), "extra_minflt": _median(faults),
+                "tail_s": max(c["saves"][-1].get("tail_s", 0.0) for c in cads),
+                "baseline": "median step of the K steps before the engine's first save and the K "
+                            "steps after its last one completed"})
+    return out
 
 
 def _median_figures(runs: list[dict]) -> dict:
@@ -506,7 +551,12 @@ def summarize(ranks: list[dict], storage: dict, load: "ForeignLoad | None" = Non
         row["runs"] = runs
         row["first_stall_s"] = max(t["stall_s"] for t in first)
         row["first_next_step_extra_s"] = max(t["next_step_s"] - t["wait_s"] for t in first) - step["step_s"]
+        row["lost"] = lost_figures(per)
         engines[name] = row
+    torch_lost = engines.get("ds_torch", {}).get("lost")
+    for row in engines.values():
+        if "lost" in row and torch_lost:
+            row["lost"]["torch_over_this"] = ratio(torch_lost, row["lost"])
     # Every window of K steps without checkpoints in this cell: the run's two baselines and each
     # paired baseline. Their spread is the noise floor of the overhead figures.
     quiet = base_windows + [r["paired_baseline_s"] for e in engines.values() for r in e.get("runs", [])]
@@ -552,9 +602,9 @@ def targets(cell: dict, storage: dict) -> dict:
         repeats = [r["overhead"] for r in a.get("runs", [])] or [a["overhead"]]
         out["overhead_every_k"] = {"value": a["overhead"], "target": OVERHEAD_TARGET,
                                    "met": a["overhead"] < OVERHEAD_TARGET,
-                                   # the spread of this engine's own paired overheads (until
-                                   # session 29 only the spread of every quiet window of the
-                                   # cell, minutes and engines apart, which is kept beside it)
+                                   # the spread of this engine's own paired overheads; the
+                                   # spread of every quiet window of the cell, minutes and
+                                   # engines apart, beside it
                                    "repeat_spread": max(repeats) - min(repeats), "repeats": len(repeats),
                                    "noise": cell["steps"]["baseline_spread"]}
         bare = cell["steps"].get("bare_write")
@@ -594,10 +644,39 @@ def fmt_s(x) -> str:
     return f"{x * 1000:.0f} ms" if abs(x) < 1 else f"{x:.2f} s"
 
 
+def lost_table(result: dict) -> str:
+    """The headline: training time lost per checkpoint, per engine and size."""
+    lines = []
+    for setting, cells in result["cells"].items():
+        lines.append(f"\n## Training time lost per checkpoint: {SETTINGS[setting]['label']}\n")
+        lines.append("| size | engine | lost: median | worst | worst/median | DS Torch's median / this "
+                     "| save call | fence wait | baseline step | saves |")
+        lines.append("|---|---|---|---|---|---|---|---|---|---|")
+        for size, cell in cells.items():
+            if "error" in cell:
+                lines.append(f"| {size} GB | (all) | run failed: {cell['error']} ||||||||")
+                continue
+            for name, e in cell["engines"].items():
+                lost = e.get("lost")
+                if not e["ok"] or not lost:
+                    continue
+                r, wm = lost.get("torch_over_this"), lost["worst_over_median"]
+                lines.append(
+                    f"| {cell['size_gb']:.2f} GB | {ENGINE_LABELS.get(name, name)} | {fmt_s(lost['median_s'])} "
+                    f"| {fmt_s(lost['worst_s'])} | {f'{wm:.1f}x' if wm else '-'} | {f'{r:.1f}x' if r else '-'} "
+                    f"| {fmt_s(lost['save_call_s'])} | {fmt_s(lost['fence_wait_s'])} "
+                    f"| {fmt_s(lost['baseline_step_s'])} | {lost['saves']} |")
+    lines.append("\nlost = save call + the extra time of every step until the next save (the fence wait is "
+                 "inside the first) + any wait for the save after those steps; baseline step = median "
+                 "step of the same run with no checkpoint in flight (K steps before the engine's first "
+                 "save, K after its last one completed); the first save of the process is among them.")
+    return "\n".join(lines)
+
+
 def table(result: dict) -> str:
     lines = []
     for setting, cells in result["cells"].items():
-        lines.append(f"\n## {SETTINGS[setting]['label']}\n")
+        lines.append(f"\n## Details: {SETTINGS[setting]['label']}\n")
         lines.append("| size | engine | stall | next step + | 1st save: stall, next step + | persist | GB/s "
                      "| % of disk | overhead, 1 ckpt / K steps | fsync |")
         lines.append("|---|---|---|---|---|---|---|---|---|---|")
@@ -941,6 +1020,13 @@ def main(argv=None) -> int:
                         "MALLOC_TRIM_THRESHOLD_ huge), as a GPU job's host memory stays put; "
                         "default: glibc's defaults (the training step then page-faults its "
                         "gradients every step and its speed depends on heap history)")
+    p.add_argument("--saves", type=int, default=5,
+                   help="checkpoints every K steps per engine, from which its lost time is computed "
+                        "(default 5; 2 with --quick)")
+    p.add_argument("--lost", action="store_true",
+                   help="the lost-time run: 1rank, this engine (async) and DS TorchCheckpointEngine, "
+                        "one paired repeat (about 10 minutes at the default sizes on 2 idle cores)")
+    p.add_argument("--raw", action="store_true", help="also write every rank's raw measurements")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--work-dir", default=os.path.join(REPO, "bench_out", "bench"),
                    help="scratch directory for checkpoints (same disk as the repo); emptied after")
@@ -950,8 +1036,15 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.hidden, args.k, args.warmup = "0.02", 512, 3, 1
+    if args.lost:
+        args.settings, args.engines = "1rank", "async,ds_torch"
+        args.repeats = 1 if args.repeats is None else args.repeats
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
+    if args.quick and "--saves" not in (argv if argv is not None else sys.argv[1:]):
+        args.saves = 2
+    if args.saves < 1:
+        p.error(f"--saves: must be at least 1, got {args.saves}")
     if args.repeats < 1:
         p.error(f"--repeats: must be at least 1, got {args.repeats}")
 
@@ -1015,6 +1108,7 @@ def main(argv=None) -> int:
                   flush=True)
             wargs = ["--hidden", str(args.hidden), "--layers", str(layers), "--batch", str(args.batch),
                      "--k", str(args.k), "--warmup", str(args.warmup), "--repeats", str(args.repeats),
+                     "--saves", str(args.saves),
                      "--engines", ",".join(engines),
                      "--work-dir", os.path.join(work, tag), "--result", prefix,
                      "--zero-stage", str(zero_stage),
@@ -1048,8 +1142,12 @@ def main(argv=None) -> int:
                 cell["breakdown"] = breakdown(micro, storage, cell["expected_bytes"])
                 cell["targets"] = targets(cell, storage)
                 a = cell["engines"].get("async", {})
+                al, tl = a.get("lost") or {}, cell["engines"].get("ds_torch", {}).get("lost") or {}
                 busy = cell["foreign"]["foreign_cpu_s"]
-                print(f"  step {fmt_s(cell['steps']['step_s'])}; async stall {fmt_s(a.get('stall_s'))}, "
+                r = al.get("torch_over_this")
+                print(f"  step {fmt_s(cell['steps']['step_s'])}; lost per checkpoint: async median "
+                      f"{fmt_s(al.get('median_s'))} (worst {fmt_s(al.get('worst_s'))}), DS Torch "
+                      f"{fmt_s(tl.get('median_s'))}{f', {r:.1f}x' if r else ''}; async stall {fmt_s(a.get('stall_s'))}, "
                       f"overhead {100 * a.get('overhead', float('nan')):+.1f}%; worker {wall:.0f} s; "
                       f"other processes used {busy if busy is not None else float('nan'):.1f} CPU-s meanwhile",
                       flush=True)
@@ -1069,7 +1167,7 @@ def main(argv=None) -> int:
     result = {
         "meta": meta,
         "config": {"sizes_gb": sizes, "settings": settings, "engines": engines, "k": args.k,
-                   "repeats": args.repeats,
+                   "repeats": args.repeats, "saves": args.saves,
                    "hidden": args.hidden, "batch": args.batch, "warmup": args.warmup,
                    "zero_stage": zero_stage, "dtype": "fp32", "optimizer": "torch Adam (fused)",
                    "bytes_per_param": bytes_per_param(zero_stage),
@@ -1078,8 +1176,10 @@ def main(argv=None) -> int:
         "micro": micro,
         "cells": cells,
         "gpu": {"available": False, "reason": "not measured in this run; see --gpu-report"},
-        "raw": raw,
     }
+    if args.raw:  # every rank's every step: large, so not in the results committed to docs/
+        result["raw"] = raw
+    print(lost_table(result))
     print(table(result))
     print(targets_text(result))
     print(breakdown_text(result))

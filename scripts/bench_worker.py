@@ -7,9 +7,11 @@ see the same weights, the same memory and the same step time:
 1. ``deepspeed.initialize`` with the ``"async_checkpoint"`` key (this package's engine);
 2. warm-up steps (after the first, this engine faults its host pool in, in the background; the
    worker waits for that), then a baseline window of K steps without checkpoints;
-3. per engine: a first checkpoint (one-time costs: staging buffers, page faults) and one step,
-   drained; then ``--repeats`` times a paired baseline window of K steps and the timed window:
-   ``save_checkpoint`` followed by K training steps, drained;
+3. per engine: a cadence (the engine's first checkpoints, one-time costs included): K steps
+   without a checkpoint, ``--saves`` checkpoints every K steps as a training loop makes them,
+   drained, and K steps more, every step timed (the lost time of each save, see
+   ``lost_time.py``); then ``--repeats`` times a paired baseline window of K steps and the
+   timed window: ``save_checkpoint`` followed by K training steps, drained;
 4. DeepSpeed's decoupled writer engine, which is chosen at ``initialize``: tiny engines with
    writer configs from DeepSpeed's default up record why each fails; the first that completes
    a save lends its ``checkpoint_engine``, timed the same way;
@@ -165,6 +167,9 @@ class Adapter:
     def drain(self, token: Any) -> float:
         """Block until the save is complete; return the perf_counter time it completed."""
 
+    def forget(self) -> None:
+        """Drop what earlier saves left for :meth:`drain` (after a cadence drained its last)."""
+
     def close(self) -> None: ...
 
     def stats(self, token: Any) -> dict:
@@ -317,6 +322,9 @@ class DecoupledAdapter(DeepSpeedAdapter):
             self.trainer.engine._commit_decoupled_checkpoint()
         return self.committed_at.pop()
 
+    def forget(self) -> None:
+        self.committed_at.clear()
+
 
 # --------------------------------------------------------------------------- measurement
 def one_checkpoint(trainer: Trainer, adapter: Adapter, save_dir: str, tag: str, steps: int,
@@ -349,14 +357,48 @@ def one_checkpoint(trainer: Trainer, adapter: Adapter, save_dir: str, tag: str, 
     return out
 
 
+def cadence(trainer: Trainer, adapter: Adapter, save_dir: str, k: int, saves: int, rank: int) -> dict:
+    """``saves`` checkpoints every ``k`` steps, as a training loop makes them, between two
+    windows of ``k`` steps with no checkpoint in flight (before the engine's first save, and
+    after its last one completed): the step times a lost-time figure is computed from
+    (``lost_time.py``). Per save: the save call, the fence wait inside the next step, the
+    steps until the next save, and this process's CPU seconds and page faults over them."""
+    before = trainer.window(k)
+    records, token = [], None
+    for i in range(saves):
+        dist.barrier()
+        u0, t0 = usage(), now()
+        token = adapter.save(save_dir, f"cadence{i}")
+        save_s = now() - t0
+        steps = [trainer.step() for _ in range(k)]
+        records.append({"save_s": save_s, "wait_s": steps[0]["wait_s"], "steps_s": [s["step_s"] for s in steps],
+                        "usage": usage_delta(u0, usage())})
+    t_drain = now()
+    done_at = adapter.drain(token)
+    # the last save still in flight after its k steps: the next save would wait for it
+    records[-1]["tail_s"] = now() - t_drain
+    records[-1]["persist_s"] = done_at - t0
+    stats = adapter.stats(token)
+    adapter.forget()
+    dist.barrier()
+    after = trainer.window(k)
+    first = records[0]
+    return {"before": [s["step_s"] for s in before["steps"]], "after": [s["step_s"] for s in after["steps"]],
+            "quiet_usage": [before["usage"], after["usage"]], "saves": records, "last_stats": stats,
+            # the engine's first save in this process, in the figures of a timed one
+            "first": {"save_s": first["save_s"], "wait_s": first["wait_s"],
+                      "stall_s": first["save_s"] + first["wait_s"], "next_step_s": first["steps_s"][0]}}
+
+
 def run_engine(trainer: Trainer, adapter: Adapter, root: str, k: int, rank: int,
-               repeats: int = 1) -> dict:
-    """The first checkpoint, then ``repeats`` times: K steps without a checkpoint (the paired
-    baseline), a timed checkpoint and its K steps."""
+               repeats: int = 1, saves: int = 5) -> dict:
+    """A cadence of ``saves`` checkpoints (the engine's first ones), then ``repeats`` times:
+    K steps without a checkpoint (the paired baseline), a timed checkpoint and its K steps."""
     save_dir = os.path.join(root, adapter.name)
     res: dict = {"ok": False, "durable": adapter.durable, "note": adapter.note, "runs": []}
     try:
-        res["first"] = one_checkpoint(trainer, adapter, save_dir, "first", 1, rank)
+        res["cadence"] = cadence(trainer, adapter, save_dir, k, saves, rank)
+        res["first"] = res["cadence"]["first"]
         clean(save_dir, rank)
         for i in range(repeats):
             # The overhead's reference: K steps without a checkpoint right before the timed
@@ -450,6 +492,7 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, required=True, help="steps per checkpoint")
     p.add_argument("--warmup", type=int, default=3)
     p.add_argument("--repeats", type=int, default=1, help="timed checkpoints per engine")
+    p.add_argument("--saves", type=int, default=5, help="checkpoints every K steps per engine (lost time)")
     p.add_argument("--engines", required=True, help="comma list")
     p.add_argument("--work-dir", required=True)
     p.add_argument("--result", required=True, help="path prefix of the per-rank JSON")
@@ -519,7 +562,7 @@ def main(argv=None) -> int:
         if name not in builders:
             continue
         adapter = builders[name]()
-        out["engines"][name] = run_engine(trainer, adapter, root, args.k, rank, args.repeats)
+        out["engines"][name] = run_engine(trainer, adapter, root, args.k, rank, args.repeats, args.saves)
         adapter.close()
         del adapter
         gc.collect()
@@ -644,7 +687,7 @@ def run_decoupled(args, trainer: Trainer, rank: int, root: str) -> dict:
         return res
     adapter = DecoupledAdapter(trainer, tiny.checkpoint_engine, working["writer"].get("type", "fast"))
     try:
-        res.update(run_engine(trainer, adapter, root, args.k, rank, args.repeats))
+        res.update(run_engine(trainer, adapter, root, args.k, rank, args.repeats, args.saves))
     finally:
         from deepspeed.runtime.checkpoint_engine import TorchCheckpointEngine
 

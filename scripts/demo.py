@@ -1,6 +1,6 @@
 """The main job: a short DeepSpeed training on 2 CPU ranks with `"async_checkpoint"` set,
 killed mid-run, resumed from `latest`; then the same model with DeepSpeed's own
-TorchCheckpointEngine, to print each checkpoint's blocking time side by side.
+TorchCheckpointEngine, to print the training time each checkpoint cost, side by side.
 
     python scripts/demo.py [--workdir demo_out] [--steps 30] [--kill-at 20] [--nproc 2]
 
@@ -24,6 +24,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 from launch import POSITIVE, _seconds, launch, scratch_dir  # noqa: E402
+from lost_time import baseline_step, lost_time, ratio, summary  # noqa: E402
 
 
 def run(tag, workdir, extra, nproc=2, expect_kill=False, save_dir=None):
@@ -53,6 +54,26 @@ def run(tag, workdir, extra, nproc=2, expect_kill=False, save_dir=None):
 
 def stalls(events):
     return {e["step"]: e["stall_s"] for e in events if e["event"] == "checkpoint" and e["rank"] == 0}
+
+
+def lost_times(events, save_every):
+    """Training time each save of one run cost on rank 0 (``lost_time.py``), by the step it
+    was made after: its call plus the extra time of the ``save_every`` steps up to the next
+    save. Baseline: the median step before the run's first save, its first step left out
+    (start-up). Saves without ``save_every`` steps after them (the last, a killed one) are
+    left out."""
+    steps = {e["step"]: e["step_s"] for e in events if e["event"] == "step" and e["rank"] == 0}
+    saves = {e["step"]: e["save_s"] for e in events if e["event"] == "checkpoint" and e["rank"] == 0}
+    if not steps or not saves:
+        return {}
+    first_step, first_save = min(steps), min(saves)
+    base = baseline_step(s for n, s in steps.items() if first_step < n <= first_save)
+    out = {}
+    for at, save_s in saves.items():
+        after = [steps.get(at + j) for j in range(1, save_every + 1)]
+        if None not in after:
+            out[at] = lost_time(save_s, after, base)
+    return out
 
 
 def main() -> int:
@@ -102,18 +123,32 @@ def main() -> int:
     third = run("torch", a.workdir, [*common, "--save-dir", torch_dir, "--no-async"], nproc=a.nproc)
 
     ours, theirs = {**stalls(first), **stalls(second)}, stalls(third)
+    lost_ours = {**lost_times(first, a.save_every), **lost_times(second, a.save_every)}
+    lost_theirs = lost_times(third, a.save_every)
     step_s = statistics.median(e["step_s"] for e in third if e["event"] == "step" and e["rank"] == 0)
     size = sum(os.path.getsize(os.path.join(dp, f)) for dp, _, fs in os.walk(os.path.join(ours_dir, latest))
                for f in fs if f.endswith(".pt"))
     where = os.environ.get("DS_ACCELERATOR", "cpu")
     print(f"\nCheckpoint of {size / 1e6:.0f} MB ({a.nproc} rank(s) on {where}, ZeRO-1, Adam); "
           f"median training step {step_s * 1e3:.0f} ms")
-    print(f"{'step':>6} | {'async stall (ms)':>17} | {'TorchCheckpointEngine (ms)':>27} | {'ratio':>6}")
+    so, st = summary(list(lost_ours.values())), summary(list(lost_theirs.values()))
+    r = ratio(st, so)
+
+    def ms(x):
+        return "-" if x is None else f"{x * 1e3:.0f} ms"
+
+    print(f"Training time lost per checkpoint: async median {ms(so['median_s'])} (worst "
+          f"{ms(so['worst_s'])}), TorchCheckpointEngine median {ms(st['median_s'])} (worst "
+          f"{ms(st['worst_s'])})" + (f": {r:.1f}x less" if r else ""))
+    print(f"{'step':>6} | {'async stall (ms)':>17} | {'TorchCheckpointEngine (ms)':>27} "
+          f"| {'async lost (ms)':>16} | {'Torch lost (ms)':>16}")
     for step in sorted(set(ours) & set(theirs)):
-        print(f"{step:>6} | {ours[step] * 1e3:>17.1f} | {theirs[step] * 1e3:>27.1f} | {theirs[step] / ours[step]:>5.0f}x")
-    mo, mt = statistics.median(ours.values()), statistics.median(theirs.values())
-    print(f"{'median':>6} | {mo * 1e3:>17.1f} | {mt * 1e3:>27.1f} | {mt / mo:>5.0f}x")
-    print("\nstall = save_checkpoint() time + any wait for copies at the next optimizer step")
+        lo, lt = lost_ours.get(step), lost_theirs.get(step)
+        print(f"{step:>6} | {ours[step] * 1e3:>17.1f} | {theirs[step] * 1e3:>27.1f} "
+              f"| {'-' if lo is None else f'{lo * 1e3:.1f}':>16} | {'-' if lt is None else f'{lt * 1e3:.1f}':>16}")
+    print("\nlost = save_checkpoint() time + the extra time of every step until the next save, against "
+          "the median step before the run's first save (the first step left out)"
+          "\nstall = save_checkpoint() time + any wait for copies at the next optimizer step")
     return 0
 
 

@@ -10,6 +10,7 @@ The committer thread calls :meth:`SaveFiles.eager_written` once a save's files a
 
 from __future__ import annotations
 
+import collections
 import functools
 import logging
 import os
@@ -24,14 +25,17 @@ import xxhash
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, SnapshotError
 from ..persist import Share, split_items, write_file
-from ..snapshot import (FilePlan, HostBufferPool, Stager, TensorItem, plan_file, storage_addresses,
-                        tensor_ids)
+from ..snapshot import (FilePlan, HostBufferPool, PlanCache, Stager, TensorItem, plan_file,
+                        storage_addresses, tensor_ids)
 from ..storage import Storage, aligned_size, temporary_path
 from .collectives import Replicas, layout_digest
 from .handle import CheckpointHandle
 from .saves import Saves
 
 logger = logging.getLogger(__name__)
+
+_PLAN_CACHES = 64
+"""How many files' plans a rank keeps (a rank writes a few files per checkpoint)."""
 
 
 def missing_dirs(path: str) -> list[str]:
@@ -70,6 +74,9 @@ class SaveFiles:
         thread's :func:`fence_all`) may seal them while the training thread is still saving."""
         self._warned_replicas_differ = False
         self._warned_pool_too_small = False
+        self._plans: collections.OrderedDict[tuple[str, int], PlanCache] = collections.OrderedDict()
+        """The last plan of each file, by its path in the checkpoint and archive index (the
+        most recently saved :data:`_PLAN_CACHES` of them): see :class:`PlanCache`."""
 
     def add(self, path: str, states: list[Any], names: list[str] | None,
                   eager_keys: Iterable[str], eager_tensors: Iterable[torch.Tensor] = (),
@@ -102,7 +109,7 @@ class SaveFiles:
                     for k in eager_keys:
                         if k in state:
                             lazy -= tensor_ids(state[k])
-                plans.append(plan_file(state, lazy, what=path))
+                plans.append(plan_file(state, lazy, what=path, cache=self._plan_cache(rel, len(plans))))
             self._check_fits_pool(plans)
             share = None
             if replicas is not None and replicas.size > 1:
@@ -183,6 +190,13 @@ class SaveFiles:
             f"whole pages), more than async_checkpoint.host_buffer_gb {self._config.host_buffer_gb:g} "
             f"allows ({capacity} bytes): a record is staged in one piece. Nothing of this save "
             f"was staged; set host_buffer_gb to at least {smallest_host_buffer_gb(need):g}")
+
+    def _plan_cache(self, rel: str, index: int) -> PlanCache:
+        cache = self._plans.pop((rel, index), None) or PlanCache()
+        self._plans[(rel, index)] = cache  # the most recent last
+        while len(self._plans) > _PLAN_CACHES:  # file names that change from save to save
+            self._plans.popitem(last=False)
+        return cache
 
     def _eager_room(self, handle: CheckpointHandle, nbytes: int) -> None:
         """Count ``nbytes`` of eager copies for ``handle``, first waiting (backpressure, as the
