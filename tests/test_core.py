@@ -1453,7 +1453,7 @@ def run_script(script: str, env: dict, *args: str, timeout: float = 120):
 
 EXIT_SCRIPT = """
 import sys, time, torch
-import deepspeed_async_ckpt.core.files as checkpointer
+import deepspeed_async_ckpt.persist.writer as checkpointer
 from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
@@ -1944,7 +1944,7 @@ def test_a_checkpointer_made_in_a_child_forked_after_cuda_init_does_without_cuda
 
 FORK_SCRIPT = """
 import multiprocessing, os, sys, threading, time, torch
-import deepspeed_async_ckpt.core.files as checkpointer
+import deepspeed_async_ckpt.persist.writer as checkpointer
 from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
@@ -3220,7 +3220,7 @@ def test_a_load_of_a_tag_saved_again_meanwhile_is_refused_not_mixed(tmp_path):
 def test_saving_again_a_directory_whose_save_is_in_flight_does_not_wait_for_it(tmp_path, monkeypatch):
     """The second save of one directory no longer waits in begin() for the first to commit:
     it is staged, and swapped in after the first commit, in order."""
-    import deepspeed_async_ckpt.core.files as checkpointer
+    import deepspeed_async_ckpt.persist.writer as checkpointer
 
     real = checkpointer.write_file
     second_saved = threading.Event()
