@@ -1024,10 +1024,10 @@ def test_reserve_faults_the_pool_in_ahead_of_the_first_save(tmp_path, monkeypatc
     faulting, go_on = threading.Event(), threading.Event()
     real_block = pool_module.HostBlock
 
-    def slow_block(nbytes, pin):
+    def slow_block(nbytes, pin, **kwargs):
         faulting.set()
         assert go_on.wait(10)
-        return real_block(nbytes, pin)
+        return real_block(nbytes, pin, **kwargs)
 
     monkeypatch.setattr(pool_module, "HostBlock", slow_block)
     thread = ck.reserve(need)
@@ -1048,7 +1048,7 @@ def test_reserve_faults_the_pool_in_ahead_of_the_first_save(tmp_path, monkeypatc
     pool.reserve(10**9).join()
     assert pool.held_bytes == 10 * 4096
     broken = HostBufferPool(10 * 4096, pin=False)
-    monkeypatch.setattr(pool_module, "HostBlock", lambda n, pin: (_ for _ in ()).throw(MemoryError("no")))
+    monkeypatch.setattr(pool_module, "HostBlock", lambda n, pin, **kwargs: (_ for _ in ()).throw(MemoryError("no")))
     broken.reserve(4096).join()
     assert isinstance(broken.reserve_error, MemoryError) and broken.held_bytes == 0
     monkeypatch.setattr(pool_module, "HostBlock", real_block)

@@ -129,7 +129,7 @@ class HostBlock:
     (:attr:`fd`, :attr:`id`); should pinning fail, it stays shared and unpinned.
     """
 
-    def __init__(self, nbytes: int, pin_device: int | None, shared: bool = False) -> None:
+    def __init__(self, nbytes: int, pin_device: int | None, *, shared: bool = False) -> None:
         self.id = next(_block_ids)
         """Names the block to a persist worker process (unique in this process)."""
         if shared:

@@ -94,7 +94,7 @@ class HostBufferPool:
                 room = self.capacity_bytes - self.held_bytes
                 if room >= n:
                     self._add_block(HostBlock(min(room, max(n, aligned_size(expected_bytes))),
-                                              self._pin_device, self.shared))
+                                              self._pin_device, shared=self.shared))
                     continue
                 if not wait:
                     return None
@@ -128,7 +128,7 @@ class HostBufferPool:
     def _fault_in(self, nbytes: int) -> None:
         block = None
         try:
-            block = HostBlock(nbytes, self._pin_device, self.shared)  # pinning faults pages in
+            block = HostBlock(nbytes, self._pin_device, shared=self.shared)  # pinning faults pages in
             if not self.pin:
                 block.memory[::DIRECT_ALIGN].zero_()  # one write per page; drops the GIL
         except BaseException as exc:  # e.g. out of memory: the first save then allocates
