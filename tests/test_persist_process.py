@@ -69,6 +69,28 @@ def test_files_written_by_the_worker_process_equal_the_writer_threads_in_both_mo
     assert loaded["step"] == 7 and torch.equal(loaded["layers"][5], _state()["layers"][5])
 
 
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_cuda_tensors_staged_into_the_pinned_shared_pool_are_written_by_the_worker(tmp_path):
+    """With CUDA the shared pool is page-locked in place (``cudaHostRegister`` of the shared
+    mapping) and filled by the copy stream; the worker writes the thread mode's bytes."""
+    state = {"w": torch.randn(1 << 20, device="cuda"), "b": torch.randn(77, device="cuda").half()}
+    seen = {}
+    for persist_in in ("thread", "process"):
+        ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, persist_in=persist_in))
+        try:
+            d = str(tmp_path / persist_in)
+            ck.begin(d, tag="t", pointer=Pointer(str(tmp_path / f"latest-{persist_in}"), "t"))
+            ck.save(state, os.path.join(d, "gpu.pt"))
+            ck.end()
+            ck.fence()
+            ck.wait()
+            assert all(b.pinned_on is not None for b in ck.pool._blocks)
+        finally:
+            ck.close()
+        seen[persist_in] = _digests(d)
+    assert seen["thread"] == seen["process"]
+
+
 def test_a_killed_worker_fails_its_save_naming_the_signal_and_the_next_save_gets_a_new_worker(
         tmp_path, monkeypatch):
     root = str(tmp_path)
