@@ -4,7 +4,10 @@ writer threads in the training process (``"thread"``) or by a worker process (``
 One process, one rank, no DeepSpeed: an MLP trained with Adam (``--device``; on the CPU with
 ``--threads`` intra-op threads), its model and optimizer state (``--gb``, 1e9 bytes) saved every ``--k``
 steps. Lost time per checkpoint = the save call (``begin``/``save``/``end``) + what the ``k``
-steps after it took beyond the median step without a save in flight. The two modes take turns,
+steps after it took beyond the median step without a save in flight. On busy cores that is
+noisy, so CPU time is counted too, which load does not change: the training process's CPU
+seconds per checkpoint beyond its training thread's (the background work run in its
+interpreter), and the worker process's. The two modes take turns,
 checkpoint by checkpoint, so that load on a shared machine falls on both alike.
 
     python scripts/bench_persist_in.py --gb 0.25 --saves 6 --out /tmp/bench_persist_in
@@ -15,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import sys
@@ -30,6 +34,16 @@ from deepspeed_async_ckpt.config import AsyncCheckpointConfig  # noqa: E402
 from deepspeed_async_ckpt.core import AsyncCheckpointer  # noqa: E402
 
 MODES = ("thread", "process")
+
+
+def _process_cpu_s(pid: int | None = None) -> float:
+    """User + system CPU seconds of this process (all threads), or of process ``pid``."""
+    if pid is None:
+        r = resource.getrusage(resource.RUSAGE_SELF)
+        return r.ru_utime + r.ru_stime
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def main() -> None:
@@ -70,6 +84,8 @@ def main() -> None:
                                                       persist_in=m, keep_last=1)) for m in MODES}
     lost: dict[str, list[float]] = {m: [] for m in MODES}
     calls: dict[str, list[float]] = {m: [] for m in MODES}
+    background: dict[str, list[float]] = {m: [] for m in MODES}  # CPU s beside training, here
+    worker_cpu: dict[str, list[float]] = {m: [] for m in MODES}
     quiet: list[float] = []
     try:
         for n in range(args.saves + 1):  # the first round starts the worker and fills the pool
@@ -77,6 +93,8 @@ def main() -> None:
                 quiet += [step(ck) for _ in range(args.k)]  # no save in flight: the baseline
                 root = os.path.join(args.out, mode)
                 tag = f"s{n}"
+                pid = ck._files._persist._worker.process.pid if mode == "process" else None
+                cpu0, train0, wcpu0 = _process_cpu_s(), time.thread_time(), pid and _process_cpu_s(pid)
                 start = time.perf_counter()
                 ck.begin(os.path.join(root, tag), tag=tag, pointer=Pointer(os.path.join(root, "latest"), tag))
                 ck.save({"model": model.state_dict(), "optim": opt.state_dict()}, os.path.join(root, tag, "state.pt"))
@@ -84,7 +102,11 @@ def main() -> None:
                 call = time.perf_counter() - start
                 after = [step(ck) for _ in range(args.k)]
                 ck.wait()
+                training = time.thread_time() - train0
+                cpu = _process_cpu_s() - cpu0
                 if n:
+                    background[mode].append(cpu - training)
+                    worker_cpu[mode].append(_process_cpu_s(pid) - wcpu0 if pid else 0.0)
                     calls[mode].append(call)
                     lost[mode].append(call + sum(after) - args.k * statistics.median(quiet))
     finally:
@@ -93,7 +115,9 @@ def main() -> None:
     result = {"gb": args.gb, "layers": layers, "k": args.k, "threads": args.threads, "device": args.device,
               "step_s": statistics.median(quiet),
               **{m: {"lost_s_median": statistics.median(lost[m]), "lost_s": lost[m],
-                     "save_call_s_median": statistics.median(calls[m])} for m in MODES}}
+                     "save_call_s_median": statistics.median(calls[m]),
+                     "background_cpu_s_median": statistics.median(background[m]),
+                     "worker_cpu_s_median": statistics.median(worker_cpu[m])} for m in MODES}}
     print(json.dumps(result, indent=1))
 
 

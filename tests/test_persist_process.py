@@ -155,8 +155,11 @@ def test_background_persistence_lets_the_training_thread_have_the_gil_in_short_s
     """A writer persisting 256 MB (checksummed, fsynced) holds the GIL only in short slices:
     the training thread's longest wait for it stays a small fraction of what one copy of the
     whole buffer made under the GIL costs it (measured here as the yardstick), in both
-    persistence modes."""
-    state = {f"w{i}": torch.randn(8 << 20) for i in range(8)}  # 8 records of 32 MiB
+    persistence modes. Each is the better of two runs: a long hold shows in both, while a
+    moment the busy machine's scheduler took the core away rarely does."""
+    # one record of 256 MiB: a writer that copied or hashed a whole record under the GIL
+    # would keep the training thread out about as long as the yardstick does
+    state = {"w": torch.randn(64 << 20)}
     blob = bytearray(256 << 20)
     blob[::4096] = b"\1" * len(blob[::4096])  # faulted in: the yardstick is the copy alone
     switch = sys.getswitchinterval()
@@ -171,11 +174,11 @@ def test_background_persistence_lets_the_training_thread_have_the_gil_in_short_s
                 item._set_issued()
             write_file(LocalStorage(), str(tmp_path / "gil.pt"), [plan], "xxh128")
 
-        thread_gap, took = _max_gap_while(persist_in_thread)
+        thread_gap = min(_max_gap_while(persist_in_thread)[0] for _ in range(2))
 
         ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.5,
                                                      persist_in="process"))
-        tags = iter(("warm", "measured"))
+        tags = iter(("warm", "measured", "again"))
         try:
             def persist_in_process():
                 tag = next(tags)
@@ -186,11 +189,11 @@ def test_background_persistence_lets_the_training_thread_have_the_gil_in_short_s
                 ck.wait()
 
             persist_in_process()  # the worker's start and the pool's first allocation: not measured
-            process_gap, _ = _max_gap_while(persist_in_process)
+            process_gap = min(_max_gap_while(persist_in_process)[0] for _ in range(2))
         finally:
             ck.close()
     finally:
         sys.setswitchinterval(switch)
     assert hold > 0.02, f"the yardstick copy took only {hold * 1e3:.1f} ms"
-    assert thread_gap < hold / 4, (thread_gap, hold, took)
-    assert process_gap < hold / 4, (process_gap, hold)
+    assert thread_gap < hold / 5, f"writer threads: {thread_gap * 1e3:.1f} ms, yardstick {hold * 1e3:.1f} ms"
+    assert process_gap < hold / 5, f"worker process: {process_gap * 1e3:.1f} ms, yardstick {hold * 1e3:.1f} ms"

@@ -23,6 +23,7 @@ a new one.
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import os
@@ -275,12 +276,15 @@ class ProcessWriter:
                 if entry.result.done():  # failed already: the worker waits for no more
                     break
                 item = items[k]
-                if stage is not None:
-                    stage(item)
                 try:
+                    if stage is not None:
+                        stage(item)
                     host = item.wait_staged()
-                except Exception as exc:
-                    worker.failed(fid, k, str(exc))
+                except BaseException as exc:  # the worker fails the file at this record
+                    with contextlib.suppress(PersistError):  # (or it died: the file failed)
+                        worker.failed(fid, k, str(exc))
+                    if not isinstance(exc, Exception):  # Ctrl-C: the save is abandoned
+                        raise
                     break
                 entry.sent(k)
                 worker.staged(fid, k, host)
