@@ -5,6 +5,7 @@ thread from the GIL."""
 import hashlib
 import os
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -126,6 +127,33 @@ def test_a_killed_worker_fails_its_save_naming_the_signal_and_the_next_save_gets
     finally:
         ck.close()
     assert ck._files._persist._worker is None  # close stopped it
+
+
+EXIT_SCRIPT = """
+import os, sys, torch
+from deepspeed_async_ckpt.commit import Pointer
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.core import AsyncCheckpointer
+
+root = sys.argv[1]
+ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05, persist_in="process"))
+d = os.path.join(root, "t")
+ck.begin(d, tag="t", pointer=Pointer(os.path.join(root, "latest"), "t"))
+ck.save({"w": torch.arange(1 << 20, dtype=torch.float32)}, os.path.join(d, "w.pt"))
+ck.end()
+print(ck._files._persist._worker.process.pid, flush=True)
+"""  # returns with the save in the worker's hands: no wait(), no close()
+
+
+def test_the_exit_flush_waits_for_the_worker_then_stops_it(tmp_path, repo_env):
+    out = subprocess.run([sys.executable, "-c", EXIT_SCRIPT, str(tmp_path)], env=repo_env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert open(tmp_path / "latest").read().strip() == "t"
+    assert torch.equal(torch.load(tmp_path / "t" / "w.pt")["w"], torch.arange(1 << 20, dtype=torch.float32))
+    worker = int(out.stdout.split()[-1])
+    with pytest.raises(ProcessLookupError):  # stopped (and reaped) by the exit flush
+        os.kill(worker, 0)
 
 
 def _max_gap_while(work) -> tuple[float, float]:
