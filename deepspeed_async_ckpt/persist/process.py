@@ -109,6 +109,9 @@ class _Worker:
             self.process = subprocess.Popen(
                 [sys.executable, "-m", "deepspeed_async_ckpt.persist.worker", str(theirs.fileno())],
                 pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL)
+        except BaseException:
+            ours.close()
+            raise
         finally:
             theirs.close()
         self.conn = Connection(ours.detach())
