@@ -21,6 +21,7 @@ CONFIG_KEY = "async_checkpoint"
 
 MODES = ("async", "sync")
 CHECKSUMS = ("xxh128", "crc32", "sha256", "none")
+PERSIST_IN = ("thread", "process")
 
 _GiB = 1024**3
 MIN_HOST_BUFFER_BYTES = 4096
@@ -45,6 +46,13 @@ class AsyncCheckpointConfig:
 
     writer_threads: int = 4
     """Background writer threads per rank; each writes one file at a time."""
+
+    persist_in: str = "thread"
+    """Where files are written, checksummed and fsynced: ``"thread"``, by the writer threads
+    in the training process; ``"process"``, by one worker process per checkpointer, which
+    maps the host pool (then in shared memory) and writes from it, so the training
+    interpreter only hands it each record's place in the pool. Files are byte for byte the
+    same either way. The storage must then be picklable (it is sent to the worker)."""
 
     checksum: str = "xxh128"
     """Per-file checksum recorded in the manifest and verified on load: ``"xxh128"`` (XXH3
@@ -90,6 +98,7 @@ class AsyncCheckpointConfig:
         _check_type("enabled", self.enabled, bool)
         _check_choice("mode", self.mode, MODES)
         _check_choice("checksum", self.checksum, CHECKSUMS)
+        _check_choice("persist_in", self.persist_in, PERSIST_IN)
         _check_type("fsync", self.fsync, bool)
         _check_type("zip_crc32", self.zip_crc32, bool)
         _check_type("direct_io", self.direct_io, bool)

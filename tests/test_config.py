@@ -10,7 +10,7 @@ from deepspeed_async_ckpt.integrations.deepspeed.patches import parse_config
 def test_defaults_and_round_trip():
     cfg = AsyncCheckpointConfig.from_dict({"enabled": True, "host_buffer_gb": 0.5, "writer_threads": 2})
     assert cfg.host_buffer_bytes == 512 * 1024**2
-    assert cfg.is_async and cfg.checksum == "xxh128"
+    assert cfg.is_async and cfg.checksum == "xxh128" and cfg.persist_in == "thread"
     assert AsyncCheckpointConfig.from_dict(cfg.to_dict()) == cfg
 
 
@@ -24,6 +24,7 @@ def test_unknown_key_is_named_with_allowed_keys():
 @pytest.mark.parametrize("key,value,fragment", [
     ("mode", "lazy", "'async', 'sync'"),
     ("checksum", "md5", "'xxh128', 'crc32', 'sha256', 'none'"),
+    ("persist_in", "subprocess", "'thread', 'process'"),
     ("host_buffer_gb", 0, "> 0"),
     ("host_buffer_gb", "8", "> 0"),
     ("host_buffer_gb", float("inf"), "finite"),  # accepted before; the engine then overflowed

@@ -1032,10 +1032,10 @@ def test_reserve_faults_the_pool_in_ahead_of_the_first_save(tmp_path, monkeypatc
     faulting, go_on = threading.Event(), threading.Event()
     real_block = pool_module.HostBlock
 
-    def slow_block(nbytes, pin):
+    def slow_block(nbytes, pin, **kwargs):
         faulting.set()
         assert go_on.wait(10)
-        return real_block(nbytes, pin)
+        return real_block(nbytes, pin, **kwargs)
 
     monkeypatch.setattr(pool_module, "HostBlock", slow_block)
     thread = ck.reserve(need)
@@ -1056,7 +1056,7 @@ def test_reserve_faults_the_pool_in_ahead_of_the_first_save(tmp_path, monkeypatc
     pool.reserve(10**9).join()
     assert pool.held_bytes == 10 * 4096
     broken = HostBufferPool(10 * 4096, pin=False)
-    monkeypatch.setattr(pool_module, "HostBlock", lambda n, pin: (_ for _ in ()).throw(MemoryError("no")))
+    monkeypatch.setattr(pool_module, "HostBlock", lambda n, pin, **kwargs: (_ for _ in ()).throw(MemoryError("no")))
     broken.reserve(4096).join()
     assert isinstance(broken.reserve_error, MemoryError) and broken.held_bytes == 0
     monkeypatch.setattr(pool_module, "HostBlock", real_block)
@@ -1461,7 +1461,7 @@ def run_script(script: str, env: dict, *args: str, timeout: float = 120):
 
 EXIT_SCRIPT = """
 import sys, time, torch
-import deepspeed_async_ckpt.core.files as checkpointer
+import deepspeed_async_ckpt.persist.writer as checkpointer
 from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
@@ -1952,7 +1952,7 @@ def test_a_checkpointer_made_in_a_child_forked_after_cuda_init_does_without_cuda
 
 FORK_SCRIPT = """
 import multiprocessing, os, sys, threading, time, torch
-import deepspeed_async_ckpt.core.files as checkpointer
+import deepspeed_async_ckpt.persist.writer as checkpointer
 from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
@@ -3228,7 +3228,7 @@ def test_a_load_of_a_tag_saved_again_meanwhile_is_refused_not_mixed(tmp_path):
 def test_saving_again_a_directory_whose_save_is_in_flight_does_not_wait_for_it(tmp_path, monkeypatch):
     """The second save of one directory no longer waits in begin() for the first to commit:
     it is staged, and swapped in after the first commit, in order."""
-    import deepspeed_async_ckpt.core.files as checkpointer
+    import deepspeed_async_ckpt.persist.writer as checkpointer
 
     real = checkpointer.write_file
     second_saved = threading.Event()

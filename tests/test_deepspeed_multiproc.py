@@ -235,6 +235,25 @@ def test_save_16bit_model_writes_its_file_before_returning_and_saving_goes_on(tm
     verify_checkpoint(str(tmp_path / "ckpt" / "global_step2"))
 
 
+def test_files_persisted_by_worker_processes_equal_the_writer_threads(tmp_path, repo_env):
+    """``persist_in: "process"`` (each rank's files written by its worker process, the model
+    states in shares across the replicas): the very bytes the writer threads write, in the
+    synchronous mode and with the first replica writing the model states whole."""
+    out = str(tmp_path)
+    run_ranks(repo_env, 2, "save", "--out", out, "--zero-stage", 1, "--bf16", 1, "--tied", 1,
+              "--persist-in", "process")
+    names = sorted(os.path.basename(p) for p in glob.glob(os.path.join(out, "torch", "global_step3", "*.pt")))
+    assert names
+    for name in names:
+        with open(os.path.join(out, "async", "global_step3", name), "rb") as f:
+            ours = f.read()
+        for other in ("sync", "whole"):
+            with open(os.path.join(out, other, "global_step3", name), "rb") as f:
+                assert ours == f.read(), f"{name}: {other} (threads) and process files differ"
+    from deepspeed_async_ckpt.commit import verify_checkpoint
+    assert sorted(verify_checkpoint(os.path.join(out, "async", "global_step3"))["files"]) == names
+
+
 @pytest.mark.parametrize("zero", [0, 1])
 def test_moe_expert_files_match_deepspeeds_and_load_back(tmp_path, repo_env, zero):
     """DeepSpeed's MoE save writes one file per expert and per-expert-parallel-rank optimizer

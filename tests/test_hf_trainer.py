@@ -85,8 +85,10 @@ def writes_held(monkeypatch):
     from deepspeed_async_ckpt.core import files as checkpointer_module
 
     held = WritesHeld()
-    real_write, real_wait = checkpointer_module.write_file, checkpointer_module.CheckpointHandle.wait_committed
-    monkeypatch.setattr(checkpointer_module, "write_file",
+    from deepspeed_async_ckpt.persist import writer as writer_module
+
+    real_write, real_wait = writer_module.write_file, checkpointer_module.CheckpointHandle.wait_committed
+    monkeypatch.setattr(writer_module, "write_file",
                         lambda *a, **k: (held.released.wait(60), real_write(*a, **k))[1])
     monkeypatch.setattr(checkpointer_module.CheckpointHandle, "wait_committed",
                         lambda self, timeout=None: (held.waiting.set(), real_wait(self, timeout))[1])
@@ -392,12 +394,12 @@ def test_a_just_in_time_checkpoint_is_marked_complete_once_committed(tmp_path, f
 @pytest.fixture
 def writes_fail(monkeypatch):
     """Every checkpoint file's write fails, as on a full disk."""
-    from deepspeed_async_ckpt.core import files as checkpointer_module
+    from deepspeed_async_ckpt.persist import writer as writer_module
 
     def write_file(*args, **kwargs):
         raise OSError(errno.ENOSPC, "No space left on device")
 
-    monkeypatch.setattr(checkpointer_module, "write_file", write_file)
+    monkeypatch.setattr(writer_module, "write_file", write_file)
 
 
 def test_a_just_in_time_checkpoint_whose_save_failed_keeps_its_sentinel_and_fails(tmp_path, fresh_trainer_methods,

@@ -104,7 +104,8 @@ class AsyncCheckpointer:
             exchange = functools.partial(without_key, exchange)
         self._exchange = exchange or exchange_across_ranks
         use_cuda = _cuda_usable()
-        self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda)
+        self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda,
+                                   shared=config.persist_in == "process")
         self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="async-ckpt-writer")
         saves = self._saves = Saves()
         self.history = saves.history
@@ -457,6 +458,7 @@ class AsyncCheckpointer:
             self._closed = True
             self._committer.stop(timeout=_COMMITTER_JOIN_S)
             self._writers.shutdown(wait=True)
+            self._files.close()
             self._retention.shutdown()
             self._files.stager.close()
             if self._committer.thread.is_alive():  # close interrupted (Ctrl-C), a commit still running:

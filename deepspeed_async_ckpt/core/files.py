@@ -24,7 +24,7 @@ import xxhash
 
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, SnapshotError
-from ..persist import Share, split_items, write_file
+from ..persist import ProcessWriter, Share, ThreadWriter, split_items
 from ..snapshot import (FilePlan, HostBufferPool, PlanCache, Stager, TensorItem, plan_file,
                         storage_addresses, tensor_ids)
 from ..storage import Storage, aligned_size, temporary_path
@@ -59,12 +59,16 @@ class SaveFiles:
     """Adds files to the open save of one rank and hands them to the background.
 
     ``stager``: the copier (device -> pinned host, in ``pool``); ``writers``: the writer
-    threads; ``rank``: for the log."""
+    threads, which write the files (``persist_in: "thread"``) or hand them to a worker
+    process (``"process"``); ``rank``: for the log."""
 
     def __init__(self, saves: Saves, storage: Storage, config: AsyncCheckpointConfig, *, rank: int,
                  pool: HostBufferPool, stager: Stager, writers: Executor) -> None:
         self._saves, self._storage, self._config, self._rank = saves, storage, config, rank
-        self._pool, self.stager, self._writers = pool, stager, writers
+        self._pool, self.stager = pool, stager
+        persist = dict(checksum=config.checksum, zip_crc32=config.zip_crc32)
+        self._persist = ProcessWriter(storage, pool, writers, **persist) \
+            if config.persist_in == "process" else ThreadWriter(storage, writers, **persist)
         self._eager_held: dict[CheckpointHandle, int] = {}
         """Bytes of each save's eager copies (outside the pool) until its files are written."""
         self._eager_cond = threading.Condition()
@@ -141,14 +145,12 @@ class SaveFiles:
             handle.items.extend(mine)
             handle.nbytes += sum(i.nbytes for i in mine)
             staged.append(mine)
-        checksum, zip_crc32 = self._config.checksum, self._config.zip_crc32
         if not self._config.is_async:
             largest = max((i.nbytes for mine in staged for i in mine), default=0)
             stage = functools.partial(self.stager.stage, ready=self.stager.ready_event(),
                                       expected_bytes=largest)  # with CUDA: after queued kernels
             try:
-                record = write_file(self._storage, path, plans, checksum, part_names=names,
-                                    zip_crc32=zip_crc32, share=share, stage=stage)
+                record = self._persist.write(path, plans, part_names=names, share=share, stage=stage)
             except BaseException as exc:  # for rank 0's error, once the caller abandons the save
                 handle.failure = f"{type(exc).__name__}: {exc}"
                 raise
@@ -270,9 +272,7 @@ class SaveFiles:
             unsubmitted, handle.unsubmitted = handle.unsubmitted, []
             try:
                 for path, plans, names, share in unwritten:
-                    handle.files.append(self._writers.submit(
-                        write_file, self._storage, path, plans, self._config.checksum, part_names=names,
-                        zip_crc32=self._config.zip_crc32, share=share))
+                    handle.files.append(self._persist.submit(path, plans, part_names=names, share=share))
                 if unsubmitted:
                     self._warn_if_pool_too_small(unsubmitted)
                     self.stager.submit(unsubmitted, job=handle)
@@ -285,6 +285,10 @@ class SaveFiles:
                         item.error = item.error or exc
                         item.cancel()
                 raise
+
+    def close(self) -> None:
+        """Stop the persist worker process, if any (once every file is written)."""
+        self._persist.close()
 
     def _warn_if_pool_too_small(self, items: list[TensorItem]) -> None:
         """Say once when a save's lazy copies need more host staging than ``host_buffer_gb``:

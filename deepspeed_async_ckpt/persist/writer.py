@@ -11,6 +11,7 @@ offset and length), or one rank's :class:`~.shares.Share` of a file several rank
 from __future__ import annotations
 
 import os
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -127,3 +128,27 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
         if isinstance(exc, PersistError) or not isinstance(exc, Exception):  # Ctrl-C stays Ctrl-C
             raise
         raise PersistError(f"writing {path} failed: {describe(exc)}") from exc
+
+
+class ThreadWriter:
+    """Writes files with :func:`write_file` on the writer threads (``threads``) of the
+    training process (config ``persist_in: "thread"``); :class:`~.process.ProcessWriter`
+    does it in a worker process instead. Both offer :meth:`submit` (in the background) and
+    :meth:`write` (inline: the synchronous mode, ``stage`` staging each record first)."""
+
+    def __init__(self, storage: Storage, threads: Executor, *, checksum: str, zip_crc32: bool) -> None:
+        self._storage, self._threads = storage, threads
+        self._checksum, self._zip_crc32 = checksum, zip_crc32
+
+    def submit(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
+               share: Share | None = None) -> Future:
+        return self._threads.submit(write_file, self._storage, path, plans, self._checksum,
+                                    part_names=part_names, zip_crc32=self._zip_crc32, share=share)
+
+    def write(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
+              share: Share | None = None, stage: Callable[[TensorItem], None] | None = None) -> FileRecord:
+        return write_file(self._storage, path, plans, self._checksum, part_names=part_names,
+                          zip_crc32=self._zip_crc32, stage=stage, share=share)
+
+    def close(self) -> None:
+        """Nothing of its own to stop: the threads are the checkpointer's."""

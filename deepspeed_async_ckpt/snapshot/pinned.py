@@ -11,13 +11,17 @@ from __future__ import annotations
 import collections
 import ctypes
 import functools
+import itertools
 import logging
 import mmap
+import os
 from typing import Any
 
 import torch
 
-from ..storage import aligned_size, host_buffer  # every buffer starts on a page: O_DIRECT can write it
+from ..storage import aligned_size, host_buffer, shared_host_buffer  # every buffer starts on a page
+
+_block_ids = itertools.count()
 
 log = logging.getLogger(__name__)
 
@@ -77,16 +81,28 @@ class _Mapping(mmap.mmap):
     registration: tuple[int, int] | None = None
     """(address, CUDA device) while registered."""
 
+    fd: int = -1
+    """A shared mapping's memory file (:func:`~.storage.shared_host_buffer`), while open."""
+
     def unregister(self) -> None:
         """End the registration, if any (once; raises ``RuntimeError`` if CUDA refuses)."""
         if self.registration is not None:
             (address, device), self.registration = self.registration, None
             _page_unlock(address, device)
 
+    def close_fd(self) -> None:
+        if self.fd >= 0:
+            fd, self.fd = self.fd, -1
+            os.close(fd)
+
     def __del__(self) -> None:
         try:
             self.unregister()
         except Exception:  # interpreter shutdown, or a driver already gone: nothing to keep
+            pass
+        try:
+            self.close_fd()
+        except Exception:
             pass
 
 
@@ -107,27 +123,50 @@ class HostBlock:
     torch's pinned allocator, which rounds every block up to a power of two (a 5 GiB block
     would pin 8 GiB) and caches a freed block instead of unpinning it (so a replaced block
     would stay pinned beside its successor): the pool's bound would not bound pinned memory.
+
+    ``shared``: the memory is a memory file's shared mapping instead
+    (:func:`~.storage.shared_host_buffer`), which a persist worker process maps too
+    (:attr:`fd`, :attr:`id`); should pinning fail, it stays shared and unpinned.
     """
 
-    def __init__(self, nbytes: int, pin_device: int | None) -> None:
-        self._mapping = host_buffer(nbytes, _Mapping)
+    def __init__(self, nbytes: int, pin_device: int | None, *, shared: bool = False) -> None:
+        self.id = next(_block_ids)
+        """Names the block to a persist worker process (unique in this process)."""
+        if shared:
+            self._mapping, fd = shared_host_buffer(nbytes, _Mapping)
+            self._mapping.fd = fd
+        else:
+            self._mapping = host_buffer(nbytes, _Mapping)
         self.memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
         if pin_device is not None:
             try:
                 _page_lock(self.memory.data_ptr(), nbytes, pin_device)
                 self._mapping.registration = (self.memory.data_ptr(), pin_device)
-            except RuntimeError as exc:  # still pinned, only less exactly
-                log.warning("cudaHostRegister of %d bytes failed (%s); the staging block comes "
-                            "from torch's pinned allocator instead (rounded up to a power of two)",
-                            nbytes, exc)
-                self.memory = _torch_pinned(nbytes)
-                try:  # unused now: give back its address space and whatever the attempt faulted in
-                    self._mapping.close()
-                except BufferError:  # still viewed somewhere: it goes with its last view
-                    pass
+            except RuntimeError as exc:
+                self._pin_failed(nbytes, exc, shared)
         self.size = nbytes
         self._live: collections.deque[list] = collections.deque()  # [start, end, released]
         self._head = 0  # where the next buffer starts
+
+    def _pin_failed(self, nbytes: int, exc: RuntimeError, shared: bool) -> None:
+        if shared:  # torch's pinned memory is private: a worker process could not map it
+            log.warning("cudaHostRegister of %d bytes failed (%s); the shared staging block "
+                        "stays unpinned (copies into it wait for the device)", nbytes, exc)
+            return
+        # still pinned, only less exactly
+        log.warning("cudaHostRegister of %d bytes failed (%s); the staging block comes "
+                    "from torch's pinned allocator instead (rounded up to a power of two)",
+                    nbytes, exc)
+        self.memory = _torch_pinned(nbytes)
+        try:  # unused now: give back its address space and whatever the attempt faulted in
+            self._mapping.close()
+        except BufferError:  # still viewed somewhere: it goes with its last view
+            pass
+
+    @property
+    def fd(self) -> int:
+        """The memory file of a shared block (-1 otherwise, or once freed)."""
+        return self._mapping.fd
 
     @property
     def pinned_on(self) -> int | None:
@@ -137,8 +176,12 @@ class HostBlock:
 
     def free(self) -> None:
         """Unpin an idle block the pool drops at once (the mapping goes with its last
-        reference; a block dropped otherwise, with its pool, is unpinned then)."""
-        self._mapping.unregister()
+        reference; a block dropped otherwise, with its pool, is unpinned then), and close
+        a shared block's memory file."""
+        try:
+            self._mapping.unregister()
+        finally:
+            self._mapping.close_fd()
 
     @property
     def idle(self) -> bool:

@@ -9,6 +9,7 @@ stage releases it once the record is written. The pool's memory is a few large
 from __future__ import annotations
 
 import threading
+from typing import Callable
 
 import torch
 
@@ -28,11 +29,19 @@ class HostBufferPool:
     An idle block too small for a new buffer is freed and replaced. Pinned when ``pin`` is
     true (CUDA present), for copies from ``device`` (default: the current CUDA device), and
     pinned exactly: at most ``capacity_bytes`` are page-locked at any time (see :class:`HostBlock`).
+
+    ``shared``: blocks in shared memory, which a persist worker process maps
+    (:mod:`..persist.process`): it finds a buffer with :meth:`locate` and learns of a block
+    the pool drops through :attr:`on_block_freed`.
     """
 
-    def __init__(self, capacity_bytes: int, pin: bool, device: int | None = None) -> None:
+    def __init__(self, capacity_bytes: int, pin: bool, device: int | None = None, *,
+                 shared: bool = False) -> None:
         self.capacity_bytes = int(capacity_bytes)
         self.pin = pin
+        self.shared = shared
+        self.on_block_freed: list[Callable[[int], None]] = []
+        """Called with a block's id when the pool drops it (with the pool's lock held)."""
         # Blocks may be made on a background thread, whose CUDA device is not the trainer's.
         self._pin_device = (torch.cuda.current_device() if device is None else device) if pin else None
         self._cond = threading.Condition()
@@ -79,11 +88,13 @@ class HostBufferPool:
                 for block in self._blocks:
                     if block.idle:
                         block.free()
+                        for forget in self.on_block_freed:
+                            forget(block.id)
                 self._blocks = [b for b in self._blocks if not b.idle]
                 room = self.capacity_bytes - self.held_bytes
                 if room >= n:
                     self._add_block(HostBlock(min(room, max(n, aligned_size(expected_bytes))),
-                                              self._pin_device))
+                                              self._pin_device, shared=self.shared))
                     continue
                 if not wait:
                     return None
@@ -117,7 +128,7 @@ class HostBufferPool:
     def _fault_in(self, nbytes: int) -> None:
         block = None
         try:
-            block = HostBlock(nbytes, self._pin_device)  # pinning faults the pages in
+            block = HostBlock(nbytes, self._pin_device, shared=self.shared)  # pinning faults pages in
             if not self.pin:
                 block.memory[::DIRECT_ALIGN].zero_()  # one write per page; drops the GIL
         except BaseException as exc:  # e.g. out of memory: the first save then allocates
@@ -132,6 +143,15 @@ class HostBufferPool:
         self._blocks.append(block)
         self.allocations += 1
         self.peak_bytes = max(self.peak_bytes, self.held_bytes)
+
+    def locate(self, buf: torch.Tensor) -> tuple[HostBlock, int] | None:
+        """The block of a live buffer of this pool and the buffer's offset in it, in bytes;
+        None for a buffer from elsewhere."""
+        with self._cond:
+            found = self._live.get(buf.data_ptr())
+        if found is None:
+            return None
+        return found[0], buf.data_ptr() - found[0].memory.data_ptr()
 
     def release(self, buf: torch.Tensor) -> None:
         with self._cond:

@@ -7,10 +7,11 @@
 - :mod:`.files`: the buffered file objects it opens (:class:`WholeFile`,
   :class:`WriteBehindFile`).
 - :mod:`.direct`: direct I/O: page-aligned host memory (:func:`host_buffer`, also the snapshot
-  pool's memory) and :class:`DirectFile`.
+  pool's memory, or :func:`shared_host_buffer` where another process writes it) and :class:`DirectFile`.
 """
 
-from .direct import DIRECT_ALIGN, DirectFile, aligned_size, buffer_address, host_buffer
+from .direct import (DIRECT_ALIGN, DirectFile, aligned_size, buffer_address, host_buffer,
+                     shared_host_buffer)
 from .files import WholeFile, WriteBehindFile
 from .local import LocalStorage
 from .protocol import Storage, is_temporary, temporary_path
@@ -25,6 +26,7 @@ __all__ = [
     "aligned_size",
     "buffer_address",
     "host_buffer",
+    "shared_host_buffer",
     "is_temporary",
     "temporary_path",
 ]

@@ -54,13 +54,35 @@ def host_buffer(nbytes: int, kind: type[mmap.mmap] = mmap.mmap) -> mmap.mmap:
     are off by default.)
     """
     buf = kind(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    _advise(buf)
+    return buf
+
+
+def shared_host_buffer(nbytes: int, kind: type[mmap.mmap] = mmap.mmap) -> tuple[mmap.mmap, int]:
+    """``nbytes`` of page-aligned, zero-filled host memory that another process can map: a
+    shared mapping of a new memory file (``memfd_create``), and that file's descriptor, which
+    the caller closes once no other process needs to map it (:mod:`..persist.process` hands
+    it to its worker). Advised as :func:`host_buffer`'s: huge pages (shared memory gets them
+    only where ``shmem_enabled`` allows), and not inherited by ``fork``. The descriptor is
+    closed on ``exec``; a forked child holds it but not the mapping, so it shares no page."""
+    fd = os.memfd_create("async-ckpt-pool", os.MFD_CLOEXEC)
+    try:
+        os.ftruncate(fd, nbytes)
+        buf = kind(fd, nbytes, flags=mmap.MAP_SHARED)
+    except BaseException:
+        os.close(fd)
+        raise
+    _advise(buf)
+    return buf, fd
+
+
+def _advise(buf: mmap.mmap) -> None:
     for advice in ("MADV_HUGEPAGE", "MADV_DONTFORK"):
         if hasattr(mmap, advice):
             try:
                 buf.madvise(getattr(mmap, advice))
             except OSError:  # a kernel without it: the advice is only advice
                 pass
-    return buf
 
 
 def buffer_address(view: memoryview) -> int:

@@ -102,7 +102,8 @@ def phase_save(args):
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
     from deepspeed_async_ckpt.integrations.deepspeed.engine import AsyncCheckpointEngine
     from deepspeed_async_ckpt.integrations.deepspeed.patches import use_checkpoint_engine
-    config = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05, "writer_threads": 2})
+    config = ds_config(args, {"enabled": True, "host_buffer_gb": 0.05, "writer_threads": 2,
+                              "persist_in": args.persist_in})
     engine = init(args, config)
     ours = engine.checkpoint_engine
     assert isinstance(ours, AsyncCheckpointEngine), type(ours)
@@ -667,6 +668,7 @@ def main():
     p.add_argument("--tied", type=int, default=0, help="the first two Linear layers share their weight")
     p.add_argument("--offload", type=int, default=0, help="ZeRO-Offload: the optimizer in host memory")
     p.add_argument("--variants", default="async,sync,torch")
+    p.add_argument("--persist-in", default="thread", help="the save phase's async variant: thread or process")
     p.add_argument("--kill-rank", type=int, default=1)
     p.add_argument("--partial", type=int, default=0)
     p.add_argument("--resave", type=int, default=0)
