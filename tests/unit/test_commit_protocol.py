@@ -447,7 +447,7 @@ def test_commit_order_data_then_record_then_manifest_then_pointer(tmp_path):
 
 def test_the_checkpoint_directory_appears_with_its_marker_over_an_empty_one_or_beside_files(tmp_path):
     """``make_checkpoint_dir`` renames a directory holding the marker into place, so no crash
-    leaves the checkpoint's directory without it (``tests/test_crash_points.py``). An empty
+    leaves the checkpoint's directory without it (``tests/integration/test_crash_points.py``). An empty
     directory already there (made by hand, or by a crash before) is replaced; one that holds
     a file meanwhile (another rank's) gets the marker in place, the file kept; nothing
     under the staging name is left either way."""

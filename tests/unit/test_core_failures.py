@@ -261,7 +261,7 @@ def test_a_sync_end_raises_its_own_saves_failure_not_a_previous_ones(tmp_path):
     """A sync save's ``end`` raises that save's failure as it is (rank 1's part failed: rank
     0's commit error naming it); it used to be wrapped as "a previous checkpoint failed",
     which the next save's ``begin`` says of an async one. Sync DeepSpeed saves raise it from
-    ``save_checkpoint`` on every rank (tests/test_deepspeed_multiproc.py)."""
+    ``save_checkpoint`` on every rank (tests/integration/test_deepspeed_multiproc.py)."""
     same = lambda v, e, key="": ("same-id", {})  # noqa: E731
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync"), rank=0, world_size=2,
                            exchange=same)

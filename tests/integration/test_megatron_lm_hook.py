@@ -14,7 +14,7 @@ training = pytest.importorskip("megatron.training.training", reason="no Megatron
 
 from megatron_adapter import megatron_lm  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO  # noqa: E402
 
 
 @pytest.fixture

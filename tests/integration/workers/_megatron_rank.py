@@ -9,7 +9,7 @@ import sys
 import torch.distributed as dist
 
 dist.init_process_group("gloo")
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 sys.path.insert(0, os.path.join(REPO, "tests"))
 from megatron_cpu_shim import apply as apply_cpu_shim  # noqa: E402
 

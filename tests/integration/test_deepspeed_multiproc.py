@@ -19,7 +19,7 @@ from _compare import assert_same
 from conftest import REPO
 from launch import launch
 
-WORKER = os.path.join(REPO, "tests", "workers", "ds_worker.py")
+WORKER = os.path.join(REPO, "tests", "integration", "workers", "ds_worker.py")
 
 pytestmark = pytest.mark.slow
 
@@ -346,7 +346,7 @@ def test_sigkill_while_resaving_the_tag_latest_names_keeps_that_checkpoint(tmp_p
         state = torch.load(os.path.join(out, f"dump_killed_rank{rank}.pt"), weights_only=False)
         assert state["global_steps"] == 2
     # the load leaves the staging directory (it could be another job's save in flight); the
-    # next save's rank 0 removes it (tests/test_core.py, the staging left by a crash)
+    # next save's rank 0 removes it (tests/unit/test_commit_replace.py, the staging left by a crash)
     assert [n for n in os.listdir(os.path.join(out, "killed"))
             if n.startswith(".async_ckpt_staging.")] == staging
 

@@ -1,6 +1,6 @@
 """The ``ds-async-ckpt`` entry point itself (:mod:`deepspeed_async_ckpt.tools.cli`): how it
 exits when its reader goes away. The subcommands are tested where their subjects are:
-``plan`` in test_plan.py, ``list`` and ``verify`` in test_core.py."""
+``plan`` in test_plan.py, ``list`` and ``verify`` in test_cli_verify_list.py."""
 
 import os
 import subprocess

@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO  # noqa: E402
 sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 import launch  # noqa: E402

@@ -10,7 +10,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(HERE))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
 sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]
 
 import pretrain_gpt  # noqa: E402

@@ -31,7 +31,7 @@ from deepspeed_async_ckpt.tools.formulas import (
     young_daly_interval_s,
 )
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO  # noqa: E402
 approx = pytest.approx
 
 

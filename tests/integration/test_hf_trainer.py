@@ -29,8 +29,8 @@ from deepspeed_async_ckpt.integrations import activation
 from deepspeed_async_ckpt.integrations.hf_trainer import in_flight, rotation, trainer_methods
 from launch import launch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "tests", "workers", "hf_worker.py")
+from conftest import REPO  # noqa: E402
+WORKER = os.path.join(REPO, "tests", "integration", "workers", "hf_worker.py")
 
 
 @pytest.fixture(autouse=True)

@@ -28,7 +28,7 @@ from megatron_adapter.election import assign_balanced, check_mode, shard_id  # n
 from megatron_adapter.layout import ParallelLayout  # noqa: E402
 from megatron_adapter.megatron_lm import extra_args_provider  # noqa: E402
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO  # noqa: E402
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -127,7 +127,7 @@ def _run_one_rank(worker: str) -> dict:
     sys.path.insert(0, os.path.join(REPO, "scripts"))
     from launch import free_port
 
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "workers", worker), str(free_port())],
+    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "integration", "workers", worker), str(free_port())],
                          capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -140,7 +140,7 @@ def _run_two_ranks(worker: str, tmp_path, timeout: float = 120) -> list[dict]:
     from launch import launch
 
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    codes = launch(os.path.join(REPO, "tests", "workers", worker), [str(tmp_path)], 2, timeout=timeout, env=env)
+    codes = launch(os.path.join(REPO, "tests", "integration", "workers", worker), [str(tmp_path)], 2, timeout=timeout, env=env)
     assert codes == [0, 0], codes
     return [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
 

@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO  # noqa: E402
 BENCH = os.path.join(REPO, "scripts", "bench_checkpoint.py")
 MEASURED = ("async", "sync", "ds_torch", "dcp_async")
 

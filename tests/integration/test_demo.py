@@ -13,7 +13,7 @@ import pytest
 
 from deepspeed_async_ckpt.commit import verify_checkpoint
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO  # noqa: E402
 
 
 @pytest.mark.slow

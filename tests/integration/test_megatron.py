@@ -21,9 +21,9 @@ import sys
 import pytest
 import torch
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-WORKER = os.path.join(REPO, "tests", "megatron_workers", "ckpt_worker.py")
-KILL_WORKER = os.path.join(REPO, "tests", "megatron_workers", "kill_worker.py")
+from conftest import REPO  # noqa: E402
+WORKER = os.path.join(REPO, "tests", "integration", "megatron_workers", "ckpt_worker.py")
+KILL_WORKER = os.path.join(REPO, "tests", "integration", "megatron_workers", "kill_worker.py")
 PRETRAIN = os.path.join(REPO, "scripts", "pretrain_gpt.py")
 CONFIG = os.path.join(REPO, "configs", "megatron_async.json")
 NPROC = 4

@@ -24,7 +24,7 @@ import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
-sys.path.insert(0, os.path.dirname(HERE))  # tests/: the CPU shim
+sys.path.insert(0, os.path.dirname(os.path.dirname(HERE)))  # tests/: the CPU shim
 
 import crash_points as cp  # noqa: E402
 from megatron_cpu_shim import apply as apply_cpu_shim  # noqa: E402

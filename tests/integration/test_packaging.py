@@ -6,7 +6,7 @@ import subprocess
 import sys
 import tarfile
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from conftest import REPO  # noqa: E402
 
 
 def test_sdist_carries_the_pth_hook_so_a_wheel_builds_from_it(tmp_path):

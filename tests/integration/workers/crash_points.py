@@ -8,7 +8,7 @@ copy of a save directory holding one committed checkpoint, the scenario run in a
 that dies with ``os._exit`` (as under SIGKILL: nothing after it runs, no exit handlers) right
 before its ``n``-th operation, whichever thread makes it. Each run's directory is left under
 ``OUT_DIR/<n>``; ``OUT_DIR/report.json`` lists ``{"n", "exit"}`` per run (exit 0: the
-scenario finished before operation ``n``). The test (``tests/test_crash_points.py``) then
+scenario finished before operation ``n``). The test (``tests/integration/test_crash_points.py``) then
 checks every directory: what loads, and that the next save cleans up.
 
 Scenarios (the committed checkpoint is ``t1``, saved at step 1; the scenario saves step 2):
@@ -35,7 +35,7 @@ from typing import Callable
 
 import torch
 
-sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..")))
+sys.path.insert(0, os.path.abspath(os.path.join(os.path.dirname(__file__), "..", "..", "..")))
 
 from deepspeed_async_ckpt.core import AsyncCheckpointer  # noqa: E402
 from deepspeed_async_ckpt.commit import Pointer  # noqa: E402
