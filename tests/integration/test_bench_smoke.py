@@ -158,7 +158,7 @@ def test_gpu_check_runs_every_step_and_says_what_it_measured(tmp_path, repo_env)
 
 
 @pytest.mark.parametrize("log, expected", [
-    # the host tests' log from the H100 of session 30 (-q: no rules), whose summary was null
+    # a host tests' log as an H100 run wrote it (-q: no rules), whose summary was null
     ("$ python3 -m pytest -q ...\n....... [100%]\n246 passed, 10 deselected in 88.15s (0:01:28)\n",
      "246 passed, 10 deselected in 88.15s (0:01:28)"),
     ("x PASSED [100%]\n\n====================== 10 passed, 246 deselected in 8.87s ======================\n",

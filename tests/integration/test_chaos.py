@@ -10,7 +10,7 @@ resume points never go backward (``latest`` only moves to committed checkpoints)
 checkpoint equals the uninterrupted run's; and what the kills left (partial saves, staging,
 temporaries) is gone once training ends, leaving the ``keep_last`` newest checkpoints and
 ``latest``: if the last kill cut the final save's retention short, once one more save commits
-(until session 24 the test expected it gone at once, and failed when a kill landed there).
+(retention runs after a commit, so what a kill left during it can only go at the next one).
 The seed is in the test id, the kill delays in each failure.
 """
 

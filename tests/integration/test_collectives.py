@@ -243,8 +243,7 @@ def test_ranks_verifying_different_checkpoints_are_refused(tmp_path):
     """Ranks that resolved different checkpoints (an evaluation job whose ranks read `latest`
     on either side of the trainer's commit) each verify only their share of their own one:
     step6's a.pt (unit 0, rank 0's share of step6) is checked by nobody, and rank 1 loads it
-    damaged. They are refused, as begin() refuses ranks saving into different directories
-    (found by an audit)."""
+    damaged. They are refused, as begin() refuses ranks saving into different directories."""
     import zipfile
 
     import torch

@@ -326,8 +326,8 @@ def test_sigkill_mid_persist_keeps_previous_checkpoint(tmp_path, repo_env):
 def test_sigkill_while_resaving_the_tag_latest_names_keeps_that_checkpoint(tmp_path, repo_env):
     """The same tag saved again (a final save at the step of the last periodic one, a save on
     preemption): the re-save goes to a staging directory, so the checkpoint `latest` names
-    stays whole until the new one is committed. Earlier versions' re-save removed its
-    manifest first, and a crash (or a failed write) left nothing loadable."""
+    stays whole until the new one is committed. A re-save that removed its manifest first
+    would leave nothing loadable after a crash (or a failed write)."""
     out = str(tmp_path)
     codes = run_ranks(repo_env, 2, "kill", "--out", out, "--kill-rank", "0", "--resave", "1",
                       expect_ok=False)
@@ -442,7 +442,7 @@ def test_disk_full_on_one_rank_refuses_load_checkpoint_on_every_rank_then_retry_
     for rank, r in enumerate(results):
         assert r["global_steps_after_refusal"] == 4, r  # the refused load changed nothing
         # verify_on_load off checks no checksum, but still refuses, on every rank, a checkpoint
-        # never committed (until session 29 it went into DeepSpeed's load: one rank raised
+        # never committed (not into DeepSpeed's load, where one rank raised
         # FileNotFoundError, the other waited in a collective)
         assert "never committed" in (r["uncommitted_raised"] or ""), r
         assert r["latest"] == "global_step2"
@@ -493,7 +493,7 @@ def test_sigterm_handled_by_the_script_saves_and_the_exit_flush_commits_it(tmp_p
 def test_corrupted_byte_is_detected_on_load_naming_the_file(tmp_path, repo_env, zero, partial, tag):
     """Also under ZeRO-3 with ``load_optimizer_states=False``: DeepSpeed then rebuilds the
     module from the fp32 partitions in the optimizer files, which the check left out as if
-    the load did not read them, so a damaged one loaded silently (found by an audit). It
+    the load did not read them, so a damaged one loaded silently. It
     reads those of the checkpoint ``latest`` names even when asked for another tag: a load
     of ``older`` checks the optimizer files of ``global_step3`` too."""
     out = str(tmp_path)
@@ -587,7 +587,7 @@ def test_a_zero3_load_without_optimizer_takes_the_module_from_the_checkpoint_lat
 def test_the_ranks_load_the_tag_rank_0_read_from_latest(tmp_path):
     """Each rank read `latest` itself (the plugin's check, then DeepSpeed's load again): when
     another job wrote its first `latest` between the ranks' reads, one rank loaded nothing and
-    the other loaded, and they parted ways in the collectives (a review, session 29). The tag
+    the other loaded, and they parted ways in the collectives. The tag
     is now rank 0's read, exchanged, and passed to DeepSpeed; a rank that cannot read its copy
     makes every rank raise. A ZeRO-3 load without optimizer states checks the module's
     source on every rank alike."""
@@ -609,7 +609,7 @@ def test_the_ranks_load_the_tag_rank_0_read_from_latest(tmp_path):
     ck = Checkpointer("")  # the other way round: rank 0 saw none, so no rank loads
     assert agreed_latest_tag(ck, str(tmp_path)) is None and ck.sent == [("+global_step6", None)]
     # an empty `latest` is not "no checkpoint" (a script would start over): every rank raises,
-    # as DeepSpeed does (until a review of session 29 it loaded nothing, silently)
+    # as DeepSpeed does (not loading nothing, silently)
     (tmp_path / "latest").write_text(" \n")
     with pytest.raises(CommitError, match="latest is empty"):
         agreed_latest_tag(Checkpointer("+"), str(tmp_path))

@@ -69,7 +69,7 @@ def test_strided_tensors_keep_their_layout_and_an_expanded_one_is_not_materializ
     """Records held a tensor's values in order, pickled with contiguous strides: a transposed
     or ``channels_last`` tensor loaded contiguous (``torch.save`` keeps the layout), and
     ``ones(1).expand(4_000_000)`` took 16 MB of staging and file for 4 bytes (``torch.save``:
-    1.5 kB), failing a save with a small pool (a review, session 29). Such tensors are now
+    1.5 kB), failing a save with a small pool. Such tensors are now
     recorded as the storage their strides reach, with those strides; a slice with gaps keeps
     its values alone (fewer bytes than its storage)."""
     base = torch.arange(24, dtype=torch.float32)

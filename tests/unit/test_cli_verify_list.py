@@ -47,8 +47,7 @@ def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
 def test_verify_cli_names_files_it_did_not_check_and_a_save_dir_without_its_pointer(tmp_path, capsys):
     """`verify` said OK about a checkpoint holding files no manifest lists (a stray copy,
     unchecked), "OK ... none verified" when only sizes were, and "not written by this engine"
-    about a save directory whose `latest` was deleted, though `list` showed its checkpoints
-    (found by a review, session 29)."""
+    about a save directory whose `latest` was deleted, though `list` showed its checkpoints."""
     from deepspeed_async_ckpt.tools.cli import main
 
     ck = make(checksum="none")
@@ -89,10 +88,10 @@ def _edit_json(text: str, *, segments=None, **fields) -> str:
     (None, "Is a directory"),
 ])
 def test_a_damaged_manifest_is_an_integrity_error_naming_it(tmp_path, capsys, damage, problem):
-    """Before, a truncated manifest gave a bare JSONDecodeError (KeyError, TypeError) from a
-    load, and tracebacks from ``verify`` and ``list``; until session 18 (an audit), so did a
-    commit time that is no time (``list``), a file's malformed segments (``verify``) and a
-    manifest that is a directory."""
+    """A damaged manifest (truncated, not an object, fields missing or malformed, a commit
+    time that is no time, a file's malformed segments, a directory) is an IntegrityError
+    naming it from a load, ``verify`` and ``list``: never a bare JSONDecodeError, KeyError or
+    TypeError, nor a traceback."""
     from deepspeed_async_ckpt.tools.cli import main
 
     ck = make()
@@ -195,7 +194,7 @@ def test_verify_with_an_unreadable_manifest_exits_with_a_message(tmp_path, capsy
 
 def test_verify_with_a_data_file_the_user_may_not_read_is_not_called_corrupt(tmp_path, capsys, monkeypatch):
     """An intact checkpoint with a file another user owns (mode 0600) was reported "CORRUPT",
-    exit 1, which a cleanup script takes for damage (a review, session 30); as with an
+    exit 1, which a cleanup script takes for damage; as with an
     unreadable manifest, it is an error about reading it, exit 2. A missing file stays CORRUPT."""
     from deepspeed_async_ckpt.persist import checksum
 
@@ -256,7 +255,7 @@ def test_list_with_an_unreadable_directory_exits_with_a_message(tmp_path, capsys
 def test_a_manifest_this_version_cannot_check_is_named_not_the_intact_file(tmp_path, capsys, damage, problem):
     """A file entry without a checksum made the intact file "CORRUPT ... does not match
     manifest None" while `list` said committed; a manifest of a newer format (or another
-    algorithm) would have done the same (found by an audit, session 19). The manifest is
+    algorithm) would have done the same. The manifest is
     named as what cannot be read, everywhere."""
     ck = make("sync")
     save_one(ck, str(tmp_path), sample_state())

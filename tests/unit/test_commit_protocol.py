@@ -32,7 +32,7 @@ def test_a_failure_after_the_checkpoint_is_in_place_says_so(tmp_path, tag, where
     one is intact)" even where the new checkpoint was already where loads look: `latest`
     renamed to it (its fsync failed), or a re-save swapped in (the old one on its way to
     deletion). It says now that the checkpoint is in place and may not survive a crash, and
-    retention keeps what `latest` names (a review, session 29)."""
+    retention keeps what `latest` names."""
     from deepspeed_async_ckpt.errors import DurabilityError
 
     storage = FailingAfter()
@@ -72,7 +72,7 @@ def test_failures_after_the_manifest_that_leave_the_checkpoint_unfinished_or_bes
     committed and in place, no pointer names it ... it loads now"). A re-save without an
     exchange whose second rename failed was said to have failed with the last checkpoint
     intact, though that one was in the trash and the new one is renamed in by the next load
-    or save (a review, session 29)."""
+    or save."""
     from deepspeed_async_ckpt.errors import DurabilityError
 
     storage = NoExchangeFailingRename()
@@ -128,7 +128,7 @@ def test_failures_after_the_manifest_that_leave_the_checkpoint_unfinished_or_bes
 def test_a_failed_commit_removes_the_shares_temporaries_in_subdirectories_too(tmp_path):
     """A file the replicas write in shares lives under a temporary name until the commit joins
     it; a failed commit removes those, but only looked at the checkpoint's top directory: a
-    share of ``sub/deep.pt`` (possibly gigabytes) stayed for good (a review, session 29)."""
+    share of ``sub/deep.pt`` (possibly gigabytes) stayed for good."""
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, commit_timeout_s=30),
                            rank=0, world_size=2, exchange=lambda v, e, key="": (v, {}))
     d = str(tmp_path / "t")
@@ -154,7 +154,7 @@ def test_a_failed_commit_removes_the_shares_temporaries_in_subdirectories_too(tm
 
 def test_a_commit_failing_with_an_os_error_removes_the_shares_temporaries_too(tmp_path):
     """The sweep ran for a ``CommitError`` only: an ``OSError`` inside the commit (a share's
-    rename, the listing of the records) left the shares' temporaries (a review, session 29)."""
+    rename, the listing of the records) left the shares' temporaries."""
     from deepspeed_async_ckpt.storage import temporary_path
 
     class ListingFails(LocalStorage):
@@ -194,7 +194,7 @@ def test_a_damaged_rank_record_is_refused_naming_it_and_the_pointer_stays(tmp_pa
     """Rank 0 copied every rank's record into the manifest unchecked: a record an entry of
     which had no size, or a path outside the checkpoint, was committed and `latest` moved onto
     a checkpoint every reader refuses; a record that was not JSON failed the save with a bare
-    parser message naming neither the record nor the rank (found by a review, session 29)."""
+    parser message naming neither the record nor the rank."""
     root = str(tmp_path)
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, commit_timeout_s=30),
                            rank=0, world_size=2, exchange=lambda v, e, key="": (v, {}))
@@ -263,8 +263,8 @@ def test_a_committed_checkpoints_own_entry_is_durable_without_a_pointer_beside_i
 def test_every_directory_made_for_a_save_is_durable_in_its_parent_before_the_pointer_moves(
         tmp_path, mode, save_dir_made_by_caller):
     """A file is synced in its own directory as it is renamed into place, but a new
-    directory's entry lies in its parent. Until session 28 nothing synced the parents of the
-    directories made for a save (a first save's save directory and those above it, Trainer's
+    directory's entry lies in its parent, so the parents of the directories made for a save
+    are synced too (a first save's save directory and those above it, Trainer's
     ``checkpoint-N`` at every save, which Trainer makes itself, subdirectories of files, and
     the checkpoint directory itself when all its files were in subdirectories): a power loss
     after the commit could take back a checkpoint reported committed, while rotation had

@@ -23,8 +23,8 @@ from helpers import Crash, _flip_byte, _steps, listing, make, sample_state, save
 @pytest.mark.parametrize("mode", ["async", "sync"])
 @pytest.mark.parametrize("storage_cls", [FailingStorage, NoExchangeStorage], ids=["exchange", "renames"])
 def test_resaving_the_pointers_checkpoint_keeps_it_whole_until_the_new_one_commits(tmp_path, mode, storage_cls):
-    """The tag `latest` names, saved again: a failed save leaves it loadable (earlier versions'
-    re-save removed its manifest first: nothing loadable was left); a good one replaces it
+    """The tag `latest` names, saved again: a failed save leaves it loadable (a re-save that
+    removed its manifest first would leave nothing loadable); a good one replaces it
     whole, with what the new save did not write (a file of the user's) carried over."""
     root = str(tmp_path)
     storage = storage_cls(budget=10**9)
@@ -108,8 +108,8 @@ def test_files_carried_over_into_a_resave_keep_their_checksums_and_are_verified(
     """A re-save that writes fewer files (a run on fewer ranks, a smaller save) keeps the old
     checkpoint's other files, hard-linked: they were linked after the new manifest was written,
     so it did not list them, verify said OK with one of them corrupted, and a load after
-    verify_all_ranks (DeepSpeed's and Megatron's path) read it unchecked (found by a review,
-    session 29). Their entries now come from the old manifest, and a file no manifest lists is
+    verify_all_ranks (DeepSpeed's and Megatron's path) read it unchecked. Their entries now
+    come from the old manifest, and a file no manifest lists is
     refused by load, verified or not."""
     root, d = str(tmp_path), str(tmp_path / "t")
     ck = make(mode)

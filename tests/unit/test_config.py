@@ -57,8 +57,8 @@ def test_absent_or_disabled_key_means_deepspeed_unchanged():
 ])
 def test_deepspeeds_own_engine_choice_beside_the_key_is_a_config_error_naming_both(other, named):
     """DeepSpeed picks its decoupled, fast or DataStates engine from these keys; with
-    ``async_checkpoint`` enabled too, one of the two choices was silently ignored (found by an
-    audit). Disabled, or DeepSpeed's own keys without a writer, they go together."""
+    ``async_checkpoint`` enabled too, one of the two choices would be silently ignored.
+    Disabled, or DeepSpeed's own keys without a writer, they go together."""
     with pytest.raises(ConfigError, match=f"async_checkpoint and {named} both choose"):
         parse_config({"async_checkpoint": {"enabled": True}, **other})
     assert parse_config({"async_checkpoint": {"enabled": False}, **other}) is None
@@ -89,7 +89,7 @@ def test_every_example_config_is_valid():
 
 
 def test_the_core_checkpointer_refuses_what_it_cannot_run_with_naming_the_argument(tmp_path):
-    """``AsyncCheckpointer`` checked none of its own arguments (a review, session 29):
+    """``AsyncCheckpointer`` checked none of its own arguments:
     ``world_size=0`` committed a manifest listing no file, which ``verify`` called OK;
     ``rank=1, world_size=1`` never committed and ``wait`` returned; a dict as ``config`` failed
     with an ``AttributeError``; ``wait(timeout=inf)`` with an ``OverflowError``."""

@@ -27,7 +27,7 @@ from helpers import _save_to, cli_main, listing, make, sample_state, save_one
 def test_disk_full_on_a_small_commit_file_names_it_and_leaves_no_temporary(tmp_path, victim):
     """A full disk when the rank record, the manifest or ``latest`` was written gave an
     error naming no file ("[Errno 28] No space left on device") and left its 0-byte
-    temporary behind (found by an audit, session 19)."""
+    temporary behind."""
     class Full(LocalStorage):
         def write_small(self, path, data, *, durable=True):
             if os.path.basename(path).startswith(victim):
@@ -156,7 +156,7 @@ def test_a_save_cut_short_is_partial_refused_by_loads_and_removed_by_retention_a
 
 def test_a_durability_error_survives_the_ways_errors_travel(tmp_path):
     """Rebuilt by ``wait_all_ranks`` (DeepSpeed's ``load_checkpoint``) as ``type(e)(message)``,
-    copied, pickled: with its field required, each raised ``TypeError`` (a review, session 29)."""
+    copied, pickled: with its field required, each raised ``TypeError``."""
     import copy
     import pickle
 
@@ -193,8 +193,8 @@ def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path, m
     """Rank 1's write fails: in the background (async), or inside its save, which the framework
     then ends uncommitted (sync: ``end(commit=False)``, as the DeepSpeed plugin and the
     Megatron adapter do). Either way rank 0's commit fails at once, quoting rank 1's error.
-    Earlier versions' sync ranks wrote nothing, and rank 0 waited ``commit_timeout_s`` for its
-    record (a 4-rank Megatron save with one disk full hung for 600 s)."""
+    A sync rank that wrote nothing would leave rank 0 waiting ``commit_timeout_s`` for its
+    record (a 4-rank Megatron save with one disk full would hang for 600 s)."""
     r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode), rank=1, world_size=2,
                            storage=FailingStorage(budget=1000), exchange=lambda v, e, key="": ("same-id", {}))
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, commit_timeout_s=300), rank=0, world_size=2,
@@ -226,9 +226,9 @@ def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path, m
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_rank_whose_record_fails_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path, mode):
-    """Rank 1's files are durable, then writing its record fails. Until session 28 it counted
-    as persisted by then and wrote no failure record: rank 0 waited ``commit_timeout_s`` and
-    then blamed rank 1 for not finishing, without its error."""
+    """Rank 1's files are durable, then writing its record fails. It still writes a failure
+    record: counted as persisted and silent, it would leave rank 0 waiting ``commit_timeout_s``
+    and then blaming rank 1 for not finishing, without its error."""
     same = lambda v, e, key="": ("same-id", {})  # noqa: E731
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, commit_timeout_s=300), rank=0,
                            world_size=2, exchange=same)
@@ -259,8 +259,8 @@ def test_a_rank_whose_record_fails_writes_a_failure_record_so_rank0_aborts_at_on
 
 def test_a_sync_end_raises_its_own_saves_failure_not_a_previous_ones(tmp_path):
     """A sync save's ``end`` raises that save's failure as it is (rank 1's part failed: rank
-    0's commit error naming it); it used to be wrapped as "a previous checkpoint failed",
-    which the next save's ``begin`` says of an async one. Sync DeepSpeed saves raise it from
+    0's commit error naming it), not wrapped as "a previous checkpoint failed", which the
+    next save's ``begin`` says of an async one. Sync DeepSpeed saves raise it from
     ``save_checkpoint`` on every rank (tests/integration/test_deepspeed_multiproc.py)."""
     same = lambda v, e, key="": ("same-id", {})  # noqa: E731
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync"), rank=0, world_size=2,
@@ -287,7 +287,7 @@ def test_a_sync_end_raises_its_own_saves_failure_not_a_previous_ones(tmp_path):
 def test_a_sync_end_raises_its_failure_even_when_another_threads_wait_took_it(tmp_path, monkeypatch):
     """Sync ``end`` on a training thread while another thread waits (the exit flush's close,
     say) and takes the background errors first: ``end`` raised ``ValueError: list.remove(x)``
-    in place of its save's error (found by a review, session 20). Both now report it."""
+    in place of its save's error. Both now report it."""
     from deepspeed_async_ckpt.core import committer as checkpointer_module
 
     def disk_full(*args, **kwargs):
@@ -326,7 +326,7 @@ def test_a_sync_end_raises_its_failure_even_when_another_threads_wait_took_it(tm
 def test_a_begin_refused_for_its_directory_still_raises_an_earlier_saves_failure(tmp_path, monkeypatch):
     """``begin`` takes the failures of earlier saves first; refused because another job holds
     the save directory, it raised the refusal and dropped them: the failed save was never
-    reported, and the next saves, ``wait`` and ``close`` were silent (a review, session 30)."""
+    reported, and the next saves, ``wait`` and ``close`` were silent."""
     from deepspeed_async_ckpt.errors import AsyncCheckpointError
 
     storage = _FullDisk()
@@ -357,8 +357,8 @@ def test_a_begin_refused_for_its_directory_still_raises_an_earlier_saves_failure
 
 def test_close_raises_a_failed_save_though_retention_failed_too(tmp_path, caplog):
     """``wait`` raised a retention bug (a ``keep`` callback that raised) before the failures of
-    saves; ``close`` then closed for good with the failed save never raised (a review, session
-    30). The failed save is raised, the retention bug logged."""
+    saves; ``close`` then closed for good with the failed save never raised. The failed save is
+    raised, the retention bug logged."""
     storage = _FullDisk()
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
     root = str(tmp_path)

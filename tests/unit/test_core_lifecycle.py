@@ -108,7 +108,7 @@ entered.wait()
 def test_the_exit_flush_waits_for_a_training_thread_still_saving(tmp_path, repo_env):
     """Training in a non-daemon thread, the main thread returning: Python runs the exit
     flush before it joins that thread, and the flush closed the checkpointer under the save
-    being made (``end() without begin()``, nothing committed). Found by an audit, session 19.
+    being made (``end() without begin()``, nothing committed).
     The flush now joins the thread that began the open save first."""
     out = run_script(THREAD_EXIT_SCRIPT, repo_env, str(tmp_path))
     assert out.returncode == 0 and "trainer:" not in out.stdout, out.stdout + out.stderr
@@ -152,7 +152,7 @@ def test_the_exit_flush_waits_for_a_training_thread_between_saves_or_in_begin(tm
     with the training thread between two saves, or inside ``begin``'s collective, it closed
     the checkpointer, and the thread's last save was refused ("the checkpointer is closed"),
     or failed in ``end`` with a bare ``RuntimeError`` leaving a partial directory, while the
-    process exited 0. Found by a review, session 28. It now joins the thread, as Python does
+    process exited 0. It now joins the thread, as Python does
     right after (a ``concurrent.futures`` worker, which stops only after the flush, only while
     its save is being made)."""
     out = run_script(THREAD_BETWEEN_SAVES_SCRIPT, repo_env, str(tmp_path), when)
@@ -165,8 +165,8 @@ def test_the_exit_flush_waits_for_a_training_thread_between_saves_or_in_begin(tm
 def test_a_ctrl_c_while_end_hands_a_save_over_fails_it_and_nothing_waits_for_it(tmp_path, monkeypatch):
     """A Ctrl-C (or a SIGTERM handler's ``sys.exit``) landing in ``end`` after its writers were
     queued and before its copies were: the committer never got the save and its writers
-    waited for the copies, so ``wait``, ``close`` and the exit flush hung for good (a review,
-    session 28). Now the save fails (its writers on the copies that were never queued), the
+    waited for the copies, so ``wait``, ``close`` and the exit flush hung for good. Now the
+    save fails (its writers on the copies that were never queued), the
     next save commits, and ``close`` returns."""
     from deepspeed_async_ckpt.snapshot import Stager
 
@@ -210,7 +210,7 @@ def test_a_second_job_saving_into_the_same_directory_is_refused_naming_the_first
     """Two jobs given one save directory (a requeued job while the old one still runs) swept
     each other's staging directories and temporaries, and retention removed the other's
     checkpoints: both failed with unrelated-looking errors, and one's ``latest`` ended up
-    naming the other's model (found by an audit, session 19). Rank 0 now holds an exclusive
+    naming the other's model. Rank 0 now holds an exclusive
     lock on the save directory from its first save until close(); another process's first
     save there is refused, naming the holder, with nothing touched. Checkpointers of one
     process share it; loads do not take it; it goes with the process."""
@@ -259,7 +259,7 @@ def lock_held(save_dir) -> bool:
 def test_a_save_directory_is_unlocked_once_saves_go_elsewhere(tmp_path, held_copier):
     """Hugging Face Trainer saves into a new directory each time (``checkpoint-N``): the
     checkpointer kept each one's lock file open until close(), one descriptor per save, and a
-    long run failed with "Too many open files" (found by a review, session 22). A directory is
+    long run failed with "Too many open files". A directory is
     unlocked once a save begins elsewhere and none of its own is still in flight."""
     from deepspeed_async_ckpt.commit import claims as commit_module
 
@@ -286,7 +286,7 @@ def test_a_save_directory_is_unlocked_once_saves_go_elsewhere(tmp_path, held_cop
 
 
 def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses_it(tmp_path):
-    """The first version of the release above (a review found it, session 22) let a save
+    """The release above must not let a save
     elsewhere unlock a directory whose commit callback was still reading a checkpoint there
     (another job could then retire it under the callback), or whose save, begun with
     ``swap_at_commit=False`` (the Megatron adapter), was committed but not yet swapped in."""
@@ -325,7 +325,7 @@ def test_a_close_interrupted_while_a_commit_runs_keeps_the_save_directory_locked
     """Ctrl-C in ``close`` while rank 0's commit still ran (waiting for a slow rank, say): the
     save directory's lock was released after the committer's join gave up, with the commit
     still to write its manifest and pointer, so another job could start sweeping the directory
-    under it (noticed in session 19). The lock now stays until the process ends."""
+    under it. The lock now stays until the process ends."""
     from deepspeed_async_ckpt.commit import claims as commit_module
     from deepspeed_async_ckpt.core import checkpointer as checkpointer_module
     from deepspeed_async_ckpt.core import committer as committer_module
@@ -377,8 +377,7 @@ print("returning", flush=True)
 
 def test_saves_from_an_idle_pool_worker_do_not_hold_up_the_exit(tmp_path, repo_env):
     """The exit flush waiting for the training thread must not wait for a pool worker that
-    saved earlier and now idles: concurrent.futures stops it only after our hook (a review
-    of session 19's fix found every exit hanging)."""
+    saved earlier and now idles: concurrent.futures stops it only after our hook."""
     out = run_script(POOL_EXIT_SCRIPT, repo_env, str(tmp_path), timeout=60)
     assert out.returncode == 0 and "returning" in out.stdout, out.stderr
     assert (tmp_path / "latest").read_text() == "t0"
@@ -386,8 +385,8 @@ def test_saves_from_an_idle_pool_worker_do_not_hold_up_the_exit(tmp_path, repo_e
 
 def test_a_save_that_raised_in_a_pool_worker_does_not_hang_the_exit(tmp_path, repo_env):
     """A save that raised between begin and end in a ``concurrent.futures`` worker left the
-    save open, the worker idle: the exit flush waited for it to end, for ever (a review,
-    session 30). It waits only while the worker runs a task; the save is abandoned."""
+    save open, the worker idle: the exit flush waited for it to end, for ever. It waits only
+    while the worker runs a task; the save is abandoned."""
     out = run_script(POOL_EXIT_SCRIPT, repo_env, str(tmp_path), "twice", timeout=60)
     assert out.returncode == 0 and "returning" in out.stdout, (out.stdout, out.stderr[-3000:])
     assert "raised in the worker" in out.stdout
@@ -438,7 +437,7 @@ def test_a_forked_child_neither_holds_nor_shares_the_parents_save_directory_lock
     """flock belongs to the open file description, which a fork shares: the child held the
     parent's lock (the parent, re-creating its checkpointer, was refused naming itself) and
     saved into the parent's directory unrefused; fence_all() in the child raised on the
-    parent's checkpointer (a review of session 19's changes)."""
+    parent's checkpointer."""
     out = run_script(FORK_LOCK_SCRIPT, repo_env, str(tmp_path), timeout=60)
     assert out.returncode == 0, out.stderr
     assert "child refused: True" in out.stdout and "parent saved again" in out.stdout, out.stdout + out.stderr
@@ -519,8 +518,8 @@ main(sys.argv[1], sys.argv[2])
 def test_a_child_forked_during_a_save_exits_at_once_and_the_parent_commits(tmp_path, repo_env, how):
     """A DataLoader worker forked while a save was in flight inherited the exit flush: at its
     exit it waited for the parent's commit, which no thread of the child would ever make (a
-    DataLoader waited 5 s per worker and killed it; a plain fork never exited). Found by an
-    audit, session 19. In the child the checkpointer is closed: using it raises, it never hangs."""
+    DataLoader waited 5 s per worker and killed it; a plain fork never exited). In the child
+    the checkpointer is closed: using it raises, it never hangs."""
     import re
     root = str(tmp_path)
     out = run_script(FORK_SCRIPT, repo_env, root, how)

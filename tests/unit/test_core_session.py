@@ -49,8 +49,7 @@ def test_a_directory_whose_name_cannot_be_a_checkpoint_is_refused_and_nothing_is
 @pytest.mark.parametrize("text", ["../elsewhere", "s2\n", "", "sub/s2"])
 def test_a_pointer_text_that_cannot_name_a_checkpoint_is_refused_at_begin(tmp_path, text):
     """The pointer's text was written as given: ``"../elsewhere"`` was committed as `latest`,
-    and with ``keep_last=1`` retention then removed the one checkpoint it could have named
-    (a review, session 29)."""
+    and with ``keep_last=1`` retention then removed the one checkpoint it could have named."""
     ck = make(keep_last=1)
     save_one(ck, str(tmp_path), sample_state(), tag="s1")
     ck.wait()
@@ -64,7 +63,7 @@ def test_a_pointer_text_that_cannot_name_a_checkpoint_is_refused_at_begin(tmp_pa
 
 def test_a_tag_too_long_for_the_names_derived_from_it_is_refused_at_begin(tmp_path):
     """A 230-character tag saved once, but its re-save failed with a bare "File name too long"
-    (the staging and removal names add 37-38 bytes; found by a review, session 29). The
+    (the staging and removal names add 37-38 bytes). The
     longest allowed saves twice, one byte more is refused before anything is written."""
     from deepspeed_async_ckpt.commit import MAX_NAME_BYTES
 
@@ -170,8 +169,8 @@ def test_a_storage_error_of_another_kind_before_the_exchange_reaches_every_rank(
     with pytest.raises(AsyncCheckpointError, match="503 Slow Down") as info:
         ck.begin(str(tmp_path / "s1"), tag="s1")
     assert len(sent) == 1 and "503 Slow Down" in sent[0]
-    # this save's own preparation failed: not worded as an earlier save's failure (until
-    # session 19 it was, on every rank), and the checkpoint it was for is named
+    # this save's own preparation failed: not worded as an earlier save's failure (on any
+    # rank), and the checkpoint it was for is named
     assert "previous checkpoint" not in str(info.value) and "s1" in str(info.value), info.value
     other = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), rank=1,
                               world_size=2, exchange=lambda value, error, key="": (value, {0: sent[0]}))
@@ -217,8 +216,8 @@ def test_a_file_saved_outside_the_checkpoint_directory_is_refused_by_name(tmp_pa
 @pytest.mark.parametrize("mode", ["async", "sync"])
 def test_a_file_saved_twice_in_one_checkpoint_is_refused_by_name(tmp_path, mode):
     """Async, two writers wrote the same temporary name and one's rename failed (ENOENT), so
-    the checkpoint was never committed; sync, the second save silently won (a review, session
-    28). Both now refuse the second ``save`` of a path, naming it, before writing anything of
+    the checkpoint was never committed; sync, the second save silently won. Both now refuse the
+    second ``save`` of a path, naming it, before writing anything of
     it; the checkpoint committed before stays ``latest``."""
     ck = make(mode=mode)
     save_one(ck, str(tmp_path), {"w": torch.ones(4)}, tag="good", eager=())
@@ -239,7 +238,7 @@ def test_a_file_saved_twice_in_one_checkpoint_is_refused_by_name(tmp_path, mode)
 def test_a_save_whose_directory_cannot_be_made_leaves_nothing_waiting_and_can_be_retried(tmp_path):
     """``save`` listed a file's items in the save before making its directory: when that
     failed, they were never issued and ``handle.wait_staged()`` never returned, and the path
-    counted as saved, so a retry was refused (a review, session 30)."""
+    counted as saved, so a retry was refused."""
 
     class NoSubdir(LocalStorage):
         refuse = True
@@ -271,7 +270,7 @@ def test_a_save_whose_directory_cannot_be_made_leaves_nothing_waiting_and_can_be
 def test_a_shared_file_whose_directory_cannot_be_made_stays_saved(tmp_path):
     """With replicas writing a file in shares, they met (a collective) before its directory
     is made: a retry on one rank would wait for the others there, so it is refused at once as
-    "already saved", as before session 30 (a review of that session's fix)."""
+    "already saved"."""
     from deepspeed_async_ckpt.core import Replicas
 
     class TwoReplicas(Replicas):  # rank 0 of 2, the other agreeing

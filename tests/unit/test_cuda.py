@@ -69,7 +69,7 @@ def test_cuda_copies_see_kernels_queued_before_the_save(tmp_path, mode):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA: copy stream")
 @pytest.mark.parametrize("change,error", [
     (lambda w: w.add_(1), "changed in place after the save"),  # no fence_all() first
-    # session 29's storage check: resize_(0) of a device storage (the process lives)
+    # the storage check: resize_(0) of a device storage (the process lives)
     (lambda w: w.untyped_storage().resize_(0), "storage was freed, resized or replaced after the save"),
 ], ids=["in_place", "storage_freed"])
 def test_cuda_a_tensor_changed_before_its_copy_is_issued_fails_the_save(tmp_path, held_copier, change, error):
@@ -94,7 +94,7 @@ def test_cuda_a_tensor_changed_before_its_copy_is_issued_fails_the_save(tmp_path
 def test_cuda_strided_tensors_keep_their_layout_through_the_copy_stream(tmp_path, mode):
     """The CPU test of strided records above, with CUDA tensors copied by the copy stream into
     the pinned pool: a record is the storage span seen through ``as_strided``, which the copy
-    reads from device memory (session 29's change, not run on a GPU that session)."""
+    reads from device memory, which only a GPU run exercises."""
     dev = torch.device("cuda")
     base = torch.arange(24, dtype=torch.float32, device=dev)
     state = {

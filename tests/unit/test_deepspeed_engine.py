@@ -38,7 +38,7 @@ def test_deepspeed_node_local_storage_across_nodes_is_a_config_error():
 def test_node_local_storage_across_nodes_is_refused_whatever_the_launcher(monkeypatch, env, hosts, refused):
     """The check read torchrun's LOCAL_WORLD_SIZE only, defaulting to the world size: under
     DeepSpeed's own launcher (LOCAL_SIZE), mpirun or srun, node-local storage across nodes was
-    accepted and every commit then waited commit_timeout_s and failed (found by an audit)."""
+    accepted and every commit then waited commit_timeout_s and failed."""
     import torch.distributed as dist
 
     from deepspeed_async_ckpt.errors import ConfigError
@@ -72,7 +72,7 @@ def test_node_local_storage_across_nodes_is_refused_whatever_the_launcher(monkey
 def test_deepspeed_tags_that_are_not_one_plain_name_are_refused(tmp_path, tag):
     """A tag names the checkpoint's directory in ``save_dir`` and ``latest`` holds it: "a/b"
     and "../escape" (outside ``save_dir``) are refused, with ``save_latest`` or without, as
-    well as the names the core refuses; nothing is written. Since session 28 also control
+    well as the names the core refuses; nothing is written. Also refused: control
     characters and whitespace at either end (``latest``'s readers strip it: "global_step10\n"
     was committed and then loaded as "global_step10", " " as the save directory itself), and
     the pointers' own names ("latest" made every later save fail at its commit)."""
@@ -92,8 +92,8 @@ def test_deepspeed_tags_that_are_not_one_plain_name_are_refused(tmp_path, tag):
 
 def test_a_ctrl_c_in_a_sync_deepspeed_saves_end_still_joins_the_exchange(tmp_path, monkeypatch):
     """Sync mode: the other ranks wait for this one in the exchange that ends a DeepSpeed save;
-    a Ctrl-C in its commit left them there until the process group timed out (found by a
-    review, session 20). It joins the exchange with the interrupt, then raises it."""
+    a Ctrl-C in its commit left them there until the process group timed out. It joins the
+    exchange with the interrupt, then raises it."""
     from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
 
     from deepspeed_async_ckpt.integrations.deepspeed import engine as deepspeed_engine
@@ -122,7 +122,7 @@ def test_fence_all_and_the_hybrid_engines_lora_fusion_come_before_an_in_place_ed
     step: DeepSpeed's hybrid engine fuses LoRA products into the frozen weights in generate()
     (``_fuse_lora_layer``: ``weight.data += scaling * A @ B``), a user swaps EMA weights in for
     an evaluation. Only the optimizer step waited for the save's lazy copies, so the edit
-    reached the file (a reviewer's run: off by 0.5, also after a resume). The patched fusion
+    would reach the file (off by 0.5 here, also after a resume). The patched fusion
     and ``fence_all()`` fence first; the copier is held until a fence here."""
     from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
 

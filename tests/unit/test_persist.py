@@ -25,8 +25,8 @@ from helpers import _ref, make, sample_state, save_one
 
 def test_a_torch_whose_zip_writer_takes_no_alignment_is_refused_at_construction(monkeypatch):
     """setup.py said torch>=2.4, but the zip writer's storage-alignment argument this engine
-    passes is newer: on such a torch every save failed with a TypeError from the writer thread
-    (found by an audit, session 19). It is refused when the checkpointer is made, naming torch."""
+    passes is newer: on such a torch every save failed with a TypeError from the writer thread.
+    It is refused when the checkpointer is made, naming torch."""
     class OldWriter:  # torch._C.PyTorchFileWriter before its storage_alignment argument
         def __init__(self, f, compute_crc32=True):
             pass
@@ -57,8 +57,8 @@ def test_packed_file_is_checksummed_per_archive_and_a_partial_load_checks_only_w
     """Each archive of a packed file (with the padding before it) has its own checksum, the
     segments covering the file end to end: a load that reads some archives (megatron-core's
     without the optimizer state) hashes only those, and a flipped byte elsewhere is found by
-    the full check, naming its range. Earlier versions gave a packed file one checksum, so such
-    a load hashed every optimizer byte too."""
+    the full check, naming its range. With one checksum for the whole packed file such a load
+    would hash every optimizer byte too."""
     from deepspeed_async_ckpt.commit import verify as commit_mod
 
     torch.manual_seed(2)

@@ -23,8 +23,8 @@ from helpers import _steps, cli_main, listing, make, sample_state, save_one
 
 def test_retention_futures_do_not_pile_up_after_one_retention_bug(tmp_path):
     """After one retention raised (a user's ``keep``, say), every later retention future was
-    kept until someone called wait(): a loop that never waits held all of them (found by an
-    audit, session 19). The one error is still raised once."""
+    kept until someone called wait(): a loop that never waits held all of them. The one error
+    is still raised once."""
     boom = {"on": True}
 
     def keep(name):
@@ -87,8 +87,8 @@ def test_keep_last_never_removes_the_checkpoint_the_pointer_names_after_the_cloc
         tmp_path, monkeypatch):
     """Retention orders checkpoints by the manifest's ``committed_at`` (rank 0's wall clock).
     After the clock stepped back, a pass that ran behind the commits (its thread busy with a
-    slow deletion) removed the checkpoint ``latest`` had just moved to, and kept a stale one:
-    a review's reproduction, session 28."""
+    slow deletion) must not remove the checkpoint ``latest`` has just moved to and keep a
+    stale one."""
     import types
 
     import deepspeed_async_ckpt.commit as commit_mod
@@ -127,7 +127,7 @@ def test_keep_last_counts_tags_that_start_with_a_dot(tmp_path, caplog):
     """DeepSpeed takes ``tag=".last"`` and so does :func:`check_name` (only this engine's own
     names, starting with ``.async_ckpt``, are refused), but retention skipped every name
     starting with a dot: such checkpoints were never removed, and each commit warned that it
-    was "not a committed checkpoint" (found by an audit, session 18). Hidden directories that
+    was "not a committed checkpoint". Hidden directories that
     are not checkpoints of this engine are still left alone."""
     (tmp_path / ".git" / "objects").mkdir(parents=True)
     (tmp_path / ".git" / "objects" / "x").write_text("y")
@@ -144,7 +144,7 @@ def test_keep_last_counts_tags_that_start_with_a_dot(tmp_path, caplog):
 def test_retention_for_a_checkpoint_an_earlier_pass_removed_says_nothing(tmp_path, caplog):
     """Saves committing faster than retention runs: a queued pass for a checkpoint that an
     earlier pass already removed warned that it "is not a committed checkpoint" (136 times in
-    150 saves; found by an audit, session 19). A directory there that never committed still
+    150 saves). A directory there that never committed still
     warns."""
     import logging
     import threading as _threading
@@ -168,7 +168,7 @@ def test_retention_for_a_checkpoint_an_earlier_pass_removed_says_nothing(tmp_pat
 def test_keep_last_leaves_a_checkpoint_saved_without_moving_the_pointer(tmp_path, capsys):
     """DeepSpeed's ``save_checkpoint(d, tag="best", save_latest=False)``, the usual way to keep
     the best model aside: with ``keep_last``, the next saves' retention removed it like any
-    older checkpoint (found by an audit, session 19). Such a save is begun with
+    older checkpoint. Such a save is begun with
     ``rotation=False`` (the DeepSpeed plugin passes ``save_latest``): never counted, never
     removed; saved again in the rotation, it joins it."""
     root = str(tmp_path)
@@ -356,7 +356,7 @@ def test_a_tag_that_was_a_symbolic_link_is_replaced_and_retention_goes_on(tmp_pa
 
 def test_keep_last_keeps_a_checkpoint_a_symbolic_link_names(tmp_path, capsys):
     """``ln -s global_step1 best`` in the save directory: retention removed global_step1 like
-    any older checkpoint and left ``best`` dangling (noticed in session 19). A checkpoint a
+    any older checkpoint and left ``best`` dangling. A checkpoint a
     link in the save directory names now stays while the link does; ``list`` shows the link
     and what it keeps. Links elsewhere, or dangling, change nothing."""
     root = str(tmp_path)

@@ -308,7 +308,7 @@ def test_host_pool_is_huge_pages_and_not_inherited_by_fork():
 def test_a_reservation_whose_thread_cannot_start_leaves_the_first_save_to_allocate(monkeypatch):
     """``reserve`` marked the pool as being reserved before it started its thread; a thread
     that could not start ("can't start new thread") left that mark, and every save then
-    waited for a block that never came (a review, session 28)."""
+    waited for a block that never came."""
     pool = HostBufferPool(1 << 20, pin=False)
     start = threading.Thread.start
 
@@ -329,7 +329,7 @@ def test_a_reservation_whose_thread_cannot_start_leaves_the_first_save_to_alloca
 def test_eager_copies_of_saves_in_flight_are_bounded_by_the_pool_size(tmp_path):
     """Eager copies (``client_state``, module buffers) are made outside the pool, and nothing
     held them back: saves every step against a slow disk piled up one host copy per save (12
-    in flight, +231 MB, in a review's run, session 29). Now a save whose eager copies would
+    in flight, +231 MB). Now a save whose eager copies would
     take the earlier saves' over ``host_buffer_gb`` waits in ``save`` for them to be written;
     every checkpoint still holds its own values."""
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01),

@@ -101,7 +101,7 @@ def test_a_save_whose_staging_failed_raises_once_though_a_fence_split_it(tmp_pat
     """A fence inside the open save (``fence_all`` from an eval thread) raised its staging
     error; the save went on (a later file, ``end``) and the next fence raised a second
     ``SnapshotError`` for the same save: errors were dropped per submit, and a save submits at
-    every such fence (a review, session 29). The rest of a failed save is not copied."""
+    every such fence. The rest of a failed save is not copied."""
     ck = make(gb=1 / 1024)  # 1 MiB: a 2 MiB tensor fails to stage
     big = torch.randn(2**19)
     d = str(tmp_path / "t")
@@ -125,8 +125,8 @@ def test_a_save_whose_staging_failed_raises_once_though_a_fence_split_it(tmp_pat
 @pytest.mark.parametrize("change", ["free", "grow"])
 def test_a_storage_freed_or_resized_before_its_copy_fails_the_save_not_the_process(tmp_path, held_copier, change):
     """``untyped_storage().resize_(0)`` (how FSDP-style code frees a parameter) moves no
-    version counter: the copier read the freed memory and the process died with a segfault
-    (a review, session 29). The storage is checked as the version is."""
+    version counter: the copier read the freed memory and the process died with a segfault. The
+    storage is checked as the version is."""
     weight = torch.randn(1000)
     ck = make()
     held_copier.clear()
@@ -231,7 +231,7 @@ def test_a_lazy_tensor_changed_in_place_before_its_copy_fails_the_save_not_silen
 def test_parameters_in_a_state_are_copied_lazily_and_checked_like_their_detached_tensors(tmp_path, held_copier):
     """An ``nn.Parameter`` in a state (``state_dict(keep_vars=True)``) was reduced through
     ``p.data``, a new tensor each time, never among the lazy ones: copied before ``save``
-    returned, a stall the same weights as detached tensors do not cost (found by a reviewer).
+    returned, a stall the same weights as detached tensors do not cost.
     Its data is now copied lazily, and an in-place change before its copy fails the save as
     for any lazy tensor; it still loads as an ``nn.Parameter``."""
     release = held_copier
@@ -266,10 +266,10 @@ def test_parameters_in_a_state_are_copied_lazily_and_checked_like_their_detached
 def test_a_fence_on_another_thread_during_a_save_or_its_end_loses_and_doubles_nothing(tmp_path, monkeypatch):
     """``fence_all`` on another thread (an eval thread about to swap in EMA weights) seals the
     open save's files and copies while the training thread may still be adding to them, or
-    sealing them itself in ``end``. Until session 28 the fence handed a snapshot of the lists
-    to the copier and then emptied them: a file saved meanwhile kept its writer waiting for
-    copies never queued (the save never committed, ``wait`` and ``close`` never returned),
-    and a fence during ``end`` gave one file to two writers."""
+    sealing them itself in ``end``. A fence that handed a snapshot of the lists to the copier
+    and then emptied them would leave a file saved meanwhile with its writer waiting for
+    copies never queued (the save never commits, ``wait`` and ``close`` never return), and a
+    fence during ``end`` would give one file to two writers."""
     from deepspeed_async_ckpt.core import fence_all
     from deepspeed_async_ckpt.snapshot import Stager
 
@@ -346,7 +346,7 @@ def test_a_staging_error_is_raised_by_one_fence_and_the_next_save_goes_on(tmp_pa
 def test_a_failed_save_is_raised_by_one_fence_however_many_of_its_records_failed(tmp_path, cause, held_copier):
     """Each failed record of a save raised at its own fence: a save whose every weight was
     changed before its copy (an EMA swap without fence_all(), say) raised at as many
-    optimizer steps as it had records (found by a reviewer), and a loop that caught the
+    optimizer steps as it had records, and a loop that caught the
     error skipped a step each time. The first fence raises; the save's other records, in
     every file, are not waited for by a fence again; wait() reports the save."""
     release = held_copier
@@ -378,8 +378,8 @@ def test_a_failed_save_is_raised_by_one_fence_however_many_of_its_records_failed
 def test_a_ctrl_c_between_the_fences_claim_and_its_copy_fails_the_save_not_the_next_fence(tmp_path, monkeypatch):
     """The fence claimed an item to copy from the back of the queue, then a Ctrl-C landed
     before the copy began: the copier skips claimed items, so the item was never issued, and
-    the next fence (the next optimizer step), ``wait`` and the exit flush waited for good (a
-    review, session 28). The item now fails: the save is not committed, the next fence
+    the next fence (the next optimizer step), ``wait`` and the exit flush waited for good. The
+    item now fails: the save is not committed, the next fence
     raises that once, and the next save commits."""
     from deepspeed_async_ckpt.snapshot import Stager
 
@@ -420,7 +420,7 @@ def test_ctrl_c_while_the_training_thread_copies_is_a_keyboard_interrupt(tmp_pat
     """Ctrl-C landing while the training thread copies (a sync save; the fence helping the
     copier) was caught with the copy's errors and came back as a SnapshotError or PersistError
     with an empty reason: ``except KeyboardInterrupt`` handlers never ran, and loops catching
-    ``Exception`` trained on (found by an audit, session 19). The save is still abandoned
+    ``Exception`` trained on. The save is still abandoned
     cleanly: the previous checkpoint stays, the next save commits."""
     from deepspeed_async_ckpt import snapshot
 
@@ -464,8 +464,7 @@ def test_ctrl_c_while_the_training_thread_copies_is_a_keyboard_interrupt(tmp_pat
 
 def test_saves_waited_for_without_a_fence_leave_nothing_queued_for_one(tmp_path):
     """A loop that saves and waits but never fences (evaluation, the end of an epoch) kept
-    every lazy item of every save queued for a fence that never came (200 after 20 saves;
-    found by an audit, session 19)."""
+    every lazy item of every save queued for a fence that never came (200 after 20 saves)."""
     ck = make()
     for step in range(20):
         save_one(ck, str(tmp_path), {f"w{i}": torch.randn(64) for i in range(10)}, tag=f"t{step}", eager=())
@@ -477,8 +476,7 @@ def test_saves_waited_for_without_a_fence_leave_nothing_queued_for_one(tmp_path)
 
 def test_a_staging_error_reported_by_wait_is_not_raised_again_by_a_later_fence(tmp_path):
     """The order the existing test does not take: wait() raises a save's staging failure
-    first; a later save commits; the next fence raised the old failure again (found by an
-    audit, session 19)."""
+    first; a later save commits; the next fence raised the old failure again."""
     ck = make(gb=64 * 1024 / 1024**3)
     save_one(ck, str(tmp_path), {"w": torch.zeros(32 * 1024)}, tag="big", eager=())  # > pool
     with pytest.raises(PersistError, match="big/model.pt"):

@@ -49,7 +49,7 @@ def _direct_file_or_skip(path):
 @pytest.mark.parametrize("code", [errno.EINVAL, errno.EOPNOTSUPP])
 def test_a_filesystem_refusing_o_direct_at_open_gets_buffered_writes(tmp_path, monkeypatch, code):
     """Some FUSE and network filesystems refuse ``O_DIRECT`` with EOPNOTSUPP, not EINVAL: that
-    failed every save instead of falling back to buffered writes (a review, session 30)."""
+    failed every save instead of falling back to buffered writes."""
     from deepspeed_async_ckpt import storage
     from deepspeed_async_ckpt.storage.direct import O_DIRECT
 
@@ -78,8 +78,7 @@ def test_a_filesystem_refusing_o_direct_at_open_gets_buffered_writes(tmp_path, m
 def test_a_direct_file_whose_stage_cannot_be_mapped_closes_its_descriptor(tmp_path, monkeypatch, at):
     """``open_write`` opened the file with O_DIRECT and then mapped the file's 8 MiB staging
     buffer; when that failed (ENOMEM) the descriptor was never closed, and the failed save's
-    unlinked temporary kept its disk space and a descriptor until the process exited (a
-    review, session 30)."""
+    unlinked temporary kept its disk space and a descriptor until the process exited."""
     from deepspeed_async_ckpt.storage import direct
 
     _direct_file_or_skip(tmp_path / "probe").close()
@@ -104,7 +103,7 @@ def test_ctrl_c_while_a_direct_file_closes_never_closes_the_fd_under_a_write(tmp
     """Closing a DirectFile joins its I/O thread, then closes the descriptor. Ctrl-C landing
     in the join (a sync save runs on the training thread) went straight to ``os.close`` while
     the I/O thread could still ``pwritev`` to that descriptor number, which another open may
-    reuse at once: checkpoint bytes into an unrelated file (found by an audit, session 19)."""
+    reuse at once: checkpoint bytes into an unrelated file."""
     import mmap
 
     f = _direct_file_or_skip(tmp_path / "f")

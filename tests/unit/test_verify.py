@@ -100,7 +100,7 @@ def test_a_rank_with_nothing_to_load_still_takes_part_in_the_check(tmp_path):
     """DeepSpeed's ``load_checkpoint`` reads ``latest`` on each rank; a rank that found none
     skipped the collective check while one that read it just after another job's first commit
     joined it and waited for good. With nothing to load, a rank now joins with an empty key:
-    the exchange sees the keys differ and every rank raises (a review, session 29)."""
+    the exchange sees the keys differ and every rank raises."""
     keys = []
 
     def exchange(value, error, key=""):
@@ -151,7 +151,7 @@ def test_a_damaged_file_three_directories_down_fails_verification(tmp_path):
     """A file saved in a subdirectory of the checkpoint is listed in its manifest; damaged, it
     must fail verification and loading, however deep it lies. Three directories down, the
     checkpoint was not found (two parents were looked at), the file taken for a stranger's and
-    loaded unchecked (found by an audit)."""
+    loaded unchecked."""
     root = str(tmp_path)
     d = os.path.join(root, "t")
     ck = make(mode="sync")
@@ -176,7 +176,7 @@ def test_a_damaged_file_three_directories_down_fails_verification(tmp_path):
 def test_a_failed_verification_undoes_an_earlier_pass(tmp_path):
     """verify_all_ranks passed, a file was damaged afterwards, and a second verify_all_ranks
     refused the checkpoint: the first pass still counted, so a direct load() of the damaged
-    file skipped its check and loaded it (found by an audit)."""
+    file skipped its check and loaded it."""
     ck = make()
     save_one(ck, str(tmp_path), sample_state())
     ck.wait()
