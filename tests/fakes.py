@@ -1,8 +1,12 @@
-"""Storage fakes shared by the tests: ``LocalStorage`` with one fault injected each (a full
-disk, a slow disk, a failing commit step, no rename exchange, a failing record)."""
+"""Storage fakes shared by the tests: ``LocalStorage`` with one fault injected or one kind of
+call recorded each. Faults: a disk that fills up (after a byte budget, for ``.pt`` files, for
+small commit files), a slow disk, writes held until released, a failing commit step, no rename
+exchange, a failing rank record, failing listings, directories that cannot be made. Records:
+directory syncs and renames in order, listings counted."""
 
 import errno
 import os
+import threading
 import time
 
 from deepspeed_async_ckpt.commit import META_DIR
@@ -105,7 +109,7 @@ class NoExchangeFailingRename(LocalStorage):
         super().replace(src, dst, durable=durable)
 
 
-class _RecordFails(LocalStorage):
+class RecordFailing(LocalStorage):
     """Rank 1's files are written; its record (the small file rank 0 waits for) is not."""
 
     def write_small(self, path, data, *, durable=True):
@@ -114,7 +118,7 @@ class _RecordFails(LocalStorage):
         return super().write_small(path, data, durable=durable)
 
 
-class _FullDisk(LocalStorage):
+class FullDisk(LocalStorage):
     """Every ``.pt`` file's open fails with ENOSPC while ``full``."""
 
     full = False
@@ -123,3 +127,83 @@ class _FullDisk(LocalStorage):
         if self.full and ".pt" in os.path.basename(path):
             raise OSError(errno.ENOSPC, "No space left on device", path)
         return super().open_write(path)
+
+
+class SmallFileFull(LocalStorage):
+    """The small commit files (rank records, manifest, pointer) whose names start with
+    ``prefix`` fail with ENOSPC, left behind empty, as a full disk leaves them."""
+
+    def __init__(self, prefix):
+        super().__init__()
+        self.prefix = prefix
+
+    def write_small(self, path, data, *, durable=True):
+        if os.path.basename(path).startswith(self.prefix):
+            open(path, "wb").close()  # created, then the write fails, as on a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().write_small(path, data, durable=durable)
+
+
+class HeldWrites(FailingStorage):
+    """Every checkpoint data file's open waits (30 s at most) until ``released`` is set, so
+    saves stay in flight while a test acts."""
+
+    def __init__(self, budget=10**9):
+        super().__init__(budget)
+        self.released = threading.Event()
+
+    def open_write(self, path):
+        if f"/{META_DIR}/" not in path:
+            self.released.wait(30)
+        return super().open_write(path)
+
+
+class ListingFailing(LocalStorage):
+    """Every directory listing fails with EIO (rank 0's commit lists the ranks' records)."""
+
+    def listdir(self, path):
+        raise OSError(errno.EIO, "Input/output error", path)
+
+
+class CountingListings(LocalStorage):
+    """Counts directory listings in ``listings`` (a commit polls for records by listing)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.listings = 0
+
+    def listdir(self, path):
+        self.listings += 1
+        return super().listdir(path)
+
+
+class MakedirsRefused(LocalStorage):
+    """Making a directory whose path ends with ``suffix`` fails with EACCES while ``refuse``."""
+
+    def __init__(self, suffix="sub"):
+        super().__init__()
+        self.suffix, self.refuse = suffix, True
+
+    def makedirs(self, path, *args, **kwargs):
+        if self.refuse and path.endswith(self.suffix):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return super().makedirs(path, *args, **kwargs)
+
+
+class RecordingStorage(LocalStorage):
+    """Records in ``events``, in order and with absolute paths, ``("sync", directory)`` for
+    each directory fsync (a durable rename's included) and ``("rename", destination)``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events = []
+
+    def sync_dir(self, path):
+        self.events.append(("sync", os.path.abspath(path)))
+        super().sync_dir(path)
+
+    def replace(self, src, dst, *, durable=True):
+        super().replace(src, dst, durable=durable)
+        if durable:  # fsyncs dst's directory
+            self.events.append(("sync", os.path.dirname(os.path.abspath(dst))))
+        self.events.append(("rename", os.path.abspath(dst)))

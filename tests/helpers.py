@@ -19,10 +19,13 @@ def listing(path) -> list[str]:
 
 
 def make(mode="async", gb=0.01, **kw):
+    """An enabled checkpointer in ``mode`` with a ``gb`` GB host pool; ``kw``: more config fields."""
     return AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, host_buffer_gb=gb, **kw))
 
 
 def sample_state():
+    """A small DeepSpeed-like state: tied views, a bf16 and a non-contiguous tensor, optimizer
+    state, plain values, an empty tensor (seeded: the same values at every call)."""
     torch.manual_seed(0)
     flat = torch.randn(4096)
     return {
@@ -48,13 +51,15 @@ def held_copier(monkeypatch):
 
 
 def save_one(ck, root, state, tag="t1", eager=("client",)):
+    """Save ``state`` as ``root/tag/model.pt`` with ``root/latest`` as its pointer; the handle."""
     d = os.path.join(root, tag)
     ck.begin(d, tag=tag, pointer=Pointer(os.path.join(root, "latest"), tag))
     ck.save(state, os.path.join(d, "model.pt"), eager_keys=eager)
     return ck.end()
 
 
-def _ref(tmp_path, state):
+def torch_save_reference(tmp_path, state):
+    """``state`` written by ``torch.save`` to ``tmp_path/ref.pt``, to compare files against."""
     path = tmp_path / "ref.pt"
     torch.save(state, path)
     return path
@@ -82,7 +87,8 @@ class Crash(BaseException):
     """Stands for the process dying at this point (nothing after it runs)."""
 
 
-def _steps(path):
+def saved_steps(path):
+    """The ``global_steps`` a saved ``model.pt`` holds."""
     return torch.load(path, weights_only=False)["global_steps"]
 
 
@@ -99,7 +105,8 @@ def save_like_deepspeed(ck, root, state, tag):
     return handle
 
 
-def _flip_byte(path, at=None):
+def flip_byte(path, at=None):
+    """Flip the lowest bit of the byte at offset ``at`` of ``path`` (its middle by default)."""
     with open(path, "r+b") as f:
         f.seek(os.path.getsize(path) // 2 if at is None else at)
         byte = f.read(1)
@@ -108,12 +115,13 @@ def _flip_byte(path, at=None):
 
 
 def cli_main(argv):
+    """``ds-async-ckpt`` with ``argv``, in this process; its exit code."""
     from deepspeed_async_ckpt.tools.cli import main
 
     return main(argv)
 
 
-def _denied(monkeypatch, module, name, denied):
+def deny_access(monkeypatch, module, name, denied):
     """``module.name`` (``open``, ``os.listdir``) raising PermissionError for paths ``denied``
     accepts, as for another user's checkpoint (tests run as root, whom modes do not stop)."""
     real = getattr(module, name, None) or open
@@ -126,7 +134,8 @@ def _denied(monkeypatch, module, name, denied):
     monkeypatch.setattr(module, name, fake, raising=False)
 
 
-def _save_to(ck, save_dir, tag):
+def save_small(ck, save_dir, tag):
+    """Save 16 random floats as ``save_dir/tag/model.pt``, ``save_dir/latest`` its pointer."""
     d = os.path.join(save_dir, tag)
     ck.begin(d, tag=tag, pointer=Pointer(os.path.join(save_dir, "latest"), tag))
     ck.save({"w": torch.randn(16)}, os.path.join(d, "model.pt"))

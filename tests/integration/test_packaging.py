@@ -1,6 +1,5 @@
 """How the package installs: what a source distribution carries."""
 
-import os
 import shutil
 import subprocess
 import sys

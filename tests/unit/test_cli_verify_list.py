@@ -11,7 +11,7 @@ import torch
 from deepspeed_async_ckpt.commit import META_DIR, read_manifest, verify_checkpoint
 from deepspeed_async_ckpt.errors import IntegrityError
 
-from helpers import _denied, cli_main, make, sample_state, save_one
+from helpers import cli_main, deny_access, make, sample_state, save_one
 
 
 def test_verify_cli_follows_pointer_and_reports_corruption(tmp_path, capsys):
@@ -186,7 +186,7 @@ def test_verify_with_an_unreadable_manifest_exits_with_a_message(tmp_path, capsy
     ck = make()
     save_one(ck, str(tmp_path), sample_state())
     ck.close()
-    _denied(monkeypatch, commit, "open", lambda path: path.endswith("manifest.json"))
+    deny_access(monkeypatch, commit, "open", lambda path: path.endswith("manifest.json"))
     assert cli_main(["verify", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot read checkpoint") and "Permission denied" in err, err
@@ -202,7 +202,7 @@ def test_verify_with_a_data_file_the_user_may_not_read_is_not_called_corrupt(tmp
     save_one(ck, str(tmp_path), sample_state())
     ck.close()
     with monkeypatch.context() as m:
-        _denied(m, checksum, "open", lambda path: path.endswith("model.pt"))
+        deny_access(m, checksum, "open", lambda path: path.endswith("model.pt"))
         assert cli_main(["verify", str(tmp_path)]) == 2
         err = capsys.readouterr().err
         assert err.startswith("error: cannot read checkpoint") and "Permission denied" in err, err
@@ -219,7 +219,7 @@ def test_verify_of_a_checkpoint_the_user_may_not_enter_says_so(tmp_path, capsys,
     ck = make()
     save_one(ck, str(tmp_path), sample_state())
     ck.close()
-    _denied(monkeypatch, os, "stat", lambda path: path.startswith(str(tmp_path / "t1") + os.sep))
+    deny_access(monkeypatch, os, "stat", lambda path: path.startswith(str(tmp_path / "t1") + os.sep))
     assert cli_main(["verify", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot read checkpoint") and "Permission denied" in err, err
@@ -236,11 +236,11 @@ def test_list_with_an_unreadable_directory_exits_with_a_message(tmp_path, capsys
     save_one(ck, str(tmp_path), sample_state())
     ck.close()
     (tmp_path / "t2" / META_DIR).mkdir(parents=True)  # partial
-    _denied(monkeypatch, os, "listdir", lambda path: path == str(tmp_path / "t2" / META_DIR))
+    deny_access(monkeypatch, os, "listdir", lambda path: path == str(tmp_path / "t2" / META_DIR))
     assert cli_main(["list", "--json", str(tmp_path)]) == 0
     rows = {row["name"]: row for row in json.loads(capsys.readouterr().out)}
     assert rows["t1"]["state"] == "committed" and rows["t2"]["state"] == "damaged", rows
-    _denied(monkeypatch, os, "listdir", lambda path: path == str(tmp_path))
+    deny_access(monkeypatch, os, "listdir", lambda path: path == str(tmp_path))
     assert cli_main(["list", str(tmp_path)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: cannot list the save directory") and "Permission denied" in err, err

@@ -18,8 +18,8 @@ from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.errors import AsyncCheckpointError, CommitError, IntegrityError
 from deepspeed_async_ckpt.storage import LocalStorage
 
-from fakes import FailingAfter, NoExchangeFailingRename
-from helpers import _steps, listing, make, sample_state, save_one
+from fakes import CountingListings, FailingAfter, ListingFailing, NoExchangeFailingRename, RecordingStorage
+from helpers import listing, make, sample_state, save_one, saved_steps
 
 
 @pytest.mark.parametrize("tag, where, in_place", [
@@ -54,11 +54,11 @@ def test_a_failure_after_the_checkpoint_is_in_place_says_so(tmp_path, tag, where
         assert "did not complete" in message and "is committed and in place, and" in message, message
         assert "a crash may undo it" in message and "not committed" not in message, message
         assert (tmp_path / "latest").read_text() == tag
-        assert _steps(tmp_path / tag / "model.pt") == 9
+        assert saved_steps(tmp_path / tag / "model.pt") == 9
         assert ck._retention.pointed[str(tmp_path)] == str(tmp_path / tag)  # retention keeps it
     else:
         assert "was not committed (the last committed one is intact)" in message, message
-        assert (tmp_path / "latest").read_text() == "t1" and _steps(tmp_path / "t1" / "model.pt") == 5
+        assert (tmp_path / "latest").read_text() == "t1" and saved_steps(tmp_path / "t1" / "model.pt") == 5
     save_one(ck, str(tmp_path), sample_state(), tag="t3")  # the next save commits, retention runs
     ck.wait()
     assert (tmp_path / "latest").read_text() == "t3"
@@ -87,7 +87,7 @@ def test_failures_after_the_manifest_that_leave_the_checkpoint_unfinished_or_bes
         ck.wait()
     storage.fail = False
     ck.recover(str(tmp_path))
-    assert _steps(tmp_path / "t" / "model.pt") == 9
+    assert saved_steps(tmp_path / "t" / "model.pt") == 9
     # finished by its caller: a staged, unswapped save whose parent fsync fails is not in place
     failing = FailingAfter()
     ck2 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=failing)
@@ -119,7 +119,7 @@ def test_failures_after_the_manifest_that_leave_the_checkpoint_unfinished_or_bes
         ck2.wait()
     assert not isinstance(raised.value, DurabilityError), raised.value
     assert "not committed" in str(raised.value)
-    assert _steps(os.path.join(d, "model.pt")) == 5 and not handle.committed
+    assert saved_steps(os.path.join(d, "model.pt")) == 5 and not handle.committed
     del failing.sync_dir
     ck2.close()
     ck.close()
@@ -157,11 +157,7 @@ def test_a_commit_failing_with_an_os_error_removes_the_shares_temporaries_too(tm
     rename, the listing of the records) left the shares' temporaries."""
     from deepspeed_async_ckpt.storage import temporary_path
 
-    class ListingFails(LocalStorage):
-        def listdir(self, path):
-            raise OSError(errno.EIO, "Input/output error", path)
-
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=ListingFails())
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=ListingFailing())
     d = str(tmp_path / "t")
     handle = ck.begin(d, tag="t", pointer=Pointer(str(tmp_path / "latest"), "t"))
     ck.save({"w": torch.randn(64)}, os.path.join(d, "model.pt"))
@@ -232,20 +228,9 @@ def test_a_committed_checkpoints_own_entry_is_durable_without_a_pointer_beside_i
     ``save_latest=False``) or one elsewhere, nothing did: a power loss after the commit could
     lose the directory a caller was told is committed."""
     root = str(tmp_path / "save")
-    synced = []
-
-    class Recording(LocalStorage):
-        def sync_dir(self, path):
-            synced.append(os.path.abspath(path))
-            super().sync_dir(path)
-
-        def replace(self, src, dst, *, durable=True):  # durable: fsyncs dst's directory
-            if durable:
-                synced.append(os.path.dirname(os.path.abspath(dst)))
-            super().replace(src, dst, durable=durable)
-
+    storage = RecordingStorage()
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01),
-                           storage=Recording())
+                           storage=storage)
     d = os.path.join(root, "t1")
     where = {"none": None, "elsewhere": Pointer(str(tmp_path / "latest"), "t1"),
              "beside": Pointer(os.path.join(root, "latest"), "t1")}[pointer]
@@ -253,6 +238,7 @@ def test_a_committed_checkpoints_own_entry_is_durable_without_a_pointer_beside_i
     ck.save(sample_state(), os.path.join(d, "model.pt"))
     assert ck.end().committed
     ck.close()
+    synced = [path for kind, path in storage.events if kind == "sync"]
     assert os.path.abspath(root) in synced, synced  # "beside": by the pointer's replace
     if pointer == "beside":
         assert (tmp_path / "save" / "latest").read_text() == "t1"
@@ -269,32 +255,21 @@ def test_every_directory_made_for_a_save_is_durable_in_its_parent_before_the_poi
     the checkpoint directory itself when all its files were in subdirectories): a power loss
     after the commit could take back a checkpoint reported committed, while rotation had
     removed the older ones."""
-    events = []
-
-    class Recording(LocalStorage):
-        def sync_dir(self, path):
-            events.append(("sync", os.path.abspath(path)))
-            super().sync_dir(path)
-
-        def replace(self, src, dst, *, durable=True):
-            super().replace(src, dst, durable=durable)
-            if durable:  # fsyncs dst's directory
-                events.append(("sync", os.path.dirname(os.path.abspath(dst))))
-            events.append(("rename", os.path.abspath(dst)))
-
     out = tmp_path / "out"
     out.mkdir()
     save_dir = out / "runs" / "checkpoint-10"
     if save_dir_made_by_caller:
         os.makedirs(save_dir)
     d = save_dir / "global_step10"
+    storage = RecordingStorage()
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, host_buffer_gb=0.01),
-                           storage=Recording())
+                           storage=storage)
     ck.begin(str(d), tag="global_step10", pointer=Pointer(str(save_dir / "latest"), "global_step10"))
     ck.save(sample_state(), str(d / "sub" / "deeper" / "model.pt"))  # no file in d itself
     ck.end()
     ck.wait()
     ck.close()
+    events = storage.events
     pointer_moved = events.index(("rename", str(save_dir / "latest")))
     synced = {path for kind, path in events[:pointer_moved] if kind == "sync"}
     made = [d, d / META_DIR, d / "sub", d / "sub" / "deeper", save_dir]
@@ -332,14 +307,7 @@ def test_commit_follows_the_last_rank_closely_with_one_listing_per_poll(tmp_path
 
     from deepspeed_async_ckpt.commit import commit, write_rank_record
 
-    class Counting(LocalStorage):
-        listings = 0
-
-        def listdir(self, path):
-            Counting.listings += 1
-            return super().listdir(path)
-
-    storage, d, world = Counting(fsync=False), str(tmp_path / "t1"), 64
+    storage, d, world = CountingListings(fsync=False), str(tmp_path / "t1"), 64
     for r in range(world - 1):
         write_rank_record(storage, d, rank=r, save_id="s", checksum="xxh128", files=[])
     written = {}
@@ -359,7 +327,7 @@ def test_commit_follows_the_last_rank_closely_with_one_listing_per_poll(tmp_path
     assert late < 0.2, f"committed {late:.3f} s after the last rank's record"
     # one per poll (at most 108 polls in 1.2 s: see the virtual-clock test below), not one
     # per rank per poll (64 each)
-    assert 2 <= Counting.listings <= 108, Counting.listings
+    assert 2 <= storage.listings <= 108, storage.listings
 
 
 @pytest.mark.parametrize("last_at", [0.004, 0.05, 0.2, 0.6, 3.0])

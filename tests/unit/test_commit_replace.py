@@ -17,7 +17,7 @@ from deepspeed_async_ckpt.errors import IntegrityError, PersistError
 from deepspeed_async_ckpt.storage import LocalStorage
 
 from fakes import FailingStorage, NoExchangeStorage
-from helpers import Crash, _flip_byte, _steps, listing, make, sample_state, save_like_deepspeed, save_one
+from helpers import Crash, flip_byte, listing, make, sample_state, save_like_deepspeed, save_one, saved_steps
 
 
 @pytest.mark.parametrize("mode", ["async", "sync"])
@@ -43,7 +43,7 @@ def test_resaving_the_pointers_checkpoint_keeps_it_whole_until_the_new_one_commi
         ck.wait()
     assert (tmp_path / "latest").read_text() == "t"
     verify_checkpoint(str(tmp_path / "t"))
-    assert _steps(tmp_path / "t" / "model.pt") == 5
+    assert saved_steps(tmp_path / "t" / "model.pt") == 5
     storage.budget = 10**9
     handle = save_one(ck, root, state, tag="t")
     ck.fence()
@@ -51,7 +51,7 @@ def test_resaving_the_pointers_checkpoint_keeps_it_whole_until_the_new_one_commi
     assert handle.committed and handle.write_dir != handle.ckpt_dir
     assert listing(root) == ["latest", "t"]
     verify_checkpoint(str(tmp_path / "t"))
-    assert _steps(tmp_path / "t" / "model.pt") == 9
+    assert saved_steps(tmp_path / "t" / "model.pt") == 9
     assert (tmp_path / "t" / "notes.txt").read_text() == "the user's"
     assert read_manifest(str(tmp_path / "t"))["save_id"] == handle.save_id
     ck.close()
@@ -128,7 +128,7 @@ def test_files_carried_over_into_a_resave_keep_their_checksums_and_are_verified(
     verify_checkpoint(d)
     ck.verify_all_ranks(d)
     ck.load(os.path.join(d, "sub", "optim.pt"))
-    _flip_byte(os.path.join(d, "sub", "optim.pt"))
+    flip_byte(os.path.join(d, "sub", "optim.pt"))
     with pytest.raises(IntegrityError, match="optim.pt.*does not match"):
         verify_checkpoint(d)
     with pytest.raises(IntegrityError, match="refused on every rank.*optim.pt"):
@@ -203,7 +203,7 @@ def test_a_crash_between_the_two_renames_is_finished_before_the_next_load_or_sav
         fresh.wait()
         fresh.close()
         verify_checkpoint(str(tmp_path / "t"))
-        assert _steps(tmp_path / "t" / "model.pt") == 9
+        assert saved_steps(tmp_path / "t" / "model.pt") == 9
         left = sorted(n for n in os.listdir(root) if n not in ("staged", LOCK_FILE))
         assert left == (["latest", "t"] if way == "load" else ["latest", "t", "u"])
 
@@ -260,7 +260,7 @@ def test_a_file_whose_name_starts_with_two_dots_is_staged_like_any_other(tmp_pat
     ck.close()
     assert listing(root) == ["latest", "t"]
     verify_checkpoint(str(tmp_path / "t"))
-    assert _steps(tmp_path / "t" / "..model.pt") == 9
+    assert saved_steps(tmp_path / "t" / "..model.pt") == 9
 
 
 def _resaved_awaiting_swap(tmp_path, keep_last):
@@ -297,7 +297,7 @@ def test_a_committed_staged_save_awaiting_its_swap_is_neither_swept_nor_retired(
     ck.close()
     assert listing(root) == ["latest", "t", "u"]
     verify_checkpoint(d)
-    assert _steps(tmp_path / "t" / "model.pt") == 9
+    assert saved_steps(tmp_path / "t" / "model.pt") == 9
 
 
 def test_a_staged_save_whose_swap_is_abandoned_is_swept_and_the_old_one_stays(tmp_path):
@@ -311,7 +311,7 @@ def test_a_staged_save_whose_swap_is_abandoned_is_swept_and_the_old_one_stays(tm
     ck.close()
     assert listing(root) == ["latest", "t", "u"]
     verify_checkpoint(d)
-    assert _steps(tmp_path / "t" / "model.pt") == sample_state()["global_steps"] != 9
+    assert saved_steps(tmp_path / "t" / "model.pt") == sample_state()["global_steps"] != 9
 
 
 def test_a_load_of_a_tag_saved_again_meanwhile_is_refused_not_mixed(tmp_path):
@@ -382,5 +382,5 @@ def test_saving_again_a_directory_whose_save_is_in_flight_does_not_wait_for_it(t
     assert first.committed and second.committed
     assert first.times["committed"] < second.times["committed"]
     assert listing(root) == ["latest", "t"]
-    assert _steps(tmp_path / "t" / "model.pt") == 9
+    assert saved_steps(tmp_path / "t" / "model.pt") == 9
     verify_checkpoint(str(tmp_path / "t"))

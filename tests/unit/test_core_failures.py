@@ -2,7 +2,6 @@
 at the next save or wait, once, on every rank, and never hide one another."""
 
 import contextlib
-import errno
 import io
 import json
 import logging
@@ -17,10 +16,9 @@ from deepspeed_async_ckpt.commit import META_DIR, Pointer, verify_checkpoint
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
-from deepspeed_async_ckpt.storage import LocalStorage
 
-from fakes import FailingAfter, FailingStorage, _FullDisk, _RecordFails
-from helpers import _save_to, cli_main, listing, make, sample_state, save_one
+from fakes import FailingAfter, FailingStorage, FullDisk, HeldWrites, RecordFailing, SmallFileFull
+from helpers import cli_main, listing, make, sample_state, save_one, save_small
 
 
 @pytest.mark.parametrize("victim", ["manifest.json", "latest", "rank_00000"])
@@ -28,19 +26,12 @@ def test_disk_full_on_a_small_commit_file_names_it_and_leaves_no_temporary(tmp_p
     """A full disk when the rank record, the manifest or ``latest`` was written gave an
     error naming no file ("[Errno 28] No space left on device") and left its 0-byte
     temporary behind."""
-    class Full(LocalStorage):
-        def write_small(self, path, data, *, durable=True):
-            if os.path.basename(path).startswith(victim):
-                open(path, "wb").close()  # created, then the write fails, as on a full disk
-                raise OSError(errno.ENOSPC, "No space left on device")
-            super().write_small(path, data, durable=durable)
-
     root = str(tmp_path)
     ck = make("sync")
     save_one(ck, root, sample_state(), tag="t1")
     ck.close()
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01,
-                                                 commit_timeout_s=2), storage=Full())
+                                                 commit_timeout_s=2), storage=SmallFileFull(victim))
     with pytest.raises(AsyncCheckpointError) as info:
         save_one(ck, root, sample_state(), tag="t2")
         ck.wait()
@@ -85,15 +76,7 @@ def test_two_failed_saves_in_flight_are_reported_once_together(tmp_path):
     """Two async saves in flight both fail (disk full): the next save raises the first error
     and how many more there were, and the one after it works. Before, each save took one
     error: with the disk freed meanwhile, the second save still raised the older failure."""
-    released = threading.Event()
-
-    class Held(FailingStorage):  # every checkpoint file waits until released
-        def open_write(self, path):
-            if f"/{META_DIR}/" not in path:
-                released.wait(30)
-            return super().open_write(path)
-
-    storage = Held(budget=10**9)
+    storage = HeldWrites()  # every checkpoint file waits until released
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
     state = sample_state()
     bad = []
@@ -101,7 +84,7 @@ def test_two_failed_saves_in_flight_are_reported_once_together(tmp_path):
         bad.append(save_one(ck, str(tmp_path), state, tag=tag))
         ck.fence()
     storage.budget = 0  # both run out of space
-    released.set()
+    storage.released.set()
     for handle in bad:
         handle.wait_committed(30)
         assert handle.error is not None
@@ -233,7 +216,7 @@ def test_a_rank_whose_record_fails_writes_a_failure_record_so_rank0_aborts_at_on
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, commit_timeout_s=300), rank=0,
                            world_size=2, exchange=same)
     r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode), rank=1, world_size=2,
-                           storage=_RecordFails(), exchange=same)
+                           storage=RecordFailing(), exchange=same)
     d = str(tmp_path / "t1")
     h1 = r1.begin(d, tag="t1")
     r1.save({"w": torch.ones(10)}, os.path.join(d, "rank1.pt"))
@@ -329,7 +312,7 @@ def test_a_begin_refused_for_its_directory_still_raises_an_earlier_saves_failure
     reported, and the next saves, ``wait`` and ``close`` were silent."""
     from deepspeed_async_ckpt.errors import AsyncCheckpointError
 
-    storage = _FullDisk()
+    storage = FullDisk()
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
     mine, other = str(tmp_path / "mine"), str(tmp_path / "other")
     os.makedirs(other)
@@ -341,16 +324,16 @@ def test_a_begin_refused_for_its_directory_still_raises_an_earlier_saves_failure
         return real_claim(save_dir)
 
     monkeypatch.setattr(ck._claims, "claim", claim)
-    _save_to(ck, mine, "t1")
+    save_small(ck, mine, "t1")
     ck.wait()
     storage.full = True
-    _save_to(ck, mine, "t2").wait_committed()
+    save_small(ck, mine, "t2").wait_committed()
     storage.full = False
     with pytest.raises(PersistError, match="No space left"):
-        _save_to(ck, other, "x1")  # t2's failure, not the refusal
+        save_small(ck, other, "x1")  # t2's failure, not the refusal
     with pytest.raises(AsyncCheckpointError, match="another process"):
-        _save_to(ck, other, "x1")  # then the refusal
-    _save_to(ck, mine, "t3")
+        save_small(ck, other, "x1")  # then the refusal
+    save_small(ck, mine, "t3")
     ck.close()
     assert (tmp_path / "mine" / "latest").read_text() == "t3"
 
@@ -359,11 +342,11 @@ def test_close_raises_a_failed_save_though_retention_failed_too(tmp_path, caplog
     """``wait`` raised a retention bug (a ``keep`` callback that raised) before the failures of
     saves; ``close`` then closed for good with the failed save never raised. The failed save is
     raised, the retention bug logged."""
-    storage = _FullDisk()
+    storage = FullDisk()
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
     root = str(tmp_path)
-    _save_to(ck, root, "t0").wait_committed()
-    handle = _save_to(ck, root, "t1")
+    save_small(ck, root, "t0").wait_committed()
+    handle = save_small(ck, root, "t1")
     handle.wait_committed()
 
     def keep(name):
@@ -371,7 +354,7 @@ def test_close_raises_a_failed_save_though_retention_failed_too(tmp_path, caplog
 
     assert isinstance(ck.retire_older_later(handle, keep_last=1, keep=keep).exception(), ValueError)
     storage.full = True
-    _save_to(ck, root, "t2").wait_committed()
+    save_small(ck, root, "t2").wait_committed()
     with caplog.at_level(logging.ERROR), pytest.raises(PersistError, match="No space left"):
         ck.close()
     assert "removing older checkpoints failed" in caplog.text and "a retention bug" in caplog.text

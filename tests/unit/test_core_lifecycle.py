@@ -15,8 +15,7 @@ from deepspeed_async_ckpt.errors import AsyncCheckpointError, PersistError
 
 from _compare import assert_same
 
-from helpers import (held_copier, listing, make, run_script, sample_state, save_one,
-                     the_next_save_commits_and_closes)
+from helpers import listing, make, run_script, sample_state, save_one, the_next_save_commits_and_closes
 
 
 def test_background_threads_start_only_when_the_save_is_sealed(tmp_path):

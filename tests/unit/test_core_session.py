@@ -1,7 +1,6 @@
 """Beginning a save (``deepspeed_async_ckpt.core.session``): names and directories that
 cannot be a checkpoint refused with nothing touched, refusals raised on every rank."""
 
-import errno
 import os
 import threading
 
@@ -14,6 +13,7 @@ from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.errors import AsyncCheckpointError, CommitError, PersistError
 from deepspeed_async_ckpt.storage import LocalStorage
 
+from fakes import MakedirsRefused
 from helpers import listing, make, sample_state, save_one
 
 
@@ -239,16 +239,7 @@ def test_a_save_whose_directory_cannot_be_made_leaves_nothing_waiting_and_can_be
     """``save`` listed a file's items in the save before making its directory: when that
     failed, they were never issued and ``handle.wait_staged()`` never returned, and the path
     counted as saved, so a retry was refused."""
-
-    class NoSubdir(LocalStorage):
-        refuse = True
-
-        def makedirs(self, path, *args, **kwargs):
-            if self.refuse and path.endswith("sub"):
-                raise PermissionError(errno.EACCES, "Permission denied", path)
-            return super().makedirs(path, *args, **kwargs)
-
-    storage = NoSubdir()
+    storage = MakedirsRefused("sub")
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
     d = str(tmp_path / "t1")
     handle = ck.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
@@ -278,13 +269,8 @@ def test_a_shared_file_whose_directory_cannot_be_made_stays_saved(tmp_path):
             self.met = getattr(self, "met", 0) + 1
             return [digest, digest]
 
-    class NoSubdir(LocalStorage):
-        def makedirs(self, path, *args, **kwargs):
-            if path.endswith("sub"):
-                raise PermissionError(errno.EACCES, "Permission denied", path)
-            return super().makedirs(path, *args, **kwargs)
-
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=NoSubdir())
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01),
+                           storage=MakedirsRefused("sub"))
     d = str(tmp_path / "t1")
     ck.begin(d, tag="t1")
     replicas = TwoReplicas(rank=0, size=2)

@@ -10,7 +10,7 @@ import torch
 
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 
-from helpers import held_copier, make
+from helpers import make
 
 
 def test_deepspeed_node_local_storage_across_nodes_is_a_config_error():

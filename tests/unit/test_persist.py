@@ -20,7 +20,7 @@ from deepspeed_async_ckpt.storage import LocalStorage
 from _compare import assert_same
 
 from fakes import FailingStorage
-from helpers import _ref, make, sample_state, save_one
+from helpers import make, sample_state, save_one, torch_save_reference
 
 
 def test_a_torch_whose_zip_writer_takes_no_alignment_is_refused_at_construction(monkeypatch):
@@ -47,7 +47,7 @@ def test_zip_crc32_option_files_load_and_verify(tmp_path, zip_crc32):
     ck.wait()
     ck.close()
     path = tmp_path / "t1" / "model.pt"
-    assert_same(torch.load(path, weights_only=True), torch.load(_ref(tmp_path, state), weights_only=True))
+    assert_same(torch.load(path, weights_only=True), torch.load(torch_save_reference(tmp_path, state), weights_only=True))
     verify_checkpoint(str(tmp_path / "t1"))  # the manifest checksum covers every byte either way
     bad = zipfile.ZipFile(path).testzip()  # first record whose stored CRC does not match
     assert (bad is None) == zip_crc32

@@ -8,7 +8,6 @@ GPUs, 8 GPUs/node, 10 GB/s write and 20 GB/s read per node, MTBF 50,000 h.
 
 import dataclasses
 import json
-import os
 import subprocess
 import sys
 

@@ -18,7 +18,7 @@ from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.errors import IntegrityError
 from deepspeed_async_ckpt.storage import LocalStorage
 
-from helpers import _steps, cli_main, listing, make, sample_state, save_one
+from helpers import cli_main, listing, make, sample_state, save_one, saved_steps
 
 
 def test_retention_futures_do_not_pile_up_after_one_retention_bug(tmp_path):
@@ -345,8 +345,8 @@ def test_a_tag_that_was_a_symbolic_link_is_replaced_and_retention_goes_on(tmp_pa
     save_one(ck, root, state, tag="best")
     ck.wait()
     assert not os.path.islink(os.path.join(root, "best"))
-    assert _steps(tmp_path / "best" / "model.pt") == 99
-    assert _steps(tmp_path / "global_step2" / "model.pt") == 5
+    assert saved_steps(tmp_path / "best" / "model.pt") == 99
+    assert saved_steps(tmp_path / "global_step2" / "model.pt") == 5
     for i in range(3, 6):
         save_one(ck, root, sample_state(), tag=f"global_step{i}")
         ck.wait()

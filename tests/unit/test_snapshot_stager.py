@@ -17,12 +17,12 @@ from deepspeed_async_ckpt.errors import AsyncCheckpointError, PersistError, Snap
 
 from _compare import assert_same
 
-from helpers import _ref, held_copier, make, sample_state, save_one, the_next_save_commits_and_closes
+from helpers import make, sample_state, save_one, the_next_save_commits_and_closes, torch_save_reference
 
 
 def test_lazy_tensors_are_frozen_at_the_fence_and_eager_ones_at_save(tmp_path):
     state = sample_state()
-    expected = torch.load(_ref(tmp_path, state), weights_only=True)
+    expected = torch.load(torch_save_reference(tmp_path, state), weights_only=True)
     ck = make()
     save_one(ck, str(tmp_path), state)
     # mutated right after save returns: host-resident client state must not be torn in
@@ -123,7 +123,7 @@ def test_a_save_whose_staging_failed_raises_once_though_a_fence_split_it(tmp_pat
 
 
 @pytest.mark.parametrize("change", ["free", "grow"])
-def test_a_storage_freed_or_resized_before_its_copy_fails_the_save_not_the_process(tmp_path, held_copier, change):
+def test_a_storage_freed_or_resized_before_its_copy_fails_the_save_not_the_process(tmp_path, change):
     """``untyped_storage().resize_(0)`` (how FSDP-style code frees a parameter) moves no
     version counter: the copier read the freed memory and the process died with a segfault. The
     storage is checked as the version is."""
