@@ -124,7 +124,7 @@ def test_quick_trainer_benchmark_measures_both_engines(tmp_path, repo_env):
 
 @pytest.mark.slow
 def test_gpu_check_runs_every_step_and_says_what_it_measured(tmp_path, repo_env):
-    """``scripts/gpu_check.py run``, what a session with a lent GPU runs in one call: here,
+    """``scripts/gpu_check.py run``, what a lent GPU machine runs in one call: here,
     without a GPU and with no wheels to install (this environment has DeepSpeed), it installs
     this checkout, selects the CUDA tests (they skip, each with its reason), has
     ``--gpu-report`` say there is no GPU, and runs the demo on the CPU with the engine active
