@@ -72,7 +72,7 @@ def test_cuda_copies_see_kernels_queued_before_the_save(tmp_path, mode):
     # the storage check: resize_(0) of a device storage (the process lives)
     (lambda w: w.untyped_storage().resize_(0), "storage was freed, resized or replaced after the save"),
 ], ids=["in_place", "storage_freed"])
-def test_cuda_a_tensor_changed_before_its_copy_is_issued_fails_the_save(tmp_path, change, error):
+def test_cuda_a_tensor_changed_before_its_copy_is_issued_fails_the_save(tmp_path, held_copier, change, error):
     """With CUDA the copy is only issued (checked then, not after): a kernel that changes the
     tensor, queued after the save and before the copier issues its copy, fails the save
     instead of reaching the file; so does its device storage freed then."""

@@ -123,7 +123,7 @@ def test_a_save_whose_staging_failed_raises_once_though_a_fence_split_it(tmp_pat
 
 
 @pytest.mark.parametrize("change", ["free", "grow"])
-def test_a_storage_freed_or_resized_before_its_copy_fails_the_save_not_the_process(tmp_path, change):
+def test_a_storage_freed_or_resized_before_its_copy_fails_the_save_not_the_process(tmp_path, held_copier, change):
     """``untyped_storage().resize_(0)`` (how FSDP-style code frees a parameter) moves no
     version counter: the copier read the freed memory and the process died with a segfault. The
     storage is checked as the version is."""
