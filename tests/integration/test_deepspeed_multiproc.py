@@ -219,10 +219,10 @@ def test_buffers_a_forward_updates_are_saved_as_they_were_at_save_time(tmp_path,
 @pytest.mark.parametrize("zero", [1, 3])
 def test_save_16bit_model_writes_its_file_before_returning_and_saving_goes_on(tmp_path, repo_env, zero):
     """``save_16bit_model`` (DeepSpeed's 16-bit weights export) calls the checkpoint engine's
-    create/save/commit outside ``save_checkpoint``. It opened a checkpoint that nothing ended:
-    the file was never written, and the next ``save_checkpoint`` raised on every rank. Now the
-    file is written before the call returns, tensor for tensor what DeepSpeed's own engine
-    writes, with no checkpoint directory beside it, and checkpointing goes on."""
+    create/save/commit outside ``save_checkpoint``. The file is written before the call
+    returns, tensor for tensor what DeepSpeed's own engine writes, with no checkpoint
+    directory beside it, and checkpointing goes on: a checkpoint opened and never ended
+    would leave the file unwritten and the next ``save_checkpoint`` raising on every rank."""
     from deepspeed_async_ckpt.commit import verify_checkpoint
 
     run_ranks(repo_env, 2, "export", "--out", tmp_path, "--zero-stage", zero)
@@ -353,8 +353,8 @@ def test_sigkill_while_resaving_the_tag_latest_names_keeps_that_checkpoint(tmp_p
 
 def test_weights_edited_after_a_save_without_fence_all_fail_that_save_at_the_next_step(tmp_path, repo_env):
     """Every rank scales its weights in place right after a save, without ``fence_all()``, the
-    save's copies held until the next step's fence. Before, the edited weights reached the
-    file with no word; now that step raises on every rank naming the model-states file and
+    save's copies held until the next step's fence. The edited weights must not reach the
+    file with no word: that step raises on every rank naming the model-states file and
     ``fence_all()``, the save is not committed (``wait()`` raises its failure), ``latest``
     keeps the previous checkpoint, and a later save commits."""
     out = str(tmp_path)

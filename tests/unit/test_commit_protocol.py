@@ -67,12 +67,12 @@ def test_a_failure_after_the_checkpoint_is_in_place_says_so(tmp_path, tag, where
 
 
 def test_failures_after_the_manifest_that_leave_the_checkpoint_unfinished_or_beside(tmp_path):
-    """A save its caller finishes after the commit (Megatron's: markers, then its own swap and
-    tracker) is not in place when a step after its manifest fails: it was said to be ("is
-    committed and in place, no pointer names it ... it loads now"). A re-save without an
-    exchange whose second rename failed was said to have failed with the last checkpoint
-    intact, though that one was in the trash and the new one is renamed in by the next load
-    or save."""
+    """Each failure after the manifest says what it leaves. A save its caller finishes after
+    the commit (Megatron's: markers, then its own swap and tracker) is not in place when a
+    step after its manifest fails, and is not reported so ("is committed and in place, no
+    pointer names it ... it loads now"). A re-save without an exchange whose second rename
+    failed is not reported as failed with the last checkpoint intact: that one is in the trash
+    and the new one is renamed in by the next load or save."""
     from deepspeed_async_ckpt.errors import DurabilityError
 
     storage = NoExchangeFailingRename()
@@ -300,9 +300,9 @@ def test_commit_waits_for_every_rank_and_times_out_naming_missing_ranks(tmp_path
 
 
 def test_commit_follows_the_last_rank_closely_with_one_listing_per_poll(tmp_path):
-    """Rank 0 commits within a short poll of the last rank's record (it backed off to 0.5 s
-    between polls before: a rank finishing 1.2 s after rank 0 was seen 0.43 s late), and a
-    poll costs one directory listing, not a lookup per rank (metadata load at scale)."""
+    """Rank 0 commits within a short poll of the last rank's record (backing off to 0.5 s
+    between polls, a rank finishing 1.2 s after rank 0 would be seen 0.43 s late), and a poll
+    costs one directory listing, not a lookup per rank (metadata load at scale)."""
     import time
 
     from deepspeed_async_ckpt.commit import commit, write_rank_record

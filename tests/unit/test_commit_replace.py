@@ -316,9 +316,9 @@ def test_a_staged_save_whose_swap_is_abandoned_is_swept_and_the_old_one_stays(tm
 
 def test_a_load_of_a_tag_saved_again_meanwhile_is_refused_not_mixed(tmp_path):
     """An evaluation job verifies tag "last" and reads its files one by one (DeepSpeed: model
-    states, then optimizer states) while the trainer saves "last" again. The files read after
-    the swap came from the new save: one load returned step 100's model and step 200's
-    optimizer. Now the load raises, naming the checkpoint, and a new load gets step 200."""
+    states, then optimizer states) while the trainer saves "last" again. The load raises,
+    naming the checkpoint, and a new load gets step 200: reading on after the swap would
+    return step 100's model with step 200's optimizer."""
     root = str(tmp_path)
     d = os.path.join(root, "last")
 

@@ -80,9 +80,9 @@ entered.wait()
 
 def test_the_exit_flush_waits_for_a_training_thread_still_saving(tmp_path, repo_env):
     """Training in a non-daemon thread, the main thread returning: Python runs the exit
-    flush before it joins that thread, and the flush closed the checkpointer under the save
-    being made (``end() without begin()``, nothing committed).
-    The flush now joins the thread that began the open save first."""
+    flush before it joins that thread, so the flush joins the thread that began the open save
+    first. Closing the checkpointer under the save being made would fail it (``end() without
+    begin()``) with nothing committed."""
     out = run_script(THREAD_EXIT_SCRIPT, repo_env, str(tmp_path))
     assert out.returncode == 0 and "trainer:" not in out.stdout, out.stdout + out.stderr
     assert (tmp_path / "latest").read_text() == "t0"
@@ -121,13 +121,12 @@ first.wait()
 
 @pytest.mark.parametrize("when", ["between_saves", "slow_begin"])
 def test_the_exit_flush_waits_for_a_training_thread_between_saves_or_in_begin(tmp_path, repo_env, when):
-    """The flush waited only while a save was open (between ``begin`` returning and ``end``):
-    with the training thread between two saves, or inside ``begin``'s collective, it closed
-    the checkpointer, and the thread's last save was refused ("the checkpointer is closed"),
-    or failed in ``end`` with a bare ``RuntimeError`` leaving a partial directory, while the
-    process exited 0. It now joins the thread, as Python does
-    right after (a ``concurrent.futures`` worker, which stops only after the flush, only while
-    its save is being made)."""
+    """The flush waits for the training thread also when no save is open: between two saves,
+    or inside ``begin``'s collective. It joins the thread, as Python does right after (a
+    ``concurrent.futures`` worker, which stops only after the flush, only while its save is
+    being made). Closing the checkpointer then would refuse the thread's last save ("the
+    checkpointer is closed"), or fail it in ``end`` with a bare ``RuntimeError`` leaving a
+    partial directory, while the process exits 0."""
     out = run_script(THREAD_BETWEEN_SAVES_SCRIPT, repo_env, str(tmp_path), when)
     assert out.returncode == 0 and "trainer:" not in out.stdout, out.stdout + out.stderr
     assert (tmp_path / "latest").read_text() == "s22"

@@ -74,8 +74,8 @@ def test_disk_full_surfaces_at_next_save_and_previous_checkpoint_survives(tmp_pa
 
 def test_two_failed_saves_in_flight_are_reported_once_together(tmp_path):
     """Two async saves in flight both fail (disk full): the next save raises the first error
-    and how many more there were, and the one after it works. Before, each save took one
-    error: with the disk freed meanwhile, the second save still raised the older failure."""
+    and how many more there were, and the one after it works. One error per save would have
+    the second save, with the disk freed meanwhile, still raise the older failure."""
     storage = HeldWrites()  # every checkpoint file waits until released
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
     state = sample_state()
@@ -100,11 +100,11 @@ def test_two_failed_saves_in_flight_are_reported_once_together(tmp_path):
 def test_a_save_cut_short_is_partial_refused_by_loads_and_removed_by_retention_after_a_commit(tmp_path):
     """A save that never commits (a disk full here; a crash alike) leaves its directory, as large
     as a checkpoint: marked this engine's from its start, `list` shows it partial and a load
-    refuses it by name. Before, a save cut short before any rank's record was a stranger's
-    directory (listed as "other", loaded unchecked) that nothing ever removed: a run that
-    crashes every few hours grew its save directory by one such directory each time. With
-    ``keep_last``, the next commit removes those last changed before it, and not one a save
-    still writes into (changed after it)."""
+    refuses it by name. Unmarked, it would be a stranger's directory (listed as "other",
+    loaded unchecked) that nothing removes: a run that crashes every few hours would grow its
+    save directory by one such directory each time. With ``keep_last``, the next commit
+    removes those last changed before it, and not one a save still writes into (changed
+    after it)."""
     from deepspeed_async_ckpt.tools.cli import main as cli_main
 
     state = sample_state()

@@ -38,11 +38,11 @@ def test_background_threads_start_only_when_the_save_is_sealed(tmp_path):
 
 
 def test_a_ctrl_c_while_end_hands_a_save_over_fails_it_and_nothing_waits_for_it(tmp_path, monkeypatch):
-    """A Ctrl-C (or a SIGTERM handler's ``sys.exit``) landing in ``end`` after its writers were
-    queued and before its copies were: the committer never got the save and its writers
-    waited for the copies, so ``wait``, ``close`` and the exit flush hung for good. Now the
-    save fails (its writers on the copies that were never queued), the
-    next save commits, and ``close`` returns."""
+    """A Ctrl-C (or a SIGTERM handler's ``sys.exit``) landing in ``end`` after its writers are
+    queued and before its copies are: the save fails (its writers on the copies that were
+    never queued), the next save commits, and ``close`` returns. Otherwise the committer
+    never gets the save and its writers wait for the copies: ``wait``, ``close`` and the exit
+    flush hang for good."""
     from deepspeed_async_ckpt.snapshot import Stager
 
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
@@ -82,13 +82,13 @@ ck.close()
 
 
 def test_a_second_job_saving_into_the_same_directory_is_refused_naming_the_first(tmp_path, repo_env):
-    """Two jobs given one save directory (a requeued job while the old one still runs) swept
-    each other's staging directories and temporaries, and retention removed the other's
-    checkpoints: both failed with unrelated-looking errors, and one's ``latest`` ended up
-    naming the other's model. Rank 0 now holds an exclusive
-    lock on the save directory from its first save until close(); another process's first
-    save there is refused, naming the holder, with nothing touched. Checkpointers of one
-    process share it; loads do not take it; it goes with the process."""
+    """Two jobs given one save directory (a requeued job while the old one still runs) would
+    sweep each other's staging directories and temporaries, and retention would remove the
+    other's checkpoints: both fail with unrelated-looking errors, and one's ``latest`` ends up
+    naming the other's model. Rank 0 holds an exclusive lock on the save directory from its
+    first save until close(); another process's first save there is refused, naming the
+    holder, with nothing touched. Checkpointers of one process share it; loads do not take
+    it; it goes with the process."""
     import subprocess
     import sys
 
@@ -197,10 +197,10 @@ def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses
 
 
 def test_a_close_interrupted_while_a_commit_runs_keeps_the_save_directory_locked(tmp_path, monkeypatch):
-    """Ctrl-C in ``close`` while rank 0's commit still ran (waiting for a slow rank, say): the
-    save directory's lock was released after the committer's join gave up, with the commit
-    still to write its manifest and pointer, so another job could start sweeping the directory
-    under it. The lock now stays until the process ends."""
+    """Ctrl-C in ``close`` while rank 0's commit still runs (waiting for a slow rank, say): the
+    save directory stays locked until the process ends. Released when the committer's join
+    gives up, with the commit still to write its manifest and pointer, it would let another
+    job start sweeping the directory under it."""
     from deepspeed_async_ckpt.commit import claims as commit_module
     from deepspeed_async_ckpt.core import checkpointer as checkpointer_module
     from deepspeed_async_ckpt.core import committer as committer_module

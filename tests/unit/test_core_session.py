@@ -104,8 +104,8 @@ def test_a_relative_save_dir_commits_where_it_was_saved_after_a_chdir(tmp_path, 
 
 
 def test_an_exchange_of_the_signature_before_the_key_is_still_called(tmp_path):
-    """``exchange=`` callables written for ``(value, error)`` (before ``begin`` passed the
-    checkpoint directory as ``key``) keep working."""
+    """``exchange=`` callables written for ``(value, error)``, without the ``key`` (the
+    checkpoint directory) that ``begin`` passes, keep working."""
     calls = []
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01),
                            exchange=lambda value, error: calls.append(value) or (value, {}))
@@ -194,10 +194,10 @@ def test_a_storage_error_before_the_exchange_does_not_hide_an_earlier_failure(tm
 
 
 def test_a_file_saved_outside_the_checkpoint_directory_is_refused_by_name(tmp_path):
-    """A file saved beside the checkpoint directory was written, listed in the manifest as
-    ``../outside.pt``, and the commit moved ``latest`` to it; every reader (``verify``, a
-    load) then refused that manifest as damaged ("outside the checkpoint"): the checkpoint
-    ``latest`` named could not be loaded. Now refused at ``save``, naming the path."""
+    """A file saved beside the checkpoint directory is refused at ``save``, naming the path.
+    Written and listed in the manifest as ``../outside.pt``, it would have every reader
+    (``verify``, a load) refuse that manifest as damaged ("outside the checkpoint") once the
+    commit moved ``latest`` to it: the checkpoint ``latest`` names could not be loaded."""
     ck = make()
     save_one(ck, str(tmp_path), {"w": torch.ones(4)}, tag="good", eager=())
     ck.wait()

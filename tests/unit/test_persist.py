@@ -213,11 +213,11 @@ def test_commit_refuses_a_file_whose_shares_leave_a_gap_and_keeps_the_pointer(tm
 @pytest.mark.parametrize("same", [False, True], ids=["different-bytes", "same-bytes"])
 def test_two_ranks_writing_one_file_whole_commit_only_if_they_wrote_the_same_bytes(tmp_path, same):
     """Two ranks saving the same path whole (a file name without the rank in it, where each
-    rank meant its own): rank 0's commit kept the last rank's record of it, whatever file the
-    last rename left on disk, and moved ``latest``; here the file on disk is rank 0's and the
-    manifest held rank 1's checksum, so no load accepted the checkpoint ``latest`` named. Now
-    a ``CommitError`` naming the file and both ranks, the pointer unmoved. The same bytes from
-    both (replicas writing one file whole) commit, as before."""
+    rank meant its own) fail the commit with a ``CommitError`` naming the file and both ranks,
+    the pointer unmoved. Keeping the last rank's record, whatever file the last rename left
+    on disk, would move ``latest`` to a checkpoint no load accepts (here the file on disk is
+    rank 0's, the manifest would hold rank 1's checksum). The same bytes from both (replicas
+    writing one file whole) commit."""
     exchange = lambda value, error, key="": ("same-id", {})  # noqa: E731  (both ranks' begin)
     rank0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, commit_timeout_s=30), rank=0,
                               world_size=2, exchange=exchange)

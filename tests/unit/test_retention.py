@@ -274,8 +274,8 @@ def test_keep_last_never_takes_a_directory_from_under_a_save_being_begun(tmp_pat
 
 def test_a_retention_bug_is_raised_by_one_wait_not_every_later_one(tmp_path):
     """A retention that raises something other than an OSError (a bug; a custom Storage's
-    own exception) is raised by the next ``wait()``; before, every later ``wait()`` raised it
-    again (the failed removal was never dropped), and so refused every later load."""
+    own exception) is raised by the next ``wait()`` and then dropped: kept, it would be raised
+    by every later ``wait()``, and so refuse every later load."""
     class Broken(LocalStorage):
         broken = True
 
@@ -355,10 +355,10 @@ def test_a_tag_that_was_a_symbolic_link_is_replaced_and_retention_goes_on(tmp_pa
 
 
 def test_keep_last_keeps_a_checkpoint_a_symbolic_link_names(tmp_path, capsys):
-    """``ln -s global_step1 best`` in the save directory: retention removed global_step1 like
-    any older checkpoint and left ``best`` dangling. A checkpoint a
-    link in the save directory names now stays while the link does; ``list`` shows the link
-    and what it keeps. Links elsewhere, or dangling, change nothing."""
+    """``ln -s global_step1 best`` in the save directory: a checkpoint a link in the save
+    directory names stays while the link does (removing it like any older checkpoint would
+    leave ``best`` dangling); ``list`` shows the link and what it keeps. Links elsewhere, or
+    dangling, change nothing."""
     root = str(tmp_path)
     ck = make("sync", keep_last=1)
     save_one(ck, root, sample_state(), tag="global_step1")
@@ -397,7 +397,7 @@ def test_keep_last_removes_on_its_own_thread_so_saves_and_commits_do_not_wait(tm
     class HeldDeletion(LocalStorage):
         def remove_tree(self, path):
             entered.set()
-            release.wait(10)  # before: the save or the next commit sat here, 10 s
+            release.wait(10)  # a save or commit waiting here would take these 10 s
             super().remove_tree(path)
 
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, keep_last=1, host_buffer_gb=0.01),

@@ -327,11 +327,11 @@ def test_a_reservation_whose_thread_cannot_start_leaves_the_first_save_to_alloca
 
 
 def test_eager_copies_of_saves_in_flight_are_bounded_by_the_pool_size(tmp_path):
-    """Eager copies (``client_state``, module buffers) are made outside the pool, and nothing
-    held them back: saves every step against a slow disk piled up one host copy per save (12
-    in flight, +231 MB). Now a save whose eager copies would
-    take the earlier saves' over ``host_buffer_gb`` waits in ``save`` for them to be written;
-    every checkpoint still holds its own values."""
+    """Eager copies (``client_state``, module buffers) are made outside the pool, so a save
+    whose eager copies would take the earlier saves' over ``host_buffer_gb`` waits in
+    ``save`` for them to be written; every checkpoint still holds its own values. Unbounded,
+    saves every step against a slow disk pile up one host copy per save (12 in flight,
+    +231 MB)."""
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01),
                            storage=SlowStorage(0.1))
     per_save = 4 * 2**20  # two fit in the 10.7 MB bound, not three

@@ -325,8 +325,9 @@ def test_a_fence_on_another_thread_during_a_save_or_its_end_loses_and_doubles_no
 
 
 def test_a_staging_error_is_raised_by_one_fence_and_the_next_save_goes_on(tmp_path):
-    """The failed record stayed at the head of the fence's queue before: every later fence,
-    so every optimizer step, raised the same old error, after later saves had committed."""
+    """A failed record leaves the fence's queue once its error is raised: left at the head, it
+    would make every later fence, so every optimizer step, raise the same old error, after
+    later saves had committed."""
     ck = make(gb=64 * 1024 / 1024**3)
     save_one(ck, str(tmp_path), {"w": torch.zeros(32 * 1024)}, tag="big", eager=())  # 128 KiB
     with pytest.raises(SnapshotError, match="big/model.pt"):
@@ -376,11 +377,11 @@ def test_a_failed_save_is_raised_by_one_fence_however_many_of_its_records_failed
 
 
 def test_a_ctrl_c_between_the_fences_claim_and_its_copy_fails_the_save_not_the_next_fence(tmp_path, monkeypatch):
-    """The fence claimed an item to copy from the back of the queue, then a Ctrl-C landed
-    before the copy began: the copier skips claimed items, so the item was never issued, and
-    the next fence (the next optimizer step), ``wait`` and the exit flush waited for good. The
-    item now fails: the save is not committed, the next fence
-    raises that once, and the next save commits."""
+    """The fence claims an item to copy from the back of the queue, then a Ctrl-C lands
+    before the copy begins. The copier skips claimed items, so the item fails: the save is
+    not committed, the next fence raises that once, and the next save commits. An item
+    claimed and never issued would leave the next fence (the next optimizer step), ``wait``
+    and the exit flush waiting for good."""
     from deepspeed_async_ckpt.snapshot import Stager
 
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05))

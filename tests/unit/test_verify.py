@@ -97,10 +97,10 @@ def test_verify_all_ranks_always_reaches_the_exchange_and_load_then_skips_the_fi
 
 
 def test_a_rank_with_nothing_to_load_still_takes_part_in_the_check(tmp_path):
-    """DeepSpeed's ``load_checkpoint`` reads ``latest`` on each rank; a rank that found none
-    skipped the collective check while one that read it just after another job's first commit
-    joined it and waited for good. With nothing to load, a rank now joins with an empty key:
-    the exchange sees the keys differ and every rank raises."""
+    """DeepSpeed's ``load_checkpoint`` reads ``latest`` on each rank: a rank that finds none
+    still joins the collective check, with an empty key, so the exchange sees the keys differ
+    and every rank raises. Skipping it would leave a rank that read ``latest`` just after
+    another job's first commit waiting in the check for good."""
     keys = []
 
     def exchange(value, error, key=""):
