@@ -5,9 +5,9 @@ import pytest
 
 TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
+sys.path.insert(0, TESTS)  # helpers, fakes, _compare...: shared by tests/unit and tests/integration
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
-sys.path.insert(0, TESTS)  # the shared test modules (helpers, fakes, _compare, ...) from tests/unit and tests/integration
 
 from helpers import held_copier  # noqa: E402,F401  (a fixture: every test may ask for it)
 
