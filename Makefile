@@ -36,7 +36,7 @@ test-fast: install
 # multi-rank tests with NCCL on the visible GPUs, plus the CUDA-only tests.
 test-gpu:
 	$(PY) -m pip install -q ".[test]"
-	ASYNC_CKPT_TEST_BACKEND=nccl $(PY) -m pytest -v -rs -m "slow or gpu" tests/test_deepspeed_multiproc.py tests/test_core.py
+	ASYNC_CKPT_TEST_BACKEND=nccl $(PY) -m pytest -v -rs -m "slow or gpu" tests/integration/test_deepspeed_multiproc.py tests/unit/test_cuda.py
 
 # For a lent single-GPU machine that cannot fetch packages (docs/gpu_results.md): the wheels it
 # lacks, into .whl/; there, `python3 scripts/gpu_check.py run --out $OUT` runs every GPU check.

@@ -1,8 +1,8 @@
-"""The GPU checks in one call: what a session with a lent GPU machine runs, prepared here.
+"""The GPU checks in one call: what runs on a lent single-GPU machine, prepared here.
 
 A lent GPU machine (see docs/gpu_results.md) has CUDA, PyTorch, xxhash, nvidia-ml-py and pytest,
-but not DeepSpeed or its pydantic and hjson, nothing can be fetched there, and a session has
-15 minutes of device time in all, the machine's start included. So the wheels it lacks are made
+but not DeepSpeed or its pydantic and hjson, nothing can be fetched there, and it is lent for
+15 minutes of device time in all, its start included. So the wheels it lacks are made
 here, and everything there is one command:
 
     python scripts/gpu_check.py wheels            # here (reaches PyPI): .whl/, git-ignored
@@ -11,22 +11,22 @@ here, and everything there is one command:
 
 ``run`` installs ``.whl/`` and this checkout, then runs, each with its own time limit and log:
 1. ``env``: the GPU (``nvidia-smi``), torch, CUDA and DeepSpeed versions;
-2. ``pytest``: the CUDA tests (``-m gpu`` in ``tests/test_core.py``: pinned pool, copy stream,
+2. ``pytest``: the CUDA tests (``-m gpu`` in ``tests/unit/test_cuda.py``: pinned pool, copy stream,
    fence; the multi-rank DeepSpeed tests over NCCL need a GPU per rank: ``make test-gpu`` on a
    machine with several);
 3. ``gpu_report``: ``scripts/bench_checkpoint.py --gpu-report`` (pinned D2H bandwidth, this
    engine's snapshot bandwidth and stall with compute longer than the copy, NVML samples);
 4. ``demo``: the main job on the GPU (``scripts/demo.py --nproc 1``: DeepSpeed ZeRO-1 over
    NCCL, async checkpoints, SIGKILL, resume, then the stall against ``TorchCheckpointEngine``);
-5. ``host_tests``: the rest of ``tests/test_core.py`` (host tensors) with CUDA present, where
-   the engine pins its pool and runs a copy stream: on an H100 that found two faults the
-   CPU-only CI cannot (session 26). Without a GPU it is not run (CI runs those tests), and
-   the summary says so.
+5. ``host_tests``: the core's unit tests (:data:`HOST_TESTS`, host tensors) with CUDA present,
+   where the engine pins its pool and runs a copy stream: faults of those paths show only
+   there, not in the CPU-only CI. Without a GPU it is not run (CI runs those tests), and the
+   summary says so.
 It writes ``summary.json`` and one log per step under ``--out`` (seven files: the device tool
 brings back eight at most) and prints a line per step and the summary; it exits 1 if a step
 failed. Where no GPU is
 visible (here) the CUDA tests skip, ``--gpu-report`` says so and the demo runs on the CPU:
-``tests/test_bench_smoke.py`` runs it that way, so the script itself is tested without a GPU.
+``tests/integration/test_bench_smoke.py`` runs it that way, so the script itself is tested without a GPU.
 """
 
 from __future__ import annotations
@@ -55,6 +55,14 @@ MISSING_THERE = ("hjson", "pydantic", "pydantic-core", "annotated-types", "typin
 """What DeepSpeed needs that the lent machines' image lacks (typing-extensions: pydantic needs
 a recent one), at the versions installed here, which CI tests against."""
 PLATFORMS = ("manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64")
+CUDA_TESTS = ("tests/unit/test_cuda.py",)
+"""The ``gpu``-marked tests (each skips with its reason where no GPU is visible)."""
+HOST_TESTS = tuple(f"tests/unit/test_{name}.py" for name in (
+    "checkpointer_roundtrip", "snapshot_stager", "snapshot_pool", "storage_direct", "storage_local",
+    "persist", "commit_protocol", "commit_replace", "retention", "verify", "cli_verify_list",
+    "core_lifecycle", "core_failures", "core_session", "deepspeed_engine"))
+"""The core's unit tests on host tensors, run again with CUDA present (the pool pinned, a copy
+stream running)."""
 
 
 def wheels(out: str, python_version: str) -> int:
@@ -118,7 +126,7 @@ def step(name: str, cmd: list[str], env: dict, out: str, timeout: float, deadlin
 
 PYTEST_SUMMARY = re.compile(r"^=*\s*\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s")
 """pytest's closing line: ``=== 10 passed, 246 deselected in 8.87s ===`` with ``-v``, and
-without the rules with ``-q`` (the host tests' summary was missed that way in session 30)."""
+without the rules with ``-q`` (the host tests' run prints it so)."""
 
 
 def pytest_summary(path: str) -> str | None:
@@ -190,16 +198,16 @@ def checks(out: str, env: dict, demo_dir: str, quick: bool, deadline: float) -> 
     results = [
         step("env", ["bash", "-c", f"nvidia-smi -L; {py} -c \"{info}\""], env, out, 60, deadline),
         step("pytest", [py, "-m", "pytest", "-v", "-rs", "-p", "no:cacheprovider", "-m", "gpu",
-                        "tests/test_core.py"], env, out, 150, deadline),
+                        *CUDA_TESTS], env, out, 150, deadline),
         step("gpu_report", [py, "scripts/bench_checkpoint.py", "--gpu-report",
                             "--out", os.path.join(out, "gpu_report.json")], env, out, 150, deadline),
         step("demo", [py, "scripts/demo.py", "--nproc", "1", *demo_args, "--workdir", demo_dir],
              env, out, 240, deadline),
     ]
-    # after the rest: what the session is for comes back even if this runs out of time
+    # after the rest: what the GPU is lent for comes back even if this runs out of time
     if gpus:
         results.append(step("host_tests", [py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-m",
-                                           "not slow and not gpu", "--timeout", "60", "tests/test_core.py"],
+                                           "not slow and not gpu", "--timeout", "60", *HOST_TESTS],
                             env, out, 150, deadline))
     else:
         results.append({"step": "host_tests", "exit": 0, "seconds": 0.0,

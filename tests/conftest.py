@@ -3,9 +3,13 @@ import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(TESTS)
+sys.path.insert(0, TESTS)  # helpers, fakes, _compare...: shared by tests/unit and tests/integration
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "scripts"))
+
+from helpers import held_copier  # noqa: E402,F401  (a fixture: every test may ask for it)
 
 
 @pytest.fixture

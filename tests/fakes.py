@@ -1,0 +1,209 @@
+"""Storage fakes shared by the tests: ``LocalStorage`` with one fault injected or one kind of
+call recorded each. Faults: a disk that fills up (after a byte budget, for ``.pt`` files, for
+small commit files), a slow disk, writes held until released, a failing commit step, no rename
+exchange, a failing rank record, failing listings, directories that cannot be made. Records:
+directory syncs and renames in order, listings counted."""
+
+import errno
+import os
+import threading
+import time
+
+from deepspeed_async_ckpt.commit import META_DIR
+from deepspeed_async_ckpt.storage import LocalStorage
+
+
+class FailingStorage(LocalStorage):
+    """Raises ENOSPC once `budget` bytes of checkpoint data were written."""
+
+    def __init__(self, budget):
+        super().__init__(fsync=True)
+        self.budget = budget
+
+    def open_write(self, path):
+        f = super().open_write(path)
+        storage = self
+
+        class W:
+            def write(self, data, write=f.write):
+                storage.budget -= len(memoryview(data).cast("B"))
+                if storage.budget < 0 and f"/{META_DIR}/" not in path and not path.endswith(("latest.tmp." + str(os.getpid()),)):
+                    raise OSError(errno.ENOSPC, "No space left on device")
+                return write(data)
+
+            if hasattr(f, "write_stable"):
+                def write_stable(self, data):
+                    return self.write(data, write=f.write_stable)
+
+            def __getattr__(self, name):
+                return getattr(f, name)
+
+            def __enter__(self):
+                return self
+
+            def __exit__(self, *a):
+                f.close()
+
+        return W()
+
+
+class NoExchangeStorage(FailingStorage):
+    """A filesystem without ``renameat2(RENAME_EXCHANGE)`` (NFS, say): two renames instead."""
+
+    def exchange(self, a, b):
+        return False
+
+
+class SlowStorage(FailingStorage):
+    """A disk slower than the saves: each write of checkpoint data sleeps first."""
+
+    def __init__(self, delay_s):
+        super().__init__(budget=10**12)
+        self.delay_s = delay_s
+
+    def open_write(self, path):
+        f = super().open_write(path)
+        write, delay_s = f.write, self.delay_s
+
+        def slow(data, **kw):
+            if f"/{META_DIR}/" not in path:
+                time.sleep(delay_s)
+            return write(data, **kw)
+
+        f.write = slow
+        return f
+
+
+class FailingAfter(LocalStorage):
+    """Fails one step of the commit: ``"pointer"`` (its temporary file: ENOSPC, nothing
+    renamed), ``"pointer_fsync"`` (the directory fsync after its rename: EIO)."""
+
+    def __init__(self):
+        super().__init__(fsync=True)
+        self.where = None
+
+    def write_small(self, path, data, *, durable=True):
+        if self.where == "pointer" and os.path.basename(path).startswith("latest"):
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return super().write_small(path, data, durable=durable)
+
+    def replace(self, src, dst, *, durable=True):
+        super().replace(src, dst, durable=durable)
+        if self.where == "pointer_fsync" and os.path.basename(dst) == "latest":
+            raise OSError(errno.EIO, "Input/output error")
+
+
+class NoExchangeFailingRename(LocalStorage):
+    """No ``renameat2`` exchange (NFS), and the staged directory's rename into place fails."""
+
+    def __init__(self):
+        super().__init__(fsync=True)
+        self.fail = False
+
+    def exchange(self, a, b):
+        return False
+
+    def replace(self, src, dst, *, durable=True):
+        if self.fail and os.path.basename(src).startswith(".async_ckpt_staging."):
+            raise OSError(errno.EIO, "Input/output error")
+        super().replace(src, dst, durable=durable)
+
+
+class RecordFailing(LocalStorage):
+    """Rank 1's files are written; its record (the small file rank 0 waits for) is not."""
+
+    def write_small(self, path, data, *, durable=True):
+        if os.path.basename(path).startswith("rank_00001.") and ".json" in os.path.basename(path):
+            raise OSError(errno.EIO, "Input/output error", path)
+        return super().write_small(path, data, durable=durable)
+
+
+class FullDisk(LocalStorage):
+    """Every ``.pt`` file's open fails with ENOSPC while ``full``."""
+
+    full = False
+
+    def open_write(self, path):
+        if self.full and ".pt" in os.path.basename(path):
+            raise OSError(errno.ENOSPC, "No space left on device", path)
+        return super().open_write(path)
+
+
+class SmallFileFull(LocalStorage):
+    """The small commit files (rank records, manifest, pointer) whose names start with
+    ``prefix`` fail with ENOSPC, left behind empty, as a full disk leaves them."""
+
+    def __init__(self, prefix):
+        super().__init__()
+        self.prefix = prefix
+
+    def write_small(self, path, data, *, durable=True):
+        if os.path.basename(path).startswith(self.prefix):
+            open(path, "wb").close()  # created, then the write fails, as on a full disk
+            raise OSError(errno.ENOSPC, "No space left on device")
+        super().write_small(path, data, durable=durable)
+
+
+class HeldWrites(FailingStorage):
+    """Every checkpoint data file's open waits (30 s at most) until ``released`` is set, so
+    saves stay in flight while a test acts."""
+
+    def __init__(self, budget=10**9):
+        super().__init__(budget)
+        self.released = threading.Event()
+
+    def open_write(self, path):
+        if f"/{META_DIR}/" not in path:
+            self.released.wait(30)
+        return super().open_write(path)
+
+
+class ListingFailing(LocalStorage):
+    """Every directory listing fails with EIO (rank 0's commit lists the ranks' records)."""
+
+    def listdir(self, path):
+        raise OSError(errno.EIO, "Input/output error", path)
+
+
+class CountingListings(LocalStorage):
+    """Counts directory listings in ``listings`` (a commit polls for records by listing)."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.listings = 0
+
+    def listdir(self, path):
+        self.listings += 1
+        return super().listdir(path)
+
+
+class MakedirsRefused(LocalStorage):
+    """Making a directory whose path ends with ``suffix`` fails with EACCES while ``refuse``."""
+
+    def __init__(self, suffix="sub"):
+        super().__init__()
+        self.suffix, self.refuse = suffix, True
+
+    def makedirs(self, path, *args, **kwargs):
+        if self.refuse and path.endswith(self.suffix):
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+        return super().makedirs(path, *args, **kwargs)
+
+
+class RecordingStorage(LocalStorage):
+    """Records in ``events``, in order and with absolute paths, ``("sync", directory)`` for
+    each directory fsync (a durable rename's included) and ``("rename", destination)``."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.events = []
+
+    def sync_dir(self, path):
+        self.events.append(("sync", os.path.abspath(path)))
+        super().sync_dir(path)
+
+    def replace(self, src, dst, *, durable=True):
+        super().replace(src, dst, durable=durable)
+        if durable:  # fsyncs dst's directory
+            self.events.append(("sync", os.path.dirname(os.path.abspath(dst))))
+        self.events.append(("rename", os.path.abspath(dst)))

@@ -1,0 +1,162 @@
+"""The DeepSpeed checkpoint engine (``deepspeed_async_ckpt.integrations.deepspeed``) in
+one process: config checks, tags, the exchange at a save's end, weight editors."""
+
+import os
+import types
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+
+from helpers import make
+
+
+def test_deepspeed_node_local_storage_across_nodes_is_a_config_error():
+    """With ``use_node_local_storage`` on several nodes, rank 0 cannot see the other nodes'
+    records: every commit waited ``commit_timeout_s`` (600 s) and failed. Refused at once,
+    naming the key; on one node it is everyone's directory and stays allowed."""
+    from deepspeed_async_ckpt.errors import ConfigError
+    from deepspeed_async_ckpt.integrations.deepspeed.replicas import check_node_local
+
+    with pytest.raises(ConfigError, match=r"checkpoint.use_node_local_storage .* \(16 ranks, 8 per node\)"):
+        check_node_local(True, 16, 8)
+    check_node_local(True, 8, 8)  # one node
+    check_node_local(False, 16, 8)
+
+
+@pytest.mark.parametrize("env,hosts,refused", [
+    ({"LOCAL_SIZE": "1"}, ["node0", "node0"], True),  # DeepSpeed's launcher: LOCAL_SIZE, no LOCAL_WORLD_SIZE
+    ({"OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, ["node0", "node0"], True),  # mpirun
+    ({}, ["node0", "node1"], True),  # srun and others: no variable, the host names tell
+    ({}, ["node0", "node0"], False),  # one node
+    ({"LOCAL_WORLD_SIZE": "2"}, ["node0", "node0"], False),
+    # srun --ntasks-per-node=1 torchrun --nproc-per-node 2: torchrun's own variable wins
+    ({"LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "1"}, ["node0", "node0"], False),
+])
+def test_node_local_storage_across_nodes_is_refused_whatever_the_launcher(monkeypatch, env, hosts, refused):
+    """The check read torchrun's LOCAL_WORLD_SIZE only, defaulting to the world size: under
+    DeepSpeed's own launcher (LOCAL_SIZE), mpirun or srun, node-local storage across nodes was
+    accepted and every commit then waited commit_timeout_s and failed."""
+    import torch.distributed as dist
+
+    from deepspeed_async_ckpt.errors import ConfigError
+    from deepspeed_async_ckpt.integrations.deepspeed import engine as deepspeed_engine
+    from deepspeed_async_ckpt.integrations.deepspeed import replicas
+
+    for name in replicas._LOCAL_SIZE_VARIABLES:
+        monkeypatch.delenv(name, raising=False)
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
+    monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 0)
+    monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, *a, **k: out.__setitem__(slice(None), hosts))
+
+    def build():
+        engine = deepspeed_engine.AsyncCheckpointEngine(
+            SimpleNamespace(use_node_local_storage=True),
+            AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), zero_stage=1)
+        engine.checkpointer.close()
+
+    if refused:
+        with pytest.raises(ConfigError, match="use_node_local_storage"):
+            build()
+    else:
+        build()
+
+
+@pytest.mark.parametrize("tag", ["", ".", "..", "a/b", "../escape", ".async_ckpt_x", " ", "global_step10\n",
+                                 " global_step10", "step\t10", "step\x7f", "latest", "latest_universal"])
+def test_deepspeed_tags_that_are_not_one_plain_name_are_refused(tmp_path, tag):
+    """A tag names the checkpoint's directory in ``save_dir`` and ``latest`` holds it: "a/b"
+    and "../escape" (outside ``save_dir``) are refused, with ``save_latest`` or without, as
+    well as the names the core refuses; nothing is written. Also refused: control
+    characters and whitespace at either end (``latest``'s readers strip it: "global_step10\n"
+    was committed and then loaded as "global_step10", " " as the save directory itself), and
+    the pointers' own names ("latest" made every later save fail at its commit)."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from deepspeed_async_ckpt.integrations.deepspeed.engine import AsyncCheckpointEngine
+
+    engine = AsyncCheckpointEngine(None, AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    save_dir = tmp_path / "sd"
+    for save_latest in (True, False):
+        with pytest.raises(ValueError, match=r"save_checkpoint\(tag=.*cannot name a checkpoint"):
+            engine.create(CheckpointCommitInfo(tag=tag, save_dir=str(save_dir), save_latest=save_latest))
+        assert not engine.checkpointer.is_open
+    engine.cleanup()
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_ctrl_c_in_a_sync_deepspeed_saves_end_still_joins_the_exchange(tmp_path, monkeypatch):
+    """Sync mode: the other ranks wait for this one in the exchange that ends a DeepSpeed save;
+    a Ctrl-C in its commit left them there until the process group timed out. It joins the
+    exchange with the interrupt, then raises it."""
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from deepspeed_async_ckpt.integrations.deepspeed import engine as deepspeed_engine
+
+    engine = deepspeed_engine.AsyncCheckpointEngine(
+        None, AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01))
+    import types
+    engine.begin_save(types.SimpleNamespace(zero_optimization_partition_weights=lambda: True), None)
+    engine.create(CheckpointCommitInfo(tag="t1", save_dir=str(tmp_path), save_latest=True))
+    engine.save({"w": torch.ones(4)}, str(tmp_path / "t1" / "model.pt"))
+    exchanged = []
+    monkeypatch.setattr(deepspeed_engine, "exchange_across_ranks",
+                        lambda value, error, key="": (exchanged.append(error), ("", {}))[1])
+    monkeypatch.setattr(engine.checkpointer, "end",
+                        lambda commit=True: (_ for _ in ()).throw(KeyboardInterrupt()))
+    with pytest.raises(KeyboardInterrupt):
+        engine.end_save(True)
+    assert exchanged == ["KeyboardInterrupt: KeyboardInterrupt"], exchanged
+    monkeypatch.undo()
+    engine.checkpointer.end(commit=False)
+    engine.cleanup()
+
+
+def test_fence_all_and_the_hybrid_engines_lora_fusion_come_before_an_in_place_edit(tmp_path, monkeypatch, held_copier):
+    """Weights changed in place outside the optimizer step, after a save and before the next
+    step: DeepSpeed's hybrid engine fuses LoRA products into the frozen weights in generate()
+    (``_fuse_lora_layer``: ``weight.data += scaling * A @ B``), a user swaps EMA weights in for
+    an evaluation. Only the optimizer step waited for the save's lazy copies, so the edit
+    would reach the file (off by 0.5 here, also after a resume). The patched fusion
+    and ``fence_all()`` fence first; the copier is held until a fence here."""
+    from deepspeed.runtime.hybrid_engine import DeepSpeedHybridEngine
+
+    import deepspeed_async_ckpt
+    from deepspeed_async_ckpt.integrations.deepspeed.weight_editors import patch_weight_editors, unpatch_weight_editors
+
+    release = held_copier
+    monkeypatch.setattr(DeepSpeedHybridEngine, "_fuse_lora_layer", DeepSpeedHybridEngine._fuse_lora_layer)
+    patch_weight_editors()
+    try:
+        weight = torch.zeros(64, 64)
+
+        class Container:  # what the hybrid engine's inference container does to the base weight
+            def fuse_lora(self):
+                weight.data += 0.5
+
+        class Hybrid:
+            _inference_containers = [Container()]
+
+        ck = make()
+        for name, edit in [("lora", lambda: DeepSpeedHybridEngine._fuse_lora_layer(Hybrid(), 0)),
+                           ("ema", lambda: (deepspeed_async_ckpt.fence_all(), weight.copy_(torch.ones(64, 64))))]:
+            release.clear()
+            before = weight.clone()
+            ck.begin(str(tmp_path / name), tag=name)
+            ck.save({"w": weight}, str(tmp_path / name / "model.pt"))
+            ck.end()
+            edit()
+            ck.fence()  # the next optimizer step
+            ck.wait()
+            saved = torch.load(tmp_path / name / "model.pt", weights_only=True)["w"]
+            assert torch.equal(saved, before), name
+            assert not torch.equal(weight, before), name  # the edit happened
+        ck.close()
+        deepspeed_async_ckpt.fence_all()  # a closed checkpointer: nothing to do
+    finally:
+        unpatch_weight_editors()
