@@ -19,6 +19,7 @@ import torch
 import xxhash
 
 from deepspeed_async_ckpt.core import AsyncCheckpointer
+from deepspeed_async_ckpt.commit import KeepAny, KeepIf, KeepLast, RetentionPolicy
 from deepspeed_async_ckpt.commit import (LOCK_FILE, META_DIR, REMOVING_PREFIX, Pointer, read_manifest,
                                          verify_checkpoint)
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
@@ -1456,6 +1457,7 @@ import sys, time, torch
 import deepspeed_async_ckpt.core.files as checkpointer
 from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.core import AsyncCheckpointer
+from deepspeed_async_ckpt.commit import KeepAny, KeepIf, KeepLast, RetentionPolicy
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 
 real_write_file = checkpointer.write_file
@@ -1496,6 +1498,7 @@ def test_script_that_returns_right_after_saving_commits_its_last_checkpoint(tmp_
 THREAD_EXIT_SCRIPT = """
 import os, sys, threading, time, torch
 from deepspeed_async_ckpt.core import AsyncCheckpointer
+from deepspeed_async_ckpt.commit import KeepAny, KeepIf, KeepLast, RetentionPolicy
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.commit import Pointer
 root = sys.argv[1]
@@ -1530,6 +1533,7 @@ def test_the_exit_flush_waits_for_a_training_thread_still_saving(tmp_path, repo_
 THREAD_BETWEEN_SAVES_SCRIPT = """
 import os, sys, threading, time, torch
 from deepspeed_async_ckpt.core import AsyncCheckpointer
+from deepspeed_async_ckpt.commit import KeepAny, KeepIf, KeepLast, RetentionPolicy
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.commit import Pointer
 root, slow_begin = sys.argv[1], sys.argv[2] == "slow_begin"
@@ -1674,6 +1678,7 @@ def test_a_reservation_whose_thread_cannot_start_leaves_the_first_save_to_alloca
 OTHER_JOB_SCRIPT = """
 import os, sys, time, torch
 from deepspeed_async_ckpt.core import AsyncCheckpointer
+from deepspeed_async_ckpt.commit import KeepAny, KeepIf, KeepLast, RetentionPolicy
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.commit import Pointer
 root = sys.argv[1]
@@ -1766,11 +1771,10 @@ def test_a_save_directory_is_unlocked_once_saves_go_elsewhere(tmp_path, held_cop
     assert not lock_held(dirs[-1])
 
 
-def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses_it(tmp_path):
-    """The first version of the release above (a review found it, session 22) let a save
-    elsewhere unlock a directory whose commit callback was still reading a checkpoint there
-    (another job could then retire it under the callback), or whose save, begun with
-    ``swap_at_commit=False`` (the Megatron adapter), was committed but not yet swapped in."""
+def test_a_save_directory_stays_locked_while_a_callback_or_a_finalize_step_still_uses_it(tmp_path):
+    """The release above keeps the claim of a directory whose commit callback is still reading
+    a checkpoint there (another job could otherwise retire it under the callback), and of one
+    whose save's finalize steps (the Megatron adapter's markers) are still running."""
     release, reading = threading.Event(), threading.Event()
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01, keep_last=1),
                            on_commit=lambda info: (reading.set(), release.wait(30)))
@@ -1790,14 +1794,20 @@ def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses
     assert not lock_held(d1) and not lock_held(d2) and lock_held(d3)
     ck.close()
 
-    ck = make("sync")  # no callbacks, no retention
-    handle = ck.begin(os.path.join(d4, "i1"), tag="i1", swap_at_commit=False)  # committed at end()
+    ck = make()  # no callbacks, no retention
+    finalizing, finish = threading.Event(), threading.Event()
+    ck.begin(os.path.join(d4, "i1"), tag="i1", finalize=[lambda ctx: (finalizing.set(), finish.wait(30))])
     ck.save({"w": torch.ones(4)}, os.path.join(d4, "i1", "model.pt"))
     ck.end()
-    save_one(ck, d1, sample_state(), tag="a2")
-    assert lock_held(d4)  # committed, its adapter's late files still to come
-    ck.swap_in(handle)
+    assert finalizing.wait(30)
+    try:
+        save_one(ck, d1, sample_state(), tag="a2")
+        assert lock_held(d4)  # its manifest written, its finalize step still running
+    finally:
+        finish.set()
+    ck.wait()
     save_one(ck, d2, sample_state(), tag="b2")
+    ck.wait()
     assert not lock_held(d4) and not lock_held(d1) and lock_held(d2)
     ck.close()
 
@@ -1836,6 +1846,7 @@ POOL_EXIT_SCRIPT = """
 import sys, torch
 from concurrent.futures import ThreadPoolExecutor
 from deepspeed_async_ckpt.core import AsyncCheckpointer
+from deepspeed_async_ckpt.commit import KeepAny, KeepIf, KeepLast, RetentionPolicy
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.commit import Pointer
 root = sys.argv[1]
@@ -1947,6 +1958,7 @@ import multiprocessing, os, sys, threading, time, torch
 import deepspeed_async_ckpt.core.files as checkpointer
 from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.core import AsyncCheckpointer
+from deepspeed_async_ckpt.commit import KeepAny, KeepIf, KeepLast, RetentionPolicy
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 
 child_gone = threading.Event()
@@ -2092,9 +2104,9 @@ def test_a_staging_error_reported_by_wait_is_not_raised_again_by_a_later_fence(t
 
 
 def test_retention_futures_do_not_pile_up_after_one_retention_bug(tmp_path):
-    """After one retention raised (a user's ``keep``, say), every later retention future was
-    kept until someone called wait(): a loop that never waits held all of them (found by an
-    audit, session 19). The one error is still raised once."""
+    """After one retention raised (a user's policy, say), the later retention futures are
+    dropped once done, not kept until someone calls wait(): a loop that never waits holds at
+    most the failed one and the one running. The one error is still raised once."""
     boom = {"on": True}
 
     def keep(name):
@@ -2102,12 +2114,15 @@ def test_retention_futures_do_not_pile_up_after_one_retention_bug(tmp_path):
             raise ValueError("a retention bug")
         return False
 
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=0))
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01),
+                           retention=KeepAny(KeepLast(1), KeepIf(keep)))
     for step in range(12):
         handle = save_one(ck, str(tmp_path), {"w": torch.randn(16)}, tag=f"t{step}", eager=())
         ck.fence()
-        handle.wait_committed()
-        ck.retire_older_later(handle, keep_last=1, keep=keep).exception()
+        handle.wait_committed()  # its retention is queued by then
+        with ck._saves.lock:
+            queued = ck._retention.retiring[-1]
+        queued.exception()
     held = len(ck._retention.retiring)
     with pytest.raises(ValueError, match="a retention bug"):
         ck.close()
@@ -2724,12 +2739,11 @@ class NoExchangeFailingRename(LocalStorage):
 
 
 def test_failures_after_the_manifest_that_leave_the_checkpoint_unfinished_or_beside(tmp_path):
-    """A save its caller finishes after the commit (Megatron's: markers, then its own swap and
-    tracker) is not in place when a step after its manifest fails: it was said to be ("is
-    committed and in place, no pointer names it ... it loads now"). A re-save without an
-    exchange whose second rename failed was said to have failed with the last checkpoint
-    intact, though that one was in the trash and the new one is renamed in by the next load
-    or save (a review, session 29)."""
+    """A re-save without an exchange whose second rename failed is committed, beside its
+    place, and the next load or save renames it in (the old one is in the trash): a
+    DurabilityError says so, not "the last committed one is intact". A re-save whose finalize
+    step fails (Megatron's markers) is not in place, and the error says it was not committed;
+    the checkpoint it would have replaced still verifies."""
     from deepspeed_async_ckpt.errors import DurabilityError
 
     storage = NoExchangeFailingRename()
@@ -2745,39 +2759,31 @@ def test_failures_after_the_manifest_that_leave_the_checkpoint_unfinished_or_bes
     storage.fail = False
     ck.recover(str(tmp_path))
     assert _steps(tmp_path / "t" / "model.pt") == 9
-    # finished by its caller: a staged, unswapped save whose parent fsync fails is not in place
-    failing = FailingAfter()
-    ck2 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=failing)
+    # finished by a finalize step that fails: the re-saved checkpoint is not in place
+    ck2 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=LocalStorage())
     root = str(tmp_path / "mg")
     d = os.path.join(root, "iter_0000010")
+
+    def markers(ctx):
+        if ctx.write_dir != ctx.ckpt_dir:  # the re-save, staged beside the first
+            raise OSError(errno.EIO, "Input/output error")
+        ctx.write_file(".metadata", "m")
+    markers.files = (".metadata",)
+
     for steps in (5, 9):
-        ck2.begin(d, tag="10", swap_at_commit=False, late_files=(".metadata",))
+        ck2.begin(d, tag="10", pointer=Pointer(os.path.join(root, "tracker.txt"), "10"), finalize=[markers])
         st = sample_state()
         st["global_steps"] = steps
         ck2.save(st, os.path.join(d, "model.pt"))
         handle = ck2.end()
         if steps == 5:
             ck2.wait()
-            with open(os.path.join(d, ".metadata"), "w") as f:
-                f.write("m")
-            from deepspeed_async_ckpt.commit import record_late_files
-            record_late_files(failing, d)
-            real_sync_dir = failing.sync_dir
-
-            def sync_dir(path):  # the fsync of the save directory after the staged manifest
-                staged = [n for n in os.listdir(root) if n.startswith(".async_ckpt_staging.")]
-                if path == root and any(os.path.exists(os.path.join(root, n, META_DIR, "manifest.json"))
-                                        for n in staged):
-                    raise OSError(errno.EIO, "Input/output error")
-                real_sync_dir(path)
-
-            failing.sync_dir = sync_dir
     with pytest.raises(AsyncCheckpointError) as raised:
         ck2.wait()
     assert not isinstance(raised.value, DurabilityError), raised.value
     assert "not committed" in str(raised.value)
     assert _steps(os.path.join(d, "model.pt")) == 5 and not handle.committed
-    del failing.sync_dir
+    verify_checkpoint(d)
     ck2.close()
     ck.close()
 
@@ -3129,9 +3135,9 @@ def test_a_file_whose_name_starts_with_two_dots_is_staged_like_any_other(tmp_pat
     assert _steps(tmp_path / "t" / "..model.pt") == 9
 
 
-def _resaved_awaiting_swap(tmp_path, keep_last):
-    """Checkpoint "t" saved, then saved again (step 9) as the Megatron adapter does
-    (``swap_at_commit=False``): committed in its staging directory, not yet swapped in."""
+def _resave(tmp_path, keep_last, step):
+    """Checkpoint "t" saved, then saved again (step 9) with the finalize ``step``: staged
+    beside it until that step is done."""
     root = str(tmp_path)
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=keep_last))
     save_one(ck, root, sample_state(), tag="t")
@@ -3139,39 +3145,45 @@ def _resaved_awaiting_swap(tmp_path, keep_last):
     state = sample_state()
     state["global_steps"] = 9
     d = os.path.join(root, "t")
-    handle = ck.begin(d, tag="t", swap_at_commit=False)
+    handle = ck.begin(d, tag="t", pointer=Pointer(os.path.join(root, "latest"), "t"), finalize=[step])
     ck.save(state, os.path.join(d, "model.pt"))
     ck.end()
     ck.fence()
-    handle.wait_committed()
-    assert handle.committed and os.path.isdir(handle.write_dir)
     return ck, root, d, handle
 
 
-def test_a_committed_staged_save_awaiting_its_swap_is_neither_swept_nor_retired(tmp_path):
-    """The Megatron adapter swaps a re-saved iteration in itself, after its marker files
-    (``swap_at_commit=False``). Between the commit and that swap, the next save's clean-up
-    must not take the committed staging directory for an abandoned one, nor retention the
-    directory it replaces."""
-    ck, root, d, handle = _resaved_awaiting_swap(tmp_path, keep_last=1)
-    save_one(ck, root, sample_state(), tag="u")  # its begin() recovers, its commit retires
+def test_a_staged_save_whose_finalize_step_runs_is_neither_swept_nor_retired(tmp_path):
+    """A re-saved checkpoint is swapped in after its finalize steps (the Megatron adapter's
+    markers). While a step runs, the next save's clean-up must not take the committed staging
+    directory for an abandoned one, nor retention the directory it replaces."""
+    running, finish = threading.Event(), threading.Event()
+    ck, root, d, handle = _resave(tmp_path, 2, lambda ctx: (running.set(), finish.wait(30)))
+    assert running.wait(30)
+    try:
+        save_one(ck, root, sample_state(), tag="u")  # its begin() recovers and sweeps
+        assert os.path.isdir(handle.write_dir) and os.path.isdir(d)
+    finally:
+        finish.set()
     ck.fence()
     ck.wait()
-    assert os.path.isdir(handle.write_dir) and os.path.isdir(d)
-    ck.swap_in(handle)
-    ck.wait()
     ck.close()
+    assert handle.committed
     assert listing(root) == ["latest", "t", "u"]
     verify_checkpoint(d)
     assert _steps(tmp_path / "t" / "model.pt") == 9
 
 
-def test_a_staged_save_whose_swap_is_abandoned_is_swept_and_the_old_one_stays(tmp_path):
-    """The Megatron adapter abandons the swap when its marker files fail after the commit:
-    the old checkpoint stays in place, and the next save sweeps the staging directory (it
-    was kept only while a swap could still come)."""
-    ck, root, d, handle = _resaved_awaiting_swap(tmp_path, keep_last=0)
-    ck.abandon_swap(handle)
+def test_a_staged_save_whose_finalize_step_fails_is_swept_and_the_old_one_stays(tmp_path):
+    """A finalize step that fails after the commit's manifest (Megatron's markers) fails the
+    save: the old checkpoint stays in place, ``latest`` still names it, and the next save
+    sweeps the staging directory."""
+    def fail(ctx):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ck, root, d, handle = _resave(tmp_path, 0, fail)
+    with pytest.raises(CommitError, match="finalize step .*fail.* failed .*No space left"):
+        ck.wait()
+    assert not handle.committed and os.path.isdir(handle.write_dir)
     save_one(ck, root, sample_state(), tag="u")  # its begin() sweeps the staging directory
     ck.wait()
     ck.close()
@@ -3590,25 +3602,29 @@ def test_keep_last_does_not_count_a_checkpoint_never_finalized_and_removes_it_on
     checkpoint committed after it is the newest; one committed after that one stays (on a
     Megatron rank 0, the next save can be committed and not yet finalized while retention runs
     for the one before)."""
-    from deepspeed_async_ckpt.commit import record_late_files
-
     root = str(tmp_path)
     ck = make("sync", keep_last=2)
 
     def save(tag, late=(), record=True):
-        d = os.path.join(root, tag)
-        handle = ck.begin(d, tag=tag, late_files=late)
-        ck.save(sample_state(), os.path.join(d, "model.pt"))
-        ck.end()
-        if record:
+        def markers(ctx):
+            if not record:
+                raise OSError(errno.EIO, "Input/output error")
             for name in late:
-                with open(os.path.join(d, name), "w") as f:
-                    f.write(tag)
-            record_late_files(ck.storage, d)
+                ctx.write_file(name, tag)
+        markers.files = late
+
+        d = os.path.join(root, tag)
+        handle = ck.begin(d, tag=tag, finalize=[markers] if late else [])
+        ck.save(sample_state(), os.path.join(d, "model.pt"))
+        if record:
+            ck.end()
+        else:
+            with pytest.raises(CommitError, match="finalize step"):
+                ck.end()
         return handle
 
     save("a")
-    save("b", late=("markers.json",), record=False)  # its finalizer failed
+    save("b", late=("markers.json",), record=False)  # its finalize step failed
     save("c", late=("markers.json",))
     verify_checkpoint(os.path.join(root, "c"))
     with pytest.raises(IntegrityError, match="never finalized"):
@@ -3806,16 +3822,25 @@ def test_keep_last_removes_on_its_own_thread_so_saves_and_commits_do_not_wait(tm
 
 
 def test_retention_queued_after_close_runs_in_the_caller(tmp_path):
-    """Megatron's finalizer may queue retention after the engine closed: it runs at once, in
-    the calling thread (no thread to hand it to, and no deadlock on the engine's lock)."""
-    ck = make()
+    """Retention or a deletion queued after the engine closed (an integration's, or a
+    callback's release) runs at once, in the calling thread (no thread to hand it to, and no
+    deadlock on the engine's lock)."""
+    class KeepAllUntilClosed(RetentionPolicy):
+        closed = False
+
+        def should_keep(self, checkpoints):
+            return [not self.closed or i == 0 for i in range(len(checkpoints))]
+
+    policy = KeepAllUntilClosed()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), retention=policy)
     handles = []
     for tag in ("a", "b"):
         handles.append(save_one(ck, str(tmp_path), sample_state(), tag=tag))
         ck.wait()
     ck.close()
+    policy.closed = True
     result = {}
-    thread = threading.Thread(target=lambda: result.update(f=ck.retire_older_later(handles[1], keep_last=1)))
+    thread = threading.Thread(target=lambda: result.update(f=ck._retention.retire_older_later(handles[1])))
     thread.start()
     thread.join(10)
     assert not thread.is_alive(), "retire_older_later deadlocked on a closed checkpointer"
@@ -4888,20 +4913,21 @@ def test_a_begin_refused_for_its_directory_still_raises_an_earlier_saves_failure
 
 
 def test_close_raises_a_failed_save_though_retention_failed_too(tmp_path, caplog):
-    """``wait`` raised a retention bug (a ``keep`` callback that raised) before the failures of
-    saves; ``close`` then closed for good with the failed save never raised (a review, session
-    30). The failed save is raised, the retention bug logged."""
+    """A retention bug (a policy that raised) and a failed save: ``close`` raises the failed
+    save (else it would close for good with it never raised) and logs the retention bug."""
+    def keep(name):
+        raise ValueError("a retention bug")
+
     storage = _FullDisk()
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage,
+                           retention=KeepIf(keep))
     root = str(tmp_path)
     _save_to(ck, root, "t0").wait_committed()
     handle = _save_to(ck, root, "t1")
     handle.wait_committed()
-
-    def keep(name):
-        raise ValueError("a retention bug")
-
-    assert isinstance(ck.retire_older_later(handle, keep_last=1, keep=keep).exception(), ValueError)
+    with ck._saves.lock:
+        first = ck._retention.retiring[0]
+    assert isinstance(first.exception(30), ValueError)
     storage.full = True
     _save_to(ck, root, "t2").wait_committed()
     with caplog.at_level(logging.ERROR), pytest.raises(PersistError, match="No space left"):
