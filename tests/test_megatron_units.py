@@ -168,12 +168,12 @@ def test_a_truncated_metadata_is_named_by_every_check():
 
 
 def test_wait_gives_up_at_its_timeout():
-    """``wait(timeout=0.5)`` with a save held until that wait returns: rank 0 waited for every
-    finalization without a bound first, so it returned once the save was done, without an
-    error (found by an audit). An error here means wait gave up before the save finished."""
+    """``wait(timeout=0.5)`` with a save held until that wait returns: the wait gives up at its
+    bound with a CommitError, rather than returning once the save is done (an error here means
+    wait gave up before the save finished)."""
     result = _run_one_rank("megatron_wait_timeout.py")
     assert result["error"] and result["error"].startswith("CommitError:"), result
-    assert "not committed and finalized" in result["error"], result
+    assert "not committed within 0.5 s" in result["error"], result
 
 
 def test_a_sharding_megatron_refuses_fails_the_save_on_every_rank_at_once(tmp_path):
@@ -334,60 +334,92 @@ def test_tracker_and_directory_names(tmp_path):
 
 
 def test_markers_are_written_atomically(tmp_path):
+    from deepspeed_async_ckpt.commit import FinalizeContext
+
+    ctx = FinalizeContext(LocalStorage(fsync=True), str(tmp_path), str(tmp_path), "7", "id", {"files": {}},
+                          frozenset(torch_dist.Markers(index=None).files))
+    ctx.write_file(torch_dist.DCP_METADATA_FILE, b"\x00\xffbytes")
     path = str(tmp_path / torch_dist.DCP_METADATA_FILE)
-    torch_dist.write_text_atomic(LocalStorage(fsync=True), path, b"\x00\xffbytes")
     assert open(path, "rb").read() == b"\x00\xffbytes"
     assert os.listdir(tmp_path) == [torch_dist.DCP_METADATA_FILE]  # no temporary left behind
     assert torch_dist.distcp_name(3, 12) == "__3_12.distcp"
 
 
-def test_finalizer_abandons_the_swap_when_its_markers_fail(tmp_path, monkeypatch):
-    """A re-saved iteration is staged and swapped in by the finalizer after its marker files.
-    If those fail, the engine must stop protecting the staging directory (else it stays until
-    the process ends), and the tracker and the old directory stay put."""
-    from types import SimpleNamespace
+def _engine(storage=None, **config):
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from deepspeed_async_ckpt.core import AsyncCheckpointer
 
-    from megatron_adapter.checkpointer import MegatronCheckpointer
+    return AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, **config),
+                             storage=storage or LocalStorage())
 
-    calls = []
-    handle = SimpleNamespace(error=None, abandoned=False, write_dir=str(tmp_path / "staged"),
-                             wait_committed=lambda: None, times={})
-    engine = SimpleNamespace(storage=LocalStorage(), abandon_swap=lambda h: calls.append(("abandon", h)),
-                             swap_in=lambda h: calls.append(("swap", h)))
 
-    def fail(*args, **kwargs):
+def _save_iteration(engine, root, iteration, steps):
+    """One save as the adapter begins it: the tracker as the pointer, the markers as the
+    finalize step (an index of nothing: ``write_markers`` is replaced in these tests)."""
+    from deepspeed_async_ckpt.commit import Pointer
+
+    d = os.path.abspath(checkpoint_dir(root, iteration))
+    handle = engine.begin(d, tag=str(iteration), pointer=Pointer(tracker_path(root), str(iteration)),
+                          finalize=[torch_dist.Markers(index=None)])
+    engine.save({"steps": steps}, os.path.join(d, "common.pt"))
+    engine.end()
+    return handle
+
+
+def _write_markers(ctx, index):
+    for name in torch_dist.MARKER_FILES:
+        ctx.write_file(name, "{}")
+
+
+def test_a_resave_whose_markers_fail_leaves_the_tracker_and_the_old_iteration(tmp_path, monkeypatch):
+    """A re-saved iteration is staged and swapped in by the commit after its marker files. If
+    those fail, the tracker and the old directory stay put, and the next save sweeps the
+    staging directory (the engine does not keep it until the process ends)."""
+    root = str(tmp_path)
+    engine = _engine()
+    monkeypatch.setattr(torch_dist, "write_markers", _write_markers)
+    _save_iteration(engine, root, 7, 1)
+    engine.wait()
+
+    def fail(ctx, index):
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr(torch_dist, "write_markers", fail)
-    tracker = str(tmp_path / "latest_checkpointed_iteration.txt")
-    with pytest.raises(OSError, match="No space left"):
-        MegatronCheckpointer._finalize(SimpleNamespace(engine=engine), handle, None, tracker, "7")
-    assert calls == [("abandon", handle)]
-    assert not os.path.exists(tracker)
+    handle = _save_iteration(engine, root, 7, 2)
+    with pytest.raises(CommitError, match="finalize step Markers failed .*No space left"):
+        engine.wait()
+    assert read_tracker(root) == 7 and os.path.isdir(handle.write_dir)
+    monkeypatch.setattr(torch_dist, "write_markers", _write_markers)
+    _save_iteration(engine, root, 8, 3)  # its begin() sweeps the staging directory
+    engine.close()
+    assert sorted(n for n in os.listdir(root) if not n.startswith(".async_ckpt")) == \
+        ["iter_0000007", "iter_0000008", "latest_checkpointed_iteration.txt"]
+    assert torch.load(os.path.join(checkpoint_dir(root, 7), "common.pt"), weights_only=False)["steps"] == 1
+    verify_checkpoint_dir(checkpoint_dir(root, 7))
 
 
-def test_failed_finalizations_are_raised_together_not_one_per_call():
-    """Two saves whose torch_dist metadata or tracker failed were raised one per later call
-    (each ``save``/``wait`` took one), so the older failure came back after the cause was
-    fixed. Now the first is raised with how many more there were, and all are consumed."""
-    from concurrent.futures import Future
-    from types import SimpleNamespace
+def test_failed_finalizations_are_raised_together_not_one_per_call(tmp_path, monkeypatch):
+    """Two saves whose marker files failed are raised together by the next wait (the first,
+    with how many more there were), and all are consumed: the older failure does not come
+    back at a later call, after its cause was fixed."""
+    root = str(tmp_path)
+    engine = _engine()
 
-    from megatron_adapter.checkpointer import MegatronCheckpointer
+    def fail(ctx, index):
+        raise OSError(28, f"No space left for {ctx.tag}")
 
-    def failed(msg):
-        fut = Future()
-        fut.set_exception(OSError(28, msg))
-        return fut
-
-    running = Future()
-    ck = SimpleNamespace(_pending=[("ckpt/iter_1", failed("first")), ("ckpt/iter_2", failed("second")),
-                                   ("ckpt/iter_3", running)])
-    err = MegatronCheckpointer._take_finalize_error(ck)
-    assert isinstance(err, CommitError) and "iter_1" in str(err) and "first" in str(err), err
+    monkeypatch.setattr(torch_dist, "write_markers", fail)
+    for iteration in (1, 2):
+        _save_iteration(engine, root, iteration, iteration)
+        engine.fence()
+    with pytest.raises(CommitError) as raised:
+        engine.wait()
+    err = raised.value
+    assert "iter_0000001" in str(err) and "No space left for 1" in str(err), err
     assert "and 1 more" in str(err), err
-    assert ck._pending == [("ckpt/iter_3", running)]  # the one still running stays
-    assert MegatronCheckpointer._take_finalize_error(ck) is None
+    engine.wait()
+    assert read_tracker(root) is None
+    engine.close()
 
 
 def test_verify_accepts_megatron_checkpoints_and_rejects_partial_ones(tmp_path):
@@ -407,7 +439,7 @@ def test_a_metadata_file_that_cannot_be_read_is_not_called_corrupted(tmp_path, m
     'file truncated or corrupted', sending the user after damage that is not there."""
     import errno
 
-    from megatron_adapter import checkpointer as mcp
+    from megatron_adapter import verify as mcp
 
     (tmp_path / ".async_ckpt").mkdir()
     for name in torch_dist.MARKER_FILES:
@@ -591,25 +623,14 @@ def test_compat_copies_the_states_the_optimizer_has_whatever_else_the_checkpoint
 @pytest.mark.parametrize("mode", ["tracker_fsync", "two_renames"])
 def test_a_megatron_finalization_failing_after_the_checkpoint_is_in_place_says_so(tmp_path, monkeypatch, mode):
     """The tracker renamed and its fsync failed, or a re-save without an exchange whose second
-    rename failed (the old iteration in the trash): both were reported as "the tracker still
-    names the previous checkpoint" (a review, session 29). Now a DurabilityError saying where
-    the new one is, and retention keeps what the tracker names."""
+    rename failed (the old iteration in the trash): neither is "the tracker still names the
+    previous checkpoint". A DurabilityError says where the new one is, and retention keeps
+    what the tracker names."""
     import errno
-    from concurrent.futures import Future
-    from types import SimpleNamespace
-
-    from deepspeed_async_ckpt.core import AsyncCheckpointer
-    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
-    import torch
 
     from deepspeed_async_ckpt.errors import DurabilityError
 
-    def markers(storage, d, index):
-        for name in torch_dist.MARKER_FILES:
-            with open(os.path.join(d, name), "w") as f:
-                f.write("{}")
-
-    monkeypatch.setattr(torch_dist, "write_markers", markers)
+    monkeypatch.setattr(torch_dist, "write_markers", _write_markers)
 
     class Failing(LocalStorage):
         failing = None
@@ -625,23 +646,15 @@ def test_a_megatron_finalization_failing_after_the_checkpoint_is_in_place_says_s
                 raise OSError(errno.EIO, "Input/output error", dst)
 
     root, storage = str(tmp_path), Failing(fsync=True)
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    ck = _engine(storage)
 
     def save_and_finalize(iteration, steps):
-        d = os.path.abspath(checkpoint_dir(root, iteration))
-        handle = ck.begin(d, tag=str(iteration), swap_at_commit=False, late_files=torch_dist.MARKER_FILES,
-                          own_pointer=tracker_path(root))
-        ck.save({"steps": steps}, os.path.join(d, "common.pt"))
-        ck.end()
-        ck.wait()
-        me = SimpleNamespace(engine=ck, _retire_older=lambda h: None, _announce=lambda h, i: None)
-        done: Future = Future()
+        _save_iteration(ck, root, iteration, steps)
         try:
-            MegatronCheckpointer._finalize(me, handle, None, tracker_path(root), str(iteration))
-            done.set_result(None)
-        except BaseException as exc:
-            done.set_exception(exc)
-        return MegatronCheckpointer._take_finalize_error(SimpleNamespace(_pending=[(handle.ckpt_dir, done)]))
+            ck.wait()
+        except DurabilityError as exc:
+            return exc
+        return None
 
     assert save_and_finalize(10, 5) is None
     storage.failing = mode
@@ -649,7 +662,7 @@ def test_a_megatron_finalization_failing_after_the_checkpoint_is_in_place_says_s
     error = save_and_finalize(iteration, 9)
     storage.failing = None
     assert isinstance(error, DurabilityError), error
-    assert "finalization did not complete" in str(error) and "still names the previous" not in str(error)
+    assert "still names the previous" not in str(error)
     if mode == "tracker_fsync":
         assert "latest_checkpointed_iteration.txt names it" in str(error)
         assert ck._retention.pointed[root] == os.path.abspath(checkpoint_dir(root, 20))
