@@ -45,7 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from deepspeed_async_ckpt.commit import FinalizeContext, write_text_atomic
+from deepspeed_async_ckpt.commit import FinalizeContext
 
 BACKEND = "torch_dist"
 BACKEND_VERSION = 1

@@ -4,11 +4,11 @@ their files, and commits them.
 Every rank runs one (``async-ckpt-committer``); a sync save runs :meth:`Committer.commit_one`
 inline on the training thread instead. For each save, in this order::
 
-    (every rank)  wait for its files; make their directory entries durable; publish its record
-    (rank 0)      wait for every rank's record; write the manifest          (:func:`~..commit.commit`)
-    (rank 0)      run the save's finalize steps, record the files they wrote  (:mod:`~..commit.finalize`)
-    (rank 0)      swap a re-saved checkpoint in; move the pointer
-    (rank 0)      announce the commit (log, callbacks); queue retention (the checkpointer's policy)
+    (every rank) wait for its files; make their directory entries durable; publish its record
+    (rank 0)     wait for every rank's record; write the manifest     (:func:`~..commit.commit`)
+    (rank 0)     run the save's finalize steps; record their files    (:mod:`~..commit.finalize`)
+    (rank 0)     swap a re-saved checkpoint in; move the pointer
+    (rank 0)     announce the commit (log, callbacks); queue retention (the checkpointer's policy)
 
 A failure is recorded in the failure ledger (raised at the next ``begin`` or ``wait``, where
 ``begin``'s exchange and ``wait_all_ranks`` carry it to every rank) and, where this rank's own
