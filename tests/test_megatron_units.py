@@ -18,7 +18,6 @@ from deepspeed_async_ckpt.storage import LocalStorage  # noqa: E402
 from megatron_adapter import torch_dist  # noqa: E402
 from megatron_adapter.arguments import add_arguments, config_from_args  # noqa: E402
 from megatron_adapter.checkpointer import (  # noqa: E402
-    MegatronCheckpointer,
     checkpoint_dir,
     read_tracker,
     tracker_path,
@@ -61,8 +60,8 @@ def test_config_file_uses_the_deepspeed_schema(tmp_path, capsys):
     assert not config_from_args(parse("--async-ckpt-config", str(path))).is_async
     path.write_text(json.dumps({"enabled": False}))
     assert not config_from_args(parse("--async-ckpt-config", str(path))).enabled
-    # a bad file is refused when the flags are parsed, naming the flag, the file and the key
-    # (until session 29 at the first save, after that much training)
+    # a bad file is refused when the flags are parsed (not at the first save, after that much
+    # training), naming the flag, the file and the key
     path.write_text(json.dumps({"writers": "balanced"}))
     for bad, fragment in [(str(path), "async_checkpoint.writers"), (str(tmp_path / "missing.json"), "cannot read")]:
         with pytest.raises(SystemExit):
@@ -157,8 +156,9 @@ def test_save_copies_the_buffers_of_ddp_wrapped_chunks_at_save_time():
 def test_a_truncated_metadata_is_named_by_every_check():
     """A load of some of a checkpoint (``MegatronCheckpointer.load``; the Megatron-LM hook
     under ``--no-load-optim``) reads megatron-core's ``.metadata`` to find what it reads,
-    before rank 0 has checked that file: a truncated one failed with ``IntegrityError:
-    UnpicklingError: pickle data was truncated``, naming no file (found by an audit)."""
+    before rank 0 has checked that file: a truncated one is named by every check (the full
+    one, the load's, the skipping one), as truncated or corrupted, not as a bare
+    ``UnpicklingError`` naming no file."""
     result = _run_one_rank("megatron_truncated_metadata.py")
     metadata = os.path.join(result["dir"], ".metadata")
     assert result["full"].startswith(f"IntegrityError: {metadata}: size"), result
@@ -178,9 +178,9 @@ def test_wait_gives_up_at_its_timeout():
 
 def test_a_sharding_megatron_refuses_fails_the_save_on_every_rank_at_once(tmp_path):
     """megatron-core validates a save's sharding on rank 0 alone, after its collectives, and
-    raises there alone: rank 1 went on into ``plan_save``'s collective and waited for rank 0
-    for as long as rank 0 lived (found by an audit). Both ranks now raise at once, and the
-    next, valid, save commits."""
+    raises there alone; rank 1 would go on into ``plan_save``'s collective and wait for rank 0
+    for as long as rank 0 lived. Both ranks raise at once, and the next, valid, save
+    commits."""
     got = _run_two_ranks("megatron_invalid_sharding.py", tmp_path)
     for case in ("two_main_replicas", "no_main_replica"):
         assert "Invalid access pattern" in got[0][case]["error"], got
@@ -190,14 +190,14 @@ def test_a_sharding_megatron_refuses_fails_the_save_on_every_rank_at_once(tmp_pa
 
 
 def test_a_megatron_save_failing_on_one_rank_before_a_collective_fails_on_every_rank(tmp_path):
-    """A save that failed on rank 1 alone before a collective (a sharded-tensor factory, with
+    """A save that fails on rank 1 alone before a collective (a sharded-tensor factory, with
     megatron-core's validation or without; an object that cannot be pickled, in the planning)
-    left rank 0 waiting in that collective for good (a review, session 28); so did a common
-    part rank 0 cannot pickle for the validation's broadcast (a lock: session 30). Both ranks now
-    raise, and the next save commits. An iteration that is no integer is refused (``True``
-    was committed as ``iter_0000001`` with ``True`` in the tracker). ``close()`` is collective,
-    as megatron-core's ``AsyncCallsQueue.close`` is: rank 1 returned from it before rank 0 had
-    moved the tracker."""
+    would leave rank 0 waiting in that collective for good; so would a common part rank 0
+    cannot pickle for the validation's broadcast (a lock). Both ranks raise, and the next save
+    commits. An iteration that is no integer is refused (``True`` would be committed as
+    ``iter_0000001`` with ``True`` in the tracker). ``close()`` is collective, as
+    megatron-core's ``AsyncCallsQueue.close`` is: no rank returns from it before the tracker
+    names the last checkpoint."""
     got = _run_two_ranks("megatron_rank_local_failures.py", tmp_path, timeout=180)
     for case, own in (("factory_validated", "factory failed on rank 1"), ("factory", "factory failed on rank 1"),
                       ("object", "rank 1: ")):
@@ -214,8 +214,8 @@ def test_a_megatron_save_failing_on_one_rank_before_a_collective_fails_on_every_
 
 def test_ranks_checking_different_megatron_checkpoints_are_refused(tmp_path):
     """Each rank hashes a share of the files, which together cover them only if every rank
-    checks the same checkpoint; ranks that read the tracker on either side of a commit each
-    checked part of a different one, and passed (found by an audit). Both now raise."""
+    checks the same checkpoint; ranks that read the tracker on either side of a commit would
+    each check part of a different one, and pass. Both raise, naming both checkpoints."""
     for got in _run_two_ranks("megatron_verify_elsewhere.py", tmp_path):
         error = got["error"]
         assert error and error.startswith("IntegrityError: the ranks are not checking the same checkpoint"), error
@@ -233,10 +233,9 @@ def test_megatron_lm_hook_passes_other_formats_to_megatron_lm_and_refuses_partia
 
 
 def test_megatron_lm_hook_ranks_reading_different_trackers_all_raise(tmp_path):
-    """The hook's check is collective, but each rank read the tracker itself and only a rank
-    that found a checkpoint of this engine joined it: one that read the tracker just before a
-    commit went on into Megatron-LM's load while the other waited in the check (a review,
-    session 29). The ranks now agree first, and all raise."""
+    """The hook's check is collective, but each rank reads the tracker itself: one that read it
+    just before a commit must not go on into Megatron-LM's load while the other waits in the
+    check. The ranks agree on what they read first, and all raise."""
     got = _run_two_ranks("megatron_lm_stub_load_race.py", tmp_path)
     for r in range(2):
         assert got[r]["error"].startswith("IntegrityError: load_checkpoint refused on every rank: "
@@ -255,9 +254,9 @@ def test_megatron_lm_refuses_async_save_together_with_the_engine():
 
 def test_megatron_lm_hook_verifies_the_pretrained_checkpoint_megatron_lm_loads():
     """Megatron-LM's load_checkpoint finetunes from --pretrained-checkpoint when --load is
-    unset or holds no tracker. The hook looked at --load only: it verified nothing (a
-    checkpoint that never committed loaded), and with --ckpt-step and no --load it raised a
-    TypeError (found by an audit). Run with stand-ins for megatron.training."""
+    unset or holds no tracker. The hook verifies that checkpoint too (one that never committed
+    is refused), with --load unset, empty, or with --ckpt-step and no --load. Run with
+    stand-ins for megatron.training."""
     result = _run_one_rank("megatron_lm_stub_pretrained.py")
     for case in ("no_load", "empty_load", "ckpt_step"):
         assert result[case].startswith("IntegrityError") and "never committed" in result[case], (case, result)
@@ -265,8 +264,7 @@ def test_megatron_lm_hook_verifies_the_pretrained_checkpoint_megatron_lm_loads()
 
 def test_megatron_lm_async_save_goes_with_the_engine_turned_off(tmp_path):
     """``"enabled": false`` in the engine's config leaves every save to Megatron-LM, so its
-    own --async-save is then the only background save; it was refused all the same (found by
-    an audit)."""
+    own --async-save is then the only background save, and is accepted."""
     from megatron_adapter.megatron_lm import _engine
 
     config = tmp_path / "off.json"
@@ -514,8 +512,8 @@ def test_every_public_name_resolves(package):
 
 def test_megatron_lm_hook_prints_megatron_lms_saved_line_for_log_monitors(monkeypatch, capsys):
     """Routed saves print Megatron-LM's own "successfully saved checkpoint" line once the
-    tracker names the checkpoint (before, they printed nothing: job monitors and the scripts
-    that convert each new checkpoint, which wait for that line, never saw a save)."""
+    tracker names the checkpoint: job monitors and the scripts that convert each new
+    checkpoint wait for that line."""
     import re
 
     from megatron.core import mpu
@@ -540,9 +538,9 @@ def test_megatron_lm_hook_prints_megatron_lms_saved_line_for_log_monitors(monkey
 
 def test_on_saved_runs_in_order_on_its_own_thread_through_close():
     """Megatron's ``on_saved`` callbacks run one after the other, in iteration order, on the
-    engine's callback thread, including a save finalized while ``close()`` runs (it ran on the
-    finalizer thread then, at the same time as a slow earlier one), and the checkpoint a
-    callback reads is still there (retention, keep_last=1, waits for it)."""
+    engine's callback thread, including that of a save committed while ``close()`` runs (not
+    at the same time as a slow earlier one), and the checkpoint a callback reads is still
+    there (retention, keep_last=1, waits for it)."""
     got = _run_one_rank("megatron_on_saved.py")
     assert got["tracker"] == 2
     assert [e[:2] for e in got["events"]] == [["start", 1], ["end", 1], ["start", 2], ["end", 2]]
@@ -565,8 +563,9 @@ def _pretrain_gpt():
                                         ("--micro-batch-size", "0"), ("--train-iters", "-1"),
                                         ("--train-iters", "0")])
 def test_pretrain_gpt_refuses_a_count_out_of_range_naming_the_flag(flag, value, capsys):
-    """Until session 19, ``--log-interval 0`` crashed the first step with ZeroDivisionError
-    and ``--save-interval -5`` saved at every fifth step; now the flag is refused at parse."""
+    """A count out of range is refused at parse, naming the flag: ``--log-interval 0`` would
+    crash the first step with ZeroDivisionError, ``--save-interval -5`` save at every fifth
+    step."""
     parse_args = _pretrain_gpt().parse_args
     assert parse_args(["--train-iters", "4", flag, "3"]) is not None  # a good value parses
     with pytest.raises(SystemExit):
@@ -579,8 +578,8 @@ def test_pretrain_gpt_refuses_a_count_out_of_range_naming_the_flag(flag, value, 
                                         (["--train-iters", "4", "--lr", "1e-3", "--min-lr", "1e-2"], "--min-lr")])
 def test_pretrain_gpt_refuses_a_schedule_megatron_core_would_assert_on(args, named, capsys):
     """megatron-core's scheduler asserts warmup < decay steps and min_lr <= lr after the process
-    group and the model were built, with a bare ``AssertionError`` naming no flag (a review,
-    session 30); ``--train-iters 0`` (above) was accepted and failed the same way."""
+    group and the model were built, with a bare ``AssertionError`` naming no flag; the script
+    refuses such a schedule at parse, naming the flag (``--train-iters 0``, above, too)."""
     parse_args = _pretrain_gpt().parse_args
     assert parse_args(["--train-iters", "5", "--lr-warmup-iters", "4", "--min-lr", "1e-3"]) is not None
     with pytest.raises(SystemExit):
@@ -593,14 +592,14 @@ def test_pretrain_gpt_refuses_a_schedule_megatron_core_would_assert_on(args, nam
                                    {"padding": False, "step": torch.tensor(9.0)}],
                          ids=["fully_reshardable", "dp_reshardable", "dp_reshardable_request_with_a_step"])
 def test_compat_copies_the_states_the_optimizer_has_whatever_else_the_checkpoint_holds(extra):
-    """The patched ``_set_main_param_and_optimizer_states`` copied every key of the checkpoint's
-    entry: a ``dp_reshardable`` one (Megatron-LM's default distributed-optimizer format) also
-    holds ``padding`` and its buffer offsets, and every such load failed with ``KeyError:
-    'padding'`` once ``compat.install()`` ran (found by a review, session 29). A live ``step``
-    the checkpoint lacks (``fully_reshardable``, the reason for the patch) is left alone, and
-    one a ``dp_reshardable`` load request carries (the live one, which replaced the loaded
-    step after a resume: session 30) is not copied; an fp32 main param, a view of a leaf that
-    requires grad, is copied into (it raised "a view of a leaf Variable ... in-place")."""
+    """The patched ``_set_main_param_and_optimizer_states`` copies the keys the live state has:
+    a ``dp_reshardable`` entry (Megatron-LM's default distributed-optimizer format) also holds
+    ``padding`` and its buffer offsets, which copying every key of the entry would fail on
+    (``KeyError: 'padding'``). A live ``step`` the checkpoint lacks (``fully_reshardable``, the
+    reason for the patch) is left alone, and one a ``dp_reshardable`` load request carries (the
+    live one, which would replace the loaded step after a resume) is not copied; an fp32 main
+    param, a view of a leaf that requires grad, is copied into under ``no_grad`` (else "a view
+    of a leaf Variable ... in-place")."""
     import torch
     from megatron.core.optimizer import DistributedOptimizer
     from megatron_adapter import compat
