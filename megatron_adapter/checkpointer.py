@@ -168,7 +168,7 @@ class MegatronCheckpointer:
 
         if isinstance(iteration, bool) or not isinstance(iteration, numbers.Integral) or iteration < 0:
             # it names the directory (iter_NNNNNNN) and goes into the tracker, which Megatron-LM
-            # reads back with int(): True or tensor(6) left a tracker no run could resume from
+            # reads back with int(): True or tensor(6) would leave a tracker no run resumes from
             raise ValueError(f"save(iteration={iteration!r}): the iteration must be an integer >= 0")
         iteration = int(iteration)
         if content_metadata is not None and not isinstance(content_metadata, dict):
@@ -193,7 +193,6 @@ class MegatronCheckpointer:
             error = exc
         _agree(error)  # before begin's collective, which a failed rank never joins
 
-
         chunks = [] if model is None else list(model) if isinstance(model, Sequence) else [model]
         # nn.Module's own method: megatron-core's DistributedDataParallel hides it behind a
         # list attribute named ``buffers`` (its gradient buffers)
@@ -204,9 +203,8 @@ class MegatronCheckpointer:
         # Rank 0's commit writes the markers (only the index travels with the save: the jobs
         # hold the tensors, freed once staged), then swaps a re-saved iteration in, then moves
         # the tracker, whose text is the iteration.
-        handle = self.engine.begin(ckpt_dir, tag=str(iteration),
-                                   pointer=Pointer(tracker_path(save_dir), str(iteration)),
-                                   finalize=[torch_dist.Markers(plan.index)] if self.rank == 0 else ())
+        self.engine.begin(ckpt_dir, tag=str(iteration), pointer=Pointer(tracker_path(save_dir), str(iteration)),
+                          finalize=[torch_dist.Markers(plan.index)] if self.rank == 0 else ())
         try:
             if self.rank == 0:
                 staged = self.engine.save(common, os.path.join(ckpt_dir, torch_dist.COMMON_FILE),
