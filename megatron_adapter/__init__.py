@@ -27,7 +27,7 @@ _LAZY = {
     "SaveRecord": "checkpointer",
     "checkpoint_dir": "checkpointer",
     "read_tracker": "checkpointer",
-    "verify_checkpoint_dir": "checkpointer",
+    "verify_checkpoint_dir": "verify",
     "ParallelLayout": "layout",
     "WRITER_MODES": "election",
     "add_arguments": "arguments",

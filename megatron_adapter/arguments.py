@@ -41,9 +41,9 @@ _PARSED: dict[str, dict] = {}
 
 def read_config_file(path: str) -> str:
     """The argparse ``type`` of ``--async-ckpt-config``: the file is read and checked once, when
-    the flags are parsed, and refused there naming the flag, the path and the key (until
-    session 29 a typo in it, or a file gone since, failed at the first save, after that much
-    training). Returns the path itself: ``args`` stays plain (Megatron-LM saves it in every
+    the flags are parsed, and refused there naming the flag, the path and the key (not at
+    the first save, after that much training; a file edited or removed later changes
+    nothing). Returns the path itself: ``args`` stays plain (Megatron-LM saves it in every
     checkpoint); the block is kept for :func:`config_from_args`."""
     try:
         block = read_block(path)

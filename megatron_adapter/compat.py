@@ -10,10 +10,9 @@ any ``fully_reshardable`` optimizer checkpoint, ours or megatron's, not the engi
    the checkpoint, including ``step``, which the checkpoint keeps in ``param_groups`` instead:
    ``KeyError: 'step'``. The patched copy copies the keys the live state has and the
    checkpoint holds (a ``dp_reshardable`` entry, Megatron-LM's default, also holds ``padding``
-   and its buffer offsets: until session 29 the patch copied the checkpoint's keys instead,
-   ``KeyError: 'padding'``), never ``step`` (until session 30 a ``dp_reshardable`` load copied
-   the live step, which its request carries, over the loaded one), under ``no_grad`` (an fp32
-   main param is a view of a leaf that requires grad).
+   and its buffer offsets, which the live state lacks), never ``step`` (a ``dp_reshardable``
+   load request carries the live step, which must not overwrite the loaded one), under
+   ``no_grad`` (an fp32 main param is a view of a leaf that requires grad).
 3. ``load_state_dict`` gives every param the *same* ``step`` tensor, which torch Adam then
    increments once per param per iteration (wrong bias correction after a resume). The patch
    gives each param its own copy.
@@ -69,8 +68,8 @@ def install() -> bool:
             for key, target in destination.items():
                 # not ``step``: load_state_dict set it from the checkpoint's param_groups (see
                 # 2), and a dp_reshardable load request's entry holds the live one, which
-                # was copied back over it (a review, session 30: Adam's step after a resume
-                # was the live one); a dp_reshardable entry holds more keys
+                # would overwrite it (Adam's step after a resume would be the live one); a
+                # dp_reshardable entry holds more keys
                 if key in tensors and key != "step":
                     target.copy_(tensors[key])
 

@@ -10,7 +10,7 @@ translate shards            ``mcore_to_pyt_state_dict``                      reu
 plan (local, global)        ``MCoreSavePlanner`` + decentralized global plan reused
 device -> host              ``preload_tensors``: fresh buffers + full sync   engine snapshot
 write                       forked workers, a ``.distcp`` per worker thread  engine persist
-``.metadata`` + commit      finalize fns; tracker written by the trainer     after engine commit
+``.metadata`` + commit      finalize fns; tracker written by the trainer     engine finalize step
 ==========================  ===============================================  ================
 
 Layout of a checkpoint directory (readable by ``megatron.core.dist_checkpointing.load``)::
@@ -28,7 +28,8 @@ As in megatron-core, a rank writes a few files (one per writer thread), not one 
 large model has thousands of items per rank, and a file each would load a shared filesystem's
 metadata servers with millions of files per checkpoint. ``.metadata`` points each item at its
 offset and length in its file; those are only known once every rank has persisted, so
-``.metadata`` is written from the committed manifest on rank 0, before the tracker moves.
+``.metadata`` is written from the committed manifest on rank 0, before the tracker moves: the
+engine's finalize step :class:`Markers`.
 """
 
 from __future__ import annotations
@@ -44,8 +45,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from deepspeed_async_ckpt.commit import read_manifest, write_text_atomic
-from deepspeed_async_ckpt.storage import Storage
+from deepspeed_async_ckpt.commit import FinalizeContext
 
 BACKEND = "torch_dist"
 BACKEND_VERSION = 1
@@ -184,15 +184,29 @@ def _balance(sizes: list[int], max_files: int) -> list[int]:
     return files
 
 
-def write_markers(storage: Storage, ckpt_dir: str, index: GlobalIndex) -> None:
-    """Rank 0, after the engine committed: write ``.metadata``, each item at the offset and
-    length the manifest gives for it, then ``metadata.json``. Each is written to a temporary
+@dataclass(frozen=True)
+class Markers:
+    """The engine's finalize step for a save in this format (see
+    :mod:`deepspeed_async_ckpt.commit.finalize`): run by rank 0's committer once every rank
+    persisted, after the manifest and before the tracker moves, it writes ``.metadata`` and
+    ``metadata.json`` (:func:`write_markers`), which the commit then records."""
+
+    index: GlobalIndex = field(repr=False)
+    files: tuple[str, ...] = MARKER_FILES
+
+    def __call__(self, ctx: FinalizeContext) -> None:
+        write_markers(ctx, self.index)
+
+
+def write_markers(ctx: FinalizeContext, index: GlobalIndex) -> None:
+    """Rank 0, in the commit: write ``.metadata``, each item at the offset and length the
+    committed manifest gives for it, then ``metadata.json``. Each is written to a temporary
     name, fsynced and renamed."""
     from torch.distributed.checkpoint.filesystem import CURRENT_DCP_VERSION, _StorageInfo
     from megatron.core.dist_checkpointing.core import CheckpointingConfig
 
     where = {}  # (rank, item number) -> (file, offset, length), from the committed manifest
-    for name, entry in read_manifest(ckpt_dir)["files"].items():
+    for name, entry in ctx.manifest["files"].items():
         match = _DISTCP_NAME.fullmatch(name)
         if match:
             for part, (offset, length) in entry.get("parts", {}).items():
@@ -201,16 +215,15 @@ def write_markers(storage: Storage, ckpt_dir: str, index: GlobalIndex) -> None:
     for r, indices in enumerate(index.item_indices):
         for k, item_index in enumerate(indices):
             if (r, k) not in where:
-                raise RuntimeError(f"the manifest of {ckpt_dir!r} does not say where rank {r} "
+                raise RuntimeError(f"the manifest of {ctx.ckpt_dir!r} does not say where rank {r} "
                                    f"wrote item {k} ({item_index.fqn})")
             name, offset, length = where[r, k]
             storage_data[item_index] = _StorageInfo(relative_path=name, offset=offset, length=length)
     metadata = index.metadata
     metadata.storage_data = storage_data
     metadata.version = CURRENT_DCP_VERSION
-    write_text_atomic(storage, os.path.join(ckpt_dir, DCP_METADATA_FILE), pickle.dumps(metadata))
-    write_text_atomic(storage, os.path.join(ckpt_dir, CONFIG_FILE),
-                      json.dumps(asdict(CheckpointingConfig(BACKEND, BACKEND_VERSION))))
+    ctx.write_file(DCP_METADATA_FILE, pickle.dumps(metadata))
+    ctx.write_file(CONFIG_FILE, json.dumps(asdict(CheckpointingConfig(BACKEND, BACKEND_VERSION))))
 
 
 def top_name(key: str) -> str:

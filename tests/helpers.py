@@ -83,6 +83,21 @@ def the_next_save_commits_and_closes(ck, tmp_path):
     assert (tmp_path / "latest").read_text() == "t2"
 
 
+def lock_held(save_dir) -> bool:
+    """Whether a process holds ``save_dir``'s claim (this one included: flock conflicts across
+    open files)."""
+    import fcntl
+
+    fd = os.open(os.path.join(save_dir, LOCK_FILE), os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
 class Crash(BaseException):
     """Stands for the process dying at this point (nothing after it runs)."""
 

@@ -15,6 +15,7 @@ save meets them:
 - :mod:`.claims`: one process saves into a save directory at a time (rank 0)
 - :mod:`.records`: each rank's record of its durable files, or of its failure (every rank)
 - :mod:`.protocol`: the commit itself (rank 0)
+- :mod:`.finalize`: a framework's finalize steps, run by the commit (rank 0)
 - :mod:`.manifest`: reading and checking a manifest; late files (any rank)
 - :mod:`.replace`: re-saving a checkpoint in place, and recovering from a crash (rank 0)
 - :mod:`.policy`, :mod:`.retention`: which old checkpoints to remove, and removing them (rank 0)
@@ -25,12 +26,13 @@ from __future__ import annotations
 
 from .atomic import write_text_atomic
 from .claims import claim_save_dir, forget_claims_in_child, release_save_dir
+from .finalize import FinalizeContext, FinalizeStep
 from .layout import (LATE_FILES, LOCK_FILE, MANIFEST, MAX_NAME_BYTES, META_DIR, REMOVING_PREFIX,
                      STAGING_PREFIX, Pointer, check_checkpoint_dir, check_name, find_checkpoint_dir,
                      make_checkpoint_dir, staging_dir)
 from .manifest import is_finalized, read_manifest, record_late_files
 from .policy import CheckpointInfo, KeepAny, KeepEvery, KeepIf, KeepLast, RetentionPolicy
-from .protocol import after_the_manifest, commit, poll_delay
+from .protocol import commit, poll_delay
 from .records import write_rank_failure, write_rank_record
 from .replace import finish_replacements, remove_stale_temporaries, remove_trash, replace_checkpoint
 from .retention import (abandoned_checkpoints, committed_checkpoints, linked_checkpoints,
@@ -38,9 +40,10 @@ from .retention import (abandoned_checkpoints, committed_checkpoints, linked_che
 from .verify import verify_checkpoint, verify_file
 
 __all__ = [
-    "CheckpointInfo", "KeepAny", "KeepEvery", "KeepIf", "KeepLast", "LATE_FILES", "LOCK_FILE",
+    "CheckpointInfo", "FinalizeContext", "FinalizeStep", "KeepAny", "KeepEvery", "KeepIf",
+    "KeepLast", "LATE_FILES", "LOCK_FILE",
     "MANIFEST", "MAX_NAME_BYTES", "META_DIR", "Pointer", "REMOVING_PREFIX", "RetentionPolicy",
-    "STAGING_PREFIX", "abandoned_checkpoints", "after_the_manifest", "check_checkpoint_dir",
+    "STAGING_PREFIX", "abandoned_checkpoints", "check_checkpoint_dir",
     "check_name", "claim_save_dir", "commit", "committed_checkpoints", "find_checkpoint_dir",
     "finish_replacements", "forget_claims_in_child", "is_finalized", "linked_checkpoints",
     "make_checkpoint_dir", "poll_delay", "read_manifest", "record_late_files", "release_save_dir",

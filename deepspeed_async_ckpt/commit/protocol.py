@@ -1,11 +1,13 @@
-"""The commit: per-rank records -> manifest -> pointer, on rank 0.
+"""The commit: per-rank records -> manifest -> finalize steps -> swap -> pointer, on rank 0.
 
 Every rank writes its record once its files are durable (:mod:`.records`); rank 0's
 :func:`commit` waits for all of them, joins the files written in shares, writes the manifest
-(the commit itself), swaps a re-saved checkpoint in (:mod:`.replace`) and only then replaces
-the pointer (DeepSpeed's ``latest``, Megatron's ``latest_checkpointed_iteration.txt``) by
-write-to-temp, fsync, rename. A crash at any moment therefore leaves the pointer on the
-previous, complete checkpoint. Retention runs after the pointer moved (:mod:`.retention`).
+(the commit itself), runs the save's finalize steps and records the files they wrote
+(:mod:`.finalize`: Megatron's marker files), swaps a re-saved checkpoint in (:mod:`.replace`)
+and only then replaces the pointer (DeepSpeed's ``latest``, Megatron's
+``latest_checkpointed_iteration.txt``) by write-to-temp, fsync, rename. A crash at any moment
+therefore leaves the pointer on the previous, complete checkpoint. Retention runs after the
+pointer moved (:mod:`.retention`).
 """
 
 from __future__ import annotations
@@ -18,8 +20,9 @@ from typing import Sequence
 from ..errors import CommitError, DurabilityError
 from ..storage import Storage, temporary_path
 from .atomic import write_text_atomic
+from .finalize import FinalizeContext, FinalizeStep, declared_files, step_name
 from .layout import FORMAT, MANIFEST, META_DIR, STAGING_PREFIX, Pointer
-from .manifest import holds_save, manifest_problem
+from .manifest import holds_save, manifest_problem, record_late_files
 from .records import failure_record_path, rank_record_path, read_rank_record
 from .replace import carry_over_listed, replace_checkpoint
 
@@ -41,16 +44,18 @@ def poll_delay(waited_s: float) -> float:
 
 def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
            checksum: str, timeout_s: float, pointer: Pointer | None,
-           replaces: str | None = None, late_files: Sequence[str] = (),
+           replaces: str | None = None, finalize: Sequence[FinalizeStep] = (),
            rotation: bool = True) -> dict:
-    """Rank 0: wait for every rank's record, write the manifest, swap ``ckpt_dir`` in for
+    """Rank 0: wait for every rank's record, write the manifest, run the save's ``finalize``
+    steps (see :mod:`.finalize`) and record the files they wrote, swap ``ckpt_dir`` in for
     ``replaces`` if given (a staging directory, see :func:`.replace.replace_checkpoint`), then
-    move the pointer. If the commit fails, the files the replicas were writing in shares are
-    removed (a rank's own temporary files are removed by that rank). ``late_files``: files the
-    caller writes after the commit (see :func:`.manifest.record_late_files`), listed in the
-    manifest so that verification requires them. ``rotation=False``: a save that moves no
-    pointer (DeepSpeed's ``save_latest=False``), which retention must leave alone (see
+    move the pointer. If the commit fails before the manifest, the files the replicas were
+    writing in shares are removed (a rank's own temporary files are removed by that rank); if
+    a step fails, the checkpoint stays where it was written, unfinalized (it never verifies),
+    and the pointer where it was. ``rotation=False``: a save that moves no pointer (DeepSpeed's
+    ``save_latest=False``), which retention must leave alone (see
     :func:`.retention.retire_checkpoints`)."""
+    late_files = declared_files(finalize)
     try:
         manifest = _commit(storage, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
                            checksum=checksum, timeout_s=timeout_s, late_files=late_files,
@@ -67,6 +72,9 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
                     except OSError:
                         pass
         raise
+    if finalize:
+        _finalize(finalize, FinalizeContext(storage, ckpt_dir, replaces or ckpt_dir, tag, save_id,
+                                                     manifest, frozenset(late_files)))
     parent = os.path.dirname(os.path.abspath(ckpt_dir))
     try:
         if replaces is not None:  # the exchange syncs the directory holding both names
@@ -79,23 +87,36 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
         if pointer is not None:
             write_text_atomic(storage, pointer.path, pointer.text)
     except OSError as exc:
-        raise after_the_manifest(exc, ckpt_dir, replaces, tag, save_id, pointer,
-                                  finished_later=bool(late_files)) from exc
+        raise _after_the_manifest(exc, ckpt_dir, replaces, tag, save_id, pointer) from exc
     return manifest
 
 
-def after_the_manifest(exc: OSError, written: str, replaces: str | None, tag: str, save_id: str,
-                        pointer: Pointer | None, *, finished_later: bool) -> BaseException:
-    """What a failure after the manifest was written means, from what is on disk: if the new
-    checkpoint is where loads look (a re-save's exchange done; the pointer's rename done, its
-    fsync failed; no pointer to move), a :class:`DurabilityError` saying so, since "the last
-    committed one is intact" would be false; else ``exc`` (nothing a load sees changed). Not
-    for a checkpoint its caller finishes after the commit (``late_files``: Megatron's markers,
-    then its swap and tracker), which a failure here leaves unfinished, wherever it is; the
-    caller asks again for its own last steps (``finished_later=False``: the Megatron adapter's
-    swap and tracker, once its markers are recorded)."""
+def _finalize(steps: Sequence[FinalizeStep], ctx: FinalizeContext) -> None:
+    """Run ``steps`` in order, then record the files they declared; a failure is the save's,
+    as a :class:`CommitError` naming the step (nothing a load sees changed)."""
+    what = ""
+    try:
+        for step in steps:
+            what = f"its finalize step {step_name(step)} failed"
+            step(ctx)
+        if ctx.files:
+            what = "recording the files its finalize steps wrote failed"
+            record_late_files(ctx.storage, ctx.write_dir)
+    except Exception as exc:
+        raise CommitError(f"checkpoint {ctx.ckpt_dir!r} (tag {ctx.tag}) not committed: its files "
+                          f"are persisted, but {what} ({type(exc).__name__}: {exc}); the pointer "
+                          "still names the previous checkpoint") from exc
+
+
+def _after_the_manifest(exc: OSError, written: str, replaces: str | None, tag: str, save_id: str,
+                        pointer: Pointer | None) -> BaseException:
+    """What a failure after the manifest and the finalize steps means, from what is on disk:
+    if the new checkpoint is where loads look (a re-save's exchange done; the pointer's rename
+    done, its fsync failed; no pointer to move), a :class:`DurabilityError` saying so, since
+    "the last committed one is intact" would be false; else ``exc`` (nothing a load sees
+    changed)."""
     target = replaces or written
-    if finished_later or os.path.basename(target).startswith(STAGING_PREFIX):
+    if os.path.basename(target).startswith(STAGING_PREFIX):
         return exc
     if replaces is not None and not os.path.lexists(replaces) and holds_save(written, save_id):
         # two renames (no exchange): the old one moved to the trash, then this one failed

@@ -9,7 +9,7 @@ The modules, in the order a save goes through them:
 - :mod:`.session`: ``begin``/``end``, the save session; :mod:`.files`: the files of the open
   save, handed to the writers and the copier when it is sealed.
 - :mod:`.committer`: the committer thread; :mod:`.reports`: commit callbacks;
-  :mod:`.retention`: ``keep_last``, swaps of re-saved checkpoints, deletions.
+  :mod:`.retention`: the retention policy, deletions, crash recovery.
 - :mod:`.failures`: background failures, raised at the next save or wait.
 - :mod:`.loader`: verified loads.
 - :mod:`.lifecycle`: the process's open checkpointers, exit flush, fork, save-directory claims.

@@ -5,6 +5,8 @@ Call order, on every rank, for one checkpoint::
     handle = ckpt.begin(ckpt_dir, tag=..., pointer=Pointer(...))   # collective (agrees a save id)
     ckpt.save(state, path)                                          # per file this rank writes
     ckpt.end()                                                      # seals; returns at once (async)
+    # rank 0's committer thread, once every rank persisted: manifest -> finalize steps ->
+    # swap of a re-saved checkpoint -> pointer -> commit callbacks, retention
     ...forward/backward...
     ckpt.fence()                      # before the optimizer step: waits for outstanding copies
     ckpt.wait()                       # optional: every sealed save committed (raises bg errors)
@@ -39,7 +41,8 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..commit import REMOVING_PREFIX, Pointer
+from ..commit import REMOVING_PREFIX, FinalizeStep, Pointer, RetentionPolicy
+from ..commit.retention import step_in_name
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, CommitError, DurabilityError
 from ..persist import check_torch_writer
@@ -54,7 +57,7 @@ from .handle import CheckpointHandle, CommitInfo
 from .lifecycle import SaveDirClaims
 from .loader import Loader
 from .reports import Reporter
-from .retention import Retention
+from .retention import Retention, policy_of
 from .saves import Saves
 from .session import Session
 
@@ -80,12 +83,20 @@ class AsyncCheckpointer:
     every rank saves into the same directory, see :func:`~.collectives.exchange_across_ranks`,
     whose signature it has (``value, error, key=""``). Tests and single-process use may pass
     their own; one taking only ``(value, error)`` is called without the key.
+
+    ``retention``: which committed checkpoints rank 0 keeps once a commit moved the pointer (a
+    :class:`~..commit.RetentionPolicy`: ``KeepAny(KeepLast(1), KeepEvery(1000))``, say); by
+    default the config's ``keep_last`` as ``KeepLast(keep_last)``, and none (all kept) for 0.
+    ``step_of``: the step a checkpoint's name holds, for the policy (default: the number the
+    name ends with).
     """
 
     def __init__(self, config: AsyncCheckpointConfig, *, rank: int = 0, world_size: int = 1,
                  storage: Storage | None = None,
                  exchange: Callable[..., tuple[str, dict[int, str]]] | None = None,
                  on_commit: Callable[[CommitInfo], None] | None = None,
+                 retention: RetentionPolicy | None = None,
+                 step_of: Callable[[str], int | None] = step_in_name,
                  ) -> None:
         check_torch_writer()  # before any thread starts: a clear error, not a failed first save
         if not isinstance(config, AsyncCheckpointConfig):  # a dict: AsyncCheckpointConfig.from_dict
@@ -97,6 +108,7 @@ class AsyncCheckpointer:
         if rank >= world_size:  # its records would never be waited for, or rank 0's never come
             raise ValueError(f"AsyncCheckpointer(rank={rank}, world_size={world_size}): rank must be "
                              "below world_size")
+        policy = policy_of(config.keep_last, retention)  # before any thread starts
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.storage = storage or LocalStorage(fsync=config.fsync, direct_io=config.direct_io)
@@ -112,7 +124,7 @@ class AsyncCheckpointer:
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
         self._failures = FailureLedger(saves.lock)
         self._begin_callbacks: list[Callable[[CheckpointHandle], None]] = []
-        self._retention = Retention(saves, self.storage, config.keep_last)
+        self._retention = Retention(saves, self.storage, policy, step_of)
         self._reporter = Reporter(saves, world_size=world_size, released=self._retention.released,
                                   callbacks=[on_commit] if on_commit else [])
         self._files = SaveFiles(saves, self.storage, config, rank=rank, pool=self.pool,
@@ -138,29 +150,29 @@ class AsyncCheckpointer:
     # ------------------------------------------------------------------ save path
 
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
-              swap_at_commit: bool = True, late_files: Iterable[str] = (),
-              own_pointer: str | None = None, rotation: bool = True) -> CheckpointHandle:
+              finalize: Iterable[FinalizeStep] = (), rotation: bool = True) -> CheckpointHandle:
         """Start a checkpoint (collective: every rank). If a previous save failed on any rank,
         raises on every rank (the failing one gets its own error) and starts nothing.
 
+        ``pointer``: the small file rank 0 replaces atomically once the checkpoint is
+        committed, naming it (DeepSpeed's ``latest`` holding the tag, Megatron's
+        ``latest_checkpointed_iteration.txt`` holding the iteration); retention never removes
+        the checkpoint it names. ``finalize``: steps rank 0's committer runs, in order, after
+        the manifest and before the swap and the pointer (see :mod:`~..commit.finalize`:
+        Megatron's marker files); a step's failure fails the save, which never moves the
+        pointer. Only rank 0's steps run.
+
         If ``ckpt_dir`` already holds files (the checkpoint the pointer names, saved again
         under the same tag, say) or a save of it is still in flight, this save's files go to a
-        staging directory beside it (``handle.write_dir``) and the commit swaps it in
-        (:func:`~.commit.replace_checkpoint`): the old checkpoint stays whole and loadable
-        until the new one is committed. ``swap_at_commit=False``: rank 0 calls
-        :meth:`swap_in` itself once the commit is done (the Megatron adapter, whose marker
-        files come after the commit). ``late_files``: files (paths in the checkpoint) that
-        rank 0's caller writes after the commit and records with
-        :func:`~.commit.record_late_files`; until then the checkpoint does not verify.
-        ``own_pointer``: the path of a pointer the caller writes itself, after the commit
-        (Megatron's tracker), instead of ``pointer``: rank 0 removes the temporaries of it
-        that a killed process left, as it does ``pointer``'s. ``rotation=False``: a checkpoint
+        staging directory beside it (``handle.write_dir``) and the commit swaps it in, after
+        the finalize steps (:func:`~.commit.replace_checkpoint`): the old checkpoint stays
+        whole and loadable until the new one is committed. ``rotation=False``: a checkpoint
         saved aside (DeepSpeed's ``save_latest=False``: a "best" model, say), which retention
         neither counts nor removes (its manifest says ``"rotation": false``)."""
         self._check_open()
         self._owner = threading.current_thread()
-        return self._session.begin(ckpt_dir, tag=tag, pointer=pointer, swap_at_commit=swap_at_commit,
-                                   late_files=late_files, own_pointer=own_pointer, rotation=rotation)
+        return self._session.begin(ckpt_dir, tag=tag, pointer=pointer, finalize=finalize,
+                                   rotation=rotation)
 
     def save(self, state: Any, path: str, *, eager_keys: Iterable[str] = (),
              eager_tensors: Iterable[torch.Tensor] = (), replicas: Replicas | None = None) -> int:
@@ -356,34 +368,11 @@ class AsyncCheckpointer:
         return True
 
     # ------------------------------------------------------------------ retention (rank 0)
-    def retire_older(self, handle: CheckpointHandle, *, keep_last: int | None = None,
-                     keep: Callable[[str], bool] | None = None) -> list[str]:
-        """Retention (rank 0, once ``handle`` is committed and the pointer names it): see
+    def retire_older(self, handle: CheckpointHandle) -> list[str]:
+        """Retention now, on this thread (rank 0, once ``handle`` is committed and the pointer
+        names it; the committer queues it by itself): see
         :meth:`.retention.Retention.retire_older`. Returns the names of the checkpoints removed."""
-        return self._retention.retire_older(handle, keep_last=keep_last, keep=keep)
-
-    def pointer_moved(self, handle: CheckpointHandle) -> None:
-        """Rank 0: the pointer of ``handle``'s save directory now names it, so retention
-        never removes it (see :meth:`.retention.Retention.pointer_moved`)."""
-        self._retention.pointer_moved(handle)
-
-    def retire_older_later(self, handle: CheckpointHandle, *, keep_last: int | None = None,
-                           keep: Callable[[str], bool] | None = None) -> Future:
-        """:meth:`retire_older` on the retention thread, one call at a time (see
-        :meth:`.retention.Retention.retire_older_later`); :meth:`wait` and :meth:`close` wait for it."""
-        return self._retention.retire_older_later(handle, keep_last=keep_last, keep=keep)
-
-    def swap_in(self, handle: CheckpointHandle) -> None:
-        """Rank 0, for a save begun with ``swap_at_commit=False``, once it is committed and
-        the caller's own files are in ``handle.write_dir``: replace ``handle.ckpt_dir`` with
-        it (nothing to do when the save was not staged)."""
-        self._retention.swap_in(handle)
-
-    def abandon_swap(self, handle: CheckpointHandle) -> None:
-        """Rank 0, for a save begun with ``swap_at_commit=False`` that the caller will not
-        :meth:`swap_in` (its own files failed): the checkpoint it would have replaced stays,
-        and the next save sweeps its staging directory."""
-        self._retention.abandon_swap(handle)
+        return self._retention.retire_older(handle)
 
     def recover(self, save_dir: str, *, sweep: bool = True) -> list[str]:
         """Rank 0, before saving into or loading from ``save_dir``: see

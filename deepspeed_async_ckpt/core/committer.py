@@ -2,11 +2,18 @@
 their files, and commits them.
 
 Every rank runs one (``async-ckpt-committer``); a sync save runs :meth:`Committer.commit_one`
-inline on the training thread instead. For each save, every rank makes its files' directory
-entries durable and publishes its record; rank 0 then writes the manifest and moves the
-pointer (:func:`~..commit.commit`), announces the commit and queues retention. A failure is
-recorded in the failure ledger (raised at the next ``begin`` or ``wait``) and, where this
-rank's own part failed, written as this rank's failure record, so that rank 0 stops waiting.
+inline on the training thread instead. For each save, in this order::
+
+    (every rank) wait for its files; make their directory entries durable; publish its record
+    (rank 0)     wait for every rank's record; write the manifest     (:func:`~..commit.commit`)
+    (rank 0)     run the save's finalize steps; record their files    (:mod:`~..commit.finalize`)
+    (rank 0)     swap a re-saved checkpoint in; move the pointer
+    (rank 0)     announce the commit (log, callbacks); queue retention (the checkpointer's policy)
+
+A failure is recorded in the failure ledger (raised at the next ``begin`` or ``wait``, where
+``begin``'s exchange and ``wait_all_ranks`` carry it to every rank) and, where this rank's own
+part failed, written as this rank's failure record, so that rank 0 stops waiting. A save that
+fails never moves the pointer.
 """
 
 from __future__ import annotations
@@ -100,7 +107,7 @@ class Committer:
             handle.times["persisted"] = time.perf_counter()
             handle._persisted.set()
             cfg = self._config
-            swap = handle.write_dir != handle.ckpt_dir and handle.swap_at_commit
+            swap = handle.write_dir != handle.ckpt_dir
             write_rank_record(self._storage, handle.write_dir, rank=self._rank, save_id=handle.save_id,
                               checksum=cfg.checksum, files=records)
             recorded = True
@@ -109,7 +116,7 @@ class Committer:
                 manifest = commit(self._storage, handle.write_dir, tag=handle.tag, save_id=handle.save_id,
                                   world_size=self._world_size, checksum=cfg.checksum,
                                   timeout_s=cfg.commit_timeout_s, pointer=handle.pointer,
-                                  replaces=handle.ckpt_dir if swap else None, late_files=handle.late_files,
+                                  replaces=handle.ckpt_dir if swap else None, finalize=handle.finalize,
                                   rotation=handle.rotation)
             handle.times["committed"] = time.perf_counter()
             if manifest is not None and handle.pointer is not None:
@@ -118,7 +125,7 @@ class Committer:
                 self._reporter.announce(handle, manifest)
             if self._rank == 0 and swap:  # the checkpoint it replaced: deleted in the background
                 self._retention.later(self._retention.remove_trash, os.path.dirname(handle.ckpt_dir))
-            if self._rank == 0 and handle.pointer is not None and cfg.keep_last:
+            if self._rank == 0 and handle.pointer is not None and self._retention.policy is not None:
                 self._retention.retire_older_later(handle)
         except BaseException as exc:
             handle.error = exc
@@ -128,6 +135,7 @@ class Committer:
             if not recorded:  # this rank's own part failed (its files, or its record): tell rank 0
                 self._report_failure(handle, f"{type(exc).__name__}: {exc}")
         finally:
+            handle.finalize = ()  # run or not, never again: what the steps hold is freed
             self._saves.settle(handle)  # failed: never swapped in, its staging is abandoned
             self._written(handle)
             handle._persisted.set()

@@ -13,7 +13,7 @@ import time
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-from ..commit import Pointer
+from ..commit import FinalizeStep, Pointer
 from ..persist import Share
 from ..snapshot import FilePlan, TensorItem
 
@@ -30,8 +30,8 @@ class CommitInfo:
     world_size: int
     seconds: float
     """From ``begin`` (once the ranks agreed to save) to the commit (the pointer moved):
-    staging, writing and the commit, beside training. ``str()`` gives bytes over it as GB/s,
-    which is not the disk's bandwidth."""
+    staging, writing, the commit and its finalize steps, beside training. ``str()`` gives
+    bytes over it as GB/s, which is not the disk's bandwidth."""
 
     def __str__(self) -> str:
         rate = self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
@@ -49,17 +49,16 @@ class CheckpointHandle:
     """
 
     def __init__(self, ckpt_dir: str, tag: str, save_id: str, pointer: Pointer | None,
-                 write_dir: str | None = None, swap_at_commit: bool = True,
-                 late_files: tuple[str, ...] = (), rotation: bool = True) -> None:
+                 write_dir: str | None = None, finalize: tuple[FinalizeStep, ...] = (),
+                 rotation: bool = True) -> None:
         self.ckpt_dir, self.tag, self.save_id, self.pointer = ckpt_dir, tag, save_id, pointer
         self.rotation = rotation
         """False for a save that moves no pointer: retention neither counts nor removes it."""
         self.write_dir = write_dir or ckpt_dir
         """Where this save's files go: ``ckpt_dir``, or, when that already held files, a
         staging directory beside it that the commit swaps in (see :meth:`AsyncCheckpointer.begin`)."""
-        self.swap_at_commit = swap_at_commit
-        self.late_files = late_files
-        """Files rank 0's caller writes after the commit (see :meth:`AsyncCheckpointer.begin`)."""
+        self.finalize = finalize
+        """Rank 0: the steps its commit runs after the manifest (see :mod:`..commit.finalize`)."""
         self.new_dirs: list[str] = []
         """Directories this rank made for the save (the save directory on a first save, the
         checkpoint's, its marker, subdirectories of files; on rank 0 also the save directory,
@@ -86,8 +85,8 @@ class CheckpointHandle:
         """Time its ``save`` calls waited for earlier saves' eager copies to be written (their
         backpressure: see ``SaveFiles._eager_room`` in :mod:`.files`)."""
         self.retired: list[str] = []
-        """Older checkpoints that retention (``keep_last``) removed after this one committed
-        (filled in the background, after the commit: see :meth:`AsyncCheckpointer.wait`)."""
+        """Older checkpoints that retention (the checkpointer's policy) removed after this one
+        committed (filled in the background, after the commit: see :meth:`AsyncCheckpointer.wait`)."""
         self.times: dict[str, float] = {"begin": time.perf_counter()}
         self.commit_info: CommitInfo | None = None
         """Rank 0, once committed: what the commit wrote (see :class:`CommitInfo`)."""

@@ -196,11 +196,9 @@ class SaveDirClaims:
         background task of this checkpointer uses any more: a job that saves into a new
         directory each time (Hugging Face Trainer's ``checkpoint-N``) would otherwise keep one
         lock file open per save until ``close``, and fail with "Too many open files" after
-        some hundreds of saves. In use: saves in flight, saves begun with
-        ``swap_at_commit=False`` until ``swap_in`` (the Megatron adapter's markers), and, for
-        any directory, commit callbacks and reports still queued or running and retention or
-        deletions still to run. (The Megatron adapter writes its tracker and queues its
-        retention after ``swap_in``; it saves into one directory throughout.)"""
+        some hundreds of saves. In use: saves in flight (their finalize steps, swap and
+        pointer included: the commit runs them), and, for any directory, commit callbacks and
+        reports still queued or running and retention or deletions still to run."""
         busy = {os.path.dirname(h.ckpt_dir) for h in self._saves.pending()}
         if self._background_busy():
             return  # the next begin

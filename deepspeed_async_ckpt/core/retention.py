@@ -1,11 +1,12 @@
-"""Retention and deletion: older checkpoints removed once a newer one commits (``keep_last``),
-checkpoints that a re-save replaced swapped in and their old copies deleted, and what a crash
-left half-replaced finished.
+"""Retention and deletion: older checkpoints removed once a newer one commits (the
+checkpointer's :class:`~..commit.RetentionPolicy`), the old copies of re-saved checkpoints
+deleted, and what a crash left half-replaced finished.
 
 Rank 0 only. Deletions run on the retention thread (``async-ckpt-retirer``), one at a time and
-in order, queued by the committer thread (after a commit), by the commit callbacks' thread
-(once a callback lets go of a checkpoint), by the training thread (``begin``'s recovery,
-``swap_in``) and by adapters; once the checkpointer is closed they run on the caller's thread.
+in order, queued by the committer thread (after a commit moved the pointer, and after a swap),
+by the commit callbacks' thread (once a callback lets go of a checkpoint), by the training
+thread (``begin``'s recovery) and by integrations; once the checkpointer is closed they run on
+the caller's thread.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
-from ..commit import finish_replacements, remove_trash, replace_checkpoint, retire_checkpoints
+from ..commit import KeepLast, RetentionPolicy, finish_replacements, remove_trash, retire_checkpoints
+from ..commit.retention import step_in_name
 from ..errors import AsyncCheckpointError
 from ..storage import Storage
 from .handle import CheckpointHandle
@@ -26,36 +28,48 @@ from .saves import Saves, time_left
 logger = logging.getLogger(__name__)
 
 
-class Retention:
-    """Rank 0's retention for one checkpointer. ``keep_last``: the config's default."""
+def policy_of(keep_last: int, policy: RetentionPolicy | None) -> RetentionPolicy | None:
+    """The retention policy of a checkpointer: ``policy`` if given, else the config's
+    ``keep_last`` as :class:`~..commit.KeepLast` (0: None, every checkpoint kept)."""
+    if policy is not None:
+        if not isinstance(policy, RetentionPolicy):
+            raise ValueError(f"retention must be a RetentionPolicy (KeepLast, KeepEvery, KeepIf, "
+                             f"KeepAny, or one of your own), got {policy!r}")
+        return policy
+    return KeepLast(keep_last) if keep_last else None
 
-    def __init__(self, saves: Saves, storage: Storage, keep_last: int) -> None:
-        self._saves, self._storage, self._keep_last = saves, storage, keep_last
+
+class Retention:
+    """Rank 0's retention for one checkpointer. ``policy``: which committed checkpoints to keep
+    (None: all); ``step_of``: the step a checkpoint's name holds, for the policy (the number
+    it ends with, by default)."""
+
+    def __init__(self, saves: Saves, storage: Storage, policy: RetentionPolicy | None,
+                 step_of: Callable[[str], int | None] = step_in_name) -> None:
+        self._saves, self._storage = saves, storage
+        self.policy, self._step_of = policy, step_of
         self.pointed: dict[str, str] = {}
         """Under ``saves.dirs_lock``: save directory -> the checkpoint its pointer names, as this
         checkpointer last moved it (:meth:`pointer_moved`); retention never removes it."""
         self._retirer: ThreadPoolExecutor | None = None  # started on first use
         self.retiring: collections.deque[Future] = collections.deque()
         """Under ``saves.lock``: what was queued on the retention thread and not yet waited for."""
-        self._last: tuple[CheckpointHandle, int | None, Callable[[str], bool] | None] | None = None
+        self._last: CheckpointHandle | None = None
 
-    def retire_older(self, handle: CheckpointHandle, *, keep_last: int | None = None,
-                     keep: Callable[[str], bool] | None = None) -> list[str]:
+    def retire_older(self, handle: CheckpointHandle) -> list[str]:
         """Retention (rank 0, once ``handle`` is committed and the pointer names it): remove
-        this engine's committed checkpoints in the same save directory beyond the
-        ``keep_last`` (default: the config's) most recently committed, except those whose
-        name ``keep`` accepts, never ``handle``'s nor that of a save begun and not yet
-        committed; also its checkpoints there that can never be loaded (partial, or committed
-        and never finalized) last changed before ``handle`` committed. Records and returns the
-        names removed; does nothing when ``keep_last`` is 0. The commit stage calls it when it
-        moved the pointer (DeepSpeed's ``latest``); an adapter that moves its own pointer
-        (Megatron's tracker) calls it after.
+        this engine's committed checkpoints in the same save directory that the policy does
+        not keep, never ``handle``'s nor that of a save begun and not yet committed; also its
+        checkpoints there that can never be loaded (partial, or committed and never finalized)
+        last changed before ``handle`` committed, unless the policy keeps them. Records and
+        returns the names removed; does nothing without a policy. The committer calls it once
+        a commit moved the pointer.
 
         A failure to remove an old checkpoint does not undo the commit: it is logged, and the
         next commit tries again.
         """
-        keep_last = self._keep_last if keep_last is None else keep_last
-        if not keep_last:
+        policy = self.policy
+        if policy is None:
             return []
         saves = self._saves
 
@@ -71,15 +85,15 @@ class Retention:
 
         try:
             handle.retired = retire_checkpoints(
-                self._storage, os.path.dirname(handle.ckpt_dir), keep_last=keep_last,
-                protected=protected, lock=saves.dirs_lock, keep=keep,
+                self._storage, os.path.dirname(handle.ckpt_dir), policy=policy,
+                protected=protected, lock=saves.dirs_lock, step_of=self._step_of,
                 committed_now=os.path.basename(handle.ckpt_dir))
             if handle.retired:
                 logger.info("async checkpoint: %s committed; removed older checkpoint(s) %s",
                             handle.ckpt_dir, ", ".join(handle.retired))
         except OSError as exc:
             logger.warning("async checkpoint: %s is committed, but removing older checkpoints "
-                           "(keep_last=%d) failed: %s", handle.ckpt_dir, keep_last, exc)
+                           "(%r) failed: %s", handle.ckpt_dir, policy, exc)
         return handle.retired
 
     def pointer_moved(self, handle: CheckpointHandle) -> None:
@@ -87,19 +101,18 @@ class Retention:
         removes that checkpoint, whatever the commit times say: it orders checkpoints by the
         manifest's ``committed_at``, and after rank 0's clock stepped back (an NTP step, a
         restart on a node whose clock is behind) a pass that ran behind the commits would remove
-        the checkpoint ``latest`` had just moved to. The commit stage calls it for the pointer it
-        moves; an adapter that moves its own (Megatron's tracker) calls it after."""
+        the checkpoint ``latest`` had just moved to. The committer calls it for the pointer it
+        moves (also where the move's fsync failed, the rename done)."""
         with self._saves.dirs_lock:
             self.pointed[os.path.dirname(handle.ckpt_dir)] = handle.ckpt_dir
 
-    def retire_older_later(self, handle: CheckpointHandle, *, keep_last: int | None = None,
-                           keep: Callable[[str], bool] | None = None) -> Future:
+    def retire_older_later(self, handle: CheckpointHandle) -> Future:
         """:meth:`retire_older` on this checkpointer's retention thread, one call at a time:
         removing a checkpoint can take as long as saving it (about 0.2 s per GiB on this VM's
         ext4, mounted with online discard), and neither the next commit nor a sync save should
         wait for that. :meth:`wait` and :meth:`close` wait for it. Once closed, it runs here."""
-        self._last = (handle, keep_last, keep)  # run again when callbacks let go
-        return self.later(self.retire_older, handle, keep_last=keep_last, keep=keep)
+        self._last = handle  # run again when callbacks let go
+        return self.later(self.retire_older, handle)
 
     def later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """``fn(*args, **kwargs)`` on the retention thread, after what was queued there before
@@ -132,26 +145,6 @@ class Retention:
             kept.append(future)
         self.retiring = kept
 
-    def swap_in(self, handle: CheckpointHandle) -> None:
-        """Rank 0, for a save begun with ``swap_at_commit=False``, once it is committed and
-        the caller's own files are in ``handle.write_dir``: replace ``handle.ckpt_dir`` with
-        it (nothing to do when the save was not staged)."""
-        try:
-            if handle.write_dir == handle.ckpt_dir:
-                return
-            replace_checkpoint(self._storage, handle.write_dir, handle.ckpt_dir, save_id=handle.save_id)
-            self.later(self.remove_trash, os.path.dirname(handle.ckpt_dir))
-        finally:
-            with self._saves.lock:
-                self._saves.unswapped.discard(handle)
-
-    def abandon_swap(self, handle: CheckpointHandle) -> None:
-        """Rank 0, for a save begun with ``swap_at_commit=False`` that the caller will not
-        :meth:`swap_in` (its own files failed): the checkpoint it would have replaced stays,
-        and the next save sweeps its staging directory."""
-        with self._saves.lock:
-            self._saves.unswapped.discard(handle)
-
     def recover(self, save_dir: str, *, sweep: bool = True) -> list[str]:
         """Rank 0, before saving into or loading from ``save_dir`` (``begin`` calls it): finish
         a replacement of a checkpoint that a crash cut short, and, with ``sweep`` (saves only:
@@ -175,14 +168,13 @@ class Retention:
             logger.warning("async checkpoint: removing replaced or abandoned checkpoints in %s "
                            "failed (tried again after the next commit): %s", save_dir, exc)
 
-
     def released(self, ckpt_dir: str) -> None:
         """The commit callbacks on ``ckpt_dir`` are done: the last retention, which left it
         for them, runs again if it was for that save directory."""
         last = self._last
-        if last is not None and ckpt_dir != last[0].ckpt_dir and \
-                os.path.dirname(last[0].ckpt_dir) == os.path.dirname(ckpt_dir):
-            self.retire_older_later(last[0], keep_last=last[1], keep=last[2])
+        if last is not None and ckpt_dir != last.ckpt_dir and \
+                os.path.dirname(last.ckpt_dir) == os.path.dirname(ckpt_dir):
+            self.retire_older_later(last)
 
     def running(self) -> bool:
         """Under ``saves.lock``: whether a deletion is queued or running."""
@@ -200,7 +192,7 @@ class Retention:
             try:
                 retiring.exception(time_left(deadline))  # waits
             except FutureTimeout:
-                raise AsyncCheckpointError(f"removing older checkpoints (keep_last) did not "
+                raise AsyncCheckpointError(f"removing older checkpoints (retention) did not "
                                            f"finish within {timeout} s") from None
             with self._saves.lock:
                 if self.retiring and self.retiring[0] is retiring:

@@ -1,5 +1,5 @@
-"""The saves of one checkpointer and the lock that guards them: the one open, those in
-flight, those committed and awaiting their swap-in.
+"""The saves of one checkpointer and the lock that guards them: the one open and those in
+flight.
 
 One :class:`Saves` is shared by the checkpointer's collaborators: the training thread opens
 and seals saves here, the committer thread settles them, retention and the process registry
@@ -27,7 +27,7 @@ class Saves:
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
-        """Guards ``inflight``, ``unswapped`` and ``reporting`` here, and the lists of the collaborators
+        """Guards ``inflight`` and ``reporting`` here, and the lists of the collaborators
         built with it (recorded failures and tracked writes, reports, retention futures)."""
         self.dirs_lock = threading.Lock()
         """Retention against saves announcing their directories (``beginning``, the pointer
@@ -38,10 +38,6 @@ class Saves:
         """Under ``dirs_lock``: the directory of a ``begin`` still agreeing its save id."""
         self.inflight: collections.deque[CheckpointHandle] = collections.deque()
         """Under ``lock``: sealed saves the committer has not settled yet, oldest first."""
-        self.unswapped: set[CheckpointHandle] = set()
-        """Under ``lock``, rank 0: staged saves begun with ``swap_at_commit=False``, not yet
-        through ``swap_in``. Committed or not, their staging directory is not abandoned and
-        their target not to be retired (:meth:`pending`)."""
         self.reporting: collections.Counter[str] = collections.Counter()
         """Under ``lock``: checkpoint directories whose commit callbacks are queued or running:
         retention leaves them (a callback may be uploading the checkpoint)."""
@@ -50,10 +46,10 @@ class Saves:
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
 
     def pending(self) -> list[CheckpointHandle]:
-        """Saves whose directories are in use: in flight, or committed and awaiting
-        ``swap_in``."""
+        """Saves whose directories are in use: those in flight (until their commit, finalize
+        steps, swap and pointer included, is done)."""
         with self.lock:
-            return [*self.inflight, *self.unswapped]
+            return list(self.inflight)
 
     def busy(self, ckpt_dir: str) -> bool:
         return any(h.ckpt_dir == ckpt_dir for h in self.pending())
@@ -70,10 +66,8 @@ class Saves:
                 raise CommitError(f"checkpoint {handle.tag!r} not committed within {timeout} s")
 
     def settle(self, handle: CheckpointHandle) -> None:
-        """The committer is done with ``handle``: no longer in flight, and, failed or
-        abandoned, never swapped in (its staging directory is abandoned)."""
+        """The committer is done with ``handle``: no longer in flight (failed or abandoned,
+        its staging directory, if any, is left for the next save to sweep)."""
         with self.lock:
             if handle in self.inflight:
                 self.inflight.remove(handle)
-            if handle.error is not None or handle.abandoned:
-                self.unswapped.discard(handle)

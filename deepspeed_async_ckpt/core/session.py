@@ -3,9 +3,12 @@ and hands it to the committer.
 
 Call order, on the training thread of every rank::
 
-    begin(ckpt_dir, tag=..., pointer=...)   # collective: agrees a save id, shares failures
-    save(...) / save_packed(...)            # per file this rank writes (see :mod:`.files`)
-    end()                                   # seals: queued for the committer, or (sync) committed
+    begin(ckpt_dir, tag=..., pointer=..., finalize=...)   # collective: agrees a save id, shares failures
+    save(...) / save_packed(...)         # per file this rank writes (see :mod:`.files`)
+    end()                                # seals: queued for the committer, or (sync) committed
+
+The pointer and the finalize steps (rank 0 keeps them; the other ranks' are dropped) travel
+with the save to the committer, which runs them in one commit (:mod:`.committer`).
 
 ``begin`` is where the ranks meet: rank 0 decides alone, before any rank can write, whether the
 save is staged beside an existing checkpoint, and makes the directory it writes into; one
@@ -21,8 +24,9 @@ import time
 import uuid
 from typing import Callable, Iterable
 
-from ..commit import (META_DIR, Pointer, check_checkpoint_dir, check_name, make_checkpoint_dir,
-                      remove_stale_temporaries, staging_dir)
+from ..commit import (META_DIR, FinalizeStep, Pointer, check_checkpoint_dir, check_name,
+                      make_checkpoint_dir, remove_stale_temporaries, staging_dir)
+from ..commit.finalize import declared_files
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, CommitError, DurabilityError, describe
 from ..storage import Storage
@@ -88,8 +92,7 @@ class Session:
         self._loader, self._begun, self._files, self._committer = loader, begun, files, committer
 
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
-              swap_at_commit: bool = True, late_files: Iterable[str] = (),
-              own_pointer: str | None = None, rotation: bool = True) -> CheckpointHandle:
+              finalize: Iterable[FinalizeStep] = (), rotation: bool = True) -> CheckpointHandle:
         """Open a checkpoint (collective: every rank); see :meth:`AsyncCheckpointer.begin
         <.checkpointer.AsyncCheckpointer.begin>`. If a previous save failed on any rank, raises
         on every rank and starts nothing."""
@@ -99,9 +102,11 @@ class Session:
                                        "still open: call end() first")
         ckpt_dir = check_checkpoint_dir(ckpt_dir)
         if pointer is not None:  # written later, by the committer: not wherever the cwd is then
-            # what it names must be a checkpoint beside it (retention keeps that one alone)
+            # its text is read back as one name (a tag, an iteration): a readable one
             check_name(pointer.text, f"Pointer({pointer.path!r}, text)")
             pointer = Pointer(os.path.abspath(pointer.path), pointer.text)
+        finalize = tuple(finalize)
+        declared_files(finalize)  # a step that cannot run is refused now, not after the commit
         self._loader.forget(ckpt_dir)  # being saved again: its files will change
         with saves.dirs_lock:  # before the exchange, so before any rank writes into it
             saves.beginning = ckpt_dir  # retention leaves it alone (see retire_older)
@@ -111,7 +116,7 @@ class Session:
             local, more = self._ledger.take()
             save_id, made, refused = uuid.uuid4().hex[:16], None, None
             if self._rank == 0:
-                save_id, made, refused = self._prepare(ckpt_dir, save_id, local, pointer, own_pointer)
+                save_id, made, refused = self._prepare(ckpt_dir, save_id, local, pointer)
             message = f"{_REFUSED}{refused}" if refused is not None else \
                 None if local is None else f"{type(local).__name__}: {local}"
             save_id, failed = self.exchange(save_id, message, key=ckpt_dir)
@@ -125,23 +130,20 @@ class Session:
                 raise
             save_id, write_dir = _write_dir(ckpt_dir, save_id)
             handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
-                                      swap_at_commit, tuple(late_files), rotation=rotation)
+                                      finalize if self._rank == 0 else (), rotation=rotation)
             saves.current = handle
             self._begun(handle)  # the begin callbacks: what it depends on
             if self._rank == 0:  # and the marker's entry (made under another name, renamed), and
                 # the save directory's, which Trainer makes for each checkpoint-N: the pointer in it
                 handle.new_dirs += [*(made[1] if made else ()), os.path.join(write_dir, META_DIR),
                                     save_dir]
-            if not swap_at_commit and self._rank == 0:  # in use until swap_in / abandon_swap
-                with saves.lock:
-                    saves.unswapped.add(handle)
         finally:
             with saves.dirs_lock:
                 saves.beginning = None
         return handle
 
     def _prepare(self, ckpt_dir: str, save_id: str, local: BaseException | None,
-                 pointer: Pointer | None, own_pointer: str | None
+                 pointer: Pointer | None
                  ) -> tuple[str, tuple[str, list[str]] | None, AsyncCheckpointError | None]:
         """Rank 0, in ``begin`` before the exchange: claim the save directory, finish there
         what a crash cut short, decide whether this save is staged (``save_id`` marked so) and,
@@ -163,9 +165,8 @@ class Session:
         try:  # never raise before the exchange: the other ranks would wait in it
             try:
                 self._retention.recover(save_dir)
-                for path in (pointer.path if pointer is not None else None, own_pointer):
-                    if path is not None:
-                        remove_stale_temporaries(self._storage, path)
+                if pointer is not None:
+                    remove_stale_temporaries(self._storage, pointer.path)
             except OSError as exc:
                 logger.warning("async checkpoint: cleaning up %s failed: %s",
                                save_dir, exc)

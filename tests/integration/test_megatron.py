@@ -280,9 +280,9 @@ def test_marker_files_are_verified_and_a_checkpoint_without_them_is_unfinalized(
 
 def test_resaving_the_trackers_iteration_keeps_it_whole_until_the_new_one_is_finalized(saved_tp2_pp2):
     """One iteration saved again with another state: the save that failed (rank 1's disk full)
-    left the checkpoint the tracker names as it was (earlier versions removed its markers
-    first: nothing loadable was left); the next one replaced it whole. No staging directory or
-    replaced checkpoint is left behind."""
+    leaves the checkpoint the tracker names as it was, markers included (the re-save is staged
+    beside it); the next one replaces it whole. No staging directory or replaced checkpoint is
+    left behind."""
     out = saved_tp2_pp2
     assert all("No space left" in (i["failed"] or "") for i in infos(out, "resave_second").values())
     assert_same_per_rank(out, "resave_failed_reload", reference="resave_first")
@@ -300,8 +300,8 @@ def test_a_load_without_the_optimizer_hashes_none_of_its_bytes(saved_tp2_pp2):
     ranks: everything for a full load; without the optimizer state (a fine-tuning start), the
     archives of the other items and ``common.pt`` only, whether the verification is given the
     load's request or told to skip the optimizer state, and also where the ranks request
-    different parts (each archive any of them reads, once). Earlier versions gave a .distcp file one
-    checksum, so that load hashed every optimizer byte too."""
+    different parts (each archive any of them reads, once). Each archive of a .distcp file has
+    a checksum of its own, so such a load hashes no optimizer byte."""
     import pickle
 
     out = saved_tp2_pp2
@@ -412,9 +412,9 @@ def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
 
 def test_resume_from_a_truncated_common_pt_names_it(straight_run, tmp_path, env):
     """``pretrain_gpt.py`` reads ``common.pt`` (to build its load request) before the engine's
-    check of the checkpoint: a truncated one failed the resume with torch.load's bare
-    ``OSError: [Errno 22] Invalid argument``, naming no file (found by an audit). It is now
-    checked against the manifest first."""
+    check of the checkpoint: it is checked against the manifest first, so a truncated one
+    fails the resume naming the file, not with torch.load's bare ``OSError: [Errno 22]
+    Invalid argument``."""
     import shutil
 
     d, _ = straight_run
@@ -434,9 +434,9 @@ def test_resume_from_a_truncated_common_pt_names_it(straight_run, tmp_path, env)
 @pytest.mark.parametrize("engine", ["async", "megatron-core"])
 def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path, env, engine):
     """Megatron-LM's ``--save-retain-interval``, which routed saves honour: a checkpoint every
-    iteration, only iterations 3 and 6 (multiples of 3) and the newest, 7, are left. With
-    ``"enabled": false`` (megatron-core's own saves) it was ignored until session 19 (found
-    by an audit): every checkpoint stayed."""
+    iteration, only iterations 3 and 6 (multiples of 3) and the newest, 7, are left; with
+    ``"enabled": false`` (megatron-core's own saves, which ``pretrain_gpt.py`` prunes as
+    Megatron-LM does) too."""
     save = tmp_path / "ckpt"
     config = CONFIG
     if engine == "megatron-core":
@@ -454,7 +454,7 @@ def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path,
     for it in (3, 6, 7):
         verify_checkpoint_dir(str(save / f"iter_{it:07d}"))
     # resumed: the checkpoint it started from (7, not a multiple of 3) goes at its first save,
-    # as in Megatron-LM, which reads the tracker; megatron-core's path kept it until session 30
+    # as in Megatron-LM, which reads the tracker; on megatron-core's path too
     run(PRETRAIN, [*args, "--train-iters", 8, "--load", save], env)
     assert sorted(os.listdir(save)) == [*lock, "iter_0000003", "iter_0000006", "iter_0000008",
                                         "latest_checkpointed_iteration.txt"]
@@ -472,11 +472,11 @@ print(max((a[k].float() - b[k].float()).abs().max().item() for k in keys))
 
 
 def test_a_bf16_resume_without_the_optimizer_steps_from_the_loaded_weights(tmp_path, env):
-    """``--bf16 --no-load-optim`` (or a ``--no-save-optim`` checkpoint) loaded the weights but
-    left the optimizer's fp32 main copies at the initial ones: the first step copied those
-    back, and training went on from near-random weights (a review, session 30; 0.07 from the
-    loaded weights after one step of lr 0.01). One Adam step from fresh moments moves each
-    weight by about lr."""
+    """``--bf16 --no-load-optim`` (or a ``--no-save-optim`` checkpoint) loads the weights and
+    must not leave the optimizer's fp32 main copies at the initial ones (the first step would
+    copy those back, and training go on from near-random weights, 0.07 from the loaded ones
+    after one step of lr 0.01). One Adam step from fresh moments moves each weight by about
+    lr."""
     from launch import free_port
 
     bf16 = [*TINY_GPT, "--bf16", "--lr-decay-style", "constant"]

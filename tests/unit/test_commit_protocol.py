@@ -4,7 +4,6 @@ manifest named for what they leave."""
 
 import errno
 import json
-import logging
 import os
 import threading
 import time
@@ -67,12 +66,11 @@ def test_a_failure_after_the_checkpoint_is_in_place_says_so(tmp_path, tag, where
 
 
 def test_failures_after_the_manifest_that_leave_the_checkpoint_unfinished_or_beside(tmp_path):
-    """Each failure after the manifest says what it leaves. A save its caller finishes after
-    the commit (Megatron's: markers, then its own swap and tracker) is not in place when a
-    step after its manifest fails, and is not reported so ("is committed and in place, no
-    pointer names it ... it loads now"). A re-save without an exchange whose second rename
-    failed is not reported as failed with the last checkpoint intact: that one is in the trash
-    and the new one is renamed in by the next load or save."""
+    """A re-save without an exchange whose second rename failed is committed, beside its
+    place, and the next load or save renames it in (the old one is in the trash): a
+    DurabilityError says so, not "the last committed one is intact". A re-save whose finalize
+    step fails (Megatron's markers) is not in place, and the error says it was not committed;
+    the checkpoint it would have replaced still verifies."""
     from deepspeed_async_ckpt.errors import DurabilityError
 
     storage = NoExchangeFailingRename()
@@ -88,39 +86,31 @@ def test_failures_after_the_manifest_that_leave_the_checkpoint_unfinished_or_bes
     storage.fail = False
     ck.recover(str(tmp_path))
     assert saved_steps(tmp_path / "t" / "model.pt") == 9
-    # finished by its caller: a staged, unswapped save whose parent fsync fails is not in place
-    failing = FailingAfter()
-    ck2 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=failing)
+    # finished by a finalize step that fails: the re-saved checkpoint is not in place
+    ck2 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=LocalStorage())
     root = str(tmp_path / "mg")
     d = os.path.join(root, "iter_0000010")
+
+    def markers(ctx):
+        if ctx.write_dir != ctx.ckpt_dir:  # the re-save, staged beside the first
+            raise OSError(errno.EIO, "Input/output error")
+        ctx.write_file(".metadata", "m")
+    markers.files = (".metadata",)
+
     for steps in (5, 9):
-        ck2.begin(d, tag="10", swap_at_commit=False, late_files=(".metadata",))
+        ck2.begin(d, tag="10", pointer=Pointer(os.path.join(root, "tracker.txt"), "10"), finalize=[markers])
         st = sample_state()
         st["global_steps"] = steps
         ck2.save(st, os.path.join(d, "model.pt"))
         handle = ck2.end()
         if steps == 5:
             ck2.wait()
-            with open(os.path.join(d, ".metadata"), "w") as f:
-                f.write("m")
-            from deepspeed_async_ckpt.commit import record_late_files
-            record_late_files(failing, d)
-            real_sync_dir = failing.sync_dir
-
-            def sync_dir(path):  # the fsync of the save directory after the staged manifest
-                staged = [n for n in os.listdir(root) if n.startswith(".async_ckpt_staging.")]
-                if path == root and any(os.path.exists(os.path.join(root, n, META_DIR, "manifest.json"))
-                                        for n in staged):
-                    raise OSError(errno.EIO, "Input/output error")
-                real_sync_dir(path)
-
-            failing.sync_dir = sync_dir
     with pytest.raises(AsyncCheckpointError) as raised:
         ck2.wait()
     assert not isinstance(raised.value, DurabilityError), raised.value
     assert "not committed" in str(raised.value)
     assert saved_steps(os.path.join(d, "model.pt")) == 5 and not handle.committed
-    del failing.sync_dir
+    verify_checkpoint(d)
     ck2.close()
     ck.close()
 

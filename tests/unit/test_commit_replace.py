@@ -2,6 +2,7 @@
 whole until the new one commits, with the exchange or with two renames, and what a
 crash between them leaves is finished or swept."""
 
+import errno
 import os
 import shutil
 import threading
@@ -13,7 +14,7 @@ import torch
 from deepspeed_async_ckpt.commit import LOCK_FILE, META_DIR, Pointer, read_manifest, verify_checkpoint
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
-from deepspeed_async_ckpt.errors import IntegrityError, PersistError
+from deepspeed_async_ckpt.errors import CommitError, IntegrityError, PersistError
 from deepspeed_async_ckpt.storage import LocalStorage
 
 from fakes import FailingStorage, NoExchangeStorage
@@ -263,57 +264,6 @@ def test_a_file_whose_name_starts_with_two_dots_is_staged_like_any_other(tmp_pat
     assert saved_steps(tmp_path / "t" / "..model.pt") == 9
 
 
-def _resaved_awaiting_swap(tmp_path, keep_last):
-    """Checkpoint "t" saved, then saved again (step 9) as the Megatron adapter does
-    (``swap_at_commit=False``): committed in its staging directory, not yet swapped in."""
-    root = str(tmp_path)
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=keep_last))
-    save_one(ck, root, sample_state(), tag="t")
-    ck.wait()
-    state = sample_state()
-    state["global_steps"] = 9
-    d = os.path.join(root, "t")
-    handle = ck.begin(d, tag="t", swap_at_commit=False)
-    ck.save(state, os.path.join(d, "model.pt"))
-    ck.end()
-    ck.fence()
-    handle.wait_committed()
-    assert handle.committed and os.path.isdir(handle.write_dir)
-    return ck, root, d, handle
-
-
-def test_a_committed_staged_save_awaiting_its_swap_is_neither_swept_nor_retired(tmp_path):
-    """The Megatron adapter swaps a re-saved iteration in itself, after its marker files
-    (``swap_at_commit=False``). Between the commit and that swap, the next save's clean-up
-    must not take the committed staging directory for an abandoned one, nor retention the
-    directory it replaces."""
-    ck, root, d, handle = _resaved_awaiting_swap(tmp_path, keep_last=1)
-    save_one(ck, root, sample_state(), tag="u")  # its begin() recovers, its commit retires
-    ck.fence()
-    ck.wait()
-    assert os.path.isdir(handle.write_dir) and os.path.isdir(d)
-    ck.swap_in(handle)
-    ck.wait()
-    ck.close()
-    assert listing(root) == ["latest", "t", "u"]
-    verify_checkpoint(d)
-    assert saved_steps(tmp_path / "t" / "model.pt") == 9
-
-
-def test_a_staged_save_whose_swap_is_abandoned_is_swept_and_the_old_one_stays(tmp_path):
-    """The Megatron adapter abandons the swap when its marker files fail after the commit:
-    the old checkpoint stays in place, and the next save sweeps the staging directory (it
-    was kept only while a swap could still come)."""
-    ck, root, d, handle = _resaved_awaiting_swap(tmp_path, keep_last=0)
-    ck.abandon_swap(handle)
-    save_one(ck, root, sample_state(), tag="u")  # its begin() sweeps the staging directory
-    ck.wait()
-    ck.close()
-    assert listing(root) == ["latest", "t", "u"]
-    verify_checkpoint(d)
-    assert saved_steps(tmp_path / "t" / "model.pt") == sample_state()["global_steps"] != 9
-
-
 def test_a_load_of_a_tag_saved_again_meanwhile_is_refused_not_mixed(tmp_path):
     """An evaluation job verifies tag "last" and reads its files one by one (DeepSpeed: model
     states, then optimizer states) while the trainer saves "last" again. The load raises,
@@ -384,3 +334,60 @@ def test_saving_again_a_directory_whose_save_is_in_flight_does_not_wait_for_it(t
     assert listing(root) == ["latest", "t"]
     assert saved_steps(tmp_path / "t" / "model.pt") == 9
     verify_checkpoint(str(tmp_path / "t"))
+
+
+def _resave(tmp_path, keep_last, step):
+    """Checkpoint "t" saved, then saved again (step 9) with the finalize ``step``: staged
+    beside it until that step is done."""
+    root = str(tmp_path)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=keep_last))
+    save_one(ck, root, sample_state(), tag="t")
+    ck.wait()
+    state = sample_state()
+    state["global_steps"] = 9
+    d = os.path.join(root, "t")
+    handle = ck.begin(d, tag="t", pointer=Pointer(os.path.join(root, "latest"), "t"), finalize=[step])
+    ck.save(state, os.path.join(d, "model.pt"))
+    ck.end()
+    ck.fence()
+    return ck, root, d, handle
+
+
+def test_a_staged_save_whose_finalize_step_runs_is_neither_swept_nor_retired(tmp_path):
+    """A re-saved checkpoint is swapped in after its finalize steps (the Megatron adapter's
+    markers). While a step runs, the next save's clean-up must not take the committed staging
+    directory for an abandoned one, nor retention the directory it replaces."""
+    running, finish = threading.Event(), threading.Event()
+    ck, root, d, handle = _resave(tmp_path, 2, lambda ctx: (running.set(), finish.wait(30)))
+    assert running.wait(30)
+    try:
+        save_one(ck, root, sample_state(), tag="u")  # its begin() recovers and sweeps
+        assert os.path.isdir(handle.write_dir) and os.path.isdir(d)
+    finally:
+        finish.set()
+    ck.fence()
+    ck.wait()
+    ck.close()
+    assert handle.committed
+    assert listing(root) == ["latest", "t", "u"]
+    verify_checkpoint(d)
+    assert saved_steps(tmp_path / "t" / "model.pt") == 9
+
+
+def test_a_staged_save_whose_finalize_step_fails_is_swept_and_the_old_one_stays(tmp_path):
+    """A finalize step that fails after the commit's manifest (Megatron's markers) fails the
+    save: the old checkpoint stays in place, ``latest`` still names it, and the next save
+    sweeps the staging directory."""
+    def fail(ctx):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    ck, root, d, handle = _resave(tmp_path, 0, fail)
+    with pytest.raises(CommitError, match="finalize step .*fail.* failed .*No space left"):
+        ck.wait()
+    assert not handle.committed and os.path.isdir(handle.write_dir)
+    save_one(ck, root, sample_state(), tag="u")  # its begin() sweeps the staging directory
+    ck.wait()
+    ck.close()
+    assert listing(root) == ["latest", "t", "u"]
+    verify_checkpoint(d)
+    assert saved_steps(tmp_path / "t" / "model.pt") == sample_state()["global_steps"] != 9

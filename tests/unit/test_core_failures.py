@@ -12,13 +12,14 @@ import time
 import pytest
 import torch
 
+from deepspeed_async_ckpt.commit import KeepIf
 from deepspeed_async_ckpt.commit import META_DIR, Pointer, verify_checkpoint
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
 
 from fakes import FailingAfter, FailingStorage, FullDisk, HeldWrites, RecordFailing, SmallFileFull
-from helpers import cli_main, listing, make, sample_state, save_one, save_small
+from helpers import listing, make, sample_state, save_one, save_small
 
 
 @pytest.mark.parametrize("victim", ["manifest.json", "latest", "rank_00000"])
@@ -339,20 +340,21 @@ def test_a_begin_refused_for_its_directory_still_raises_an_earlier_saves_failure
 
 
 def test_close_raises_a_failed_save_though_retention_failed_too(tmp_path, caplog):
-    """``wait`` raised a retention bug (a ``keep`` callback that raised) before the failures of
-    saves; ``close`` then closed for good with the failed save never raised. The failed save is
-    raised, the retention bug logged."""
+    """A retention bug (a policy that raised) and a failed save: ``close`` raises the failed
+    save (else it would close for good with it never raised) and logs the retention bug."""
+    def keep(name):
+        raise ValueError("a retention bug")
+
     storage = FullDisk()
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage,
+                           retention=KeepIf(keep))
     root = str(tmp_path)
     save_small(ck, root, "t0").wait_committed()
     handle = save_small(ck, root, "t1")
     handle.wait_committed()
-
-    def keep(name):
-        raise ValueError("a retention bug")
-
-    assert isinstance(ck.retire_older_later(handle, keep_last=1, keep=keep).exception(), ValueError)
+    with ck._saves.lock:
+        first = ck._retention.retiring[0]
+    assert isinstance(first.exception(30), ValueError)
     storage.full = True
     save_small(ck, root, "t2").wait_committed()
     with caplog.at_level(logging.ERROR), pytest.raises(PersistError, match="No space left"):

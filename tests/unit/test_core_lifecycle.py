@@ -13,7 +13,8 @@ from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.errors import AsyncCheckpointError, PersistError
 
-from helpers import listing, make, run_script, sample_state, save_one, the_next_save_commits_and_closes
+from helpers import (listing, lock_held, make, run_script, sample_state, save_one,
+                     the_next_save_commits_and_closes)
 
 
 def test_background_threads_start_only_when_the_save_is_sealed(tmp_path):
@@ -116,21 +117,6 @@ def test_a_second_job_saving_into_the_same_directory_is_refused_naming_the_first
     assert (tmp_path / "latest").read_text() == "b2"
 
 
-def lock_held(save_dir) -> bool:
-    """Whether a process holds ``save_dir``'s claim (this one included: flock conflicts across
-    open files)."""
-    import fcntl
-
-    fd = os.open(os.path.join(save_dir, LOCK_FILE), os.O_RDWR)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        return False
-    except BlockingIOError:
-        return True
-    finally:
-        os.close(fd)
-
-
 def test_a_save_directory_is_unlocked_once_saves_go_elsewhere(tmp_path, held_copier):
     """Hugging Face Trainer saves into a new directory each time (``checkpoint-N``): the
     checkpointer kept each one's lock file open until close(), one descriptor per save, and a
@@ -158,42 +144,6 @@ def test_a_save_directory_is_unlocked_once_saves_go_elsewhere(tmp_path, held_cop
     assert [k for k in commit_module._claims if k.startswith(str(tmp_path))] == [os.path.realpath(dirs[-1])]
     ck.close()
     assert not lock_held(dirs[-1])
-
-
-def test_a_save_directory_stays_locked_while_a_callback_or_an_adapter_still_uses_it(tmp_path):
-    """The release above must not let a save
-    elsewhere unlock a directory whose commit callback was still reading a checkpoint there
-    (another job could then retire it under the callback), or whose save, begun with
-    ``swap_at_commit=False`` (the Megatron adapter), was committed but not yet swapped in."""
-    release, reading = threading.Event(), threading.Event()
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01, keep_last=1),
-                           on_commit=lambda info: (reading.set(), release.wait(30)))
-    d1, d2, d3, d4 = (str(tmp_path / f"d{n}") for n in range(1, 5))
-    try:
-        save_one(ck, d1, sample_state(), tag="a1")
-        assert reading.wait(30)
-        save_one(ck, d2, sample_state(), tag="b1")  # d1's callback is still reading a1
-        assert lock_held(d1)
-    finally:
-        release.set()
-    ck.wait()
-    deadline = time.monotonic() + 30  # wait() does not wait for callbacks: until they are done
-    while ck._reporter.queued and time.monotonic() < deadline:
-        time.sleep(0.001)
-    save_one(ck, d3, sample_state(), tag="c1")
-    assert not lock_held(d1) and not lock_held(d2) and lock_held(d3)
-    ck.close()
-
-    ck = make("sync")  # no callbacks, no retention
-    handle = ck.begin(os.path.join(d4, "i1"), tag="i1", swap_at_commit=False)  # committed at end()
-    ck.save({"w": torch.ones(4)}, os.path.join(d4, "i1", "model.pt"))
-    ck.end()
-    save_one(ck, d1, sample_state(), tag="a2")
-    assert lock_held(d4)  # committed, its adapter's late files still to come
-    ck.swap_in(handle)
-    save_one(ck, d2, sample_state(), tag="b2")
-    assert not lock_held(d4) and not lock_held(d1) and lock_held(d2)
-    ck.close()
 
 
 def test_a_close_interrupted_while_a_commit_runs_keeps_the_save_directory_locked(tmp_path, monkeypatch):
@@ -316,4 +266,45 @@ def test_a_report_after_close_runs_after_those_queued_before(tmp_path):
     assert closed.wait(10)
     ck.report(order.append, "after close")
     assert order == ["first", "after close"]
+    ck.close()
+
+
+def test_a_save_directory_stays_locked_while_a_callback_or_a_finalize_step_still_uses_it(tmp_path):
+    """The release above keeps the claim of a directory whose commit callback is still reading
+    a checkpoint there (another job could otherwise retire it under the callback), and of one
+    whose save's finalize steps (the Megatron adapter's markers) are still running."""
+    release, reading = threading.Event(), threading.Event()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01, keep_last=1),
+                           on_commit=lambda info: (reading.set(), release.wait(30)))
+    d1, d2, d3, d4 = (str(tmp_path / f"d{n}") for n in range(1, 5))
+    try:
+        save_one(ck, d1, sample_state(), tag="a1")
+        assert reading.wait(30)
+        save_one(ck, d2, sample_state(), tag="b1")  # d1's callback is still reading a1
+        assert lock_held(d1)
+    finally:
+        release.set()
+    ck.wait()
+    deadline = time.monotonic() + 30  # wait() does not wait for callbacks: until they are done
+    while ck._reporter.queued and time.monotonic() < deadline:
+        time.sleep(0.001)
+    save_one(ck, d3, sample_state(), tag="c1")
+    assert not lock_held(d1) and not lock_held(d2) and lock_held(d3)
+    ck.close()
+
+    ck = make()  # no callbacks, no retention
+    finalizing, finish = threading.Event(), threading.Event()
+    ck.begin(os.path.join(d4, "i1"), tag="i1", finalize=[lambda ctx: (finalizing.set(), finish.wait(30))])
+    ck.save({"w": torch.ones(4)}, os.path.join(d4, "i1", "model.pt"))
+    ck.end()
+    assert finalizing.wait(30)
+    try:
+        save_one(ck, d1, sample_state(), tag="a2")
+        assert lock_held(d4)  # its manifest written, its finalize step still running
+    finally:
+        finish.set()
+    ck.wait()
+    save_one(ck, d2, sample_state(), tag="b2")
+    ck.wait()
+    assert not lock_held(d4) and not lock_held(d1) and lock_held(d2)
     ck.close()

@@ -3,7 +3,6 @@ with its reason where no GPU is visible."""
 
 import os
 import threading
-import time
 
 import pytest
 import torch

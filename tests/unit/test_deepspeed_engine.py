@@ -2,7 +2,6 @@
 one process: config checks, tags, the exchange at a save's end, weight editors."""
 
 import os
-import types
 from types import SimpleNamespace
 
 import pytest

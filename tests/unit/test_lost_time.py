@@ -2,8 +2,6 @@
 synthetic step times: what a save costs training is its call plus the extra time of every step
 until the next save, against the median step with no checkpoint in flight."""
 
-import os
-import sys
 
 import pytest
 

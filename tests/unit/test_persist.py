@@ -2,7 +2,6 @@
 files, checksums, shares of one file written by several ranks."""
 
 import contextlib
-import io
 import os
 import threading
 

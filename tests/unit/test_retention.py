@@ -3,28 +3,27 @@ on its own thread, retried after a failure."""
 
 import errno
 import json
-import logging
 import os
 import threading
 import time
-import types
 
 import pytest
 import torch
 
+from deepspeed_async_ckpt.commit import KeepAny, KeepIf, KeepLast, RetentionPolicy
 from deepspeed_async_ckpt.commit import META_DIR, REMOVING_PREFIX, Pointer, read_manifest, verify_checkpoint
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
-from deepspeed_async_ckpt.errors import IntegrityError
+from deepspeed_async_ckpt.errors import CommitError, IntegrityError
 from deepspeed_async_ckpt.storage import LocalStorage
 
 from helpers import cli_main, listing, make, sample_state, save_one, saved_steps
 
 
 def test_retention_futures_do_not_pile_up_after_one_retention_bug(tmp_path):
-    """After one retention raised (a user's ``keep``, say), every later retention future was
-    kept until someone called wait(): a loop that never waits held all of them. The one error
-    is still raised once."""
+    """After one retention raised (a user's policy, say), the later retention futures are
+    dropped once done, not kept until someone calls wait(): a loop that never waits holds at
+    most the failed one and the one running. The one error is still raised once."""
     boom = {"on": True}
 
     def keep(name):
@@ -32,12 +31,15 @@ def test_retention_futures_do_not_pile_up_after_one_retention_bug(tmp_path):
             raise ValueError("a retention bug")
         return False
 
-    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=0))
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01),
+                           retention=KeepAny(KeepLast(1), KeepIf(keep)))
     for step in range(12):
         handle = save_one(ck, str(tmp_path), {"w": torch.randn(16)}, tag=f"t{step}", eager=())
         ck.fence()
-        handle.wait_committed()
-        ck.retire_older_later(handle, keep_last=1, keep=keep).exception()
+        handle.wait_committed()  # its retention is queued by then
+        with ck._saves.lock:
+            queued = ck._retention.retiring[-1]
+        queued.exception()
     held = len(ck._retention.retiring)
     with pytest.raises(ValueError, match="a retention bug"):
         ck.close()
@@ -207,25 +209,29 @@ def test_keep_last_does_not_count_a_checkpoint_never_finalized_and_removes_it_on
     checkpoint committed after it is the newest; one committed after that one stays (on a
     Megatron rank 0, the next save can be committed and not yet finalized while retention runs
     for the one before)."""
-    from deepspeed_async_ckpt.commit import record_late_files
-
     root = str(tmp_path)
     ck = make("sync", keep_last=2)
 
     def save(tag, late=(), record=True):
-        d = os.path.join(root, tag)
-        handle = ck.begin(d, tag=tag, late_files=late)
-        ck.save(sample_state(), os.path.join(d, "model.pt"))
-        ck.end()
-        if record:
+        def markers(ctx):
+            if not record:
+                raise OSError(errno.EIO, "Input/output error")
             for name in late:
-                with open(os.path.join(d, name), "w") as f:
-                    f.write(tag)
-            record_late_files(ck.storage, d)
+                ctx.write_file(name, tag)
+        markers.files = late
+
+        d = os.path.join(root, tag)
+        handle = ck.begin(d, tag=tag, finalize=[markers] if late else [])
+        ck.save(sample_state(), os.path.join(d, "model.pt"))
+        if record:
+            ck.end()
+        else:
+            with pytest.raises(CommitError, match="finalize step"):
+                ck.end()
         return handle
 
     save("a")
-    save("b", late=("markers.json",), record=False)  # its finalizer failed
+    save("b", late=("markers.json",), record=False)  # its finalize step failed
     save("c", late=("markers.json",))
     verify_checkpoint(os.path.join(root, "c"))
     with pytest.raises(IntegrityError, match="never finalized"):
@@ -423,16 +429,25 @@ def test_keep_last_removes_on_its_own_thread_so_saves_and_commits_do_not_wait(tm
 
 
 def test_retention_queued_after_close_runs_in_the_caller(tmp_path):
-    """Megatron's finalizer may queue retention after the engine closed: it runs at once, in
-    the calling thread (no thread to hand it to, and no deadlock on the engine's lock)."""
-    ck = make()
+    """Retention or a deletion queued after the engine closed (an integration's, or a
+    callback's release) runs at once, in the calling thread (no thread to hand it to, and no
+    deadlock on the engine's lock)."""
+    class KeepAllUntilClosed(RetentionPolicy):
+        closed = False
+
+        def should_keep(self, checkpoints):
+            return [not self.closed or i == 0 for i in range(len(checkpoints))]
+
+    policy = KeepAllUntilClosed()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), retention=policy)
     handles = []
     for tag in ("a", "b"):
         handles.append(save_one(ck, str(tmp_path), sample_state(), tag=tag))
         ck.wait()
     ck.close()
+    policy.closed = True
     result = {}
-    thread = threading.Thread(target=lambda: result.update(f=ck.retire_older_later(handles[1], keep_last=1)))
+    thread = threading.Thread(target=lambda: result.update(f=ck._retention.retire_older_later(handles[1])))
     thread.start()
     thread.join(10)
     assert not thread.is_alive(), "retire_older_later deadlocked on a closed checkpointer"

@@ -178,8 +178,8 @@ class SlowStorage(LocalStorage):
     to free room, and are still outstanding when the optimizer step comes. The fence must
     hold that step back, or the save fails (an in-place change before the copy) or holds
     post-step values. With the delay alone, a fast machine could finish a small rank's save
-    before the step (CI, once), and the copies were done during forward and backward anyway:
-    the test passed with the fence removed."""
+    before the step, its copies done during forward and backward anyway, and the test would
+    pass with the fence removed."""
 
     def __init__(self, fsync: bool) -> None:
         super().__init__(fsync=fsync)

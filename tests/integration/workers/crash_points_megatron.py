@@ -5,8 +5,8 @@ names it); the scenario saves iteration 2 (``new``, ``keep_last=1``) or iteratio
 (``resave``), in a forked child killed right before its ``n``-th filesystem operation, for
 every ``n``. Then, per run, a second child does what a resuming job does: the adapter's load
 (recover, verify, ``dist_checkpointing.load``) of the iteration the tracker names, and the next
-save (iteration 3). Megatron's own steps come after the engine's commit (marker files, their
-record, the swap of a re-saved iteration, the tracker), so they are crash points too.
+save (iteration 3). The commit's last steps (the marker files, a finalize step, and their
+record, the swap of a re-saved iteration, the tracker) are crash points too.
 
 ``OUT_DIR/report.json``: ``{"n", "exit", "tracker", "loaded", "after"}`` per run: the iteration
 the tracker named after the crash, the state that loaded (its iteration; the tensors are

@@ -34,8 +34,8 @@ for iteration, (case, replica_id) in enumerate((("two_main_replicas", 0), ("no_m
         if rank == 1:
             open(raised, "w").close()
     if rank == 0 and result[case]["error"] is not None:
-        # a trainer that reports the error and goes on, outside any collective: before, rank 1
-        # waited in plan_save's collective for as long as rank 0 lived
+        # a trainer that reports the error and goes on, outside any collective: rank 1 must
+        # raise too, not wait in plan_save's collective for as long as rank 0 lives
         deadline = time.monotonic() + 60
         while not os.path.exists(raised) and time.monotonic() < deadline:
             time.sleep(0.01)
