@@ -17,7 +17,8 @@ here, and everything there is one command:
 3. ``gpu_report``: ``scripts/bench_checkpoint.py --gpu-report`` (pinned D2H bandwidth, this
    engine's snapshot bandwidth and stall with compute longer than the copy, NVML samples);
 4. ``demo``: the main job on the GPU (``scripts/demo.py --nproc 1``: DeepSpeed ZeRO-1 over
-   NCCL, async checkpoints, SIGKILL, resume, then the stall against ``TorchCheckpointEngine``);
+   NCCL, async checkpoints, SIGKILL, resume, then the training time lost per checkpoint against
+   ``TorchCheckpointEngine``);
 5. ``host_tests``: the core's unit tests (:data:`HOST_TESTS`, host tensors) with CUDA present,
    where the engine pins its pool and runs a copy stream: faults of those paths show only
    there, not in the CPU-only CI. Without a GPU it is not run (CI runs those tests), and the
@@ -161,7 +162,7 @@ def run(out: str, wheel_dir: str, quick: bool = False, budget_s: float = 420) ->
         gpus, results = checks(out, env, os.path.join(scratch, "demo"), quick, deadline)
     summary = {"gpus": gpus, "steps": results,
                "pytest": pytest_summary(os.path.join(out, "pytest.log")),
-               "demo": tail_line(os.path.join(out, "demo.log"), "median"),
+               "demo": tail_line(os.path.join(out, "demo.log"), "Training time lost per checkpoint"),
                "host_tests": pytest_summary(os.path.join(out, "host_tests.log")) or results[-1].get("skipped")}
     report = os.path.join(out, "gpu_report.json")
     if os.path.exists(report):
