@@ -49,6 +49,7 @@ def phase_missing_tag(args):
     save_dir = os.path.join(args.out, "ckpt")
     train(engine, args, 1)
     result = {"rank": rank, "committed": save_committed(engine, save_dir, "global_step1")}
+    torch.distributed.barrier()  # every rank has read `latest` before rank 0 rewrites it
     if rank == 0:
         with open(os.path.join(save_dir, "latest"), "w") as f:
             f.write("global_step999")
