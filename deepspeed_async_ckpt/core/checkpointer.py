@@ -41,7 +41,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..commit import REMOVING_PREFIX, FinalizeStep, Pointer, RetentionPolicy
+from ..commit import FinalizeStep, Pointer, RetentionPolicy
 from ..commit.retention import step_in_name
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, CommitError, DurabilityError
@@ -354,18 +354,9 @@ class AsyncCheckpointer:
         return self._exchange(value, error, key=key)
 
     def remove_later(self, path: str) -> bool:
-        """Rename the directory ``path`` out of sight now (as retention does) and delete it on
-        the retention thread, which :meth:`wait` and :meth:`close` wait for. False, nothing
-        done, if it is a link, no directory, or cannot be renamed. Any thread."""
-        parent, name = os.path.split(os.path.abspath(path))
-        if os.path.islink(path) or not os.path.isdir(path):
-            return False
-        try:
-            os.rename(path, os.path.join(parent, f"{REMOVING_PREFIX}{name}.{os.urandom(6).hex()}"))
-        except OSError:
-            return False
-        self._retention.later(self._retention.remove_trash, parent)
-        return True
+        """Rename the directory ``path`` out of sight now and delete it on the retention thread,
+        which :meth:`wait` and :meth:`close` wait for: see :meth:`.retention.Retention.remove_later`."""
+        return self._retention.remove_later(path)
 
     # ------------------------------------------------------------------ retention (rank 0)
     def retire_older(self, handle: CheckpointHandle) -> list[str]:
@@ -434,9 +425,9 @@ class AsyncCheckpointer:
         """Flush: wait for every checkpoint to commit, then stop the background threads. In a
         forked child (whose copy of this checkpointer has no threads): only marks it closed."""
         if self._forked:
-            self._closed = True
+            self._saves.closed = True
             return
-        if self._closed:  # (by a commit callback, say: its thread could not wait for itself)
+        if self._saves.closed:  # (by a commit callback, say: its thread could not wait for itself)
             self._reporter.drain()
             return
         try:
@@ -444,7 +435,7 @@ class AsyncCheckpointer:
                 self.end(commit=False)
             self.wait()
         finally:
-            self._closed = True
+            self._saves.closed = True
             self._committer.stop(timeout=_COMMITTER_JOIN_S)
             self._writers.shutdown(wait=True)
             self._files.close()
@@ -478,14 +469,6 @@ class AsyncCheckpointer:
         """Host pool bytes those copies took so far (each record rounded up to whole pages)."""
         return self._files.stager.pooled_bytes
 
-    @property
-    def _closed(self) -> bool:
-        return self._saves.closed
-
-    @_closed.setter
-    def _closed(self, closed: bool) -> None:
-        self._saves.closed = closed
-
     def join_training_thread(self) -> None:
         """At interpreter exit: wait for the training thread if it is another one and
         may still save (see :func:`.lifecycle.join_training_thread`)."""
@@ -501,7 +484,7 @@ class AsyncCheckpointer:
 
     def _check_open(self) -> None:
         self._check_not_forked()
-        if self._closed:
+        if self._saves.closed:
             raise AsyncCheckpointError("the checkpointer is closed")
 
     def _check_not_forked(self) -> None:

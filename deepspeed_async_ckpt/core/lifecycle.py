@@ -106,19 +106,19 @@ def fence_all() -> None:
     weights lazily, and only the optimizer step waits for those copies; without a fence such
     an edit can reach the file. Returns at once when no save has copies outstanding."""
     for checkpointer in list(_open_checkpointers):
-        if not checkpointer._closed:
+        if not checkpointer.closed:
             checkpointer.fence()
 
 
 def saves_in_flight() -> list[CheckpointHandle]:
     """The saves of this process's open checkpointers that are sealed (``end``) and not yet
     committed or failed (or, on rank 0, not yet swapped in)."""
-    return [h for c in list(_open_checkpointers) if not c._closed for h in c._saves.pending()]
+    return [h for c in list(_open_checkpointers) if not c.closed for h in c._saves.pending()]
 
 
 def open_checkpointers() -> list[AsyncCheckpointer]:
     """This process's checkpointers that are not closed."""
-    return [c for c in list(_open_checkpointers) if not c._closed]
+    return [c for c in list(_open_checkpointers) if not c.closed]
 
 
 def saving_dirs() -> set[str]:
@@ -127,7 +127,7 @@ def saving_dirs() -> set[str]:
     must be neither deleted nor resumed from yet."""
     dirs: set[str] = set()
     for checkpointer in list(_open_checkpointers):
-        if checkpointer._closed:
+        if checkpointer.closed:
             continue
         current = checkpointer._saves.current  # before pending(), as in retention's protected()
         dirs.update(h.ckpt_dir for h in checkpointer._saves.pending())

@@ -18,7 +18,8 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any, Callable
 
-from ..commit import KeepLast, RetentionPolicy, finish_replacements, remove_trash, retire_checkpoints
+from ..commit import (REMOVING_PREFIX, KeepLast, RetentionPolicy, finish_replacements, remove_trash,
+                      retire_checkpoints)
 from ..commit.retention import step_in_name
 from ..errors import AsyncCheckpointError
 from ..storage import Storage
@@ -160,6 +161,20 @@ class Retention:
         if trash:
             self.later(self.remove_trash, save_dir)
         return rolled
+
+    def remove_later(self, path: str) -> bool:
+        """Rename the directory ``path`` out of sight now (as retention does) and delete it on
+        the retention thread. False, nothing done, if it is a link, no directory, or cannot be
+        renamed. Any thread."""
+        parent, name = os.path.split(os.path.abspath(path))
+        if os.path.islink(path) or not os.path.isdir(path):
+            return False
+        try:
+            os.rename(path, os.path.join(parent, f"{REMOVING_PREFIX}{name}.{os.urandom(6).hex()}"))
+        except OSError:
+            return False
+        self.later(self.remove_trash, parent)
+        return True
 
     def remove_trash(self, save_dir: str) -> None:
         try:

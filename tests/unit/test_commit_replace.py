@@ -185,7 +185,7 @@ def test_a_crash_between_the_two_renames_is_finished_before_the_next_load_or_sav
         save_one(ck, root, state, tag="t")
     assert isinstance(e.value.__cause__, Crash)
     assert not (tmp_path / "t").exists()  # between the renames
-    ck._closed = True  # the process is gone: nothing of its own runs any more
+    ck._saves.closed = True  # the process is gone: nothing of its own runs any more
     staged_name = next(n for n in os.listdir(root) if n.startswith(".async_ckpt_staging."))
     from deepspeed_async_ckpt.tools.cli import main
     assert main(["verify", root]) == 0  # the pointer's checkpoint, where it waits

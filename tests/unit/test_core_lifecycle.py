@@ -245,7 +245,7 @@ def test_close_from_a_commit_callback_stops_everything(tmp_path):
     save_one(ck, str(tmp_path), sample_state())
     ck.wait()
     assert stopped.wait(30)  # the callback's close() has returned
-    assert not errors and ck._closed and not ck._files.stager._thread.is_alive()
+    assert not errors and ck.closed and not ck._files.stager._thread.is_alive()
 
 
 def test_a_report_after_close_runs_after_those_queued_before(tmp_path):
