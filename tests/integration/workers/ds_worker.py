@@ -244,7 +244,7 @@ def slow_writes():
     """Every file write starts 0.5 s late: the save is still being written when main returns."""
     import time
 
-    import deepspeed_async_ckpt.core.files as checkpointer
+    import deepspeed_async_ckpt.persist.writer as checkpointer
 
     real_write_file = checkpointer.write_file
 

@@ -51,7 +51,7 @@ deepspeed_async_ckpt.install()  # a no-op where the .pth hook already did it (pi
 
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-import deepspeed_async_ckpt.core.files as checkpointer  # noqa: E402
+import deepspeed_async_ckpt.persist.writer as checkpointer  # noqa: E402
 from deepspeed_async_ckpt.integrations.hf_trainer import beside  # noqa: E402
 
 exports = []
