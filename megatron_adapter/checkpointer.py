@@ -292,60 +292,6 @@ class MegatronCheckpointer:
                     pickle.dumps(checked)
         except BaseException as exc:
             error = exc
-        self._agree_no_error(error)
-        if validate_access_integrity:
-            # The validation's checks of the sharding raise on rank 0 alone (an invalid access
-            # pattern: two main replicas of a shard, or none), after its collectives: raised
-            # here on every rank, or the others would wait for rank 0 in plan_save's.
-            try:
-                validate_sharding_integrity(determine_global_metadata(sharded_part)[1],
-                                            common_state_dict=checked)
-            except Exception as exc:
-                error = exc
-            self._agree_no_error(error)
-        values = list(nested_values(sharded_part))
-        elect_writers([v for v in values if isinstance(v, ShardedTensor)], self.writers, replica_group())
-        return sharded_part, common, values
-
-    def _preprocess_and_elect(self, state_dict: dict, validate_access_integrity: bool,
-                              preprocess_common: Callable[[dict], dict] | None = None,
-                              ) -> tuple[dict, dict, list]:
-        """What ``save`` and ``reserve`` both start from (collective): megatron-core's save
-        preprocessing, then the writer election over its ShardedTensors. Returns the sharded
-        part, the common part, and the sharded part's values (tensors and objects).
-        ``preprocess_common``: what the ranks' common parts are compared after, when the
-        access integrity is validated (Megatron-LM drops per-rank values from ``args``)."""
-        from megatron.core.dist_checkpointing.dict_utils import nested_values
-        from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factories
-        from megatron.core.dist_checkpointing.state_dict_utils import filter_out_empty_flatten_tensor
-        from megatron.core.dist_checkpointing.utils import (_clean_metadata_for_serialization,
-                                                            extract_nonpersistent, extract_sharded_base)
-        from megatron.core.dist_checkpointing.validation import (determine_global_metadata,
-                                                                 validate_sharding_integrity)
-
-        # megatron-core's save_preprocess, step by step: its local steps (factories, the
-        # caller's preprocess_common) can fail on some ranks only, while the others went on
-        # into the validation's collectives and waited there for good. Their outcome is agreed
-        # on first (one small all-reduce).
-        error: BaseException | None = None
-        try:
-            apply_factories(state_dict)
-            _, state_dict = extract_nonpersistent(state_dict)
-            sharded_part, common = extract_sharded_base(state_dict)
-            sharded_part = filter_out_empty_flatten_tensor(sharded_part)
-            if validate_access_integrity:
-                checked = common
-                if "content_metadata" in checked:
-                    checked["content_metadata"] = _clean_metadata_for_serialization(checked["content_metadata"])
-                if preprocess_common is not None:
-                    checked = preprocess_common(common)
-                if not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0:
-                    # the validation's first collective broadcasts it from rank 0, which pickles
-                    # it first: a lock or a lambda there would raise on rank 0 alone, outside
-                    # the broadcast the others wait in
-                    pickle.dumps(checked)
-        except BaseException as exc:
-            error = exc
         _agree(error)
         if validate_access_integrity:
             # The validation's checks of the sharding raise on rank 0 alone (an invalid access
