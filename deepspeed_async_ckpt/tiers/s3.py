@@ -38,9 +38,12 @@ class S3Remote:
                         retries={"mode": "standard", "max_attempts": tier.max_attempts},
                         max_pool_connections=max(10, tier.concurrency * 2))
         session = boto3.session.Session()
-        self.client = session.client("s3", endpoint_url=tier.endpoint_url, config=config)
+        # a user name or password in the endpoint means nothing to S3 (requests are signed with
+        # the credentials), and boto3 would repeat it in its errors: left out
+        endpoint = tier.safe_endpoint
+        self.client = session.client("s3", endpoint_url=endpoint, config=config)
         # the check at build: one attempt, a short timeout (a wrong endpoint fails in seconds)
-        self._probe = session.client("s3", endpoint_url=tier.endpoint_url, config=Config(
+        self._probe = session.client("s3", endpoint_url=endpoint, config=Config(
             connect_timeout=tier.connect_timeout_s, read_timeout=tier.connect_timeout_s,
             retries={"mode": "standard", "max_attempts": 1}))
         part = tier.part_size_mb * _MiB
