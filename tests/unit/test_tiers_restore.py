@@ -148,3 +148,60 @@ def test_a_named_tag_is_restored_without_moving_the_pointer(tmp_path):
 def test_nothing_on_any_tier_restores_nothing(tmp_path):
     assert restore(str(tmp_path / "local"), [PathRemote(str(tmp_path / "tier"))], pointer_name="latest") is None
     assert not (tmp_path / "local").exists() or not os.listdir(tmp_path / "local")
+
+
+class WriteMarkers:
+    """A finalize step writing Megatron's marker files after the manifest (late files)."""
+
+    files = (".metadata", "metadata.json")
+
+    def __call__(self, ctx):
+        ctx.write_file(".metadata", b"dcp-metadata" * 10)
+        ctx.write_file("metadata.json", '{"sharded_backend": "torch_dist"}')
+
+
+def test_megatron_layout_tracker_and_late_files_drain_and_restore(tmp_path, s3):
+    """Megatron's layout: ``iter_NNNNNNN`` directories, the tracker holding the iteration, and
+    marker files written after the manifest: each drained and restored, the tracker last."""
+    from megatron_adapter.checkpointer import TRACKER_FILE
+
+    local = tmp_path / "local"
+    ck = make(tiers=[s3.tier("mg")])
+    for it in (10, 20):
+        d = local / f"iter_{it:07d}"
+        ck.begin(str(d), tag=str(it), pointer=Pointer(str(local / TRACKER_FILE), str(it)),
+                 finalize=[WriteMarkers()])
+        ck.save({"w": torch.randn(128)}, str(d / "__0_0.distcp"))
+        ck.end()
+        ck.fence()
+        ck.wait()
+        assert ck.tiers.wait_idle(60)
+    ck.close()
+    saved = tree(local / "iter_0000020")
+    assert s3.get(f"mg/{TRACKER_FILE}") == b"20"
+    shutil.rmtree(local)
+    name = restore(str(local), [s3_remote_at(s3, "mg")], pointer_name=TRACKER_FILE,
+                   name_of=lambda text: f"iter_{int(text):07d}")
+    assert name == "iter_0000020" and (local / TRACKER_FILE).read_text() == "20"
+    assert tree(local / "iter_0000020") == {k: v for k, v in saved.items() if "rank_" not in k}
+    verify_checkpoint(str(local / "iter_0000020"))  # the late files included
+
+
+def s3_remote_at(bucket, prefix):
+    return open_remote(TierConfig(**bucket.tier(prefix)))
+
+
+def test_restore_all_ranks_in_one_process_restores_and_raises_what_restore_raises(tmp_path):
+    local, tier = tmp_path / "local", tmp_path / "tier"
+    ck = make(tiers=[{"url": str(tier)}])
+    save_steps(ck, str(local), [1])
+    ck.close()
+    shutil.rmtree(local)
+    ck = make(tiers=[{"url": str(tier)}])
+    ck.tiers.restore_all_ranks(ck, str(local), pointer_name="latest")
+    verify_checkpoint(str(local / "step1"))
+    shutil.rmtree(local)
+    flip_byte(tier / "step1" / "model.pt")
+    with pytest.raises(IntegrityError, match="step1/model.pt: xxh128"):
+        ck.tiers.restore_all_ranks(ck, str(local), pointer_name="latest")
+    ck.close()
