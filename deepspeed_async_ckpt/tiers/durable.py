@@ -17,6 +17,7 @@ from __future__ import annotations
 import collections
 import logging
 import os
+import threading
 from typing import Any, Callable
 
 from ..commit import Pointer
@@ -67,6 +68,7 @@ class DurableTiers:
                          for r, t in zip(self.remotes, tiers)] if is_node_leader(rank) else []
         self._pointers: collections.OrderedDict[str, Pointer | None] = collections.OrderedDict()
         self._commits = 0
+        self._report: Callable[..., None] | None = None
 
     @classmethod
     def attach(cls, checkpointer: Any, hold: Callable[[str], Callable[[], None]],
@@ -74,6 +76,7 @@ class DurableTiers:
         """The tiers of ``checkpointer.config`` (``remotes``: from :func:`open_remotes`), their
         callbacks registered on it."""
         tiers = cls(checkpointer.config.tiers, rank=checkpointer.rank, hold=hold, remotes=remotes)
+        tiers._report = checkpointer.report
         checkpointer.add_begin_callback(tiers.begun)
         checkpointer.add_commit_callback(tiers.committed)
         return tiers
@@ -96,7 +99,14 @@ class DurableTiers:
                 drainer.submit(info.ckpt_dir, pointer, self._hold(info.ckpt_dir))
 
     def wait_idle(self, timeout: float | None = None) -> bool:
-        """Wait until no drain runs or waits on any tier (tests, benchmarks)."""
+        """Wait until the checkpoints committed so far (``wait()`` returned) are drained, or
+        given up after a failure, on every tier, for at most ``timeout`` seconds each (tests,
+        benchmarks); returns whether they were."""
+        if self._report is not None and self.drainers:  # their commit callbacks queued them first
+            queued = threading.Event()
+            self._report(queued.set)
+            if not queued.wait(timeout):
+                return False
         return all(d.wait_idle(timeout) for d in self.drainers)
 
     def close(self) -> None:
