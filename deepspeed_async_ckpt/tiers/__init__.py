@@ -7,7 +7,7 @@ restored from there before a load.
   :mod:`.s3`: :class:`S3Remote` (boto3)
 - :mod:`.mirror`: copying one checkpoint to one tier in commit order; the tier's retention
 - :mod:`.drain`: the :class:`Drainer` thread and its backlog rule
-- :mod:`.restore`: restore before load
+- :mod:`.restore`: restore before load (:func:`.restore.restore`)
 - :mod:`.durable`: :class:`DurableTiers`, the above wired to one checkpointer
 
 Importing this package is cheap: :mod:`..config` reads :mod:`.config` at parse time, and
@@ -20,12 +20,12 @@ import importlib
 from typing import Any
 
 __all__ = ["Drainer", "DurableTiers", "PathRemote", "Remote", "S3Remote", "TierConfig", "node_index",
-           "open_remote", "parse_tiers", "restore"]
+           "open_remote", "parse_tiers"]
 
 _LAZY = {
     "Drainer": "drain", "DurableTiers": "durable", "PathRemote": "remote", "Remote": "remote",
     "S3Remote": "s3", "TierConfig": "config", "node_index": "durable", "open_remote": "remote",
-    "parse_tiers": "config", "restore": "restore",
+    "parse_tiers": "config",
 }
 
 
