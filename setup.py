@@ -33,8 +33,9 @@ setup(
     extras_require={
         "megatron": ["megatron-core>=0.16,<0.17"],
         "hf": ["transformers>=5,<6", "accelerate>=1.0"],
+        "s3": ["boto3>=1.34"],
         "test": ["pytest>=8", "pytest-timeout", "megatron-core>=0.16,<0.17", "matplotlib",
-                 "transformers>=5,<6", "accelerate>=1.0"],
+                 "transformers>=5,<6", "accelerate>=1.0", "boto3>=1.34", "moto[server]>=5"],
     },
     entry_points={"console_scripts": ["ds-async-ckpt=deepspeed_async_ckpt.tools.cli:main"]},
     cmdclass={"build_py": build_py},

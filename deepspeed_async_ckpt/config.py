@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import ConfigError
+from .tiers.config import TierConfig, parse_tiers
 
 #: The DeepSpeed config key this package reads.
 CONFIG_KEY = "async_checkpoint"
@@ -94,7 +95,15 @@ class AsyncCheckpointConfig:
     storage, and for a save whose file differs between replicas (rank-specific client state:
     found at the save, which then falls back to the first replica)."""
 
+    tiers: tuple[TierConfig, ...] = ()
+    """Durable tiers after the checkpoint directory, fastest first: each a JSON object with a
+    ``url`` (an absolute path or ``s3://bucket/prefix``) and optionally ``every``, ``keep_last``,
+    ``endpoint_url`` and the rest of :class:`~.tiers.config.TierConfig`. Committed checkpoints
+    drain there in the background; a load restores from them what the checkpoint directory
+    lacks. See ``docs/tiers.md``."""
+
     def __post_init__(self) -> None:
+        object.__setattr__(self, "tiers", parse_tiers(self.tiers))
         _check_type("enabled", self.enabled, bool)
         _check_choice("mode", self.mode, MODES)
         _check_choice("checksum", self.checksum, CHECKSUMS)

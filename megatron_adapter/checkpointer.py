@@ -326,6 +326,17 @@ class MegatronCheckpointer:
         _agree(error)
 
     # ------------------------------------------------------------------ load path
+    def restore(self, save_dir: str, iteration: int | None = None) -> None:
+        """Collective, before a load from ``save_dir``: with durable tiers configured, bring the
+        checkpoint to load (``iteration``, else the newest committed on any tier) into it from
+        them, every file missing or damaged there fetched and verified, the tracker last."""
+        tiers = self.engine.tiers
+        if tiers is not None:
+            tiers.restore_all_ranks(
+                self.engine, save_dir, pointer_name=TRACKER_FILE,
+                tag=None if iteration is None else os.path.basename(checkpoint_dir(save_dir, iteration)),
+                name_of=lambda text: f"iter_{int(text):07d}" if text.isdigit() else text)
+
     def load(self, sharded_state_dict: dict, ckpt_dir: str, **load_kwargs: Any) -> dict:
         """``megatron.core.dist_checkpointing.load`` (collective), after pending saves landed
         and, for a checkpoint this engine wrote, after every file was checked against its

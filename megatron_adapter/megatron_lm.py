@@ -237,6 +237,8 @@ def load_checkpoint(*args, **kwargs):
         load_arg = inspect.signature(_ORIGINALS["load"]).bind(*args, **kwargs).arguments.get("load_arg", "load")
         load_dir = getattr(margs, load_arg, None)
         engine.wait(recover=load_dir)
+        if load_dir:  # a node whose disk is empty: from the durable tiers
+            engine.restore(load_dir, getattr(margs, "ckpt_step", None))
         skip = skipped_by_load(margs)
         pretrained = getattr(margs, "pretrained_checkpoint", None)
         if pretrained is not None and not (load_dir and os.path.isfile(tracker_path(load_dir))):

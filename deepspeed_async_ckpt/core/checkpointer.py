@@ -48,6 +48,7 @@ from ..errors import AsyncCheckpointError, CommitError, DurabilityError
 from ..persist import check_torch_writer
 from ..snapshot import HostBufferPool, Stager
 from ..storage import LocalStorage, Storage
+from ..tiers.durable import DurableTiers, open_remotes
 from . import lifecycle
 from .collectives import Replicas, by_rank, exchange_across_ranks, only_durability, without_key
 from .committer import Committer
@@ -109,6 +110,7 @@ class AsyncCheckpointer:
             raise ValueError(f"AsyncCheckpointer(rank={rank}, world_size={world_size}): rank must be "
                              "below world_size")
         policy = policy_of(config.keep_last, retention)  # before any thread starts
+        remotes = open_remotes(config.tiers)  # each tier reached once: a bad one fails here
         self.config = config
         self.rank, self.world_size = rank, world_size
         self.storage = storage or LocalStorage(fsync=config.fsync, direct_io=config.direct_io)
@@ -139,6 +141,8 @@ class AsyncCheckpointer:
                                 ledger=self._failures, claims=self._claims, retention=self._retention,
                                 loader=self._loader, begun=self._begun, files=self._files,
                                 committer=self._committer)
+        self.tiers = DurableTiers.attach(self, self._reporter.hold, remotes) if remotes else None
+        """The durable tiers checkpoints drain to (config ``tiers``), or None."""
         self._pid = os.getpid()
         self._owner: threading.Thread | None = None
         """The thread that began the last save (the training loop's)."""
@@ -448,6 +452,8 @@ class AsyncCheckpointer:
                 self._claims.release_all()
             lifecycle.unregister(self)
             self._reporter.drain()
+            if self.tiers is not None:  # every commit callback has queued its drain by now
+                self.tiers.close()
 
     @property
     def is_open(self) -> bool:

@@ -50,21 +50,14 @@ class Reporter:
                                type(exc).__name__, exc)
             finally:
                 try:
-                    if about is not None:
-                        with saves.lock:
-                            saves.reporting[about] -= 1
-                            released = not saves.reporting[about]
-                            if released:
-                                del saves.reporting[about]
-                        if released:  # the retention that left it for this callback: again
-                            self._released(about)
+                    if release is not None:
+                        release()
                 finally:
                     with saves.lock:  # only now: that retention is queued (idle claims)
                         self.queued -= 1
+        release = None if about is None else self.hold(about)
         with saves.lock:
             self.queued += 1
-            if about is not None:
-                saves.reporting[about] += 1
             if not saves.closed:
                 if self._executor is None:
                     self._executor = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-reporter")
@@ -72,6 +65,23 @@ class Reporter:
                 return
         self.drain()  # in order: after what was queued before the close
         call()
+
+    def hold(self, about: str) -> Callable[[], None]:
+        """Keep retention off the checkpoint directory ``about`` until the function returned
+        is called (once): a report reading it, or a drain to a durable tier copying it."""
+        saves = self._saves
+        with saves.lock:
+            saves.reporting[about] += 1
+
+        def release() -> None:
+            with saves.lock:
+                saves.reporting[about] -= 1
+                released = not saves.reporting[about]
+                if released:
+                    del saves.reporting[about]
+            if released:  # the retention that left it for this hold: again
+                self._released(about)
+        return release
 
     def drain(self) -> None:
         """Once closed: run the commit callbacks queued so far to the end and stop their

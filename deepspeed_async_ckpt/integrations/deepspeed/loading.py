@@ -121,6 +121,21 @@ def files_read_by_load(ds_engine: Any, arguments: dict) -> Callable[[str], bool]
     return lambda rel: not is_optimizer_file(rel)
 
 
+def restore_from_tiers(checkpointer: Any, arguments: dict, latest: str = "latest", *,
+                       node_local: bool = False) -> None:
+    """Collective, before the load reads ``load_dir``: with durable tiers configured, bring the
+    checkpoint to load into it from them (the newest committed on any tier, or the tag asked
+    for), every file missing or damaged there fetched and verified (see
+    :func:`~...tiers.restore.restore`); every rank raises if that fails. Without tiers or a
+    ``load_dir``: nothing."""
+    tiers = getattr(checkpointer, "tiers", None)
+    if tiers is None or arguments.get("load_dir") is None:
+        return
+    tag = arguments.get("tag")
+    tiers.restore_all_ranks(checkpointer, arguments["load_dir"], pointer_name=latest,
+                            tag=None if tag is None else str(tag), node_local=node_local)
+
+
 def no_file(rel: str) -> bool:
     """``include`` for a check of the manifest alone (``verify_on_load`` off)."""
     return False

@@ -35,7 +35,7 @@ from ...config import CONFIG_KEY, AsyncCheckpointConfig
 from ...errors import ConfigError
 from .engine import AsyncCheckpointEngine
 from .loading import (agreed_latest_tag, checkpoint_to_load, files_read_by_load, is_optimizer_file, no_file,
-                      takes_module_from_latest, zero3_module_source)
+                      restore_from_tiers, takes_module_from_latest, zero3_module_source)
 from .weight_editors import unpatch_weight_editors
 
 logger = logging.getLogger(__name__)
@@ -128,6 +128,7 @@ def install(on_engine_built: Callable[[], None] = lambda: None) -> bool:
                                                recover=arguments.get("load_dir"))
             universal = getattr(self, "load_universal_checkpoint", lambda: False)()
             latest = "latest_universal" if universal else "latest"
+            restore_from_tiers(engine.checkpointer, arguments, latest, node_local=engine._node_local)
             if arguments.get("tag") is None and arguments.get("load_dir") is not None:
                 # One read of `latest` for every rank, rank 0's, passed to DeepSpeed as the tag:
                 # each rank reading it (and DeepSpeed again) could disagree when another job

@@ -1,0 +1,165 @@
+"""Copying one committed checkpoint to one tier, and that tier's retention.
+
+Commit order on a tier, for checkpoint ``name`` (the same as on the first tier: files, then the
+manifest, then the pointer, so that the tier's pointer never names a partial copy)::
+
+    (each draining node) every file it holds, each checked against the manifest just before
+                         it goes up; then, with a node-local first tier, its marker
+                         <name>/.async_ckpt/drained.<node>.json
+    (global rank 0)      wait for every node's marker; the late files and their record;
+                         <name>/.async_ckpt/manifest.json; then .async_ckpt/pointer.json and
+                         a copy of the framework's pointer file (``latest``)
+    (global rank 0)      retention on the tier (``keep_last``)
+
+The source is always the committed first-tier copy on disk, never training memory.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from typing import Iterable
+
+from ..commit import LATE_FILES, MANIFEST, META_DIR, KeepLast, Pointer, read_manifest, verify_checkpoint, \
+    verify_file
+from ..commit.policy import CheckpointInfo
+from ..commit.retention import step_in_name
+from ..errors import IntegrityError
+from .remote import POINTER_KEY, Remote, manifest_key, marker_key
+
+logger = logging.getLogger(__name__)
+
+
+def files_of_node(manifest: dict, node: int) -> list[str]:
+    """The files (paths in the checkpoint) a node's first-tier directory holds: those
+    ``manifest["nodes"]`` lists for it (a node-local first tier), else every file."""
+    nodes = manifest.get("nodes")
+    if nodes is None:
+        return sorted(manifest["files"])
+    return sorted(nodes.get(str(node), ()))
+
+
+def upload_node_files(remote: Remote, ckpt_dir: str, manifest: dict, node: int) -> int:
+    """Upload this node's files of a committed checkpoint (each verified first); with a
+    node-local first tier, then this node's marker. Returns the bytes uploaded."""
+    name = os.path.basename(ckpt_dir)
+    total = 0
+    for rel in files_of_node(manifest, node):
+        path = os.path.join(ckpt_dir, rel)
+        verify_file(path, manifest, ckpt_dir=ckpt_dir)  # a damaged local copy is never drained
+        remote.put_file(path, f"{name}/{rel}")
+        total += manifest["files"][rel]["bytes"]
+    if "nodes" in manifest:
+        remote.put_bytes(marker_key(name, node), json.dumps({"save_id": manifest["save_id"]}).encode())
+    return total
+
+
+def wait_for_markers(remote: Remote, name: str, manifest: dict, timeout_s: float) -> None:
+    """Global rank 0: wait until every node the manifest lists has uploaded its files."""
+    nodes = sorted(int(n) for n in manifest.get("nodes", {}))
+    deadline = time.monotonic() + timeout_s
+    for node in nodes:
+        while True:
+            try:
+                marker = json.loads(remote.get_bytes(marker_key(name, node)))
+                if marker.get("save_id") == manifest["save_id"]:
+                    break
+            except FileNotFoundError:
+                pass
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"node {node} did not upload its files of {name} to {remote.url} "
+                                   f"within {timeout_s} s")
+            time.sleep(0.5)
+
+
+def commit_on_tier(remote: Remote, ckpt_dir: str, manifest: dict, pointer: Pointer | None) -> int:
+    """Global rank 0, once every node's files are up: the late files (checked against their
+    record), the manifest, then the tier's pointer. Returns the bytes uploaded."""
+    name = os.path.basename(ckpt_dir)
+    meta = os.path.join(ckpt_dir, META_DIR)
+    total = 0
+    if manifest.get("late_files"):
+        verify_checkpoint(ckpt_dir, manifest=manifest, include=lambda rel: False)  # the late files only
+        for rel in manifest["late_files"]:
+            remote.put_file(os.path.join(ckpt_dir, rel), f"{name}/{rel}")
+            total += os.path.getsize(os.path.join(ckpt_dir, rel))
+        remote.put_file(os.path.join(meta, LATE_FILES), f"{name}/{META_DIR}/{LATE_FILES}")
+    remote.put_file(os.path.join(meta, MANIFEST), manifest_key(name))
+    record = {"checkpoint": name, "save_id": manifest["save_id"],
+              "committed_at": manifest["committed_at"],
+              "pointer": None if pointer is None else [os.path.basename(pointer.path), pointer.text]}
+    remote.put_bytes(POINTER_KEY, json.dumps(record, sort_keys=True).encode())
+    if pointer is not None:  # the framework's own pointer, so that a path tier is a save directory
+        remote.put_bytes(os.path.basename(pointer.path), pointer.text.encode())
+    return total
+
+
+def drain_checkpoint(remote: Remote, ckpt_dir: str, pointer: Pointer | None, *, node: int,
+                     coordinator: bool, marker_timeout_s: float) -> int:
+    """One drain of a committed checkpoint to one tier by one node (see the module's order);
+    returns the bytes this call uploaded. Raises (the tier's pointer unmoved) on any failure."""
+    manifest = read_manifest(ckpt_dir)
+    total = upload_node_files(remote, ckpt_dir, manifest, node)
+    if coordinator:
+        if "nodes" in manifest:
+            wait_for_markers(remote, os.path.basename(ckpt_dir), manifest, marker_timeout_s)
+        total += commit_on_tier(remote, ckpt_dir, manifest, pointer)
+    return total
+
+
+def read_tier_pointer(remote: Remote) -> dict | None:
+    """The tier's pointer record, or None if the tier holds no checkpoint yet; IntegrityError
+    naming it if it is damaged."""
+    try:
+        raw = remote.get_bytes(POINTER_KEY)
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(raw)
+        if not isinstance(record, dict) or not isinstance(record.get("checkpoint"), str):
+            raise ValueError("no 'checkpoint' name")
+    except ValueError as exc:
+        raise IntegrityError(f"{remote.describe(POINTER_KEY)} is damaged: {exc}") from None
+    return record
+
+
+def read_tier_manifest(remote: Remote, name: str) -> dict | None:
+    """The manifest of checkpoint ``name`` on the tier, or None where it has none."""
+    try:
+        return json.loads(remote.get_bytes(manifest_key(name)))
+    except FileNotFoundError:
+        return None
+    except ValueError as exc:
+        raise IntegrityError(f"{remote.describe(manifest_key(name))} is damaged: {exc}") from None
+
+
+def retire_on_tier(remote: Remote, keep_last: int, current: str, tried: Iterable[str]) -> list[str]:
+    """Global rank 0, after a drain of ``current``: remove the tier's committed checkpoints
+    beyond the ``keep_last`` newest (never the one its pointer names), and the partial copies
+    this process left there (``tried``: names it drained before). Returns the names removed."""
+    removed = []
+    tried = set(tried) - {current}
+    committed: list[tuple[float, str]] = []
+    for name in remote.list_names():
+        if name.startswith(META_DIR) or name == current:
+            continue
+        try:
+            manifest = read_tier_manifest(remote, name)
+        except IntegrityError:
+            continue  # someone should look at it: never removed
+        if manifest is not None:
+            committed.append((float(manifest.get("committed_at", 0.0)), name))
+        elif name in tried:
+            remote.delete_tree(name)
+            removed.append(name)
+    if keep_last > 0:
+        committed.sort(reverse=True)
+        names = [current] + [name for _, name in committed]
+        keep = KeepLast(keep_last).should_keep([CheckpointInfo(n, step_in_name(n)) for n in names])
+        for name, kept in zip(names[1:], keep[1:]):
+            if not kept:
+                remote.delete_tree(name)
+                removed.append(name)
+    return removed
