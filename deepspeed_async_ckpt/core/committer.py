@@ -33,7 +33,7 @@ import threading
 import time
 from typing import Callable
 
-from ..commit import commit, commit_on_node, poll_delay
+from ..commit import META_DIR, commit, commit_on_node, poll_delay
 from ..commit.exchange import LEADER_WAIT_FACTOR, StoreExchange
 from ..commit.nodes import default_store, node_leader, node_of
 from ..commit.records import DirectoryExchange, rank_record
@@ -42,6 +42,7 @@ from ..errors import ConfigError, DurabilityError
 from ..persist import FileRecord
 from ..storage import Storage
 from .failures import FailureLedger
+from .files import missing_dirs
 from .handle import CheckpointHandle
 from .reports import Reporter
 from .retention import Retention
@@ -77,6 +78,26 @@ class Committer:
         self._queue: queue.SimpleQueue[CheckpointHandle | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="async-ckpt-committer", daemon=True)
         self.thread.start()
+
+    @property
+    def leads_node(self) -> bool:
+        """Whether this rank commits its node's copy of each checkpoint (node-local storage,
+        the lowest rank of a node other than rank 0's)."""
+        return self._leads_node
+
+    def mark_node_copy(self, write_dir: str) -> list[str]:
+        """A node's leader, in ``begin`` (as rank 0 makes its write directory): this engine's
+        marker in this node's ``write_dir``, so that a crash leaves this node's copy partial
+        (refused by loads, removed by retention), not a stranger's. Returns the directories
+        made, for their entries' sync; none if it could not be made (logged: the writes into
+        it fail too, and say so)."""
+        made = missing_dirs(os.path.join(write_dir, META_DIR))
+        try:
+            self._storage.makedirs(os.path.join(write_dir, META_DIR))
+        except OSError as exc:
+            logger.warning("async checkpoint: cannot create %s: %s", write_dir, exc)
+            return []
+        return made
 
     def put(self, handle: CheckpointHandle) -> None:
         """Queue the sealed ``handle`` (it is in flight: ``saves.inflight``)."""

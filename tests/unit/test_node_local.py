@@ -1,0 +1,224 @@
+"""Node-local storage in one process: the records through a real ``torch.distributed`` store
+(``HashStore``, ``TCPStore``), the manifest's ``nodes``, each node's commit, and verification
+of a checkpoint spread across nodes."""
+
+import datetime
+import json
+import os
+import threading
+import time
+
+import pytest
+import torch.distributed as dist
+
+from deepspeed_async_ckpt.commit import Pointer, commit, commit_on_node, poll_delay, verify_checkpoint
+from deepspeed_async_ckpt.commit.exchange import StoreExchange
+from deepspeed_async_ckpt.commit.manifest import manifest_problem, read_manifest
+from deepspeed_async_ckpt.commit.nodes import local_world_size, node_leader, node_of
+from deepspeed_async_ckpt.errors import CommitError, IntegrityError
+from deepspeed_async_ckpt.storage import LocalStorage
+
+
+def _entry(data: bytes) -> dict:
+    return {"bytes": len(data), "xxh128": _xxh(data)}
+
+
+def _xxh(data: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _record(rank: int, node: int, files: dict[str, bytes], save_id: str = "s1") -> dict:
+    return {"rank": rank, "save_id": save_id, "checksum": "xxh128", "node": node,
+            "files": {rel: _entry(data) for rel, data in files.items()}}
+
+
+# what each of 4 ranks on 2 nodes (2 per node) writes: the model states once per node, with
+# different bytes on node 1 (a replica's own BatchNorm statistics), a shard per rank
+WRITES = {0: (0, {"model.pt": b"node0-model", "zero_0.pt": b"z0"}),
+          1: (0, {"zero_1.pt": b"z1"}),
+          2: (1, {"model.pt": b"node1-model!", "zero_2.pt": b"z2"}),
+          3: (1, {"zero_3.pt": b"z3"})}
+
+
+@pytest.fixture
+def two_nodes(monkeypatch):
+    for name in ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
+                 "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+
+
+def test_node_of_a_rank_comes_from_the_ranks_per_node(monkeypatch, two_nodes):
+    assert [node_of(r, 4) for r in range(4)] == [0, 0, 1, 1]
+    assert [node_leader(r, 4) for r in range(4)] == [0, 0, 2, 2]
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert local_world_size(4) == 4 and node_of(3, 4) == 0  # no launcher variable: one node
+
+
+def test_store_exchange_commits_lists_nodes_and_deletes_its_keys(tmp_path, two_nodes):
+    """Rank 0 reads every record from the store, writes a manifest placing each file on its
+    node(s), tells node 1 its own manifest (its model states' checksum is its copy's), and
+    leaves no key of the save behind once node 1's leader took its word."""
+    store = dist.HashStore()
+    exchange = StoreExchange(store, 4)
+    d = str(tmp_path / "global_step1")
+    os.makedirs(os.path.join(d, ".async_ckpt"))  # as rank 0's begin makes it
+    for r in (3, 1, 2):  # any order; rank 0's own last
+        exchange.publish(d, _record(r, *WRITES[r]))
+    assert not exchange.look(d, save_id="s1", world_size=4)[0]
+    exchange.publish(d, _record(0, *WRITES[0]))
+    manifest = commit(LocalStorage(fsync=False), d, tag="global_step1", save_id="s1", world_size=4,
+                      checksum="xxh128", timeout_s=10, pointer=Pointer(str(tmp_path / "latest"),
+                                                                       "global_step1"),
+                      exchange=exchange)
+    assert manifest["nodes"] == {"0": ["model.pt", "zero_0.pt", "zero_1.pt"],
+                                 "1": ["model.pt", "zero_2.pt", "zero_3.pt"]}
+    assert manifest["files"]["model.pt"] == _entry(b"node0-model")
+    assert read_manifest(d) == json.loads(json.dumps(manifest))
+    assert (tmp_path / "latest").read_text() == "global_step1"
+    for key in ["s1/count", *(f"s1/rank/{r}" for r in range(4))]:
+        assert not store.check([key]), key
+    node1 = exchange.await_commit(d, tag="global_step1", save_id="s1", node=1, timeout_s=1,
+                                  poll_delay=poll_delay)
+    assert node1["files"]["model.pt"] == _entry(b"node1-model!")
+    assert {k: v for k, v in node1.items() if k != "files"} == \
+        {k: v for k, v in manifest.items() if k != "files"}
+    assert not store.check(["s1/commit/1"])
+
+
+def test_a_rank_failure_stops_rank_0_and_the_node_leaders_at_once(tmp_path, two_nodes):
+    """A rank's failure in the store ends rank 0's wait at once (not after commit_timeout_s),
+    with the rank's reason; rank 0 tells the other nodes' leaders, who stop waiting too."""
+    store = dist.HashStore()
+    exchange = StoreExchange(store, 4)
+    d = str(tmp_path / "t")
+    exchange.publish(d, _record(0, *WRITES[0]))
+    exchange.publish(d, _record(2, *WRITES[2]))
+    exchange.fail(d, rank=3, save_id="s1", message="OSError: [Errno 28] No space left on device")
+    start = time.monotonic()
+    with pytest.raises(CommitError, match=r"rank\(s\) 3 failed to persist their part \(OSError: "
+                                          r"\[Errno 28\] No space left"):
+        commit(LocalStorage(fsync=False), d, tag="t", save_id="s1", world_size=4, checksum="xxh128",
+               timeout_s=600, pointer=Pointer(str(tmp_path / "latest"), "t"), exchange=exchange)
+    assert time.monotonic() - start < 5
+    assert not os.path.exists(tmp_path / "latest")
+    for key in ["s1/count", "s1/rank/0", "s1/rank/2", "s1/failed/3"]:
+        assert not store.check([key]), key
+    with pytest.raises(CommitError, match="rank 0 did not commit it .*No space left"):
+        exchange.await_commit(d, tag="t", save_id="s1", node=1, timeout_s=1, poll_delay=poll_delay)
+
+
+def test_a_late_rank_times_out_naming_it(tmp_path, two_nodes):
+    exchange = StoreExchange(dist.HashStore(), 2)
+    exchange.publish(str(tmp_path), _record(0, 0, {}))
+    with pytest.raises(CommitError, match=r"rank\(s\) 1 did not finish persisting within 0 s"):
+        commit(LocalStorage(fsync=False), str(tmp_path / "t"), tag="t", save_id="s1", world_size=2,
+               checksum="xxh128", timeout_s=0.05, pointer=None, exchange=exchange)
+
+
+def test_records_through_a_tcp_store_from_other_threads(tmp_path, two_nodes):
+    """The exchange over a real TCPStore, each rank a client of its own on its own thread (as
+    committer threads are), rank 0 polling while the others publish."""
+    server = dist.TCPStore("127.0.0.1", 0, 5, True, timeout=datetime.timedelta(seconds=30),
+                           wait_for_workers=False)
+    clients = [dist.PrefixStore("async_ckpt/", dist.TCPStore(
+        "127.0.0.1", server.port, 5, False, timeout=datetime.timedelta(seconds=30))) for _ in range(4)]
+    d = str(tmp_path / "t")
+    os.makedirs(os.path.join(d, ".async_ckpt"))
+    threads = [threading.Thread(target=lambda r=r: (time.sleep(0.05 * r),
+                                                    StoreExchange(clients[r], 4).publish(d, _record(r, *WRITES[r]))))
+               for r in (1, 2, 3)]
+    for t in threads:
+        t.start()
+    StoreExchange(clients[0], 4).publish(d, _record(0, *WRITES[0]))
+    manifest = commit(LocalStorage(fsync=False), d, tag="t", save_id="s1", world_size=4,
+                      checksum="xxh128", timeout_s=30, pointer=None,
+                      exchange=StoreExchange(clients[0], 4))
+    for t in threads:
+        t.join()
+    assert sorted(manifest["ranks"]) == ["0", "1", "2", "3"]
+    assert manifest["nodes"]["1"] == ["model.pt", "zero_2.pt", "zero_3.pt"]
+    got = StoreExchange(clients[2], 4).await_commit(d, tag="t", save_id="s1", node=1, timeout_s=5,
+                                                    poll_delay=poll_delay)
+    assert got["files"]["zero_3.pt"] == _entry(b"z3")
+    assert server.num_keys() <= 1  # (the server counts a key of its own)
+
+
+def test_two_ranks_of_one_node_writing_different_bytes_to_one_name_is_refused(tmp_path, two_nodes):
+    """Different bytes under one name are each node's own only across nodes; within a node
+    (one directory) the manifest would describe one file and the disk hold the other."""
+    exchange = StoreExchange(dist.HashStore(), 2)
+    writes = {0: (0, {"a.pt": b"one"}), 1: (0, {"a.pt": b"two"})}
+    for r in (0, 1):
+        exchange.publish(str(tmp_path), _record(r, *writes[r]))
+    with pytest.raises(CommitError, match="ranks 0 and 1 both wrote a.pt, with different contents"):
+        commit(LocalStorage(fsync=False), str(tmp_path / "t"), tag="t", save_id="s1", world_size=2,
+               checksum="xxh128", timeout_s=5, pointer=None, exchange=exchange)
+
+
+def test_commit_on_node_writes_the_manifest_then_the_pointer(tmp_path):
+    """A node's leader: the manifest rank 0 sent, then the pointer; a damaged manifest is
+    written nowhere and moves nothing."""
+    manifest = {"format": "deepspeed_async_ckpt/1", "tag": "t2", "save_id": "s", "world_size": 2,
+                "checksum": "xxh128", "committed_at": 1.0, "files": {"a.pt": _entry(b"x")},
+                "ranks": {"0": ["a.pt"], "1": []}, "nodes": {"0": [], "1": ["a.pt"]}}
+    (tmp_path / "latest").write_text("t1")
+    d = str(tmp_path / "t2")
+    with pytest.raises(CommitError, match="the manifest rank 0 sent is damaged"):
+        commit_on_node(LocalStorage(fsync=False), d, dict(manifest, nodes={"1": []}),
+                       pointer=Pointer(str(tmp_path / "latest"), "t2"))
+    assert (tmp_path / "latest").read_text() == "t1" and not os.path.exists(d)
+    commit_on_node(LocalStorage(fsync=False), d, manifest, pointer=Pointer(str(tmp_path / "latest"), "t2"))
+    assert read_manifest(d) == manifest
+    assert (tmp_path / "latest").read_text() == "t2"
+
+
+@pytest.mark.parametrize("nodes,problem", [
+    ({"0": ["a.pt"], "1": ["a.pt", "b.pt"]}, None),
+    ({"0": ["a.pt"]}, "'nodes' places 'b.pt' on no node"),
+    ({"0": ["a.pt", "b.pt", "c.pt"]}, "'nodes' places 'c.pt' on node 0, which 'files' does not list"),
+    ({"x": ["a.pt", "b.pt"]}, "'nodes' is not an object"),
+    ({"0": "a.pt"}, "'nodes' is not an object"),
+    (["a.pt", "b.pt"], "'nodes' is not an object"),
+])
+def test_manifest_nodes_are_validated(nodes, problem):
+    manifest = {"format": "deepspeed_async_ckpt/1", "tag": "t", "save_id": "s", "world_size": 2,
+                "checksum": "xxh128", "committed_at": 1.0,
+                "files": {"a.pt": _entry(b"a"), "b.pt": _entry(b"b")}, "nodes": nodes}
+    got = manifest_problem(manifest)
+    assert got == problem if problem is None else problem in got
+
+
+def test_each_node_verifies_the_files_its_directory_holds(tmp_path, two_nodes):
+    """On node 1's disk (no node 0 files there) ranks 2 and 3 split node 1's files between
+    them and pass; a corrupted file there fails the rank that reads it."""
+    files = {"model.pt": b"node1-model!", "zero_2.pt": b"z2", "zero_3.pt": b"z3"}
+    d = tmp_path / "t"
+    (d / ".async_ckpt").mkdir(parents=True)
+    for rel, data in files.items():
+        (d / rel).write_bytes(data)
+    manifest = {"format": "deepspeed_async_ckpt/1", "tag": "t", "save_id": "s", "world_size": 4,
+                "checksum": "xxh128", "committed_at": 1.0,
+                "files": {"zero_0.pt": _entry(b"z0"), "zero_1.pt": _entry(b"z1"),
+                          **{rel: _entry(data) for rel, data in files.items()}},
+                "nodes": {"0": ["model.pt", "zero_0.pt", "zero_1.pt"], "1": sorted(files)}}
+    (d / ".async_ckpt" / "manifest.json").write_text(json.dumps(manifest))
+    import deepspeed_async_ckpt.commit.verify as verify_mod
+
+    read = []
+    real = verify_mod.hash_ranges
+    verify_mod.hash_ranges = lambda path, *a: read.append(os.path.basename(path)) or real(path, *a)
+    try:
+        for rank in (2, 3):
+            verify_checkpoint(str(d), rank=rank, world_size=4)
+        assert sorted(read) == sorted(files)  # each file once, by one of the node's ranks
+        with pytest.raises(IntegrityError, match=r"zero_[01].pt: listed in the manifest .* but cannot be read"):
+            verify_checkpoint(str(d), rank=0, world_size=4)  # node 0's files are not here
+        (d / "zero_3.pt").write_bytes(b"zX")
+        with pytest.raises(IntegrityError, match="zero_3.pt: xxh128"):
+            for rank in (2, 3):
+                verify_checkpoint(str(d), rank=rank, world_size=4)
+    finally:
+        verify_mod.hash_ranges = real
