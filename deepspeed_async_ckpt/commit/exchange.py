@@ -11,7 +11,8 @@ training thread's. Keys, per save (``<id>``: its save id)::
     <id>/rank/<r>       (every rank)   its record, the JSON a record file holds, with its node
     <id>/failed/<r>     (a rank)       why its part failed
     <id>/count          (every rank)   +1 once its record is set; +(world size + 1) on failure
-    <id>/commit/<n>     (rank 0)       node n's manifest once committed, or why it was not
+    <id>/commit/<n>     (rank 0)       node n's manifest and the late files (Megatron's markers)
+                                       once committed, or why it was not
 
 Rank 0 polls the one counter (``add(key, 0)``): the world size means every record is there,
 more means a rank failed (the commit stops at once, as with a failure record). It reads the
@@ -24,6 +25,7 @@ for its whole duration.
 
 from __future__ import annotations
 
+import base64
 import json
 import time
 from typing import Any, Callable
@@ -97,11 +99,13 @@ class StoreExchange:
                                            for r in range(world_size))]:
             self.store.delete_key(key)
 
-    def tell_nodes(self, save_id: str, manifests: dict[int, dict]) -> None:
-        """Rank 0, once its pointer moved: each other node's manifest (node -> manifest)."""
+    def tell_nodes(self, save_id: str, manifests: dict[int, dict], late: dict[str, bytes]) -> None:
+        """Rank 0, once its pointer moved: each other node's manifest (node -> manifest), and
+        the late files its finalize steps wrote (path -> bytes), which every node's copy needs."""
+        files = {rel: base64.b64encode(data).decode("ascii") for rel, data in late.items()}
         for node, manifest in manifests.items():
             if node:
-                self.store.set(f"{save_id}/commit/{node}", json.dumps({"manifest": manifest}))
+                self.store.set(f"{save_id}/commit/{node}", json.dumps({"manifest": manifest, "late": files}))
 
     def tell_nodes_failed(self, save_id: str, message: str) -> None:
         """Rank 0, once the save failed: why, to the leaders of the other nodes."""
@@ -110,10 +114,10 @@ class StoreExchange:
 
     # a node's leader ------------------------------------------------------------------
     def await_commit(self, ckpt_dir: str, *, tag: str, save_id: str, node: int, timeout_s: float,
-                     poll_delay: Callable[[float], float]) -> dict:
-        """A node's leader: the manifest rank 0 committed for ``node`` (its key then
-        deleted); ``CommitError`` if rank 0 says the save failed, or says nothing within
-        ``timeout_s``."""
+                     poll_delay: Callable[[float], float]) -> tuple[dict, dict[str, bytes]]:
+        """A node's leader: the manifest rank 0 committed for ``node`` and the late files (its
+        key then deleted); ``CommitError`` if rank 0 says the save failed, or says nothing
+        within ``timeout_s``."""
         start = time.monotonic()
         key = f"{save_id}/commit/{node}"
         while not self.store.check([key]):
@@ -126,12 +130,12 @@ class StoreExchange:
         self.store.delete_key(key)
         try:
             said = json.loads(text)
-            manifest = said.get("manifest")
-            failed = said.get("failed")
-        except (ValueError, AttributeError) as exc:
+            manifest, failed = said.get("manifest"), said.get("failed")
+            late = {rel: base64.b64decode(data) for rel, data in said.get("late", {}).items()}
+        except (ValueError, AttributeError, TypeError) as exc:
             raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed on node {node}: "
                               f"rank 0's word (store key {key}) is damaged: {exc}") from None
         if not isinstance(manifest, dict):
             raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed on node {node}: "
                               f"rank 0 did not commit it ({failed})")
-        return manifest
+        return manifest, late

@@ -64,10 +64,11 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
 
     ``exchange``: how the records arrive (:class:`.records.DirectoryExchange` by default); a
     node-local one (:class:`.exchange.StoreExchange`) also hears the outcome, for the other
-    nodes' leaders: their manifests once the pointer moved, or why the save failed."""
+    nodes' leaders: their manifests and the late files once the pointer moved, or why the save
+    failed."""
     exchange = exchange or DirectoryExchange(storage)
     try:
-        manifest, per_node = _commit_here(storage, ckpt_dir, tag=tag, save_id=save_id,
+        manifest, per_node, late = _commit_here(storage, ckpt_dir, tag=tag, save_id=save_id,
                                           world_size=world_size, checksum=checksum,
                                           timeout_s=timeout_s, pointer=pointer, replaces=replaces,
                                           finalize=finalize, rotation=rotation, exchange=exchange)
@@ -76,16 +77,16 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
             exchange.tell_nodes_failed(save_id, f"{type(exc).__name__}: {exc}")
         raise
     if exchange.node_local:
-        exchange.tell_nodes(save_id, per_node)
+        exchange.tell_nodes(save_id, per_node, late)
     return manifest
 
 
 def _commit_here(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
                  checksum: str, timeout_s: float, pointer: Pointer | None, replaces: str | None,
                  finalize: Sequence[FinalizeStep], rotation: bool,
-                 exchange: Any) -> tuple[dict, dict[int, dict]]:
-    """:func:`commit` on rank 0's node; returns the manifest and each node's (see
-    :func:`_commit`)."""
+                 exchange: Any) -> tuple[dict, dict[int, dict], dict[str, bytes]]:
+    """:func:`commit` on rank 0's node; returns the manifest, each node's (see
+    :func:`_commit`) and, with node-local storage, the bytes of the late files."""
     late_files = declared_files(finalize)
     try:
         manifest, per_node = _commit(storage, ckpt_dir, tag=tag, save_id=save_id,
@@ -107,28 +108,52 @@ def _commit_here(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, wor
     if finalize:
         _finalize(finalize, FinalizeContext(storage, ckpt_dir, replaces or ckpt_dir, tag, save_id,
                                                      manifest, frozenset(late_files)))
+    late = {}
+    if exchange.node_local:  # for the other nodes' copies: small files (Megatron's markers)
+        for rel in late_files:
+            with open(os.path.join(ckpt_dir, rel), "rb") as f:
+                late[rel] = f.read()
     _move_pointer(storage, ckpt_dir, tag=tag, save_id=save_id, pointer=pointer, replaces=replaces)
-    return manifest, per_node
+    return manifest, per_node, late
 
 
 def commit_on_node(storage: Storage, ckpt_dir: str, manifest: dict, *, pointer: Pointer | None,
-                   replaces: str | None = None) -> None:
+                   replaces: str | None = None, late: dict[str, bytes] | None = None) -> None:
     """The leader of a node other than rank 0's, with node-local storage, once rank 0
     committed (``manifest``: this node's, from :meth:`.exchange.StoreExchange.await_commit`):
     the same commit in this node's directory. The manifest is written (durably) first, then
-    ``ckpt_dir`` swapped in for ``replaces`` if given, then the pointer moved, as rank 0 does,
-    so that a crash leaves this node's pointer on a checkpoint complete on this node. The
-    files it lists under this node were made durable by the ranks that wrote them before they
-    sent their records."""
+    the late files rank 0's finalize steps wrote (``late``: path in the checkpoint -> bytes:
+    Megatron's markers) and their record, then ``ckpt_dir`` swapped in for ``replaces`` if
+    given, then the pointer moved, as rank 0 does, so that a crash leaves this node's pointer
+    on a checkpoint complete on this node. The files the manifest places on this node were
+    made durable by the ranks that wrote them before they sent their records."""
+    late = late or {}
     problem = manifest_problem(manifest)
+    if not problem and sorted(late) != manifest.get("late_files", []):
+        problem = f"it lists late files {manifest.get('late_files', [])}, rank 0 sent {sorted(late)}"
     if problem:  # as a reader would refuse it: never written
         raise CommitError(f"checkpoint {ckpt_dir!r} (tag {manifest.get('tag')}) not committed on "
                           f"this node: the manifest rank 0 sent is damaged: {problem}")
     storage.makedirs(os.path.join(ckpt_dir, META_DIR))
     write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
                       json.dumps(manifest, indent=1, sort_keys=True))
+    if late:
+        ctx = FinalizeContext(storage, ckpt_dir, replaces or ckpt_dir, manifest["tag"],
+                              manifest["save_id"], manifest, frozenset(late))
+        _finalize([_RankZerosLateFiles(late)], ctx)
     _move_pointer(storage, ckpt_dir, tag=manifest["tag"], save_id=manifest["save_id"],
                   pointer=pointer, replaces=replaces)
+
+
+class _RankZerosLateFiles:
+    """A node leader's finalize step: the late files rank 0's steps wrote, byte for byte."""
+
+    def __init__(self, late: dict[str, bytes]) -> None:
+        self.late = late
+
+    def __call__(self, ctx: FinalizeContext) -> None:
+        for rel, data in sorted(self.late.items()):
+            ctx.write_file(rel, data)
 
 
 def _move_pointer(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str,

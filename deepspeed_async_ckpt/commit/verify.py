@@ -74,9 +74,9 @@ def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
     for all of it; of a packed file, only the archives holding those are checked.
 
     A manifest with ``nodes`` (node-local storage): the ranks of each node (see
-    :mod:`.nodes`) split the files its directory holds, the others are not there to check."""
+    :mod:`.nodes`) split the files its directory holds, the others are not there to check;
+    each node's first rank checks the late files (every node's leader writes them)."""
     manifest = manifest or read_manifest(ckpt_dir)
-    first = 0  # this node's first rank
     here = files_on_node(manifest, node_of(rank, world_size))
     if here is not None:  # this node's ranks, over this node's files
         per_node = local_world_size(world_size)
@@ -98,7 +98,7 @@ def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
                       for i in range(len(entry.get("segments", [None])))]
     for rel, segment in units[rank::world_size]:
         verify_file(os.path.join(ckpt_dir, rel), manifest, segment, ckpt_dir=ckpt_dir)
-    if rank == 0 and first == 0:  # a few small files, which every load reads
+    if rank == 0:  # a few small files, which every load reads (each node has them)
         _verify_late_files(ckpt_dir, manifest)
     return manifest
 
@@ -114,7 +114,8 @@ def _verify_late_files(ckpt_dir: str, manifest: dict) -> None:
         raise IntegrityError(f"checkpoint {ckpt_dir!r} was committed but never finalized "
                              f"({', '.join(names)} not recorded): load the one the pointer "
                              "names") from None
-    with_late = dict(manifest, files=files)
+    # the manifest's checks, over the late files (which no node list places: every node has them)
+    with_late = {**{k: v for k, v in manifest.items() if k != "nodes"}, "files": files}
     problem = manifest_problem(with_late)
     if problem or sorted(files) != sorted(names):
         raise IntegrityError(f"checkpoint {ckpt_dir!r}: {path} is damaged: "

@@ -14,8 +14,9 @@ With node-local storage (``config.node_local``: each node has its own directory,
 path) the records travel through the process group's store (:mod:`~..commit.exchange`), and
 then::
 
-    (each other node's leader) wait for rank 0's word; write the manifest rank 0 committed,
-                 swap, move the pointer, all in this node's directory   (:func:`~..commit.commit_on_node`)
+    (each other node's leader) wait for rank 0's word; write the manifest rank 0 committed
+                 and the late files its finalize steps wrote, swap, move the pointer, all in
+                 this node's directory                          (:func:`~..commit.commit_on_node`)
     (each other node's leader) announce the commit; queue retention, as rank 0 does
 
 A failure is recorded in the failure ledger (raised at the next ``begin`` or ``wait``, where
@@ -168,11 +169,11 @@ class Committer:
                                   replaces=handle.ckpt_dir if swap else None, finalize=handle.finalize,
                                   rotation=handle.rotation, exchange=self._exchange)
             elif self._leads_node:
-                manifest = self._exchange.await_commit(
+                manifest, late = self._exchange.await_commit(
                     handle.write_dir, tag=handle.tag, save_id=handle.save_id, node=self._node,
                     timeout_s=LEADER_WAIT_FACTOR * cfg.commit_timeout_s, poll_delay=poll_delay)
                 commit_on_node(self._storage, handle.write_dir, manifest, pointer=handle.pointer,
-                               replaces=handle.ckpt_dir if swap else None)
+                               replaces=handle.ckpt_dir if swap else None, late=late)
             handle.times["committed"] = time.perf_counter()
             if manifest is not None and handle.pointer is not None:
                 self._retention.pointer_moved(handle)

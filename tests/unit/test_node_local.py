@@ -80,8 +80,9 @@ def test_store_exchange_commits_lists_nodes_and_deletes_its_keys(tmp_path, two_n
     assert (tmp_path / "latest").read_text() == "global_step1"
     for key in ["s1/count", *(f"s1/rank/{r}" for r in range(4))]:
         assert not store.check([key]), key
-    node1 = exchange.await_commit(d, tag="global_step1", save_id="s1", node=1, timeout_s=1,
-                                  poll_delay=poll_delay)
+    node1, late = exchange.await_commit(d, tag="global_step1", save_id="s1", node=1, timeout_s=1,
+                                        poll_delay=poll_delay)
+    assert late == {}
     assert node1["files"]["model.pt"] == _entry(b"node1-model!")
     assert {k: v for k, v in node1.items() if k != "files"} == \
         {k: v for k, v in manifest.items() if k != "files"}
@@ -140,8 +141,8 @@ def test_records_through_a_tcp_store_from_other_threads(tmp_path, two_nodes):
         t.join()
     assert sorted(manifest["ranks"]) == ["0", "1", "2", "3"]
     assert manifest["nodes"]["1"] == ["model.pt", "zero_2.pt", "zero_3.pt"]
-    got = StoreExchange(clients[2], 4).await_commit(d, tag="t", save_id="s1", node=1, timeout_s=5,
-                                                    poll_delay=poll_delay)
+    got, _ = StoreExchange(clients[2], 4).await_commit(d, tag="t", save_id="s1", node=1, timeout_s=5,
+                                                       poll_delay=poll_delay)
     assert got["files"]["zero_3.pt"] == _entry(b"z3")
     assert server.num_keys() <= 1  # (the server counts a key of its own)
 
@@ -222,3 +223,48 @@ def test_each_node_verifies_the_files_its_directory_holds(tmp_path, two_nodes):
                 verify_checkpoint(str(d), rank=rank, world_size=4)
     finally:
         verify_mod.hash_ranges = real
+
+
+class _Marker:
+    """A finalize step, as Megatron's markers are: a file written from the committed manifest."""
+
+    files = ("marker.json",)
+
+    def __call__(self, ctx):
+        ctx.write_file("marker.json", json.dumps({"tag": ctx.manifest["tag"], "files": sorted(ctx.manifest["files"])}))
+
+
+def test_the_late_files_reach_every_node_and_verify_there(tmp_path, two_nodes):
+    """Rank 0's finalize steps run on its node; the files they wrote travel with node 1's
+    manifest, and node 1's leader writes them, records them, then moves its pointer: node 1's
+    copy verifies, late files included, on node 1's ranks alone."""
+    exchange = StoreExchange(dist.HashStore(), 4)
+    d0, d1 = tmp_path / "node0" / "t", tmp_path / "node1" / "t"
+    for d, node in ((d0, 0), (d1, 1)):
+        (d / ".async_ckpt").mkdir(parents=True)
+        for r, (n, files) in WRITES.items():
+            for rel, data in files.items():
+                if n == node:
+                    (d / rel).write_bytes(data)
+    for r in range(4):
+        exchange.publish(str(d0), _record(r, *WRITES[r]))
+    storage = LocalStorage(fsync=False)
+    manifest = commit(storage, str(d0), tag="t", save_id="s1", world_size=4, checksum="xxh128",
+                      timeout_s=10, pointer=Pointer(str(tmp_path / "node0" / "latest"), "t"),
+                      finalize=[_Marker()], exchange=exchange)
+    assert manifest["late_files"] == ["marker.json"]
+    node1, late = exchange.await_commit(str(d1), tag="t", save_id="s1", node=1, timeout_s=1,
+                                        poll_delay=poll_delay)
+    assert late == {"marker.json": (d0 / "marker.json").read_bytes()}
+    with pytest.raises(CommitError, match=r"late files \['marker.json'\], rank 0 sent \[\]"):
+        commit_on_node(storage, str(d1), node1, pointer=Pointer(str(tmp_path / "node1" / "latest"), "t"))
+    assert not (tmp_path / "node1" / "latest").exists()
+    commit_on_node(storage, str(d1), node1, pointer=Pointer(str(tmp_path / "node1" / "latest"), "t"),
+                   late=late)
+    assert (tmp_path / "node1" / "latest").read_text() == "t"
+    assert (d1 / "marker.json").read_bytes() == (d0 / "marker.json").read_bytes()
+    for rank in (2, 3):
+        verify_checkpoint(str(d1), rank=rank, world_size=4)
+    (d1 / "marker.json").write_text("{}")
+    with pytest.raises(IntegrityError, match="marker.json"):
+        verify_checkpoint(str(d1), rank=2, world_size=4)  # node 1's first rank checks them
