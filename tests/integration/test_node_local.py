@@ -7,6 +7,7 @@ node's copy; every rank resumes from its own node, bitwise equal to what it save
 import glob
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -18,6 +19,7 @@ from conftest import REPO
 from launch import free_port
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "node_local_worker.py")
+MEGATRON_WORKER = os.path.join(REPO, "tests", "integration", "megatron_workers", "node_local_worker.py")
 NODES, PER_NODE = 2, 2
 
 pytestmark = pytest.mark.slow
@@ -36,20 +38,20 @@ def _require_mount_namespaces() -> None:
                     "or with CAP_SYS_ADMIN")
 
 
-def run_nodes(env, tmp_path, *args, timeout=420):
+def run_nodes(env, tmp_path, *args, timeout=420, worker=WORKER, per_node=PER_NODE):
     """Every rank of the two nodes, each with its node's directory at ``tmp_path/ckpt``."""
     port = free_port()
     common = tmp_path / "ckpt"
     common.mkdir(exist_ok=True)
     procs = []
-    for rank in range(NODES * PER_NODE):
-        node_dir = tmp_path / f"node{rank // PER_NODE}"
+    for rank in range(NODES * per_node):
+        node_dir = tmp_path / f"node{rank // per_node}"
         node_dir.mkdir(exist_ok=True)
-        e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank % PER_NODE), WORLD_SIZE=str(NODES * PER_NODE),
-                 LOCAL_WORLD_SIZE=str(PER_NODE), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(NODES * per_node),
+                 LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         # $0: this node's directory, $1: the common path, then the command
         cmd = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"',
-               str(node_dir), str(common), sys.executable, WORKER, *map(str, args),
+               str(node_dir), str(common), sys.executable, worker, *map(str, args),
                "--ckpt", str(common), "--out", str(tmp_path / "out")]
         log = open(tmp_path / f"{args[0]}.rank{rank}.log", "w")
         procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT))
@@ -106,3 +108,41 @@ def test_deepspeed_node_local_storage_commits_and_resumes_on_every_node(repo_env
         saved = torch.load(tmp_path / "out" / f"saved_rank{r}.pt", weights_only=False)
         loaded = torch.load(tmp_path / "out" / f"loaded_rank{r}.pt", weights_only=False)
         assert_same(saved, loaded, f"rank {r}")
+
+
+def test_megatron_node_local_tp2_on_two_nodes_commits_on_each(repo_env, tmp_path):
+    """Megatron TP=2 on two nodes of one rank each, ``node_local``: each node's directory holds
+    its rank's shards, its own ``common.pt`` and the markers rank 0 wrote, and its tracker
+    names the newest iteration. A rank's load also reads what another rank wrote (a tensor
+    replicated across TP is written once): once each node has the other's files as well (as a
+    restore from a shared tier gives them), every rank resumes from its own node's copy,
+    verified there, bitwise equal to what it saved (the step taken right after the save not
+    in it)."""
+    pytest.importorskip("megatron.core")
+    _require_mount_namespaces()
+    (tmp_path / "out").mkdir()
+    env = dict(repo_env, PYTHONWARNINGS="ignore")
+    run_nodes(env, tmp_path, "save", worker=MEGATRON_WORKER, per_node=1)
+    manifests = []
+    for node in range(NODES):
+        root = tmp_path / f"node{node}" / "iter_0000003"
+        assert (root.parent / "latest_checkpointed_iteration.txt").read_text() == "3"
+        with open(root / ".async_ckpt" / "manifest.json") as f:
+            manifests.append(json.load(f))
+        mine = manifests[node]["nodes"][str(node)]
+        assert "common.pt" in mine and all(f"__{node}_" in rel for rel in mine if rel.endswith(".distcp")), mine
+        assert sorted(os.listdir(root)) == sorted([*mine, ".async_ckpt", ".metadata", "metadata.json"])
+    assert (tmp_path / "node0" / "iter_0000003" / ".metadata").read_bytes() == \
+        (tmp_path / "node1" / "iter_0000003" / ".metadata").read_bytes()
+    for node in range(NODES):  # each node gets the files it lacks from the other
+        here, there = tmp_path / f"node{node}" / "iter_0000003", tmp_path / f"node{1 - node}" / "iter_0000003"
+        for name in os.listdir(there):
+            if not (here / name).exists():
+                shutil.copy2(there / name, here / name)
+    run_nodes(env, tmp_path, "load", worker=MEGATRON_WORKER, per_node=1)
+    for r in range(NODES):
+        reference = torch.load(tmp_path / "out" / f"reference.rank{r}.pt")
+        reloaded = torch.load(tmp_path / "out" / f"reloaded.rank{r}.pt")
+        assert_same(reference, reloaded, f"rank {r}")
+        with open(tmp_path / "out" / f"reloaded.rank{r}.json") as f:
+            assert json.load(f)["tracker"] == 3
