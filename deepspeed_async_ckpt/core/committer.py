@@ -140,7 +140,7 @@ class Committer:
                 if self._rank != 0:  # this rank's record until commit_timeout_s
                     self._report_failure(handle, why)
                 elif self._exchange.node_local:  # nor the other nodes' leaders for rank 0's word
-                    self._exchange.tell_nodes_failed(handle.save_id, why)
+                    self._tell_nodes_failed(handle, why)
                 return
             # The entries of the directories made for it: files are synced in their own
             # directory as they are renamed into place, but a new directory's entry lies in its
@@ -188,19 +188,25 @@ class Committer:
             if isinstance(exc, DurabilityError) and exc.pointer_moved and handle.pointer is not None:
                 self._retention.pointer_moved(handle)  # it names this one now: retention must keep it
             self._ledger.record(exc, os.path.dirname(handle.ckpt_dir))
-            if not recorded:  # this rank's own part failed (its files, or its record): tell rank 0
+            if self._rank == 0 and self._exchange.node_local:  # rank 0 waits for nobody's word:
+                if not committing:  # the other nodes' leaders wait for its
+                    self._tell_nodes_failed(handle, f"{type(exc).__name__}: {exc}")
+            elif not recorded:  # this rank's own part failed (its files, or its record): tell rank 0
                 self._report_failure(handle, f"{type(exc).__name__}: {exc}")
-            if self._rank == 0 and self._exchange.node_local and not committing:
-                try:  # and the other nodes' leaders, which wait for rank 0's word
-                    self._exchange.tell_nodes_failed(handle.save_id, f"{type(exc).__name__}: {exc}")
-                except (OSError, RuntimeError):  # the store gone: they then time out
-                    pass
         finally:
             handle.finalize = ()  # run or not, never again: what the steps hold is freed
             self._saves.settle(handle)  # failed: never swapped in, its staging is abandoned
             self._written(handle)
             handle._persisted.set()
             handle._committed.set()
+
+    def _tell_nodes_failed(self, handle: CheckpointHandle, message: str) -> None:
+        """Rank 0, node-local storage: the save failed before its commit began; the other
+        nodes' leaders stop waiting for it."""
+        try:
+            self._exchange.tell_nodes_failed(handle.save_id, message)
+        except (OSError, RuntimeError):  # the store gone (DistStoreError): they then time out
+            pass
 
     def _report_failure(self, handle: CheckpointHandle, message: str) -> None:
         try:

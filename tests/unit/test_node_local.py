@@ -268,3 +268,91 @@ def test_the_late_files_reach_every_node_and_verify_there(tmp_path, two_nodes):
     (d1 / "marker.json").write_text("{}")
     with pytest.raises(IntegrityError, match="marker.json"):
         verify_checkpoint(str(d1), rank=2, world_size=4)  # node 1's first rank checks them
+
+
+class _TwoRanks:
+    """``begin``'s collective for two checkpointers on two threads of this process: rank 0's
+    value, and every rank's error."""
+
+    def __init__(self):
+        self.barrier, self.sent = threading.Barrier(2, timeout=30), [None, None]
+
+    def of(self, rank):
+        def exchange(value, error):
+            self.sent[rank] = (value, error)
+            self.barrier.wait()
+            got = self.sent[0][0], {r: e for r, (_, e) in enumerate(self.sent) if e}
+            self.barrier.wait()
+            return got
+        return exchange
+
+
+def _two_nodes_of_one_rank(monkeypatch, tmp_path, storages):
+    """Rank 0 (node 0) and rank 1 (node 1, its leader), each saving into its own node's
+    directory, the records through one HashStore."""
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from deepspeed_async_ckpt.core import AsyncCheckpointer, committer
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    store = dist.HashStore()
+    monkeypatch.setattr(committer, "default_store", lambda: store)
+    exchange = _TwoRanks()
+    return [AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, node_local=True,
+                                                    commit_timeout_s=60),
+                              rank=r, world_size=2, exchange=exchange.of(r), storage=storages[r])
+            for r in (0, 1)]
+
+
+def _save_on_both(cks, tmp_path, tag, errors):
+    import torch
+
+    def run(r):
+        root = tmp_path / f"node{r}"
+        d = str(root / tag)
+        try:
+            cks[r].begin(d, tag=tag, pointer=Pointer(str(root / "latest"), tag))
+            cks[r].save({"w": torch.full((64,), float(r))}, os.path.join(d, f"model_{r}.pt"))
+            cks[r].end()
+            cks[r].wait()
+        except Exception as exc:  # noqa: BLE001 - what each rank raised, for the test
+            errors[r] = exc
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+
+
+def test_each_node_leader_commits_its_copy_and_a_rank_0_failure_stops_it(monkeypatch, tmp_path, two_nodes):
+    """Two checkpointers as ranks 0 and 1 on two nodes: a save commits on both nodes (each
+    pointer moved, each manifest placing each rank's file on its node); then rank 0's own write
+    fails: node 1's leader stops waiting at once (not after twice commit_timeout_s), its
+    pointer where it was."""
+    from fakes import FullDisk
+
+    full = FullDisk(fsync=False)
+    cks = _two_nodes_of_one_rank(monkeypatch, tmp_path, [full, LocalStorage(fsync=False)])
+    try:
+        errors = {}
+        _save_on_both(cks, tmp_path, "t1", errors)
+        assert errors == {}
+        for node in (0, 1):
+            root = tmp_path / f"node{node}"
+            assert (root / "latest").read_text() == "t1"
+            assert read_manifest(str(root / "t1"))["nodes"] == {"0": ["model_0.pt"], "1": ["model_1.pt"]}
+            assert sorted(os.listdir(root / "t1" / ".async_ckpt")) == ["manifest.json"]
+        full.full = True
+        start = time.monotonic()
+        _save_on_both(cks, tmp_path, "t2", errors)
+        assert time.monotonic() - start < 20
+        assert "No space left on device" in str(errors[0])
+        assert "rank 0 did not commit it" in str(errors[1]) and "No space left" in str(errors[1])
+        assert (tmp_path / "node1" / "latest").read_text() == "t1"
+    finally:
+        full.full = False
+        for ck in cks:
+            try:
+                ck.close()
+            except Exception:  # noqa: BLE001 - the failed save, raised again
+                pass
