@@ -55,7 +55,6 @@ def with_rank0_shared_params(state_dict: Any, ds_engine: Any, replicas: Replicas
     return dict(state_dict, shared_params=shared) if shared else state_dict
 
 
-
 def needs_node_local(node_local: bool, world_size: int, ranks_here: int) -> bool:
     """Whether DeepSpeed's ``checkpoint.use_node_local_storage`` (``node_local``) spans several
     nodes (``ranks_here``: ranks on this node, :func:`ranks_on_this_node`), so that the engine
