@@ -95,6 +95,14 @@ class AsyncCheckpointConfig:
     storage, and for a save whose file differs between replicas (rank-specific client state:
     found at the save, which then falls back to the first replica)."""
 
+    node_local: bool = False
+    """Each node saves into a directory of its own (node-local disks, the same path on every
+    node), no directory being shared by all ranks: the ranks' records reach rank 0 through the
+    process group's store instead of the checkpoint directory, the manifest says which node
+    holds each file, and the lowest rank of every node writes the manifest and moves the
+    pointer in its node's directory once rank 0 committed. DeepSpeed turns it on by itself
+    with ``checkpoint.use_node_local_storage`` on several nodes."""
+
     tiers: tuple[TierConfig, ...] = ()
     """Durable tiers after the checkpoint directory, fastest first: each a JSON object with a
     ``url`` (an absolute path or ``s3://bucket/prefix``) and optionally ``every``, ``keep_last``,
@@ -113,6 +121,7 @@ class AsyncCheckpointConfig:
         _check_type("direct_io", self.direct_io, bool)
         _check_type("verify_on_load", self.verify_on_load, bool)
         _check_type("split_replicated_files", self.split_replicated_files, bool)
+        _check_type("node_local", self.node_local, bool)
         _check_positive_number("host_buffer_gb", self.host_buffer_gb)
         if not math.isfinite(self.host_buffer_gb):  # a bound: infinity is no bound
             raise ConfigError(f"{CONFIG_KEY}.host_buffer_gb must be a finite number > 0, "

@@ -44,6 +44,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from deepspeed_async_ckpt.commit import KeepAny, KeepEvery, KeepLast, Pointer, RetentionPolicy
+from deepspeed_async_ckpt.commit.nodes import node_leader
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import (AsyncCheckpointer, CheckpointHandle, CommitInfo, by_rank,
                                        exchange_across_ranks)
@@ -147,6 +148,11 @@ class MegatronCheckpointer:
         self.writers = check_mode(writers)
         self.layout = ParallelLayout.from_parallel_state()
         self.rank, self.world_size = self.layout.rank, self.layout.world_size
+        # With node-local storage (config.node_local) every node's leader writes common.pt into
+        # its node's directory too, so that each node's copy loads (rank 0's commit sends the
+        # marker files to every node); else rank 0 alone, as megatron-core does.
+        self._writes_common = self.rank == 0 or (
+            config.node_local and self.rank == node_leader(self.rank, self.world_size))
         self.engine = AsyncCheckpointer(
             config, rank=self.rank, world_size=self.world_size, storage=storage,
             on_commit=None if on_saved is None else (lambda info: on_saved(int(info.tag), info)),
@@ -206,7 +212,7 @@ class MegatronCheckpointer:
         self.engine.begin(ckpt_dir, tag=str(iteration), pointer=Pointer(tracker_path(save_dir), str(iteration)),
                           finalize=[torch_dist.Markers(plan.index)] if self.rank == 0 else ())
         try:
-            if self.rank == 0:
+            if self._writes_common:
                 staged = self.engine.save(common, os.path.join(ckpt_dir, torch_dist.COMMON_FILE),
                                           eager_keys=tuple(common))
                 record.files.append({"path": torch_dist.COMMON_FILE, "part": None, "key": "common",

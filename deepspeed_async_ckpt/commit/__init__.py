@@ -14,7 +14,9 @@ save meets them:
 - :mod:`.layout`: on-disk names and the rules a checkpoint's name must meet
 - :mod:`.claims`: one process saves into a save directory at a time (rank 0)
 - :mod:`.records`: each rank's record of its durable files, or of its failure (every rank)
-- :mod:`.protocol`: the commit itself (rank 0)
+- :mod:`.nodes`, :mod:`.exchange`: node-local storage: which node a rank is on, and the
+  records through the process group's store instead of the directory (every rank)
+- :mod:`.protocol`: the commit itself (rank 0; with node-local storage, each node's leader too)
 - :mod:`.finalize`: a framework's finalize steps, run by the commit (rank 0)
 - :mod:`.manifest`: reading and checking a manifest; late files (any rank)
 - :mod:`.replace`: re-saving a checkpoint in place, and recovering from a crash (rank 0)
@@ -32,7 +34,7 @@ from .layout import (LATE_FILES, LOCK_FILE, MANIFEST, MAX_NAME_BYTES, META_DIR, 
                      make_checkpoint_dir, staging_dir)
 from .manifest import is_finalized, read_manifest, record_late_files
 from .policy import CheckpointInfo, KeepAny, KeepEvery, KeepIf, KeepLast, RetentionPolicy
-from .protocol import commit, poll_delay
+from .protocol import commit, commit_on_node, poll_delay
 from .records import write_rank_failure, write_rank_record
 from .replace import finish_replacements, remove_stale_temporaries, remove_trash, replace_checkpoint
 from .retention import (abandoned_checkpoints, committed_checkpoints, linked_checkpoints,
@@ -44,7 +46,7 @@ __all__ = [
     "KeepLast", "LATE_FILES", "LOCK_FILE",
     "MANIFEST", "MAX_NAME_BYTES", "META_DIR", "Pointer", "REMOVING_PREFIX", "RetentionPolicy",
     "STAGING_PREFIX", "abandoned_checkpoints", "check_checkpoint_dir",
-    "check_name", "claim_save_dir", "commit", "committed_checkpoints", "find_checkpoint_dir",
+    "check_name", "claim_save_dir", "commit", "commit_on_node", "committed_checkpoints", "find_checkpoint_dir",
     "finish_replacements", "forget_claims_in_child", "is_finalized", "linked_checkpoints",
     "make_checkpoint_dir", "poll_delay", "read_manifest", "record_late_files", "release_save_dir",
     "remove_stale_temporaries", "remove_trash", "replace_checkpoint", "retire_checkpoints",

@@ -10,6 +10,10 @@ Files an adapter writes after the commit (megatron-core's ``.metadata``) are nam
 manifest's ``late_files``; rank 0 records their sizes and checksums in
 :data:`.layout.LATE_FILES` once they are written (:func:`record_late_files`). Until then the
 checkpoint is "committed but never finalized" and does not load.
+
+With node-local storage (no directory all ranks share), ``nodes`` says which node's directory
+holds each file: ``{"0": [rel, ...], "1": [...]}``, a file written on several nodes under each
+(see :mod:`.exchange`). Without it, every file is in the one directory.
 """
 
 from __future__ import annotations
@@ -83,6 +87,9 @@ def manifest_problem(manifest: object) -> str | None:
     for rel in [*manifest["files"], *late]:
         if os.path.isabs(rel) or os.pardir in rel.split("/"):
             return f"file {rel!r} is outside the checkpoint"
+    problem = _nodes_problem(manifest)
+    if problem:
+        return problem
     for rel, entry in manifest["files"].items():
         if not isinstance(entry, dict) or not isinstance(entry.get("bytes"), int):
             return f"file {rel!r} has no size"
@@ -92,6 +99,35 @@ def manifest_problem(manifest: object) -> str | None:
         if "segments" not in entry and not isinstance(entry.get(manifest["checksum"]), str):
             return f"file {rel!r} has no {manifest['checksum']} checksum"
     return None
+
+
+def _nodes_problem(manifest: dict) -> str | None:
+    """What is wrong with ``manifest``'s ``nodes`` (node index -> the files on that node), if
+    it has one: a key that is no node index, a file it does not list, a file on no node."""
+    if "nodes" not in manifest:
+        return None
+    nodes = manifest["nodes"]
+    if not isinstance(nodes, dict) or not all(isinstance(n, str) and n.isdecimal() and
+                                              isinstance(rels, list) for n, rels in nodes.items()):
+        return "'nodes' is not an object of node index -> list of files"
+    placed: set[str] = set()
+    for n, rels in sorted(nodes.items()):
+        for rel in rels:
+            if not isinstance(rel, str) or rel not in manifest["files"]:
+                return f"'nodes' places {rel!r} on node {n}, which 'files' does not list"
+        placed.update(rels)
+    unplaced = sorted(set(manifest["files"]) - placed)
+    if unplaced:
+        return f"'nodes' places {unplaced[0]!r} on no node"
+    return None
+
+
+def files_on_node(manifest: dict, node: int) -> set[str] | None:
+    """The files of ``manifest`` in node ``node``'s directory; None where every file is in
+    the one directory all ranks share (no ``nodes``)."""
+    if "nodes" not in manifest:
+        return None
+    return set(manifest["nodes"].get(str(node), ()))
 
 
 def holds_save(ckpt_dir: str, save_id: str) -> bool:

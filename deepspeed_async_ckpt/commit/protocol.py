@@ -8,6 +8,12 @@ and only then replaces the pointer (DeepSpeed's ``latest``, Megatron's
 ``latest_checkpointed_iteration.txt``) by write-to-temp, fsync, rename. A crash at any moment
 therefore leaves the pointer on the previous, complete checkpoint. Retention runs after the
 pointer moved (:mod:`.retention`).
+
+The records reach rank 0 through the checkpoint directory (:class:`.records.DirectoryExchange`)
+or, where each node has a directory of its own (node-local storage), through the process
+group's store (:class:`.exchange.StoreExchange`); then the manifest also says which node holds
+each file (``nodes``), and the leader of every other node commits the same checkpoint in its
+own directory once rank 0 did (:func:`commit_on_node`): manifest first, pointer last.
 """
 
 from __future__ import annotations
@@ -15,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Sequence
+from typing import Any, Sequence
 
 from ..errors import CommitError, DurabilityError
 from ..storage import Storage, temporary_path
@@ -23,7 +29,7 @@ from .atomic import write_text_atomic
 from .finalize import FinalizeContext, FinalizeStep, declared_files, step_name
 from .layout import FORMAT, MANIFEST, META_DIR, STAGING_PREFIX, Pointer
 from .manifest import holds_save, manifest_problem, record_late_files
-from .records import failure_record_path, rank_record_path, read_rank_record
+from .records import DirectoryExchange
 from .replace import carry_over_listed, replace_checkpoint
 
 #: Rank 0 polls for the ranks' records at once, then again after a wait of 1/16 of the time it
@@ -45,7 +51,7 @@ def poll_delay(waited_s: float) -> float:
 def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
            checksum: str, timeout_s: float, pointer: Pointer | None,
            replaces: str | None = None, finalize: Sequence[FinalizeStep] = (),
-           rotation: bool = True) -> dict:
+           rotation: bool = True, exchange: Any = None) -> dict:
     """Rank 0: wait for every rank's record, write the manifest, run the save's ``finalize``
     steps (see :mod:`.finalize`) and record the files they wrote, swap ``ckpt_dir`` in for
     ``replaces`` if given (a staging directory, see :func:`.replace.replace_checkpoint`), then
@@ -54,12 +60,39 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
     a step fails, the checkpoint stays where it was written, unfinalized (it never verifies),
     and the pointer where it was. ``rotation=False``: a save that moves no pointer (DeepSpeed's
     ``save_latest=False``), which retention must leave alone (see
-    :func:`.retention.retire_checkpoints`)."""
+    :func:`.retention.retire_checkpoints`).
+
+    ``exchange``: how the records arrive (:class:`.records.DirectoryExchange` by default); a
+    node-local one (:class:`.exchange.StoreExchange`) also hears the outcome, for the other
+    nodes' leaders: their manifests and the late files once the pointer moved, or why the save
+    failed."""
+    exchange = exchange or DirectoryExchange(storage)
+    try:
+        manifest, per_node, late = _commit_here(storage, ckpt_dir, tag=tag, save_id=save_id,
+                                          world_size=world_size, checksum=checksum,
+                                          timeout_s=timeout_s, pointer=pointer, replaces=replaces,
+                                          finalize=finalize, rotation=rotation, exchange=exchange)
+    except BaseException as exc:
+        if exchange.node_local:
+            exchange.tell_nodes_failed(save_id, f"{type(exc).__name__}: {exc}")
+        raise
+    if exchange.node_local:
+        exchange.tell_nodes(save_id, per_node, late)
+    return manifest
+
+
+def _commit_here(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
+                 checksum: str, timeout_s: float, pointer: Pointer | None, replaces: str | None,
+                 finalize: Sequence[FinalizeStep], rotation: bool,
+                 exchange: Any) -> tuple[dict, dict[int, dict], dict[str, bytes]]:
+    """:func:`commit` on rank 0's node; returns the manifest, each node's (see
+    :func:`_commit`) and, with node-local storage, the bytes of the late files."""
     late_files = declared_files(finalize)
     try:
-        manifest = _commit(storage, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
-                           checksum=checksum, timeout_s=timeout_s, late_files=late_files,
-                           rotation=rotation, replaces=replaces)
+        manifest, per_node = _commit(storage, ckpt_dir, tag=tag, save_id=save_id,
+                                     world_size=world_size, checksum=checksum, timeout_s=timeout_s,
+                                     late_files=late_files, rotation=rotation, replaces=replaces,
+                                     exchange=exchange)
     except (CommitError, OSError):  # OSError: a share's rename, the records' listing
         suffix = temporary_path("", save_id)
         # at any depth: a file saved in a subdirectory (os.walk of a missing directory, staged
@@ -75,6 +108,58 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
     if finalize:
         _finalize(finalize, FinalizeContext(storage, ckpt_dir, replaces or ckpt_dir, tag, save_id,
                                                      manifest, frozenset(late_files)))
+    late = {}
+    if exchange.node_local:  # for the other nodes' copies: small files (Megatron's markers)
+        for rel in late_files:
+            with open(os.path.join(ckpt_dir, rel), "rb") as f:
+                late[rel] = f.read()
+    _move_pointer(storage, ckpt_dir, tag=tag, save_id=save_id, pointer=pointer, replaces=replaces)
+    return manifest, per_node, late
+
+
+def commit_on_node(storage: Storage, ckpt_dir: str, manifest: dict, *, pointer: Pointer | None,
+                   replaces: str | None = None, late: dict[str, bytes] | None = None) -> None:
+    """The leader of a node other than rank 0's, with node-local storage, once rank 0
+    committed (``manifest``: this node's, from :meth:`.exchange.StoreExchange.await_commit`):
+    the same commit in this node's directory. The manifest is written (durably) first, then
+    the late files rank 0's finalize steps wrote (``late``: path in the checkpoint -> bytes:
+    Megatron's markers) and their record, then ``ckpt_dir`` swapped in for ``replaces`` if
+    given, then the pointer moved, as rank 0 does, so that a crash leaves this node's pointer
+    on a checkpoint complete on this node. The files the manifest places on this node were
+    made durable by the ranks that wrote them before they sent their records."""
+    late = late or {}
+    problem = manifest_problem(manifest)
+    if not problem and sorted(late) != manifest.get("late_files", []):
+        problem = f"it lists late files {manifest.get('late_files', [])}, rank 0 sent {sorted(late)}"
+    if problem:  # as a reader would refuse it: never written
+        raise CommitError(f"checkpoint {ckpt_dir!r} (tag {manifest.get('tag')}) not committed on "
+                          f"this node: the manifest rank 0 sent is damaged: {problem}")
+    storage.makedirs(os.path.join(ckpt_dir, META_DIR))
+    write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
+                      json.dumps(manifest, indent=1, sort_keys=True))
+    if late:
+        ctx = FinalizeContext(storage, ckpt_dir, replaces or ckpt_dir, manifest["tag"],
+                              manifest["save_id"], manifest, frozenset(late))
+        _finalize([_RankZerosLateFiles(late)], ctx)
+    _move_pointer(storage, ckpt_dir, tag=manifest["tag"], save_id=manifest["save_id"],
+                  pointer=pointer, replaces=replaces)
+
+
+class _RankZerosLateFiles:
+    """A node leader's finalize step: the late files rank 0's steps wrote, byte for byte."""
+
+    def __init__(self, late: dict[str, bytes]) -> None:
+        self.late = late
+
+    def __call__(self, ctx: FinalizeContext) -> None:
+        for rel, data in sorted(self.late.items()):
+            ctx.write_file(rel, data)
+
+
+def _move_pointer(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str,
+                  pointer: Pointer | None, replaces: str | None) -> None:
+    """After the manifest: swap ``ckpt_dir`` in for ``replaces`` if given, make its entry
+    durable, and move the pointer."""
     parent = os.path.dirname(os.path.abspath(ckpt_dir))
     try:
         if replaces is not None:  # the exchange syncs the directory holding both names
@@ -88,7 +173,6 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
             write_text_atomic(storage, pointer.path, pointer.text)
     except OSError as exc:
         raise _after_the_manifest(exc, ckpt_dir, replaces, tag, save_id, pointer) from exc
-    return manifest
 
 
 def _finalize(steps: Sequence[FinalizeStep], ctx: FinalizeContext) -> None:
@@ -144,55 +228,51 @@ def _after_the_manifest(exc: OSError, written: str, replaces: str | None, tag: s
 
 def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
             checksum: str, timeout_s: float, late_files: Sequence[str] = (),
-            rotation: bool = True, replaces: str | None = None) -> dict:
-    start = time.monotonic()
-    deadline = start + timeout_s
-    meta = os.path.join(ckpt_dir, META_DIR)
-    paths = {r: rank_record_path(ckpt_dir, r, save_id) for r in range(world_size)}
-    # What each rank leaves in ``meta``: its record, or a failure record (names built once).
-    done = {r: os.path.basename(p) for r, p in paths.items()}
-    failure = {r: os.path.basename(failure_record_path(ckpt_dir, r, save_id)) for r in paths}
-    missing = sorted(paths)
-    while True:
-        try:
-            names = set(storage.listdir(meta))
-        except FileNotFoundError:
-            names = set()
-        missing = [r for r in missing if done[r] not in names]
-        if not missing:
-            break
-        failed = [r for r in missing if failure[r] in names]
-        if failed:
-            with open(failure_record_path(ckpt_dir, failed[0], save_id), encoding="utf-8") as f:
-                reason = f.read()
-            raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank(s) "
-                              f"{_ranges(failed)} failed to persist their part ({reason})")
-        if time.monotonic() > deadline:
-            raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank(s) "
-                              f"{_ranges(missing)} did not finish persisting within "
-                              f"{timeout_s:.0f} s (async_checkpoint.commit_timeout_s)")
-        time.sleep(poll_delay(time.monotonic() - start))
-    files: dict[str, dict] = {}
+            rotation: bool = True, replaces: str | None = None,
+            exchange: Any = None) -> tuple[dict, dict[int, dict]]:
+    """Wait for the records, join the shares, write the manifest. Returns it and, with
+    node-local storage, each node's: the same but for a file written on several nodes with
+    different bytes (DeepSpeed's model states carry each replica's BatchNorm statistics), whose
+    size and checksum are those of that node's copy; without, ``{0: manifest}``."""
+    exchange = exchange or DirectoryExchange(storage)
+    records = _gather(exchange, ckpt_dir, tag=tag, save_id=save_id, world_size=world_size,
+                      checksum=checksum, timeout_s=timeout_s)
+    # node -> file -> its entry, as that node's first rank to write it recorded it
+    by_node: dict[int, dict[str, dict]] = {}
     ranks: dict[str, list[str]] = {}
-    writer: dict[str, int] = {}  # file -> the first rank whose record has it
-    for r, p in paths.items():
-        record = read_rank_record(p, r, save_id=save_id, checksum=checksum, ckpt_dir=ckpt_dir, tag=tag)
+    writer: dict[tuple[int, str], int] = {}  # (node, file) -> the first rank whose record has it
+    for r, record in sorted(records.items()):
+        node = record.get("node", 0) if exchange.node_local else 0
+        here = by_node.setdefault(node, {})
         for rel, entry in record["files"].items():
-            if rel not in files:
-                files[rel], writer[rel] = entry, r
-            elif "tmp" in entry and "tmp" in files[rel]:  # another share of a file seen already
-                files[rel]["segments"] += entry["segments"]
-            elif entry != files[rel]:  # (equal: the same bytes, whichever rename came last)
+            if "tmp" in entry and node:  # only rank 0 renames a file joined from shares
+                raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank {r} "
+                                  f"wrote a share of {rel} on node {node}: with node-local "
+                                  "storage, files are written in shares on rank 0's node only")
+            if rel not in here:
+                here[rel], writer[node, rel] = entry, r
+            elif "tmp" in entry and "tmp" in here[rel]:  # another share of a file seen already
+                here[rel]["segments"] += entry["segments"]
+            elif entry != here[rel]:  # (equal: the same bytes, whichever rename came last)
                 # two ranks wrote different bytes to one name: the manifest would describe one
                 # of them and the file on disk may be the other's, failing every load
                 raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: ranks "
-                                  f"{writer[rel]} and {r} both wrote {rel}, with different "
+                                  f"{writer[node, rel]} and {r} both wrote {rel}, with different "
                                   "contents; each file must be saved by one rank")
         ranks[str(r)] = sorted(record["files"])
+    by_node.setdefault(0, {})
+    files = by_node[0]
     _join_shares(storage, ckpt_dir, files, tag)
     carried = carry_over_listed(storage, replaces, ckpt_dir, files, checksum) if replaces else []
+    listed = {str(n): sorted(by_node[n]) for n in sorted(by_node)}
+    files = dict(files)
+    for node in sorted(by_node)[1:]:  # a file on several nodes: as node 0, or the lowest, has it
+        for rel, entry in by_node[node].items():
+            files.setdefault(rel, entry)
     manifest = {"format": FORMAT, "tag": tag, "save_id": save_id, "world_size": world_size,
                 "checksum": checksum, "committed_at": time.time(), "files": files, "ranks": ranks}
+    if exchange.node_local:
+        manifest["nodes"] = listed
     if carried:
         manifest["carried"] = carried
     if late_files:
@@ -205,7 +285,38 @@ def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_si
                           f"be damaged: {problem}")
     write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
                       json.dumps(manifest, indent=1, sort_keys=True))
-    return manifest
+    per_node = {0: manifest}
+    for node in sorted(by_node)[1:]:
+        own = {rel: entry for rel, entry in by_node[node].items() if entry != files[rel]}
+        per_node[node] = dict(manifest, files={**files, **own}) if own else manifest
+    return manifest, per_node
+
+
+def _gather(exchange: Any, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
+            checksum: str, timeout_s: float) -> dict[int, dict]:
+    """Every rank's record, once all are there (rank -> record); ``CommitError`` as soon as a
+    rank reported its part failed, or after ``timeout_s`` without every record."""
+    start = time.monotonic()
+    deadline = start + timeout_s
+    try:
+        while True:
+            done, failed = exchange.look(ckpt_dir, save_id=save_id, world_size=world_size)
+            if done:
+                break
+            if failed:
+                reason = exchange.reason(ckpt_dir, save_id=save_id, rank=failed[0])
+                raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank(s) "
+                                  f"{_ranges(failed)} failed to persist their part ({reason})")
+            if time.monotonic() > deadline:
+                missing = exchange.missing(ckpt_dir, save_id=save_id, world_size=world_size)
+                raise CommitError(f"checkpoint {ckpt_dir!r} (tag {tag}) not committed: rank(s) "
+                                  f"{_ranges(missing)} did not finish persisting within "
+                                  f"{timeout_s:.0f} s (async_checkpoint.commit_timeout_s)")
+            time.sleep(poll_delay(time.monotonic() - start))
+    except BaseException:
+        exchange.discard(save_id=save_id, world_size=world_size)
+        raise
+    return exchange.read(ckpt_dir, tag=tag, save_id=save_id, world_size=world_size, checksum=checksum)
 
 
 def _join_shares(storage: Storage, ckpt_dir: str, files: dict[str, dict], tag: str) -> None:

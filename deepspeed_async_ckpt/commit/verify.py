@@ -2,7 +2,8 @@
 
 Any rank calls these before a load. :func:`verify_checkpoint` splits the work among the ranks
 (each checks its share of the files and segments, together every byte once), and rank 0 also
-checks the late files (:data:`.layout.LATE_FILES`). :func:`verify_file` checks one file, as a
+checks the late files (:data:`.layout.LATE_FILES`). With node-local storage (a manifest with
+``nodes``), the ranks of each node split the files in that node's directory. :func:`verify_file` checks one file, as a
 load of just that file does.
 """
 
@@ -14,7 +15,8 @@ from typing import Callable, Iterable, Sequence
 from ..errors import IntegrityError
 from ..persist import HASHERS, hash_ranges
 from .layout import LATE_FILES, META_DIR, find_checkpoint_dir
-from .manifest import manifest_problem, read_json, read_manifest
+from .manifest import files_on_node, manifest_problem, read_json, read_manifest
+from .nodes import local_world_size, node_of
 
 
 def verify_file(path: str, manifest: dict | None = None, segment: int | Sequence[int] | None = None,
@@ -69,11 +71,20 @@ def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
     loads, is read by as many ranks as wrote it), and together they read every byte once.
     ``include``: check only the files (by path within the checkpoint) it accepts, those a
     partial load reads. ``reads``: the (offset, length) ranges a load reads in a file, None
-    for all of it; of a packed file, only the archives holding those are checked."""
+    for all of it; of a packed file, only the archives holding those are checked.
+
+    A manifest with ``nodes`` (node-local storage): the ranks of each node (see
+    :mod:`.nodes`) split the files its directory holds, the others are not there to check;
+    each node's first rank checks the late files (every node's leader writes them)."""
     manifest = manifest or read_manifest(ckpt_dir)
+    here = files_on_node(manifest, node_of(rank, world_size))
+    if here is not None:  # this node's ranks, over this node's files
+        per_node = local_world_size(world_size)
+        first = rank - rank % per_node
+        rank, world_size = rank - first, min(per_node, world_size - first)
     units: list[tuple[str, int | list[int] | None]] = []
     for rel, entry in sorted(manifest["files"].items()):
-        if include is not None and not include(rel):
+        if (include is not None and not include(rel)) or (here is not None and rel not in here):
             continue
         if "parts" in entry and "segments" in entry:  # packed: one unit, the archives read
             # (a packed file listed with one checksum for the whole file is checked whole below)
@@ -87,7 +98,7 @@ def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
                       for i in range(len(entry.get("segments", [None])))]
     for rel, segment in units[rank::world_size]:
         verify_file(os.path.join(ckpt_dir, rel), manifest, segment, ckpt_dir=ckpt_dir)
-    if rank == 0:  # a few small files, which every load reads
+    if rank == 0:  # a few small files, which every load reads (each node has them)
         _verify_late_files(ckpt_dir, manifest)
     return manifest
 
@@ -103,7 +114,8 @@ def _verify_late_files(ckpt_dir: str, manifest: dict) -> None:
         raise IntegrityError(f"checkpoint {ckpt_dir!r} was committed but never finalized "
                              f"({', '.join(names)} not recorded): load the one the pointer "
                              "names") from None
-    with_late = dict(manifest, files=files)
+    # the manifest's checks, over the late files (which no node list places: every node has them)
+    with_late = {**{k: v for k, v in manifest.items() if k != "nodes"}, "files": files}
     problem = manifest_problem(with_late)
     if problem or sorted(files) != sorted(names):
         raise IntegrityError(f"checkpoint {ckpt_dir!r}: {path} is damaged: "

@@ -10,6 +10,15 @@ inline on the training thread instead. For each save, in this order::
     (rank 0)     swap a re-saved checkpoint in; move the pointer
     (rank 0)     announce the commit (log, callbacks); queue retention (the checkpointer's policy)
 
+With node-local storage (``config.node_local``: each node has its own directory, at the same
+path) the records travel through the process group's store (:mod:`~..commit.exchange`), and
+then::
+
+    (each other node's leader) wait for rank 0's word; write the manifest rank 0 committed
+                 and the late files its finalize steps wrote, swap, move the pointer, all in
+                 this node's directory                          (:func:`~..commit.commit_on_node`)
+    (each other node's leader) announce the commit; queue retention, as rank 0 does
+
 A failure is recorded in the failure ledger (raised at the next ``begin`` or ``wait``, where
 ``begin``'s exchange and ``wait_all_ranks`` carry it to every rank) and, where this rank's own
 part failed, written as this rank's failure record, so that rank 0 stops waiting. A save that
@@ -25,12 +34,16 @@ import threading
 import time
 from typing import Callable
 
-from ..commit import commit, write_rank_failure, write_rank_record
+from ..commit import META_DIR, commit, commit_on_node, poll_delay
+from ..commit.exchange import LEADER_WAIT_FACTOR, StoreExchange
+from ..commit.nodes import default_store, node_leader, node_of
+from ..commit.records import DirectoryExchange, rank_record
 from ..config import AsyncCheckpointConfig
-from ..errors import DurabilityError
+from ..errors import ConfigError, DurabilityError
 from ..persist import FileRecord
 from ..storage import Storage
 from .failures import FailureLedger
+from .files import missing_dirs
 from .handle import CheckpointHandle
 from .reports import Reporter
 from .retention import Retention
@@ -52,9 +65,40 @@ class Committer:
         self._rank, self._world_size = rank, world_size
         self._ledger, self._retention, self._reporter = ledger, retention, reporter
         self._written = written
+        self._exchange: DirectoryExchange | StoreExchange = DirectoryExchange(storage)
+        self._node = node_of(rank, world_size)
+        self._leads_node = False
+        """Whether this rank commits its node's checkpoint as rank 0 commits its own: the
+        leader of a node other than rank 0's, with node-local storage."""
+        if config.node_local and world_size > 1:
+            try:
+                self._exchange = StoreExchange(default_store(), world_size)
+            except RuntimeError as exc:
+                raise ConfigError(f"async_checkpoint.node_local: {exc}") from exc
+            self._leads_node = self._node != 0 and rank == node_leader(rank, world_size)
         self._queue: queue.SimpleQueue[CheckpointHandle | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="async-ckpt-committer", daemon=True)
         self.thread.start()
+
+    @property
+    def leads_node(self) -> bool:
+        """Whether this rank commits its node's copy of each checkpoint (node-local storage,
+        the lowest rank of a node other than rank 0's)."""
+        return self._leads_node
+
+    def mark_node_copy(self, write_dir: str) -> list[str]:
+        """A node's leader, in ``begin`` (as rank 0 makes its write directory): this engine's
+        marker in this node's ``write_dir``, so that a crash leaves this node's copy partial
+        (refused by loads, removed by retention), not a stranger's. Returns the directories
+        made, for their entries' sync; none if it could not be made (logged: the writes into
+        it fail too, and say so)."""
+        made = missing_dirs(os.path.join(write_dir, META_DIR))
+        try:
+            self._storage.makedirs(os.path.join(write_dir, META_DIR))
+        except OSError as exc:
+            logger.warning("async checkpoint: cannot create %s: %s", write_dir, exc)
+            return []
+        return made
 
     def put(self, handle: CheckpointHandle) -> None:
         """Queue the sealed ``handle`` (it is in flight: ``saves.inflight``)."""
@@ -74,6 +118,7 @@ class Committer:
 
     def commit_one(self, handle: CheckpointHandle) -> None:
         recorded = False  # this rank's record is written: rank 0 takes it from there
+        committing = False
         try:
             records: list[FileRecord] = []
             first_error: BaseException | None = None
@@ -91,9 +136,11 @@ class Committer:
             if first_error is not None:
                 raise first_error
             if handle.abandoned:  # the framework's save raised here: rank 0 must not wait for
+                why = handle.failure or "the save raised on this rank before it was sealed"
                 if self._rank != 0:  # this rank's record until commit_timeout_s
-                    self._report_failure(handle, handle.failure or "the save raised on this rank "
-                                                                   "before it was sealed")
+                    self._report_failure(handle, why)
+                elif self._exchange.node_local:  # nor the other nodes' leaders for rank 0's word
+                    self._tell_nodes_failed(handle, why)
                 return
             # The entries of the directories made for it: files are synced in their own
             # directory as they are renamed into place, but a new directory's entry lies in its
@@ -108,31 +155,43 @@ class Committer:
             handle._persisted.set()
             cfg = self._config
             swap = handle.write_dir != handle.ckpt_dir
-            write_rank_record(self._storage, handle.write_dir, rank=self._rank, save_id=handle.save_id,
-                              checksum=cfg.checksum, files=records)
+            node = self._node if self._exchange.node_local else None
+            self._exchange.publish(handle.write_dir, rank_record(
+                handle.write_dir, rank=self._rank, save_id=handle.save_id, checksum=cfg.checksum,
+                files=records, node=node))
             recorded = True
             manifest = None
             if self._rank == 0:
+                committing = True  # from here on, commit() tells the other nodes how it ended
                 manifest = commit(self._storage, handle.write_dir, tag=handle.tag, save_id=handle.save_id,
                                   world_size=self._world_size, checksum=cfg.checksum,
                                   timeout_s=cfg.commit_timeout_s, pointer=handle.pointer,
                                   replaces=handle.ckpt_dir if swap else None, finalize=handle.finalize,
-                                  rotation=handle.rotation)
+                                  rotation=handle.rotation, exchange=self._exchange)
+            elif self._leads_node:
+                manifest, late = self._exchange.await_commit(
+                    handle.write_dir, tag=handle.tag, save_id=handle.save_id, node=self._node,
+                    timeout_s=LEADER_WAIT_FACTOR * cfg.commit_timeout_s, poll_delay=poll_delay)
+                commit_on_node(self._storage, handle.write_dir, manifest, pointer=handle.pointer,
+                               replaces=handle.ckpt_dir if swap else None, late=late)
             handle.times["committed"] = time.perf_counter()
             if manifest is not None and handle.pointer is not None:
                 self._retention.pointer_moved(handle)
             if manifest is not None:
                 self._reporter.announce(handle, manifest)
-            if self._rank == 0 and swap:  # the checkpoint it replaced: deleted in the background
+            if manifest is not None and swap:  # the checkpoint it replaced: deleted in the background
                 self._retention.later(self._retention.remove_trash, os.path.dirname(handle.ckpt_dir))
-            if self._rank == 0 and handle.pointer is not None and self._retention.policy is not None:
+            if manifest is not None and handle.pointer is not None and self._retention.policy is not None:
                 self._retention.retire_older_later(handle)
         except BaseException as exc:
             handle.error = exc
             if isinstance(exc, DurabilityError) and exc.pointer_moved and handle.pointer is not None:
                 self._retention.pointer_moved(handle)  # it names this one now: retention must keep it
             self._ledger.record(exc, os.path.dirname(handle.ckpt_dir))
-            if not recorded:  # this rank's own part failed (its files, or its record): tell rank 0
+            if self._rank == 0 and self._exchange.node_local:  # rank 0 waits for nobody's word:
+                if not committing:  # the other nodes' leaders wait for its
+                    self._tell_nodes_failed(handle, f"{type(exc).__name__}: {exc}")
+            elif not recorded:  # this rank's own part failed (its files, or its record): tell rank 0
                 self._report_failure(handle, f"{type(exc).__name__}: {exc}")
         finally:
             handle.finalize = ()  # run or not, never again: what the steps hold is freed
@@ -141,9 +200,17 @@ class Committer:
             handle._persisted.set()
             handle._committed.set()
 
+    def _tell_nodes_failed(self, handle: CheckpointHandle, message: str) -> None:
+        """Rank 0, node-local storage: the save failed before its commit began; the other
+        nodes' leaders stop waiting for it."""
+        try:
+            self._exchange.tell_nodes_failed(handle.save_id, message)
+        except (OSError, RuntimeError):  # the store gone (DistStoreError): they then time out
+            pass
+
     def _report_failure(self, handle: CheckpointHandle, message: str) -> None:
         try:
-            write_rank_failure(self._storage, handle.write_dir, rank=self._rank,
-                               save_id=handle.save_id, message=message)
-        except OSError:
+            self._exchange.fail(handle.write_dir, rank=self._rank, save_id=handle.save_id,
+                                message=message)
+        except (OSError, RuntimeError):  # a full disk, the store gone (DistStoreError)
             pass  # rank 0 then times out after commit_timeout_s

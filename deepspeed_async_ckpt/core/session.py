@@ -137,6 +137,8 @@ class Session:
                 # the save directory's, which Trainer makes for each checkpoint-N: the pointer in it
                 handle.new_dirs += [*(made[1] if made else ()), os.path.join(write_dir, META_DIR),
                                     save_dir]
+            elif self._committer.leads_node:  # its node's copy (node-local storage): the same
+                handle.new_dirs += self._committer.mark_node_copy(write_dir)
         finally:
             with saves.dirs_lock:
                 saves.beginning = None

@@ -12,34 +12,45 @@ from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from helpers import make
 
 
-def test_deepspeed_node_local_storage_across_nodes_is_a_config_error():
+def test_deepspeed_node_local_storage_across_nodes_commits_on_every_node():
     """With ``use_node_local_storage`` on several nodes, rank 0 cannot see the other nodes'
-    records: every commit waited ``commit_timeout_s`` (600 s) and failed. Refused at once,
-    naming the key; on one node it is everyone's directory and stays allowed."""
+    directories: the engine then commits through the process group's store, each node its own
+    copy. On one node it is everyone's directory and the commit stays as it is; a launcher
+    variable that contradicts the host count is refused, naming the key (ranks would be
+    placed on the wrong node)."""
     from deepspeed_async_ckpt.errors import ConfigError
-    from deepspeed_async_ckpt.integrations.deepspeed.replicas import check_node_local
+    from deepspeed_async_ckpt.integrations.deepspeed import replicas
 
-    with pytest.raises(ConfigError, match=r"checkpoint.use_node_local_storage .* \(16 ranks, 8 per node\)"):
-        check_node_local(True, 16, 8)
-    check_node_local(True, 8, 8)  # one node
-    check_node_local(False, 16, 8)
+    for name in replicas._LOCAL_SIZE_VARIABLES:
+        os.environ.pop(name, None)
+    try:
+        os.environ["LOCAL_WORLD_SIZE"] = "8"
+        assert replicas.needs_node_local(True, 16, 8)
+        assert not replicas.needs_node_local(True, 8, 8)  # one node
+        assert not replicas.needs_node_local(False, 16, 8)
+        os.environ["LOCAL_WORLD_SIZE"] = "16"
+        with pytest.raises(ConfigError, match=r"checkpoint.use_node_local_storage .* \(16 ranks, 8 on this node\)"):
+            replicas.needs_node_local(True, 16, 8)
+    finally:
+        os.environ.pop("LOCAL_WORLD_SIZE", None)
 
 
-@pytest.mark.parametrize("env,hosts,refused", [
+@pytest.mark.parametrize("env,hosts,across", [
     ({"LOCAL_SIZE": "1"}, ["node0", "node0"], True),  # DeepSpeed's launcher: LOCAL_SIZE, no LOCAL_WORLD_SIZE
     ({"OMPI_COMM_WORLD_LOCAL_SIZE": "1"}, ["node0", "node0"], True),  # mpirun
-    ({}, ["node0", "node1"], True),  # srun and others: no variable, the host names tell
+    ({}, ["node0", "node1"], "refused"),  # no variable: the host names tell, but not where each rank is
     ({}, ["node0", "node0"], False),  # one node
     ({"LOCAL_WORLD_SIZE": "2"}, ["node0", "node0"], False),
     # srun --ntasks-per-node=1 torchrun --nproc-per-node 2: torchrun's own variable wins
     ({"LOCAL_WORLD_SIZE": "2", "SLURM_NTASKS_PER_NODE": "1"}, ["node0", "node0"], False),
 ])
-def test_node_local_storage_across_nodes_is_refused_whatever_the_launcher(monkeypatch, env, hosts, refused):
-    """The check read torchrun's LOCAL_WORLD_SIZE only, defaulting to the world size: under
-    DeepSpeed's own launcher (LOCAL_SIZE), mpirun or srun, node-local storage across nodes was
-    accepted and every commit then waited commit_timeout_s and failed."""
+def test_node_local_storage_across_nodes_is_seen_whatever_the_launcher(monkeypatch, env, hosts, across):
+    """Whether node-local storage spans nodes is read from torchrun's LOCAL_WORLD_SIZE,
+    DeepSpeed's launcher (LOCAL_SIZE), mpirun's or srun's variable, and the host names: across
+    nodes the engine commits on every node (``node_local``), on one node as before."""
     import torch.distributed as dist
 
+    from deepspeed_async_ckpt.core import committer
     from deepspeed_async_ckpt.errors import ConfigError
     from deepspeed_async_ckpt.integrations.deepspeed import engine as deepspeed_engine
     from deepspeed_async_ckpt.integrations.deepspeed import replicas
@@ -52,18 +63,20 @@ def test_node_local_storage_across_nodes_is_refused_whatever_the_launcher(monkey
     monkeypatch.setattr(dist, "get_world_size", lambda *a, **k: 2)
     monkeypatch.setattr(dist, "get_rank", lambda *a, **k: 0)
     monkeypatch.setattr(dist, "all_gather_object", lambda out, obj, *a, **k: out.__setitem__(slice(None), hosts))
+    monkeypatch.setattr(committer, "default_store", dist.HashStore)  # no process group here
 
     def build():
         engine = deepspeed_engine.AsyncCheckpointEngine(
             SimpleNamespace(use_node_local_storage=True),
             AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), zero_stage=1)
         engine.checkpointer.close()
+        return engine.checkpointer.config.node_local
 
-    if refused:
+    if across == "refused":
         with pytest.raises(ConfigError, match="use_node_local_storage"):
             build()
     else:
-        build()
+        assert build() is across
 
 
 @pytest.mark.parametrize("tag", ["", ".", "..", "a/b", "../escape", ".async_ckpt_x", " ", "global_step10\n",

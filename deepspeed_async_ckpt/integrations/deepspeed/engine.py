@@ -14,6 +14,7 @@
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import logging
 import os
@@ -31,7 +32,7 @@ from ...config import AsyncCheckpointConfig
 from ...errors import CommitError, DurabilityError, describe
 from ...storage import aligned_size, temporary_path
 from .loading import POINTER_NAMES
-from .replicas import check_node_local, data_parallel_replicas, ranks_on_this_node, with_rank0_shared_params
+from .replicas import data_parallel_replicas, needs_node_local, ranks_on_this_node, with_rank0_shared_params
 from .weight_editors import patch_weight_editors
 
 ENGINE_NAME = "AsyncCheckpointEngine"
@@ -59,8 +60,10 @@ class AsyncCheckpointEngine(CheckpointEngine):
         initialized = dist.is_available() and dist.is_initialized()
         world_size = dist.get_world_size() if initialized else 1
         self._node_local = bool(getattr(config_params, "use_node_local_storage", False))
-        if self._node_local and world_size > 1:
-            check_node_local(True, world_size, ranks_on_this_node(world_size))
+        if self._node_local and world_size > 1 and not async_config.node_local \
+                and needs_node_local(True, world_size, ranks_on_this_node(world_size)):
+            # each node's directory is its own: commit on every node (see the config's key)
+            async_config = dataclasses.replace(async_config, node_local=True)
         self.checkpointer = AsyncCheckpointer(
             async_config, rank=dist.get_rank() if initialized else 0, world_size=world_size,
             on_commit=_log_commit)

@@ -1,6 +1,6 @@
 """Which ranks hold and write what under DeepSpeed: the data-parallel replicas of the
 model-states file, the tied-parameter list that only global rank 0 computes, and whether
-node-local storage spans several nodes."""
+node-local storage spans several nodes (then each node commits its own copy)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ...core import Replicas
+from ...commit.nodes import LOCAL_SIZE_VARIABLES, local_world_size
 from ...errors import ConfigError
 
 
@@ -54,23 +55,26 @@ def with_rank0_shared_params(state_dict: Any, ds_engine: Any, replicas: Replicas
     return dict(state_dict, shared_params=shared) if shared else state_dict
 
 
-
-def check_node_local(node_local: bool, world_size: int, local_world_size: int) -> None:
-    """``ConfigError`` for DeepSpeed's node-local storage across nodes: rank 0 commits from
-    every rank's record in the checkpoint directory, which it cannot see on another node's
-    disk (the commit would wait ``commit_timeout_s`` and fail every save). On one node, a
-    node-local directory is everyone's."""
-    if node_local and world_size > local_world_size:
+def needs_node_local(node_local: bool, world_size: int, ranks_here: int) -> bool:
+    """Whether DeepSpeed's ``checkpoint.use_node_local_storage`` (``node_local``) spans several
+    nodes (``ranks_here``: ranks on this node, :func:`ranks_on_this_node`), so that the engine
+    must commit without a directory all ranks see (``async_checkpoint.node_local``): then the
+    launcher's ranks-per-node variable must say so too, since it places each rank on its node
+    (:func:`~deepspeed_async_ckpt.commit.nodes.node_of`); ``ConfigError`` if it does not. On
+    one node, a node-local directory is everyone's."""
+    if not node_local or world_size <= ranks_here:
+        return False
+    if local_world_size(world_size) != ranks_here:
         raise ConfigError(
-            f"checkpoint.use_node_local_storage is not supported with async_checkpoint across "
-            f"nodes ({world_size} ranks, {local_world_size} per node): rank 0 commits from every "
-            "rank's record in the checkpoint directory, which must be one filesystem all ranks "
-            "see; turn one of the two off")
+            f"checkpoint.use_node_local_storage across nodes ({world_size} ranks, {ranks_here} on "
+            f"this node): the launcher's ranks-per-node variable ({', '.join(LOCAL_SIZE_VARIABLES)}) "
+            f"says {local_world_size(world_size)}; set LOCAL_WORLD_SIZE={ranks_here} so that "
+            "each rank knows its node")
+    return True
 
 
-#: Ranks per node, as launchers say it: torchrun, DeepSpeed's own launcher, Open MPI, Slurm.
-_LOCAL_SIZE_VARIABLES = ("LOCAL_WORLD_SIZE", "LOCAL_SIZE", "OMPI_COMM_WORLD_LOCAL_SIZE",
-                         "MV2_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE")
+#: Ranks per node, as launchers say it (see :data:`~deepspeed_async_ckpt.commit.nodes.LOCAL_SIZE_VARIABLES`).
+_LOCAL_SIZE_VARIABLES = LOCAL_SIZE_VARIABLES
 
 
 def ranks_on_this_node(world_size: int) -> int:
@@ -82,7 +86,7 @@ def ranks_on_this_node(world_size: int) -> int:
     hosts: list[Any] = [None] * world_size
     dist.all_gather_object(hosts, socket.gethostname())
     local = hosts.count(hosts[dist.get_rank()])
-    for name in _LOCAL_SIZE_VARIABLES:
+    for name in LOCAL_SIZE_VARIABLES:
         value = os.environ.get(name, "")
         if value.isdigit() and int(value) > 0:
             return min(local, int(value))
