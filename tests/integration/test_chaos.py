@@ -33,7 +33,7 @@ from deepspeed_async_ckpt.commit import LOCK_FILE, REMOVING_PREFIX, verify_check
 
 TRAIN = os.path.join(REPO, "scripts", "ds_train.py")
 CONFIG = os.path.join(REPO, "configs", "deepspeed_async.json")  # ZeRO-1, keep_last 3
-STEPS, EVERY, NPROC = 90, 3, 2
+STEPS, EVERY, NPROC = 54, 3, 2
 
 
 def train_args(steps: int = STEPS) -> list[str]:
@@ -105,10 +105,10 @@ def test_training_killed_at_random_moments_resumes_to_exactly_the_uninterrupted_
         committed = int(latest.read_text()[len("global_step"):]) if latest.exists() else 0
         expected_resumes.append(committed)
         left = (STEPS - committed) * per_step
-        # four kills early enough to leave training behind them, one near the end or in the
+        # three kills early enough to leave training behind them, one near the end or in the
         # final flush, then let it finish
-        kill_after = (rng.uniform(0.0, 0.8 * left) if kills < 4 else
-                      rng.uniform(0.8 * left, 1.1 * left) if kills == 4 else None)
+        kill_after = (rng.uniform(0.0, 0.8 * left) if kills < 3 else
+                      rng.uniform(0.8 * left, 1.1 * left) if kills == 3 else None)
         delays.append(None if kill_after is None else round(kill_after, 3))
         args = [*train_args(), "--save-dir", str(chaos_dir)] + (["--resume"] if segment else [])
         log = str(tmp_path / f"seg{segment}.jsonl")
@@ -127,7 +127,7 @@ def test_training_killed_at_random_moments_resumes_to_exactly_the_uninterrupted_
     else:
         pytest.fail(f"training never finished: kill delays {delays}")
     where = f"seed {seed}, kill delays {delays}, resumed at {resumed_at}"
-    assert kills >= 4 and seen > NPROC * STEPS, where  # some steps ran twice
+    assert kills >= 3 and seen > NPROC * STEPS, where  # some steps ran twice
     # every resume from the checkpoint `latest` named when it started (training is
     # deterministic: an older one would give the same losses), never going backward
     assert resumed_at == expected_resumes[1:], (where, expected_resumes)

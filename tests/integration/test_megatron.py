@@ -431,30 +431,23 @@ def test_resume_from_a_truncated_common_pt_names_it(straight_run, tmp_path, env)
         assert f"IntegrityError: {common}: size" in log and "file truncated" in log, log[-3000:]
 
 
-@pytest.mark.parametrize("engine", ["async", "megatron-core"])
-def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path, env, engine):
+def test_save_retain_interval_keeps_every_nth_iteration_and_the_newest(tmp_path, env):
     """Megatron-LM's ``--save-retain-interval``, which routed saves honour: a checkpoint every
-    iteration, only iterations 3 and 6 (multiples of 3) and the newest, 7, are left; with
-    ``"enabled": false`` (megatron-core's own saves, which ``pretrain_gpt.py`` prunes as
-    Megatron-LM does) too."""
+    iteration, only iterations 3 and 6 (multiples of 3) and the newest, 7, are left."""
     save = tmp_path / "ckpt"
-    config = CONFIG
-    if engine == "megatron-core":
-        config = tmp_path / "off.json"
-        config.write_text('{"enabled": false}')
     args = [*TINY_GPT, "--train-iters", 7, "--save", save, "--save-interval", 1,
-            "--save-retain-interval", 3, "--async-ckpt", "--async-ckpt-config", config]
+            "--save-retain-interval", 3, "--async-ckpt", "--async-ckpt-config", CONFIG]
     save.mkdir()  # a tracker no iteration: Megatron-LM's "release" (nothing to remove for it;
     (save / "latest_checkpointed_iteration.txt").write_text("release")  # it failed the save once)
     run(PRETRAIN, args, env)
     assert read_tracker(str(save)) == 7
-    lock = [LOCK_FILE] if engine == "async" else []
+    lock = [LOCK_FILE]
     assert sorted(os.listdir(save)) == [*lock, "iter_0000003", "iter_0000006", "iter_0000007",
                                         "latest_checkpointed_iteration.txt"]
     for it in (3, 6, 7):
         verify_checkpoint_dir(str(save / f"iter_{it:07d}"))
     # resumed: the checkpoint it started from (7, not a multiple of 3) goes at its first save,
-    # as in Megatron-LM, which reads the tracker; on megatron-core's path too
+    # as in Megatron-LM, which reads the tracker
     run(PRETRAIN, [*args, "--train-iters", 8, "--load", save], env)
     assert sorted(os.listdir(save)) == [*lock, "iter_0000003", "iter_0000006", "iter_0000008",
                                         "latest_checkpointed_iteration.txt"]
