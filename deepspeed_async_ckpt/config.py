@@ -110,6 +110,13 @@ class AsyncCheckpointConfig:
     drain there in the background; a load restores from them what the checkpoint directory
     lacks. See ``docs/tiers.md``."""
 
+    pace_writes: bool = False
+    """Async mode: spread each save's background writes (and their checksums) over the first
+    half of the time until the next save is due, from the interval between the last two
+    saves, instead of writing flat out right after the save; a write is never held past that
+    point. The first save, and writes someone waits for (``wait``, ``close``, a load), go
+    at once. See :mod:`~deepspeed_async_ckpt.persist.pacing`."""
+
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", parse_tiers(self.tiers))
         _check_type("enabled", self.enabled, bool)
@@ -122,6 +129,7 @@ class AsyncCheckpointConfig:
         _check_type("verify_on_load", self.verify_on_load, bool)
         _check_type("split_replicated_files", self.split_replicated_files, bool)
         _check_type("node_local", self.node_local, bool)
+        _check_type("pace_writes", self.pace_writes, bool)
         _check_positive_number("host_buffer_gb", self.host_buffer_gb)
         if not math.isfinite(self.host_buffer_gb):  # a bound: infinity is no bound
             raise ConfigError(f"{CONFIG_KEY}.host_buffer_gb must be a finite number > 0, "

@@ -1026,6 +1026,9 @@ def main(argv=None) -> int:
     p.add_argument("--lost", action="store_true",
                    help="the lost-time run: 1rank, this engine (async) and DS TorchCheckpointEngine, "
                         "one paired repeat (about 10 minutes at the default sizes on 2 idle cores)")
+    p.add_argument("--async-config", default="{}",
+                   help='this engine\'s async_checkpoint keys beyond the defaults (JSON), e.g. '
+                        '\'{"pace_writes": true}\'')
     p.add_argument("--raw", action="store_true", help="also write every rank's raw measurements")
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--work-dir", default=os.path.join(REPO, "bench_out", "bench"),
@@ -1047,6 +1050,11 @@ def main(argv=None) -> int:
         p.error(f"--saves: must be at least 1, got {args.saves}")
     if args.repeats < 1:
         p.error(f"--repeats: must be at least 1, got {args.repeats}")
+    try:
+        if not isinstance(json.loads(args.async_config), dict):
+            raise ValueError("not a JSON object")
+    except ValueError as exc:
+        p.error(f"--async-config: a JSON object of async_checkpoint keys, got {args.async_config!r} ({exc})")
 
     if args.gpu_report:
         out = args.out if "--out" in (argv or sys.argv) else os.path.join(REPO, "docs", "bench_results", "gpu_report.json")
@@ -1111,7 +1119,7 @@ def main(argv=None) -> int:
                      "--saves", str(args.saves),
                      "--engines", ",".join(engines),
                      "--work-dir", os.path.join(work, tag), "--result", prefix,
-                     "--zero-stage", str(zero_stage),
+                     "--zero-stage", str(zero_stage), "--async-config", args.async_config,
                      # probed once per setting, by its first worker
                      "--decoupled-probe", os.path.join(work, f"{setting}_decoupled_probe.json")]
             t_cell = time.perf_counter()
@@ -1171,7 +1179,8 @@ def main(argv=None) -> int:
                    "hidden": args.hidden, "batch": args.batch, "warmup": args.warmup,
                    "zero_stage": zero_stage, "dtype": "fp32", "optimizer": "torch Adam (fused)",
                    "bytes_per_param": bytes_per_param(zero_stage),
-                   "async_checkpoint": "enabled, all other keys default (xxh128, fsync, 4 writer threads, 8 GiB pool)",
+                   "async_checkpoint": "enabled, all other keys default (xxh128, fsync, 4 writer threads, 8 GiB pool)"
+                   + (f", and {args.async_config}" if json.loads(args.async_config) else ""),
                    "malloc": args.malloc, "malloc_env": MALLOC_KEEP if args.malloc == "keep" else {}},
         "micro": micro,
         "cells": cells,

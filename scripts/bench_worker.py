@@ -497,6 +497,8 @@ def main(argv=None) -> int:
     p.add_argument("--work-dir", required=True)
     p.add_argument("--result", required=True, help="path prefix of the per-rank JSON")
     p.add_argument("--zero-stage", type=int, default=0)
+    p.add_argument("--async-config", default="{}",
+                   help="async_checkpoint keys beyond enabled and mode, for this engine (JSON)")
     p.add_argument("--decoupled-probe", default=None,
                    help="JSON of an earlier probe of decoupled-writer configs (skips probing)")
     args = p.parse_args(argv)
@@ -523,7 +525,7 @@ def main(argv=None) -> int:
     torch.manual_seed(1234)
     model = build_model(args.hidden, args.layers)
     t0 = now()
-    async_cfg = {"enabled": True, "mode": "async"}  # every other setting: the defaults
+    async_cfg = {"enabled": True, "mode": "async", **json.loads(args.async_config)}  # else the defaults
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
                                            config=ds_config(args.batch, args.zero_stage, {"async_checkpoint": async_cfg}))
     out["init_s"] = now() - t0

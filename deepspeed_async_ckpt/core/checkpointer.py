@@ -256,6 +256,7 @@ class AsyncCheckpointer:
             if math.isinf(timeout):
                 timeout = None
         deadline = None if timeout is None else time.monotonic() + timeout
+        self._files.hurry()  # paced writes (pace_writes) go at once for a waiter
         self._failures.wait_tracked(deadline, timeout)  # outcome taken below, as a background error
         self._saves.wait_committed(deadline, timeout)
         self._files.stager.forget_issued()  # those saves are over: their items need no fence

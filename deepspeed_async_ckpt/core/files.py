@@ -25,6 +25,7 @@ import xxhash
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, SnapshotError
 from ..persist import ProcessWriter, Share, ThreadWriter, split_items
+from ..persist.pacing import WritePacer
 from ..snapshot import (FilePlan, HostBufferPool, PlanCache, Stager, TensorItem, plan_file,
                         storage_addresses, tensor_ids)
 from ..storage import Storage, aligned_size, temporary_path
@@ -66,7 +67,8 @@ class SaveFiles:
                  pool: HostBufferPool, stager: Stager, writers: Executor) -> None:
         self._saves, self._storage, self._config, self._rank = saves, storage, config, rank
         self._pool, self.stager = pool, stager
-        persist = dict(checksum=config.checksum, zip_crc32=config.zip_crc32)
+        persist = dict(checksum=config.checksum, zip_crc32=config.zip_crc32,
+                       pacer=WritePacer() if config.pace_writes and config.is_async else None)
         self._persist = ProcessWriter(storage, pool, writers, **persist) \
             if config.persist_in == "process" else ThreadWriter(storage, writers, **persist)
         self._eager_held: dict[CheckpointHandle, int] = {}
@@ -271,6 +273,8 @@ class SaveFiles:
             unwritten, handle.unwritten = handle.unwritten, []
             unsubmitted, handle.unsubmitted = handle.unsubmitted, []
             try:
+                if unwritten:
+                    self._persist.pace(handle, handle.times["begin"], handle.nbytes)
                 for path, plans, names, share in unwritten:
                     handle.files.append(self._persist.submit(path, plans, part_names=names, share=share))
                 if unsubmitted:
@@ -285,6 +289,10 @@ class SaveFiles:
                         item.error = item.error or exc
                         item.cancel()
                 raise
+
+    def hurry(self) -> None:
+        """Someone waits for the saves to be durable: stop pacing their writes."""
+        self._persist.hurry()
 
     def close(self) -> None:
         """Stop the persist worker process, if any (once every file is written)."""

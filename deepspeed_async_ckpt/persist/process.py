@@ -42,8 +42,9 @@ import torch
 
 from ..errors import AsyncCheckpointError, PersistError
 from ..snapshot import FilePlan, HostBufferPool, TensorItem
+from .pacing import WritePacer
 from .shares import Share
-from .writer import FileRecord
+from .writer import FileRecord, PacedWriter
 
 logger = logging.getLogger(__name__)
 
@@ -233,17 +234,19 @@ class _Worker:
             entry.fail(self.death)
 
 
-class ProcessWriter:
+class ProcessWriter(PacedWriter):
     """Writes files in a worker process (see the module's description); the counterpart of
     :class:`~.writer.ThreadWriter`.
 
     ``storage`` (picklable) is what the worker writes with; ``pool``: the shared host pool
     the records are staged in; ``threads``: the writer threads, on which each file's records
-    are handed to the worker as they are staged (one file per thread, as in thread mode).
+    are handed to the worker as they are staged (one file per thread, as in thread mode);
+    ``pacer``: paces that hand-over, record by record (the worker writes only what it holds).
     :meth:`close` stops the worker once the files in its hands are written."""
 
     def __init__(self, storage: Any, pool: HostBufferPool, threads: Executor, *, checksum: str,
-                 zip_crc32: bool) -> None:
+                 zip_crc32: bool, pacer: WritePacer | None = None) -> None:
+        super().__init__(pacer)
         if not pool.shared:
             raise ValueError("ProcessWriter needs a pool in shared memory (HostBufferPool(shared=True))")
         try:
@@ -261,13 +264,17 @@ class ProcessWriter:
     def submit(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
                share: Share | None = None) -> Future:
         """Write the file in the background; the future holds its :class:`FileRecord`."""
-        return self._threads.submit(self.write, path, plans, part_names=part_names, share=share)
+        schedule = self._schedule()
+        return self._threads.submit(self.write, path, plans, part_names=part_names, share=share,
+                                    pace=None if schedule is None else schedule.take)
 
     def write(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
-              share: Share | None = None, stage: Callable[[TensorItem], None] | None = None) -> FileRecord:
+              share: Share | None = None, stage: Callable[[TensorItem], None] | None = None,
+              pace: Callable[[int], None] | None = None) -> FileRecord:
         """Write the file and return its record, handing each record to the worker as it is
-        staged (``stage``, when given, stages it first: the synchronous mode). Every record's
-        buffer is back in the pool when this returns or raises."""
+        staged (``stage``, when given, stages it first: the synchronous mode; ``pace``, when
+        given, is called with its size first, see :meth:`~.pacing.Schedule.take`). Every
+        record's buffer is back in the pool when this returns or raises."""
         items = [item for plan in plans for item in plan.items]
         owned = range(len(items)) if share is None else share.items(len(items))
         worker = self._current()
@@ -289,6 +296,8 @@ class ProcessWriter:
                     if not isinstance(exc, Exception):  # Ctrl-C: the save is abandoned
                         raise
                     break
+                if pace is not None:
+                    pace(item.nbytes)
                 entry.sent(k)
                 worker.staged(fid, k, host)
             return entry.result.result()

@@ -13,13 +13,14 @@ from __future__ import annotations
 import os
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 from ..errors import PersistError, describe
 from ..snapshot import FilePlan, TensorItem
 from ..storage import DIRECT_ALIGN, Storage, temporary_path
 from .archive import layout, write_archive
 from .checksum import ChecksumSink, new_hasher
+from .pacing import Schedule, WritePacer
 from .shares import Share
 
 
@@ -47,7 +48,7 @@ class FileRecord:
 def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum: str, *,
                part_names: Sequence[str] | None = None, zip_crc32: bool = False,
                stage: Callable[[TensorItem], None] | None = None,
-               share: Share | None = None) -> FileRecord:
+               share: Share | None = None, pace: Callable[[int], None] | None = None) -> FileRecord:
     """Write ``plans`` to ``path``, one ``torch.save`` archive each, waiting for each record's
     host copy as it goes.
 
@@ -66,6 +67,9 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
     its items are waited for and released (the plan's other items are other ranks'); the file
     is laid out first without any data, so every rank knows where each share starts. The
     commit renames ``share.tmp`` once every share is durable.
+
+    ``pace``, when given, is called with the size of every write before it is made (a
+    :meth:`~.pacing.Schedule.take`), and may sleep: the file's hashing and writing follow it.
     """
     if part_names is not None and len(part_names) != len(plans):
         raise ValueError(f"{path}: {len(plans)} archives but {len(part_names)} part names")
@@ -80,13 +84,13 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
     try:
         if share is None:
             f = storage.open_write(tmp)
-            sink = ChecksumSink(f, checksum)
+            sink = ChecksumSink(f if pace is None else _Paced(f, pace), checksum)
         else:
             starts, size = layout(plans[0])
             bounds = (0, *(starts[j] for j in share.cuts), size)
             window = (bounds[share.index], bounds[share.index + 1])
             f = storage.open_write_at(tmp, window[0])
-            sink = ChecksumSink(f, checksum, window)
+            sink = ChecksumSink(f if pace is None else _Paced(f, pace), checksum, window)
         try:
             for plan in plans:
                 if sink.nbytes % DIRECT_ALIGN:  # the next archive starts on a page
@@ -130,20 +134,65 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
         raise PersistError(f"writing {path} failed: {describe(exc)}") from exc
 
 
-class ThreadWriter:
+class _Paced:
+    """A file as the checksum sink writes to it: every write first waits for ``take``."""
+
+    def __init__(self, f: Any, take: Callable[[int], None]) -> None:
+        self._f, self._take = f, take
+        self.name = getattr(f, "name", "?")
+        if getattr(f, "write_stable", None) is not None:
+            self.write_stable = self._write_stable
+
+    def write(self, data) -> int:
+        self._take(memoryview(data).nbytes)
+        return self._f.write(data)
+
+    def _write_stable(self, data) -> int:
+        self._take(memoryview(data).nbytes)
+        return self._f.write_stable(data)
+
+
+class PacedWriter:
+    """What both writers share: the pace of their background writes (config ``pace_writes``:
+    a :class:`~.pacing.WritePacer`, else None)."""
+
+    def __init__(self, pacer: WritePacer | None) -> None:
+        self.pacer = pacer
+
+    def pace(self, save: Any, begun_at: float, nbytes: int) -> None:
+        """The files :meth:`submit` is handed next are the save ``save``'s (begun at
+        ``begun_at``, ``time.perf_counter`` seconds), ``nbytes`` more of its bytes."""
+        if self.pacer is not None:
+            self.pacer.start(save, begun_at, nbytes)
+
+    def hurry(self) -> None:
+        """Someone waits for the saves: stop pacing their writes."""
+        if self.pacer is not None:
+            self.pacer.hurry()
+
+    def _schedule(self) -> Schedule | None:
+        return None if self.pacer is None else self.pacer.current
+
+
+class ThreadWriter(PacedWriter):
     """Writes files with :func:`write_file` on the writer threads (``threads``) of the
     training process (config ``persist_in: "thread"``); :class:`~.process.ProcessWriter`
-    does it in a worker process instead. Both offer :meth:`submit` (in the background) and
-    :meth:`write` (inline: the synchronous mode, ``stage`` staging each record first)."""
+    does it in a worker process instead. Both offer :meth:`submit` (in the background, paced
+    by ``pacer`` if given) and :meth:`write` (inline: the synchronous mode, ``stage`` staging
+    each record first)."""
 
-    def __init__(self, storage: Storage, threads: Executor, *, checksum: str, zip_crc32: bool) -> None:
+    def __init__(self, storage: Storage, threads: Executor, *, checksum: str, zip_crc32: bool,
+                 pacer: WritePacer | None = None) -> None:
+        super().__init__(pacer)
         self._storage, self._threads = storage, threads
         self._checksum, self._zip_crc32 = checksum, zip_crc32
 
     def submit(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
                share: Share | None = None) -> Future:
+        schedule = self._schedule()
         return self._threads.submit(write_file, self._storage, path, plans, self._checksum,
-                                    part_names=part_names, zip_crc32=self._zip_crc32, share=share)
+                                    part_names=part_names, zip_crc32=self._zip_crc32, share=share,
+                                    pace=None if schedule is None else schedule.take)
 
     def write(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
               share: Share | None = None, stage: Callable[[TensorItem], None] | None = None) -> FileRecord:

@@ -19,7 +19,8 @@ from typing import Any
 
 import torch
 
-from ..storage import aligned_size, host_buffer, shared_host_buffer  # every buffer starts on a page
+from ..storage import DIRECT_ALIGN, aligned_size, host_buffer, shared_host_buffer  # every buffer starts on a page
+from ..storage.direct import populate
 
 _block_ids = itertools.count()
 
@@ -138,6 +139,7 @@ class HostBlock:
         else:
             self._mapping = host_buffer(nbytes, _Mapping)
         self.memory = torch.frombuffer(self._mapping, dtype=torch.uint8)
+        self._torch_pinned = False  # from torch's pinned allocator (faulted in by it)
         if pin_device is not None:
             try:
                 _page_lock(self.memory.data_ptr(), nbytes, pin_device)
@@ -158,6 +160,7 @@ class HostBlock:
                     "from torch's pinned allocator instead (rounded up to a power of two)",
                     nbytes, exc)
         self.memory = _torch_pinned(nbytes)
+        self._torch_pinned = True
         try:  # unused now: give back its address space and whatever the attempt faulted in
             self._mapping.close()
         except BufferError:  # still viewed somewhere: it goes with its last view
@@ -182,6 +185,16 @@ class HostBlock:
             self._mapping.unregister()
         finally:
             self._mapping.close_fd()
+
+    def fault_in(self) -> None:
+        """Give every page of the block its memory now, rather than at the first copy into it
+        (a save's, while training waits at the next fence). A page-locked block has it already
+        (registration faults the pages in); otherwise one ``MADV_POPULATE_WRITE`` where the
+        kernel has it, else a write to every page. Either way the GIL is free meanwhile."""
+        if self.pinned_on is not None or self._torch_pinned:
+            return
+        if not populate(self.memory.data_ptr(), self.size):
+            self.memory[::DIRECT_ALIGN].zero_()  # one write per page
 
     @property
     def idle(self) -> bool:

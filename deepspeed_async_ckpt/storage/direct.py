@@ -10,6 +10,7 @@ file. :class:`~.local.LocalStorage` opens a file this way where the filesystem a
 from __future__ import annotations
 
 import collections
+import ctypes
 import errno
 import fcntl
 import mmap
@@ -83,6 +84,38 @@ def _advise(buf: mmap.mmap) -> None:
                 buf.madvise(getattr(mmap, advice))
             except OSError:  # a kernel without it: the advice is only advice
                 pass
+
+
+_MADV_POPULATE_WRITE = 23  # <linux/mman.h>, Linux 5.14+
+
+
+def _load_madvise():
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+_madvise = _load_madvise()
+
+
+def populate(address: int, nbytes: int) -> bool:
+    """Fault in ``nbytes`` of host memory from ``address`` (a page) for writing, in one
+    ``madvise(MADV_POPULATE_WRITE)``; False, with nothing done, where the kernel (before
+    5.14) or the platform has no such advice: the caller then writes to every page itself.
+
+    One system call instead of one page-fault trap per page, made through ``ctypes``, which
+    releases the GIL for it. On this machine's VM (transparent huge pages on) it faulted 1 GiB
+    of a :func:`host_buffer` in in 0.17-0.28 s, against 0.9-1.5 s for a write to every page
+    from torch; a shared mapping's small pages took about as long either way (1 s)."""
+    if _madvise is None or nbytes <= 0:
+        return nbytes <= 0
+    if _madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE) == 0:
+        return True
+    return False  # EINVAL: an older kernel; ENOMEM and the like: the page writes will say
 
 
 def buffer_address(view: memoryview) -> int:

@@ -375,3 +375,96 @@ def test_a_failed_registration_clears_the_error_it_leaves_before_raising(monkeyp
     assert cleared == []
     with pytest.raises(RuntimeError, match=r"CUDA error 712 \(cleared 1\)"):
         pinned._checked(712)
+
+
+def test_a_reservation_larger_than_the_idle_pool_replaces_its_block():
+    """A reservation from a low estimate (before the optimizer's first step) is replaced by a
+    larger one, within the capacity: the pool then holds one block of the larger size; a
+    reservation the pool covers, or one while a buffer is out, does nothing."""
+    page = 4096
+    pool = HostBufferPool(100 * page, pin=False)
+    pool.reserve(10 * page).join()
+    assert (pool.allocations, pool.held_bytes) == (1, 10 * page)
+    assert pool.reserve(8 * page) is None and pool.held_bytes == 10 * page
+    pool.reserve(60 * page).join()
+    assert (pool.allocations, pool.held_bytes, len(pool._blocks)) == (2, 60 * page, 1)
+    buf = pool.acquire(page, "x")
+    assert pool.reserve(80 * page) is None  # a save is using the block: left alone
+    pool.release(buf)
+
+
+def test_deepspeed_estimate_before_the_first_step_counts_the_optimizer_state_to_come():
+    """At initialize the optimizer has no state yet; the estimate counts what its first step
+    creates (Adam: two moments per parameter and a step tensor), so it equals the estimate
+    made from the live state after that step: the pool reserved early needs no second block."""
+    from types import SimpleNamespace
+
+    from deepspeed_async_ckpt.integrations.deepspeed.engine import checkpoint_bytes_estimate
+
+    for opt_cls, kwargs in ((torch.optim.Adam, {}), (torch.optim.AdamW, {"amsgrad": True}),
+                            (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9})):
+        model = torch.nn.Sequential(torch.nn.Linear(300, 200), torch.nn.Linear(200, 10))
+        opt = opt_cls(model.parameters(), **kwargs)
+        ds = SimpleNamespace(module=model, optimizer=opt, save_non_zero_checkpoint=True,
+                             zero_optimization=lambda: False)
+        before = checkpoint_bytes_estimate(ds)
+        model(torch.randn(4, 300)).sum().backward()
+        opt.step()
+        assert before == checkpoint_bytes_estimate(ds), opt_cls
+        assert before > 2 * sum(p.numel() * 4 for p in model.parameters())
+
+
+_FIRST_SAVE_SCRIPT = r"""
+import json, os, sys
+import torch, deepspeed
+from deepspeed_async_ckpt.integrations.activation import install
+install()
+deepspeed.init_distributed(dist_backend="gloo")
+torch.manual_seed(0)
+model = torch.nn.Sequential(*[torch.nn.Linear(256, 256) for _ in range(4)])
+cfg = {"train_micro_batch_size_per_gpu": 2, "steps_per_print": 10**9,
+       "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
+       "async_checkpoint": {"enabled": True, "host_buffer_gb": 0.05}}
+engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+ours = engine.checkpoint_engine
+out = {"started_at_initialize": ours.reservation is not None}
+if ours.reservation is not None:
+    ours.reservation.join()
+pool = ours.checkpointer.pool
+out["after_initialize"] = [pool.allocations, pool.held_bytes]
+loss = engine(torch.randn(2, 256)).pow(2).mean()
+engine.backward(loss)
+engine.step()
+if ours.reservation is not None:
+    ours.reservation.join()
+out["after_step"] = [pool.allocations, pool.held_bytes]
+engine.save_checkpoint(sys.argv[1], tag="t1")
+expect = {k: v.clone() for k, v in engine.module.state_dict().items()}
+ours.checkpointer.wait()
+out["after_save"] = [pool.allocations, pool.held_bytes, ours.checkpointer.pooled_bytes]
+saved = torch.load(os.path.join(sys.argv[1], "t1", "mp_rank_00_model_states.pt"), weights_only=False)
+out["same"] = all(torch.equal(saved["module"][k], v) for k, v in expect.items())
+engine.destroy()
+print("RESULT " + json.dumps(out))
+"""
+
+
+def test_deepspeed_reserves_the_pool_at_initialize_and_the_first_save_allocates_nothing(tmp_path, repo_env):
+    """``deepspeed.initialize`` starts faulting the host pool in (before any step), from an
+    estimate that covers the first save: the first optimizer step grows nothing, and the first
+    save, right after it, takes its staging from that block (``pool.allocations`` stays 1),
+    writing the model's weights as they were."""
+    import json
+
+    from helpers import run_script
+
+    env = dict(repo_env, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(29400 + os.getpid() % 500),
+               RANK="0", LOCAL_RANK="0", WORLD_SIZE="1")
+    proc = run_script(_FIRST_SAVE_SCRIPT, env, str(tmp_path / "ckpt"), timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    out = json.loads(proc.stdout.split("RESULT ", 1)[1])
+    assert out["started_at_initialize"], out
+    allocations, held = out["after_initialize"]
+    assert allocations == 1 and out["after_step"] == [1, held], out
+    assert out["after_save"][:2] == [1, held] and out["after_save"][2] <= held, out
+    assert out["same"], out

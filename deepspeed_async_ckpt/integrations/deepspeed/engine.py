@@ -30,7 +30,7 @@ from ...core import AsyncCheckpointer, CommitInfo, by_rank, exchange_across_rank
 from ...commit import Pointer, check_name
 from ...config import AsyncCheckpointConfig
 from ...errors import CommitError, DurabilityError, describe
-from ...storage import aligned_size, temporary_path
+from ...storage import DIRECT_ALIGN, aligned_size, temporary_path
 from .loading import POINTER_NAMES
 from .replicas import data_parallel_replicas, needs_node_local, ranks_on_this_node, with_rank0_shared_params
 from .weight_editors import patch_weight_editors
@@ -78,10 +78,11 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._replicated: str | None = None  # that save's model-states file, held by every replica
         self._eager_keys: tuple[str, ...] = _DEEPSPEED_EAGER_KEYS
         self._buffers: list[torch.Tensor] = []  # the model's: a forward may update them
-        self._reserved = False  # the host pool was sized after the first optimizer step
+        self._reserved = False  # the host pool was sized again after the first optimizer step
         self._held: Exception | None = None  # sync mode: this save's first write error
         self.reservation: threading.Thread | None = None
-        """The thread faulting the host pool in after the first optimizer step, if any."""
+        """The thread faulting the host pool in (from :meth:`after_initialize`, or after the
+        first optimizer step where that estimate fell short), if any."""
 
     # DeepSpeed's contract -------------------------------------------------------------
     def create(self, info: CheckpointCommitInfo) -> None:
@@ -227,10 +228,19 @@ class AsyncCheckpointEngine(CheckpointEngine):
     def before_optimizer_step(self) -> None:
         self.checkpointer.fence()
 
+    def after_initialize(self, ds_engine: Any) -> None:
+        """DeepSpeed built the engine (its optimizer exists, the optimizer's state not yet):
+        start faulting the host pool in now, sized from an estimate of the first save, so
+        that a save soon after the first step finds it ready instead of waiting for it."""
+        self._reserve(ds_engine)
+
     def after_optimizer_step(self, ds_engine: Any) -> None:
         if self._reserved:
             return
         self._reserved = True
+        self._reserve(ds_engine)  # the state exists now: grows the pool only if it fell short
+
+    def _reserve(self, ds_engine: Any) -> None:
         try:
             share = 1.0 / data_parallel_replicas().size if self.split else 1.0
             nbytes = checkpoint_bytes_estimate(ds_engine, model_share=share)
@@ -238,7 +248,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
             logger.warning("async checkpoint: not sizing the host pool ahead of the first save: "
                            "%s: %s", type(exc).__name__, exc)
             return
-        self.reservation = self.checkpointer.reserve(nbytes)
+        self.reservation = self.checkpointer.reserve(nbytes) or self.reservation
 
 
 def checkpoint_bytes_estimate(ds_engine: Any, model_share: float = 1.0) -> int:
@@ -249,7 +259,9 @@ def checkpoint_bytes_estimate(ds_engine: Any, model_share: float = 1.0) -> int:
     ``.optimizer``s: their states and parameter groups, which hold ZeRO's fp32 partitions)
     where it writes the optimizer state (ZeRO files, or the model-states file without ZeRO;
     also shared then). Each tensor view counts once, rounded up to whole pages as the pool
-    holds it. An estimate: it sizes the host pool ahead of the first save, nothing else."""
+    holds it. State an optimizer creates at its first step counts from its parameters (see
+    :func:`_state_to_come`), so the estimate holds before the first step too. An estimate:
+    it sizes the host pool ahead of the first save, nothing else."""
     seen: set[tuple] = set()
     sizes: dict[str, list[int]] = {"model": [], "zero": []}
 
@@ -280,8 +292,27 @@ def checkpoint_bytes_estimate(ds_engine: Any, model_share: float = 1.0) -> int:
                 for group in opt.param_groups:
                     for p in group["params"]:
                         add(p, part)
+                        if not opt.state.get(p):
+                            sizes[part] += _state_to_come(opt, group, p)
             opt = getattr(opt, "optimizer", None)
     model = sum(sizes["model"])
     if model_share < 1.0:
         model = min(model, int(model * model_share) + max(sizes["model"], default=0))
     return model + sum(sizes["zero"])
+
+
+def _state_to_come(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> list[int]:
+    """Pool bytes of the state ``opt`` will keep for parameter ``p`` from its first step on,
+    tensor by tensor: Adam's family (``betas`` in the group: torch's Adam and AdamW,
+    DeepSpeed's fused and CPU Adam, Lamb) two moments shaped as ``p`` (a third with
+    ``amsgrad``), and torch's own Adam a ``step`` tensor (one page in the pool); SGD with
+    momentum or RMSprop one buffer. Other optimizers: none (the first optimizer step's
+    estimate then corrects it)."""
+    one = aligned_size(p.numel() * p.element_size())
+    if "betas" in group:
+        moments = 3 if group.get("amsgrad") else 2
+        step = [DIRECT_ALIGN] if isinstance(opt, (torch.optim.Adam, torch.optim.AdamW)) else []
+        return [one] * moments + step
+    if group.get("momentum") or "alpha" in group:
+        return [one]
+    return []

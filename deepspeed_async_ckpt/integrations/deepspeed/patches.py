@@ -6,8 +6,10 @@ against DeepSpeed 0.19.8's sources:
   enabled, and DeepSpeed's own engine otherwise (behaviour unchanged).
 - ``DeepSpeedEngine._take_model_step`` (which the pipeline engine also uses) gets a fence
   before the optimizer step: the only point where training waits for outstanding copies.
-  After the first step (when the optimizer state exists) the host pool is sized from this
-  rank's share of the state and faulted in, in the background, ahead of the first save.
+- ``DeepSpeedEngine._configure_checkpointing`` (the end of ``deepspeed.initialize``'s setup,
+  the optimizer built) starts faulting the host pool in, in the background, sized from an
+  estimate of this rank's share of the state; after the first step (when the optimizer state
+  exists) the estimate is made again and the pool grown if it fell short.
 - ``save_checkpoint`` is wrapped to seal the checkpoint when DeepSpeed's save returns and to
   freeze ``client_state`` eagerly (in sync mode it also holds a failed write, and rank 0's
   failed copy of ``zero_to_fp32.py``, until DeepSpeed's closing barrier, then shares the
@@ -192,6 +194,18 @@ def install(on_engine_built: Callable[[], None] = lambda: None) -> bool:
                     raise
 
         engine_cls._copy_recovery_script = _copy_recovery_script
+    if hasattr(engine_cls, "_configure_checkpointing"):
+        configure = _ORIGINALS["configure"] = engine_cls._configure_checkpointing
+
+        @functools.wraps(configure)
+        def _configure_checkpointing(self, *args, **kwargs):
+            result = configure(self, *args, **kwargs)
+            engine = getattr(self, "checkpoint_engine", None)
+            if isinstance(engine, AsyncCheckpointEngine):
+                engine.after_initialize(self)
+            return result
+
+        engine_cls._configure_checkpointing = _configure_checkpointing
     ds_engine.create_checkpoint_engine = create_checkpoint_engine
     engine_cls._take_model_step = _take_model_step
     engine_cls.save_checkpoint = save_checkpoint
@@ -213,6 +227,8 @@ def uninstall() -> None:
     engine_cls.load_checkpoint = _ORIGINALS["load"]
     if "recovery" in _ORIGINALS:
         engine_cls._copy_recovery_script = _ORIGINALS["recovery"]
+    if "configure" in _ORIGINALS:
+        engine_cls._configure_checkpointing = _ORIGINALS["configure"]
     _ORIGINALS.clear()
 
 
