@@ -1024,8 +1024,8 @@ def main(argv=None) -> int:
                    help="checkpoints every K steps per engine, from which its lost time is computed "
                         "(default 5; 2 with --quick)")
     p.add_argument("--lost", action="store_true",
-                   help="the lost-time run: 1rank, this engine (async) and DS TorchCheckpointEngine, "
-                        "one paired repeat (about 10 minutes at the default sizes on 2 idle cores)")
+                   help="the lost-time run: by default 1rank, this engine (async) and DS TorchCheckpointEngine "
+                        "(--settings and --engines override them), one paired repeat (about 10 minutes at the default sizes on 2 idle cores)")
     p.add_argument("--async-config", default="{}",
                    help='this engine\'s async_checkpoint keys beyond the defaults (JSON), e.g. '
                         '\'{"pace_writes": true}\'')
@@ -1039,8 +1039,12 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.quick:
         args.sizes, args.hidden, args.k, args.warmup = "0.02", 512, 3, 1
-    if args.lost:
-        args.settings, args.engines = "1rank", "async,ds_torch"
+    if args.lost:  # 1 rank with a spare core, against TorchCheckpointEngine, unless named
+        given = argv if argv is not None else sys.argv[1:]
+        if not any(a.startswith("--settings") for a in given):
+            args.settings = "1rank"
+        if not any(a.startswith("--engines") for a in given):
+            args.engines = "async,ds_torch"
         args.repeats = 1 if args.repeats is None else args.repeats
     if args.repeats is None:
         args.repeats = 1 if args.quick else 3
