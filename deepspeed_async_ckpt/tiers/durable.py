@@ -113,20 +113,33 @@ class DurableTiers:
         node-local first tier, each node's leader) restores; every rank raises if any failed.
         ``node_local``: whether ``save_dir`` is node-local (None: as the engine commits);
         ``every_file``: each node restores every file of the checkpoint, not only those its
-        directory held (its ranks read files written on other nodes: Megatron)."""
-        error = None
+        directory held (its ranks read files written on other nodes: Megatron).
+
+        Each node chooses by its own pointer and the tiers' (a node whose disk was replaced
+        takes the tiers' newest), and each node's ranks then load what their node's pointer
+        names: the nodes' choices are compared, and differing ones (a node kept a checkpoint
+        whose drain failed, another lost its disk) raise on every rank, naming them, rather
+        than let the nodes load different checkpoints."""
+        error, name = None, None
         local = self.node_local if node_local is None else node_local and self.world_size > 1
         if node_leader(self.rank, self.world_size) == self.rank if local else self.rank == 0:
             try:
-                restore(save_dir, self.remotes, pointer_name=pointer_name, tag=tag, name_of=name_of,
-                        node=node_of(self.rank, self.world_size) if local else None,
-                        every_file=every_file)
+                name = restore(save_dir, self.remotes, pointer_name=pointer_name, tag=tag,
+                               name_of=name_of, every_file=every_file,
+                               node=node_of(self.rank, self.world_size) if local else None)
             except (IntegrityError, OSError) as exc:
                 error = exc
-        _, failed = checkpointer.exchange("restore from durable tiers",
-                                          None if error is None else f"{type(error).__name__}: {error}")
+        chosen, failed = checkpointer.exchange(
+            name or "", None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
+        if not failed and local:  # the second word: each node's leader, on rank 0's choice
+            leads = node_leader(self.rank, self.world_size) == self.rank
+            differs = leads and (name or "") != chosen
+            why = (f"node {node_of(self.rank, self.world_size)} would load {name or 'nothing'}, rank 0's "
+                   f"node {chosen or 'nothing'}; load a checkpoint every node can restore (its tag, "
+                   "or the iteration) instead")
+            _, failed = checkpointer.exchange("", why if differs else None)
         if failed:
             rank = min(failed)
             raise IntegrityError(f"restoring from the durable tiers failed on rank {rank}: {failed[rank]}")

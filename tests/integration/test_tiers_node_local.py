@@ -103,6 +103,44 @@ def test_a_node_restores_its_own_files_or_every_file(tmp_path):
         assert (node / "optim.pt").read_bytes() == (tier / "step1" / "optim.pt").read_bytes()
 
 
+class _Rank0ChoseStep2:
+    """A checkpointer's ``exchange`` as node 1's leader sees it: rank 0's node chose ``step2``;
+    the messages the second word carries are kept."""
+
+    def __init__(self):
+        self.errors = []
+
+    def exchange(self, value, error, key=""):
+        self.errors.append(error)
+        return ("step2", {}) if len(self.errors) == 1 else ("", {2: error} if error else {})
+
+
+def test_nodes_that_would_load_different_checkpoints_raise_on_every_rank(tmp_path, monkeypatch):
+    """Node 1 lost its disk and the tier's newest is ``step1``, while rank 0's node would load
+    ``step2`` (its drain failed, say): the nodes' ranks would load different checkpoints."""
+    from deepspeed_async_ckpt.errors import IntegrityError
+    from deepspeed_async_ckpt.tiers.config import TierConfig
+    from deepspeed_async_ckpt.tiers.durable import DurableTiers
+
+    node0, node1 = _two_nodes(tmp_path)
+    remote = PathRemote(str(tmp_path / "tier"))
+    pointer = Pointer(str(tmp_path / "node0" / "latest"), "step1")
+    drain_checkpoint(remote, str(node1), pointer, node=1, coordinator=False, marker_timeout_s=30)
+    drain_checkpoint(remote, str(node0), pointer, node=0, coordinator=True, marker_timeout_s=30)
+    shutil.rmtree(tmp_path / "node1")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    tiers = DurableTiers((TierConfig(url=str(tmp_path / "tier")),), rank=2, world_size=4, node_local=True,
+                         hold=lambda name: lambda: None, remotes=[remote])
+    fake = _Rank0ChoseStep2()
+    try:
+        with pytest.raises(IntegrityError, match="node 1 would load step1, rank 0's node step2"):
+            tiers.restore_all_ranks(fake, str(tmp_path / "node1"), pointer_name="latest")
+    finally:
+        tiers.close()
+    assert fake.errors[0] is None and len(fake.errors) == 2  # restored; the second word says why
+    assert (tmp_path / "node1" / "latest").read_text() == "step1"
+
+
 # -- slow: two simulated nodes, real DeepSpeed and Megatron ranks --------------------------
 
 def _s3_args(s3, prefix):
