@@ -25,7 +25,22 @@ from deepspeed_async_ckpt.tiers.remote import PathRemote
 from deepspeed_async_ckpt.tiers.restore import restore
 from helpers import make
 from s3server import s3, s3_server  # noqa: F401  (fixtures)
-from test_node_local import NODES, PER_NODE, _require_mount_namespaces, run_nodes
+
+def _node_launcher():
+    """tests/integration/test_node_local.py's node simulation, loaded by its path (its module
+    name is also a unit test's)."""
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_node_local.py")
+    spec = importlib.util.spec_from_file_location("_node_local_launcher", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+_nodes = _node_launcher()
+NODES, PER_NODE, _require_mount_namespaces, run_nodes = (
+    _nodes.NODES, _nodes.PER_NODE, _nodes._require_mount_namespaces, _nodes.run_nodes)
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "tiers_node_local_worker.py")
 MEGATRON_WORKER = os.path.join(REPO, "tests", "integration", "megatron_workers", "tiers_node_local_worker.py")
