@@ -335,11 +335,13 @@ class MegatronCheckpointer:
     def restore(self, save_dir: str, iteration: int | None = None) -> None:
         """Collective, before a load from ``save_dir``: with durable tiers configured, bring the
         checkpoint to load (``iteration``, else the newest committed on any tier) into it from
-        them, every file missing or damaged there fetched and verified, the tracker last."""
+        them, every file missing or damaged there fetched and verified, the tracker last. With
+        ``node_local``, each node's leader restores every file into its node's directory: a
+        rank also reads tensors another rank wrote once (replicated across TP), on any node."""
         tiers = self.engine.tiers
         if tiers is not None:
             tiers.restore_all_ranks(
-                self.engine, save_dir, pointer_name=TRACKER_FILE,
+                self.engine, save_dir, pointer_name=TRACKER_FILE, every_file=True,
                 tag=None if iteration is None else os.path.basename(checkpoint_dir(save_dir, iteration)),
                 name_of=lambda text: f"iter_{int(text):07d}" if text.isdigit() else text)
 

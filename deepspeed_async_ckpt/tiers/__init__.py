@@ -19,12 +19,12 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-__all__ = ["Drainer", "DurableTiers", "PathRemote", "Remote", "S3Remote", "TierConfig", "node_index",
-           "open_remote", "parse_tiers"]
+__all__ = ["Drainer", "DurableTiers", "PathRemote", "Remote", "S3Remote", "TierConfig", "open_remote",
+           "parse_tiers"]
 
 _LAZY = {
     "Drainer": "drain", "DurableTiers": "durable", "PathRemote": "remote", "Remote": "remote",
-    "S3Remote": "s3", "TierConfig": "config", "node_index": "durable", "open_remote": "remote",
+    "S3Remote": "s3", "TierConfig": "config", "open_remote": "remote",
     "parse_tiers": "config",
 }
 

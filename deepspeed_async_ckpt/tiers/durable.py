@@ -5,8 +5,9 @@ Which ranks do what:
 
 - every rank builds each tier's remote and checks it can be reached (so that a bad URL or
   credentials fail engine build on every rank alike, never one rank alone);
-- each node's leader (local rank 0: global rank 0 with a shared first tier) runs a drainer per
-  tier; it drains what its node holds, once the commit callback fires there;
+- global rank 0 (with a node-local first tier, each node's leader: its lowest rank, see
+  :mod:`..commit.nodes`) runs a drainer per tier; it drains what its node holds, once the
+  commit callback fires there;
 - global rank 0 commits each tier (manifest, pointer) and runs its retention;
 - before a load, rank 0 (each node's leader, with a node-local first tier) restores the
   checkpoint to load into the first tier (:mod:`.restore`), every rank waiting in one exchange.
@@ -21,6 +22,7 @@ import threading
 from typing import Any, Callable
 
 from ..commit import Pointer
+from ..commit.nodes import node_leader, node_of
 from ..errors import IntegrityError
 from .config import TierConfig
 from .drain import Drainer
@@ -28,25 +30,6 @@ from .remote import Remote, open_remote
 from .restore import restore
 
 logger = logging.getLogger(__name__)
-
-
-def local_world_size() -> int:
-    """Ranks per node, from ``LOCAL_WORLD_SIZE`` (torchrun, DeepSpeed's launcher); 0 if unset."""
-    try:
-        return max(0, int(os.environ.get("LOCAL_WORLD_SIZE", "0")))
-    except ValueError:
-        return 0
-
-
-def node_index(rank: int) -> int:
-    """The node a global rank runs on: ``rank // LOCAL_WORLD_SIZE`` (0 without it)."""
-    size = local_world_size()
-    return rank // size if size else 0
-
-
-def is_node_leader(rank: int) -> bool:
-    size = local_world_size()
-    return rank == 0 or (size > 0 and rank % size == 0)
 
 
 def open_remotes(tiers: tuple[TierConfig, ...]) -> list[Remote]:
@@ -60,12 +43,16 @@ class DurableTiers:
 
     def __init__(self, tiers: tuple[TierConfig, ...], *, rank: int,
                  hold: Callable[[str], Callable[[], None]],
-                 remotes: list[Remote] | None = None) -> None:
-        self.tiers, self.rank, self._hold = tiers, rank, hold
-        self.node = node_index(rank)
+                 remotes: list[Remote] | None = None, world_size: int = 1,
+                 node_local: bool = False) -> None:
+        self.tiers, self.rank, self.world_size, self._hold = tiers, rank, world_size, hold
+        self.node_local = node_local and world_size > 1
+        """Whether the first tier is node-local: each node's leader drains and restores its
+        node's directory (the commit callbacks fire there), not rank 0 alone."""
+        self.node = node_of(rank, world_size) if self.node_local else 0
         self.remotes = remotes if remotes is not None else open_remotes(tiers)
         self.drainers = [Drainer(r, t, node=self.node, coordinator=rank == 0)
-                         for r, t in zip(self.remotes, tiers)] if is_node_leader(rank) else []
+                         for r, t in zip(self.remotes, tiers)] if self._leads() else []
         self._pointers: collections.OrderedDict[str, Pointer | None] = collections.OrderedDict()
         self._commits = 0
         self._report: Callable[..., None] | None = None
@@ -75,7 +62,8 @@ class DurableTiers:
                remotes: list[Remote]) -> "DurableTiers":
         """The tiers of ``checkpointer.config`` (``remotes``: from :func:`open_remotes`), their
         callbacks registered on it."""
-        tiers = cls(checkpointer.config.tiers, rank=checkpointer.rank, hold=hold, remotes=remotes)
+        tiers = cls(checkpointer.config.tiers, rank=checkpointer.rank, hold=hold, remotes=remotes,
+                    world_size=checkpointer.world_size, node_local=checkpointer.config.node_local)
         tiers._report = checkpointer.report
         checkpointer.add_begin_callback(tiers.begun)
         checkpointer.add_commit_callback(tiers.committed)
@@ -113,27 +101,46 @@ class DurableTiers:
         for drainer in self.drainers:
             drainer.close()
 
+    def _leads(self) -> bool:
+        """Whether this rank drains and restores: rank 0, or a node's leader (node-local)."""
+        return node_leader(self.rank, self.world_size) == self.rank if self.node_local else self.rank == 0
+
     def restore_all_ranks(self, checkpointer: Any, save_dir: str, *, pointer_name: str,
-                          tag: str | None = None, node_local: bool = False,
-                          name_of: Callable[[str], str] = str) -> None:
+                          tag: str | None = None, node_local: bool | None = None,
+                          name_of: Callable[[str], str] = str, every_file: bool = False) -> None:
         """Collective (every rank): bring the checkpoint to load into ``save_dir`` from the
-        tiers, before the framework reads it (see :func:`.restore.restore`). Rank 0 (with
-        ``node_local``, each node's leader) restores; every rank raises if any failed."""
-        error = None
-        if rank_restores(self.rank, node_local):
+        tiers, before the framework reads it (see :func:`.restore.restore`). Rank 0 (with a
+        node-local first tier, each node's leader) restores; every rank raises if any failed.
+        ``node_local``: whether ``save_dir`` is node-local (None: as the engine commits);
+        ``every_file``: each node restores every file of the checkpoint, not only those its
+        directory held (its ranks read files written on other nodes: Megatron).
+
+        Each node chooses by its own pointer and the tiers' (a node whose disk was replaced
+        takes the tiers' newest), and each node's ranks then load what their node's pointer
+        names: the nodes' choices are compared, and differing ones (a node kept a checkpoint
+        whose drain failed, another lost its disk) raise on every rank, naming them, rather
+        than let the nodes load different checkpoints."""
+        error, name = None, None
+        local = self.node_local if node_local is None else node_local and self.world_size > 1
+        if node_leader(self.rank, self.world_size) == self.rank if local else self.rank == 0:
             try:
-                restore(save_dir, self.remotes, pointer_name=pointer_name, tag=tag, name_of=name_of,
-                        node=self.node if node_local else None)
+                name = restore(save_dir, self.remotes, pointer_name=pointer_name, tag=tag,
+                               name_of=name_of, every_file=every_file,
+                               node=node_of(self.rank, self.world_size) if local else None)
             except (IntegrityError, OSError) as exc:
                 error = exc
-        _, failed = checkpointer.exchange("restore from durable tiers",
-                                          None if error is None else f"{type(error).__name__}: {error}")
+        chosen, failed = checkpointer.exchange(
+            name or "", None if error is None else f"{type(error).__name__}: {error}")
         if error is not None:
             raise error
+        if not failed and local:  # the second word: each node's leader, on rank 0's choice
+            leads = node_leader(self.rank, self.world_size) == self.rank
+            differs = leads and (name or "") != chosen
+            why = (f"node {node_of(self.rank, self.world_size)} would load {name or 'nothing'}, rank 0's "
+                   f"node {chosen or 'nothing'}; load a checkpoint every node can restore (its tag, "
+                   "or the iteration) instead")
+            _, failed = checkpointer.exchange("", why if differs else None)
         if failed:
             rank = min(failed)
             raise IntegrityError(f"restoring from the durable tiers failed on rank {rank}: {failed[rank]}")
 
-
-def rank_restores(rank: int, node_local: bool) -> bool:
-    return is_node_leader(rank) if node_local else rank == 0

@@ -3,8 +3,9 @@
 Commit order on a tier, for checkpoint ``name`` (the same as on the first tier: files, then the
 manifest, then the pointer, so that the tier's pointer never names a partial copy)::
 
-    (each draining node) every file it holds, each checked against the manifest just before
-                         it goes up; then, with a node-local first tier, its marker
+    (each draining node) every file it uploads (:func:`files_to_upload`), each checked against
+                         the manifest just before it goes up; then, with a node-local first
+                         tier, its marker
                          <name>/.async_ckpt/drained.<node>.json
     (global rank 0)      wait for every node's marker; the late files and their record;
                          <name>/.async_ckpt/manifest.json; then .async_ckpt/pointer.json and
@@ -41,12 +42,25 @@ def files_of_node(manifest: dict, node: int) -> list[str]:
     return sorted(nodes.get(str(node), ()))
 
 
+def files_to_upload(manifest: dict, node: int) -> list[str]:
+    """The files a node uploads: those it holds that no lower node holds. A file written on
+    several nodes (DeepSpeed's model states, on each node's first rank) goes up once, from the
+    lowest of them, whose entry global rank 0's manifest (the one the tier gets) carries: the
+    copies may differ in their bytes (only rank 0's lists tied weights), and one key holds one."""
+    nodes = manifest.get("nodes")
+    if nodes is None:
+        return sorted(manifest["files"])
+    lower = {rel for n, rels in nodes.items() if int(n) < node for rel in rels}
+    return sorted(set(nodes.get(str(node), ())) - lower)
+
+
 def upload_node_files(remote: Remote, ckpt_dir: str, manifest: dict, node: int) -> int:
-    """Upload this node's files of a committed checkpoint (each verified first); with a
-    node-local first tier, then this node's marker. Returns the bytes uploaded."""
+    """Upload this node's share of a committed checkpoint (:func:`files_to_upload`, each
+    verified first); with a node-local first tier, then this node's marker. Returns the bytes
+    uploaded."""
     name = os.path.basename(ckpt_dir)
     total = 0
-    for rel in files_of_node(manifest, node):
+    for rel in files_to_upload(manifest, node):
         path = os.path.join(ckpt_dir, rel)
         verify_file(path, manifest, ckpt_dir=ckpt_dir)  # a damaged local copy is never drained
         remote.put_file(path, f"{name}/{rel}")

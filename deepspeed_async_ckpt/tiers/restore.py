@@ -7,13 +7,16 @@ node-local first tier). Rules:
    first tier's pointer and each durable tier's pointer are compared by their manifests'
    commit times (a tie goes to the faster tier). A first-tier checkpoint whose manifest is
    missing (a replaced node's empty disk) or damaged is not a candidate.
-2. Each of its files (of this node's, with a node-local first tier) that is missing on the
-   first tier or fails verification there is fetched from the fastest tier that holds the
+2. Each of its files that is missing on the first tier or fails verification there is
+   fetched from the fastest tier that holds the
    same save (same ``save_id``): downloaded to a temporary name, verified against the
    manifest, fsynced and renamed. A copy that fails verification is skipped for the next
    tier; if no tier holds a valid copy, :class:`IntegrityError` names the file and what is
-   wrong with each copy (a corrupted object by its URL).
-3. Then the late files and their record, the manifest, and the first tier's pointer last (only
+   wrong with each copy (a corrupted object by its URL). With a node-local first tier
+   (``node``), the files a node restores are those its directory held (its ranks read only
+   them: DeepSpeed), or every file of the checkpoint (``every_file``: Megatron, whose ranks
+   also read tensors written once, by a rank of another node).
+3. Then the late files (every node's copy has them) and their record, the manifest, and the first tier's pointer last (only
    when following the pointer and it named an older checkpoint), so that the first tier's
    pointer, too, never names a partial copy.
 
@@ -149,12 +152,14 @@ def _fetch(path: str, key: str, entry: dict, algorithm: str, holders: Sequence[R
 
 
 def restore(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag: str | None = None,
-            name_of: Callable[[str], str] = str, node: int | None = None) -> str | None:
+            name_of: Callable[[str], str] = str, node: int | None = None,
+            every_file: bool = False) -> str | None:
     """Make the first tier (``save_dir``) hold a verified copy of the checkpoint to load (see
     the module's rules). ``pointer_name``: the framework's pointer file in ``save_dir``;
     ``name_of``: the checkpoint directory its text names (Megatron's tracker holds the
-    iteration). ``node``: restore only that node's files (a node-local first tier). Returns
-    the checkpoint's name, or None where no tier holds one."""
+    iteration). ``node``: the node whose directory ``save_dir`` is (a node-local first tier),
+    which restores the files ``manifest["nodes"]`` places there, or with ``every_file`` every
+    file of the checkpoint. Returns the checkpoint's name, or None where no tier holds one."""
     source = choose(save_dir, remotes, pointer_name=pointer_name, tag=tag, name_of=name_of)
     if source is None:
         return None
@@ -165,11 +170,11 @@ def restore(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag:
     holders = [r for r in remotes if (r is source.remote) or _holds(r, name, manifest["save_id"])]
     storage = LocalStorage(fsync=True, direct_io=False)
     fetched = 0
-    rels = sorted(manifest["files"]) if node is None else files_of_node(manifest, node)
+    rels = sorted(manifest["files"]) if node is None or every_file else files_of_node(manifest, node)
     for rel in rels:
         fetched += _ensure(ckpt_dir, name, rel, manifest["files"][rel], algorithm, holders)
     late = manifest.get("late_files") or []
-    if late and node in (None, 0):  # global rank 0's: Megatron's marker files
+    if late:  # Megatron's marker files: rank 0 writes them, and sends each node's leader a copy
         record, raw = _late_record(ckpt_dir, name, holders)
         for rel in late:
             fetched += _ensure(ckpt_dir, name, rel, record[rel], algorithm, holders)
