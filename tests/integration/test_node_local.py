@@ -8,73 +8,26 @@ import glob
 import json
 import os
 import shutil
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from _compare import assert_same
 from conftest import REPO
-from launch import free_port
+from nodes import NODES, PER_NODE, require_mount_namespaces, run_nodes
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "node_local_worker.py")
 MEGATRON_WORKER = os.path.join(REPO, "tests", "integration", "megatron_workers", "node_local_worker.py")
-NODES, PER_NODE = 2, 2
 
 pytestmark = pytest.mark.slow
-
-
-def _require_mount_namespaces() -> None:
-    """Fail, saying why, where this machine cannot make a mount namespace (not root, or a
-    container without CAP_SYS_ADMIN): these tests simulate nodes with them."""
-    try:
-        probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True, timeout=30)
-    except FileNotFoundError:
-        pytest.fail("node-local tests need `unshare` (util-linux) to simulate nodes")
-    if probe.returncode != 0:
-        pytest.fail("node-local tests simulate nodes with mount namespaces, and `unshare -m true` "
-                    f"failed here (exit {probe.returncode}: {probe.stderr.strip()}); run them as root "
-                    "or with CAP_SYS_ADMIN")
-
-
-def run_nodes(env, tmp_path, *args, timeout=420, worker=WORKER, per_node=PER_NODE):
-    """Every rank of the two nodes, each with its node's directory at ``tmp_path/ckpt``."""
-    port = free_port()
-    common = tmp_path / "ckpt"
-    common.mkdir(exist_ok=True)
-    procs = []
-    for rank in range(NODES * per_node):
-        node_dir = tmp_path / f"node{rank // per_node}"
-        node_dir.mkdir(exist_ok=True)
-        e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(NODES * per_node),
-                 LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        # $0: this node's directory, $1: the common path, then the command
-        cmd = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"',
-               str(node_dir), str(common), sys.executable, worker, *map(str, args),
-               "--ckpt", str(common), "--out", str(tmp_path / "out")]
-        log = open(tmp_path / f"{args[0]}.rank{rank}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
-    try:
-        codes = [p.wait(timeout=timeout) for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-    if codes != [0] * len(procs):
-        logs = "\n".join(f"--- rank {r}:\n" + (tmp_path / f"{args[0]}.rank{r}.log").read_text()[-3000:]
-                         for r in range(len(procs)))
-        pytest.fail(f"{args[0]}: rank exit codes {codes}\n{logs}")
 
 
 @pytest.mark.parametrize("stage,tied", [pytest.param(1, 1, id="zero1-tied"),
                                         pytest.param(3, 0, id="zero3")])
 def test_deepspeed_node_local_storage_commits_and_resumes_on_every_node(repo_env, tmp_path, stage, tied):
-    _require_mount_namespaces()
+    require_mount_namespaces()
     (tmp_path / "out").mkdir()
-    run_nodes(repo_env, tmp_path, "save", "--zero-stage", stage, "--tied", tied)
+    run_nodes(repo_env, tmp_path, "save", "--zero-stage", stage, "--tied", tied, worker=WORKER)
     assert not os.listdir(tmp_path / "ckpt"), "a rank wrote outside its node's directory"
     manifests = {}
     for node in range(NODES):
@@ -101,7 +54,7 @@ def test_deepspeed_node_local_storage_commits_and_resumes_on_every_node(repo_env
     for r in range(NODES * PER_NODE):
         with open(tmp_path / "out" / f"saved_rank{r}.json") as f:
             assert json.load(f) == {"history": ["s1", "s2"], "errors": []}
-    run_nodes(repo_env, tmp_path, "load", "--zero-stage", stage, "--tied", tied)
+    run_nodes(repo_env, tmp_path, "load", "--zero-stage", stage, "--tied", tied, worker=WORKER)
     for r in range(NODES * PER_NODE):
         with open(tmp_path / "out" / f"loaded_rank{r}.json") as f:
             assert os.path.dirname(json.load(f)["path"]) == str(tmp_path / "ckpt" / "s2")
@@ -119,7 +72,7 @@ def test_megatron_node_local_tp2_on_two_nodes_commits_on_each(repo_env, tmp_path
     verified there, bitwise equal to what it saved (the step taken right after the save not
     in it)."""
     pytest.importorskip("megatron.core")
-    _require_mount_namespaces()
+    require_mount_namespaces()
     (tmp_path / "out").mkdir()
     env = dict(repo_env, PYTHONWARNINGS="ignore")
     run_nodes(env, tmp_path, "save", worker=MEGATRON_WORKER, per_node=1)

@@ -24,23 +24,8 @@ from deepspeed_async_ckpt.tiers.mirror import drain_checkpoint
 from deepspeed_async_ckpt.tiers.remote import PathRemote
 from deepspeed_async_ckpt.tiers.restore import restore
 from helpers import make
+from nodes import NODES, PER_NODE, require_mount_namespaces, run_nodes
 from s3server import s3, s3_server  # noqa: F401  (fixtures)
-
-def _node_launcher():
-    """tests/integration/test_node_local.py's node simulation, loaded by its path (its module
-    name is also a unit test's)."""
-    import importlib.util
-
-    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "test_node_local.py")
-    spec = importlib.util.spec_from_file_location("_node_local_launcher", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-_nodes = _node_launcher()
-NODES, PER_NODE, _require_mount_namespaces, run_nodes = (
-    _nodes.NODES, _nodes.PER_NODE, _nodes._require_mount_namespaces, _nodes.run_nodes)
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "tiers_node_local_worker.py")
 MEGATRON_WORKER = os.path.join(REPO, "tests", "integration", "megatron_workers", "tiers_node_local_worker.py")
@@ -203,7 +188,7 @@ def test_deepspeed_node_local_drains_to_s3_and_a_node_without_its_disk_resumes(
     ZeRO-1: node 1 loses its disk. ZeRO-3: node 0 (rank 0's) loses its disk, and node 1's
     pointer is older than the tier's (its copy of ``s2`` gone, its ``latest`` back on ``s1``):
     the load takes the newest checkpoint committed on any tier on every node."""
-    _require_mount_namespaces()
+    require_mount_namespaces()
     (tmp_path / "out").mkdir()
     env = dict(repo_env, **AWS)
     args = ["--zero-stage", stage, "--tied", tied, *_s3_args(s3, "job")]
@@ -249,7 +234,7 @@ def test_megatron_node_local_drains_to_s3_and_restore_brings_every_file_to_each_
     disk; at resume each node's leader restores every file of the checkpoint from the tier,
     node 0 those listed under node 1 as well, and every rank resumes bitwise."""
     pytest.importorskip("megatron.core")
-    _require_mount_namespaces()
+    require_mount_namespaces()
     (tmp_path / "out").mkdir()
     env = dict(repo_env, PYTHONWARNINGS="ignore", **AWS)
     args = _s3_args(s3, "mg")

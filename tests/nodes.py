@@ -1,0 +1,56 @@
+"""Two simulated nodes on one machine: every rank in a mount namespace of its own (``unshare
+-m``) with its node's directory bound at the one checkpoint path, as node-local disks are
+mounted at the same path on every node. Used by the node-local and tiered integration tests."""
+
+import subprocess
+import sys
+
+import pytest
+
+from launch import free_port
+
+NODES, PER_NODE = 2, 2
+
+
+def require_mount_namespaces() -> None:
+    """Fail, saying why, where this machine cannot make a mount namespace (not root, or a
+    container without CAP_SYS_ADMIN): these tests simulate nodes with them."""
+    try:
+        probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True, timeout=30)
+    except FileNotFoundError:
+        pytest.fail("node-local tests need `unshare` (util-linux) to simulate nodes")
+    if probe.returncode != 0:
+        pytest.fail("node-local tests simulate nodes with mount namespaces, and `unshare -m true` "
+                    f"failed here (exit {probe.returncode}: {probe.stderr.strip()}); run them as root "
+                    "or with CAP_SYS_ADMIN")
+
+
+def run_nodes(env, tmp_path, *args, worker, timeout=420, per_node=PER_NODE):
+    """Every rank of the two nodes, each with its node's directory at ``tmp_path/ckpt``."""
+    port = free_port()
+    common = tmp_path / "ckpt"
+    common.mkdir(exist_ok=True)
+    procs = []
+    for rank in range(NODES * per_node):
+        node_dir = tmp_path / f"node{rank // per_node}"
+        node_dir.mkdir(exist_ok=True)
+        e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(NODES * per_node),
+                 LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+        # $0: this node's directory, $1: the common path, then the command
+        cmd = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"',
+               str(node_dir), str(common), sys.executable, worker, *map(str, args),
+               "--ckpt", str(common), "--out", str(tmp_path / "out")]
+        log = open(tmp_path / f"{args[0]}.rank{rank}.log", "w")
+        procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT))
+        log.close()
+    try:
+        codes = [p.wait(timeout=timeout) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    if codes != [0] * len(procs):
+        logs = "\n".join(f"--- rank {r}:\n" + (tmp_path / f"{args[0]}.rank{r}.log").read_text()[-3000:]
+                         for r in range(len(procs)))
+        pytest.fail(f"{args[0]}: rank exit codes {codes}\n{logs}")
