@@ -25,6 +25,7 @@ from typing import Iterable
 
 from ..commit import LATE_FILES, MANIFEST, META_DIR, KeepLast, Pointer, read_manifest, verify_checkpoint, \
     verify_file
+from ..commit.manifest import files_on_node
 from ..commit.policy import CheckpointInfo
 from ..commit.retention import step_in_name
 from ..errors import IntegrityError
@@ -36,10 +37,8 @@ logger = logging.getLogger(__name__)
 def files_of_node(manifest: dict, node: int) -> list[str]:
     """The files (paths in the checkpoint) a node's first-tier directory holds: those
     ``manifest["nodes"]`` lists for it (a node-local first tier), else every file."""
-    nodes = manifest.get("nodes")
-    if nodes is None:
-        return sorted(manifest["files"])
-    return sorted(nodes.get(str(node), ()))
+    here = files_on_node(manifest, node)
+    return sorted(manifest["files"] if here is None else here)
 
 
 def files_to_upload(manifest: dict, node: int) -> list[str]:
