@@ -14,7 +14,7 @@ import os
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-from .errors import ConfigError
+from .errors import ConfigError, refuse_unknown_keys
 from .tiers.config import TierConfig, parse_tiers
 
 #: The DeepSpeed config key this package reads.
@@ -162,11 +162,7 @@ class AsyncCheckpointConfig:
             return cls()
         if not isinstance(raw, Mapping):
             raise ConfigError(f"{CONFIG_KEY} must be a JSON object, got {type(raw).__name__}")
-        allowed = [f.name for f in dataclasses.fields(cls)]
-        unknown = sorted(set(raw) - set(allowed))
-        if unknown:
-            raise ConfigError(f"unknown key(s) {', '.join(f'{CONFIG_KEY}.{k}' for k in unknown)}; "
-                              f"allowed keys: {', '.join(allowed)}")
+        refuse_unknown_keys(CONFIG_KEY, raw, [f.name for f in dataclasses.fields(cls)])
         return cls(**dict(raw))
 
     @classmethod

@@ -7,6 +7,8 @@ cause) at the next save, wait or optimizer-step fence: they never pass silently.
 
 from __future__ import annotations
 
+from typing import Any, Mapping, Sequence
+
 
 class AsyncCheckpointError(RuntimeError):
     """Base class of every error this package raises."""
@@ -14,6 +16,15 @@ class AsyncCheckpointError(RuntimeError):
 
 class ConfigError(AsyncCheckpointError, ValueError):
     """An ``async_checkpoint`` config key is unknown or has a bad value."""
+
+
+def refuse_unknown_keys(where: str, raw: Mapping[str, Any], allowed: Sequence[str]) -> None:
+    """:class:`ConfigError` naming the keys of the JSON object ``where`` (``async_checkpoint``,
+    ``async_checkpoint.tiers[0]``) that are not in ``allowed``, and the allowed ones."""
+    unknown = sorted(set(raw) - set(allowed))
+    if unknown:
+        raise ConfigError(f"unknown key(s) {', '.join(f'{where}.{k}' for k in unknown)}; "
+                          f"allowed keys: {', '.join(allowed)}")
 
 
 class SnapshotError(AsyncCheckpointError):

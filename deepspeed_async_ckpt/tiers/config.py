@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 from urllib.parse import urlsplit, urlunsplit
 
-from ..errors import ConfigError
+from ..errors import ConfigError, refuse_unknown_keys
 
 _KEY = "async_checkpoint.tiers"
 
@@ -109,11 +109,7 @@ def _parse_one(i: int, raw: Any) -> TierConfig:
     key = f"{_KEY}[{i}]"
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{key} must be a JSON object with a 'url', got {type(raw).__name__}")
-    allowed = [f.name for f in dataclasses.fields(TierConfig)]
-    unknown = sorted(set(raw) - set(allowed))
-    if unknown:
-        raise ConfigError(f"unknown key(s) {', '.join(f'{key}.{k}' for k in unknown)}; allowed keys: "
-                          f"{', '.join(allowed)}")
+    refuse_unknown_keys(key, raw, [f.name for f in dataclasses.fields(TierConfig)])
     if "url" not in raw:
         raise ConfigError(f"{key}.url is required: an absolute path or s3://bucket[/prefix]")
     url = raw["url"]
