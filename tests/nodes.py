@@ -2,10 +2,15 @@
 -m``) with its node's directory bound at the one checkpoint path, as node-local disks are
 mounted at the same path on every node. Used by the node-local and tiered integration tests."""
 
+import json
+import os
 import subprocess
 import sys
 
 import pytest
+import torch
+
+from _compare import assert_same
 
 from launch import free_port
 
@@ -54,3 +59,14 @@ def run_nodes(env, tmp_path, *args, worker, timeout=420, per_node=PER_NODE):
         logs = "\n".join(f"--- rank {r}:\n" + (tmp_path / f"{args[0]}.rank{r}.log").read_text()[-3000:]
                          for r in range(len(procs)))
         pytest.fail(f"{args[0]}: rank exit codes {codes}\n{logs}")
+
+
+def assert_every_rank_resumed(tmp_path, name: str, ranks: int) -> None:
+    """Every rank of a load phase loaded checkpoint ``name`` (at the common path) and got, bitwise,
+    the state it dumped when it saved (``out/saved_rank<r>.pt`` against ``loaded_rank<r>.pt``)."""
+    for r in range(ranks):
+        with open(tmp_path / "out" / f"loaded_rank{r}.json") as f:
+            assert os.path.dirname(json.load(f)["path"]) == str(tmp_path / "ckpt" / name)
+        saved = torch.load(tmp_path / "out" / f"saved_rank{r}.pt", weights_only=False)
+        loaded = torch.load(tmp_path / "out" / f"loaded_rank{r}.pt", weights_only=False)
+        assert_same(saved, loaded, f"rank {r}")

@@ -14,7 +14,7 @@ import torch
 
 from _compare import assert_same
 from conftest import REPO
-from nodes import NODES, PER_NODE, require_mount_namespaces, run_nodes
+from nodes import NODES, PER_NODE, assert_every_rank_resumed, require_mount_namespaces, run_nodes
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "node_local_worker.py")
 MEGATRON_WORKER = os.path.join(REPO, "tests", "integration", "megatron_workers", "node_local_worker.py")
@@ -56,12 +56,7 @@ def test_deepspeed_node_local_storage_commits_and_resumes_on_every_node(repo_env
         with open(tmp_path / "out" / f"saved_rank{r}.json") as f:
             assert json.load(f) == {"history": ["s1", "s2"], "errors": []}
     run_nodes(repo_env, tmp_path, "load", "--zero-stage", stage, "--tied", tied, worker=WORKER)
-    for r in range(NODES * PER_NODE):
-        with open(tmp_path / "out" / f"loaded_rank{r}.json") as f:
-            assert os.path.dirname(json.load(f)["path"]) == str(tmp_path / "ckpt" / "s2")
-        saved = torch.load(tmp_path / "out" / f"saved_rank{r}.pt", weights_only=False)
-        loaded = torch.load(tmp_path / "out" / f"loaded_rank{r}.pt", weights_only=False)
-        assert_same(saved, loaded, f"rank {r}")
+    assert_every_rank_resumed(tmp_path, "s2", NODES * PER_NODE)
 
 
 def test_megatron_node_local_tp2_on_two_nodes_commits_on_each(repo_env, tmp_path):

@@ -24,7 +24,7 @@ from deepspeed_async_ckpt.tiers.mirror import drain_checkpoint
 from deepspeed_async_ckpt.tiers.remote import PathRemote
 from deepspeed_async_ckpt.tiers.restore import restore
 from helpers import make
-from nodes import NODES, PER_NODE, require_mount_namespaces, run_nodes
+from nodes import NODES, PER_NODE, assert_every_rank_resumed, require_mount_namespaces, run_nodes
 from s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "tiers_node_local_worker.py")
@@ -219,12 +219,7 @@ def test_deepspeed_node_local_drains_to_s3_and_a_node_without_its_disk_resumes(
     restored = 1 if stage == 1 else 0
     for rel in manifest["nodes"][str(restored)]:  # the lost node's files: the tier's bytes
         assert (tmp_path / f"node{restored}" / "s2" / rel).read_bytes() == s3.get(f"job/s2/{rel}"), rel
-    for r in range(NODES * PER_NODE):
-        with open(tmp_path / "out" / f"loaded_rank{r}.json") as f:
-            assert os.path.dirname(json.load(f)["path"]) == str(tmp_path / "ckpt" / "s2")
-        saved = torch.load(tmp_path / "out" / f"saved_rank{r}.pt", weights_only=False)
-        loaded = torch.load(tmp_path / "out" / f"loaded_rank{r}.pt", weights_only=False)
-        assert_same(saved, loaded, f"rank {r}")
+    assert_every_rank_resumed(tmp_path, "s2", NODES * PER_NODE)
 
 
 @pytest.mark.slow
