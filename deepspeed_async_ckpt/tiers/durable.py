@@ -90,12 +90,17 @@ class DurableTiers:
         """Wait until the checkpoints committed so far (``wait()`` returned) are drained, or
         given up after a failure, on every tier, for at most ``timeout`` seconds each (tests,
         benchmarks); returns whether they were."""
-        if self._report is not None and self.drainers:  # their commit callbacks queued them first
-            queued = threading.Event()
-            self._report(queued.set)
-            if not queued.wait(timeout):
-                return False
-        return all(d.wait_idle(timeout) for d in self.drainers)
+        return self.wait_queued(timeout) and all(d.wait_idle(timeout) for d in self.drainers)
+
+    def wait_queued(self, timeout: float | None = None) -> bool:
+        """Wait until the drains of the checkpoints committed so far are queued: commit callbacks
+        run on the checkpointer's reporting thread, after ``wait()`` returned. Returns whether
+        they ran within ``timeout`` seconds."""
+        if self._report is None or not self.drainers:
+            return True
+        queued = threading.Event()
+        self._report(queued.set)  # runs after every callback reported before it
+        return queued.wait(timeout)
 
     def close(self) -> None:
         for drainer in self.drainers:

@@ -142,6 +142,7 @@ def test_backlog_is_one_drain_running_and_one_waiting_the_newest(tmp_path):
     for i in range(1, 5):
         save_states(ck, str(local), [i])
         ck.wait()
+        assert ck.tiers.wait_queued(10)  # its commit callback submitted it
         backlog.append(drainer.backlog)
     assert max(backlog) <= 2
     assert drainer.replaced == ["step2", "step3"]  # each replaced by the newer one

@@ -41,11 +41,11 @@ def test_remote_cut_mid_upload_never_stalls_saves_and_the_drain_completes_later(
     drainer = ck.tiers.drainers[0]
     calm = [timed_save(ck, local, 1, state)]
     ck.wait()
-    assert drainer.wait_idle(60) and tier_pointer(s3) == "step1"
+    assert ck.tiers.wait_idle(60) and tier_pointer(s3) == "step1"
     for step in (2, 3):  # the same run's saves with no remote trouble, each drained
         calm.append(timed_save(ck, local, step, state))
         ck.wait()
-        assert drainer.wait_idle(60)
+        assert ck.tiers.wait_idle(60)
     assert tier_pointer(s3) == "step3"
 
     s3_server.relay.delay_s = 0.01  # a slow link: the next upload takes seconds
@@ -75,7 +75,7 @@ def test_remote_cut_mid_upload_never_stalls_saves_and_the_drain_completes_later(
     assert statistics.median(trouble) <= 3 * statistics.median(calm) + 0.05, (calm, trouble)
 
     s3_server.relay.restore()  # the tier is back: the waiting drain (the newest) completes
-    assert drainer.wait_idle(120)
+    assert ck.tiers.wait_idle(120)
     assert tier_pointer(s3) == "step6"
     for rel in ("model.pt", ".async_ckpt/manifest.json"):
         assert s3.get(f"run/step6/{rel}") == open(os.path.join(local, "step6", rel), "rb").read()
