@@ -18,6 +18,8 @@ import subprocess
 import sys
 import time
 
+import warm_start  # this file's directory
+
 
 SCRATCH_MARK = ".scratch-of-async-ckpt-scripts"
 """The file :func:`scratch_dir` leaves in a directory it made, so a later run may empty it."""
@@ -92,7 +94,9 @@ def _ephemeral_low() -> int:
 
 def spawn(script: str, script_args: list[str], nproc: int, env: dict | None = None, *,
           log_prefix: str | None = None, cwd: str | None = None) -> list[subprocess.Popen]:
-    """Start ``nproc`` ranks and return them at once (see :func:`launch`, which waits)."""
+    """Start ``nproc`` ranks and return them at once (see :func:`launch`, which waits). With
+    ``ASYNC_CKPT_LAUNCH_PRELOAD`` in the environment, forked from a warm interpreter
+    (:mod:`warm_start`), not started fresh."""
     port = free_port()
     procs = []
     for rank in range(nproc):
@@ -102,7 +106,13 @@ def spawn(script: str, script_args: list[str], nproc: int, env: dict | None = No
         e.setdefault("DS_ACCELERATOR", "cpu")
         e.setdefault("OMP_NUM_THREADS", "1")
         cmd = [sys.executable, script, *script_args]
-        if log_prefix is None:
+        if warm_start.preloads(e):  # forked from an interpreter that imported torch once
+            if log_prefix is None:
+                procs.append(warm_start.start(script, script_args, e, cwd=cwd))
+            else:
+                with open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8") as log:
+                    procs.append(warm_start.start(script, script_args, e, cwd=cwd, output=log.fileno()))
+        elif log_prefix is None:
             procs.append(subprocess.Popen(cmd, env=e, cwd=cwd))
         else:  # the rank keeps its own descriptor of the log file
             with open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8") as log:
