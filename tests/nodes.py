@@ -1,6 +1,7 @@
-"""Two simulated nodes on one machine: every rank in a mount namespace of its own (``unshare
--m``) with its node's directory bound at the one checkpoint path, as node-local disks are
-mounted at the same path on every node. Used by the node-local and tiered integration tests."""
+"""Two simulated nodes on one machine: every rank in a mount namespace of its own (as ``unshare
+-m``; ``integration/workers/on_node.py``) with its node's directory bound at the one checkpoint
+path, as node-local disks are mounted at the same path on every node. Used by the node-local
+and tiered integration tests."""
 
 import json
 import os
@@ -12,7 +13,10 @@ import torch
 
 from _compare import assert_same
 
+import warm_start
 from launch import free_port
+
+ON_NODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration", "workers", "on_node.py")
 
 NODES, PER_NODE = 2, 2
 
@@ -41,13 +45,14 @@ def run_nodes(env, tmp_path, *args, worker, timeout=420, per_node=PER_NODE):
         node_dir.mkdir(exist_ok=True)
         e = dict(env, RANK=str(rank), LOCAL_RANK=str(rank % per_node), WORLD_SIZE=str(NODES * per_node),
                  LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        # $0: this node's directory, $1: the common path, then the command
-        cmd = ["unshare", "-m", "sh", "-c", 'mount --bind "$0" "$1" && shift && exec "$@"',
-               str(node_dir), str(common), sys.executable, worker, *map(str, args),
-               "--ckpt", str(common), "--out", str(tmp_path / "out")]
-        log = open(tmp_path / f"{args[0]}.rank{rank}.log", "w")
-        procs.append(subprocess.Popen(cmd, env=e, stdout=log, stderr=subprocess.STDOUT))
-        log.close()
+        argv = [str(node_dir), str(common), worker, *map(str, args),
+                "--ckpt", str(common), "--out", str(tmp_path / "out")]
+        with open(tmp_path / f"{args[0]}.rank{rank}.log", "w") as log:
+            if warm_start.preloads(e):  # forked from a warm interpreter (scripts/launch.py's way)
+                procs.append(warm_start.start(ON_NODE, argv, e, output=log.fileno()))
+            else:
+                procs.append(subprocess.Popen([sys.executable, ON_NODE, *argv], env=e, stdout=log,
+                                              stderr=subprocess.STDOUT))
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:
