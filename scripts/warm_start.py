@@ -44,14 +44,15 @@ def preloads(env: dict) -> list[str]:
 
 
 def start(script: str, args: list[str], env: dict, *, cwd: str | None = None,
-          output: int | None = None) -> "Rank":
+          output: int | None = None, stdout: int | None = None, stderr: int | None = None) -> "Rank":
     """Run ``script`` with ``args`` in a process forked from the fork server (started at the first
-    call, with ``env``'s preloads). ``output``: a descriptor for its stdout and stderr (default:
-    this process's stdout and stderr)."""
+    call, with ``env``'s preloads). ``output``: a descriptor for both its stdout and stderr; or
+    ``stdout`` and ``stderr`` (default: this process's own)."""
     _ensure_server(env)
+    out = output if output is not None else stdout if stdout is not None else 1
+    err = output if output is not None else stderr if stderr is not None else 2
     process = _context.Process(target=_run, args=(os.path.abspath(script), list(args), dict(env), cwd,
-                                                   _Fd(1 if output is None else output),
-                                                   _Fd(2 if output is None else output)),
+                                                   _Fd(out), _Fd(err)),
                                name=os.path.basename(script))
     process.start()  # the descriptors travel to the fork server now
     return Rank(process)

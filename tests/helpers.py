@@ -74,6 +74,34 @@ def run_script(script: str, env: dict, *args: str, timeout: float = 120):
                           text=True, timeout=timeout)
 
 
+def run_rank_script(script: str, args, env: dict, timeout: float = 120):
+    """Run the rank script ``script`` with ``args`` as ``python script args`` would, forked from the
+    warm interpreter where ``env`` asks for one (``scripts/warm_start.py``); its completed
+    process, stdout and stderr as text."""
+    import subprocess
+    import sys
+    import tempfile
+
+    import warm_start
+
+    args = [str(a) for a in args]
+    if not warm_start.preloads(env):
+        return subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True,
+                              timeout=timeout)
+    with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
+        rank = warm_start.start(script, args, env, stdout=out.fileno(), stderr=err.fileno())
+        try:
+            code = rank.wait(timeout)
+        except subprocess.TimeoutExpired:
+            rank.kill()
+            rank.wait()
+            raise
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess([script, *args], code, out.read().decode(errors="replace"),
+                                           err.read().decode(errors="replace"))
+
+
 def the_next_save_commits_and_closes(ck, tmp_path):
     """After a save that failed: the next one (tag ``t2``) commits, and ``close`` returns."""
     save_one(ck, str(tmp_path), sample_state(), tag="t2")

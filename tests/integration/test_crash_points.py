@@ -5,13 +5,11 @@ itself and the pointer (with ``keep_last=1``)."""
 
 import json
 import os
-import subprocess
 import sys
 
 import pytest
 import torch
 
-from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.tools.cli import main as cli
 from deepspeed_async_ckpt.commit import LOCK_FILE, verify_checkpoint
 
@@ -19,6 +17,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.join(HERE, "workers"))
 
 import crash_points  # noqa: E402
+from helpers import run_rank_script  # noqa: E402
 
 
 def _same(a, b, where=""):
@@ -38,8 +37,8 @@ def _same(a, b, where=""):
 def test_a_save_killed_at_any_filesystem_operation_leaves_a_loadable_checkpoint(tmp_path, repo_env,
                                                                                 scenario, capsys):
     out = tmp_path / "runs"
-    subprocess.run([sys.executable, os.path.join(HERE, "workers", "crash_points.py"), scenario, str(out)],
-                   check=True, env=repo_env, timeout=600)
+    run = run_rank_script(os.path.join(HERE, "workers", "crash_points.py"), [scenario, out], repo_env, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     runs = report["runs"]
     # every operation was a crash point, and the run past the last one finished
@@ -94,8 +93,9 @@ def test_a_megatron_save_killed_at_any_filesystem_operation_leaves_the_tracked_i
     iteration 3."""
     pytest.importorskip("megatron.core")
     out = tmp_path / "runs"
-    subprocess.run([sys.executable, os.path.join(HERE, "workers", "crash_points_megatron.py"), scenario,
-                    str(out)], check=True, env=repo_env, timeout=600, stdout=subprocess.DEVNULL)
+    run = run_rank_script(os.path.join(HERE, "workers", "crash_points_megatron.py"), [scenario, out], repo_env,
+                          timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads((out / "report.json").read_text())
     runs, total = report["runs"], report["operations"]
     assert total >= 40, total

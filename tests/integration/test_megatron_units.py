@@ -28,6 +28,7 @@ from megatron_adapter.layout import ParallelLayout  # noqa: E402
 from megatron_adapter.megatron_lm import extra_args_provider  # noqa: E402
 
 from conftest import REPO  # noqa: E402
+from helpers import run_rank_script  # noqa: E402
 
 
 def parse(*argv: str) -> argparse.Namespace:
@@ -126,8 +127,8 @@ def _run_one_rank(worker: str) -> dict:
     sys.path.insert(0, os.path.join(REPO, "scripts"))
     from launch import free_port
 
-    out = subprocess.run([sys.executable, os.path.join(REPO, "tests", "integration", "workers", worker), str(free_port())],
-                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=REPO))
+    out = run_rank_script(os.path.join(REPO, "tests", "integration", "workers", worker), [free_port()],
+                          dict(os.environ, PYTHONPATH=REPO))
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
 
