@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 import os
 import socket
 import subprocess
@@ -115,3 +116,61 @@ def test_demo_refuses_a_kill_step_it_cannot_resume_from(tmp_path):
                           capture_output=True, text=True, timeout=60)
     assert proc.returncode == 2 and "--kill-at 7 must be a multiple of --save-every 5" in proc.stderr
     assert not (tmp_path / "w").exists()
+
+
+# ------------------------------------------------------------------- ranks from a warm interpreter
+RANK_SCRIPT = r'''
+import atexit, json, os, sys, threading, time, warnings
+import torch
+
+def late():
+    time.sleep(0.2)
+    print("thread joined", flush=True)
+
+threading.Thread(target=late).start()  # non-daemon: joined before the exit handlers
+atexit.register(print, "atexit ran")
+with warnings.catch_warnings(record=True) as caught:
+    warnings.warn("shown unless PYTHONWARNINGS=ignore")
+print(json.dumps({"argv": sys.argv[1:], "cwd": os.getcwd(), "rank": os.environ["RANK"],
+                  "path0": sys.path[0], "threads": torch.get_num_threads(), "warned": len(caught),
+                  "name": __name__, "marker": os.environ.get("MARKER")}), flush=True)
+how = ["return", "exit", "raise", "kill"][int(os.environ["RANK"])]
+if how == "exit":
+    sys.exit(3)
+if how == "raise":
+    raise RuntimeError("raised in the rank")
+if how == "kill":
+    os.kill(os.getpid(), 9)
+'''
+
+
+def _four_ranks(tmp_path, preload):
+    script = tmp_path / "rank.py"
+    script.write_text(RANK_SCRIPT)
+    env = dict(os.environ, MARKER="m", PYTHONWARNINGS="ignore", PYTHONPATH=REPO,
+               **{launch.warm_start.PRELOAD: preload})
+    prefix = str(tmp_path / ("forked" if preload else "fresh"))
+    codes = launch.launch(str(script), ["a", "b c"], 4, timeout=120, env=env, log_prefix=prefix,
+                          cwd=str(tmp_path))
+    return codes, [open(f"{prefix}.rank{r}.log").read() for r in range(4)]
+
+
+def test_a_rank_forked_from_the_warm_interpreter_runs_and_exits_as_a_fresh_one(tmp_path):
+    """The same script launched fresh and forked (ranks returning, exiting with 3, raising,
+    killed): the same exit codes, argv, environment, working directory, sys.path[0], thread
+    count, warnings filter, exit handlers after the threads, and output."""
+    fresh, fresh_logs = _four_ranks(tmp_path, "")
+    forked, forked_logs = _four_ranks(tmp_path, "torch,deepspeed,megatron.core")
+    assert fresh == forked == [0, 3, 1, -9]
+    for rank, (a, b) in enumerate(zip(fresh_logs, forked_logs)):
+        first = [json.loads(log.splitlines()[0]) for log in (a, b)]
+        assert first[0] == first[1] == {"argv": ["a", "b c"], "cwd": str(tmp_path), "rank": str(rank),
+                                         "path0": str(tmp_path), "threads": 1, "warned": 0,
+                                         "name": "__main__", "marker": "m"}, (a, b)
+        for log in (a, b):
+            if rank == 3:  # nothing after the kill
+                assert "atexit ran" not in log, log
+            else:
+                assert log.index("thread joined") < log.index("atexit ran"), log
+            if rank == 2:
+                assert "RuntimeError: raised in the rank" in log, log
