@@ -43,21 +43,33 @@ def verify_file(path: str, manifest: dict | None = None, segment: int | Sequence
     if segment is not None:
         segments = [segments[i] for i in ([segment] if isinstance(segment, int) else segment)]
     try:
-        size = os.path.getsize(path)
-        if size == entry["bytes"]:
-            hashed = hash_ranges(path, algorithm, [(offset, length) for offset, length, _ in segments])
+        problem = file_problem(path, entry, algorithm, segments)
     except OSError as exc:  # missing, unreadable: as bad as a wrong checksum
         raise IntegrityError(f"{path}: listed in the manifest of checkpoint {ckpt_dir!r} but "
                              f"cannot be read: {exc}") from exc
+    if problem is not None:
+        raise IntegrityError(f"{path}: {problem}")
+
+
+def file_problem(path: str, entry: dict, algorithm: str,
+                 segments: Sequence[Sequence] | None = None) -> str | None:
+    """What is wrong with the file at ``path`` as the manifest ``entry`` describes it (checked
+    with ``algorithm``), or None: its size, then each segment's length and checksum (all of
+    the entry's segments, or ``segments``). The message does not name the file. Raises
+    ``OSError`` where the file cannot be read (missing too)."""
+    if segments is None:
+        segments = entry.get("segments") or [[0, None, entry.get(algorithm)]]
+    size = os.path.getsize(path)
     if size != entry["bytes"]:
-        raise IntegrityError(f"{path}: size {size} bytes, manifest says {entry['bytes']}: file truncated or replaced")
+        return f"size {size} bytes, manifest says {entry['bytes']}: file truncated or replaced"
+    hashed = hash_ranges(path, algorithm, [(offset, length) for offset, length, _ in segments])
     for (offset, length, expected), (n, digest) in zip(segments, hashed):
         where = "" if length is None else f" (bytes {offset}-{offset + length})"
         if n != (size if length is None else length):  # changed while it was read
-            raise IntegrityError(f"{path}: read {n} bytes{where}, expected {length or size}: file truncated")
+            return f"read {n} bytes{where}, expected {length or size}: file truncated"
         if algorithm != "none" and digest != expected:
-            raise IntegrityError(f"{path}: {algorithm} {digest}{where} does not match manifest "
-                                 f"{expected}: file corrupted")
+            return f"{algorithm} {digest}{where} does not match manifest {expected}: file corrupted"
+    return None
 
 
 def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,

@@ -32,34 +32,13 @@ from typing import Callable, Sequence
 
 from ..commit import LATE_FILES, MANIFEST, META_DIR, write_text_atomic
 from ..commit.manifest import manifest_problem, read_manifest
+from ..commit.verify import file_problem
 from ..errors import IntegrityError
-from ..persist import hash_ranges
 from ..storage import LocalStorage, temporary_path
 from .mirror import files_of_node, read_tier_manifest, read_tier_pointer
 from .remote import Remote, manifest_key
 
 logger = logging.getLogger(__name__)
-
-
-def copy_problem(path: str, entry: dict, algorithm: str) -> str | None:
-    """What is wrong with the file at ``path`` as a copy of a manifest entry, or None."""
-    segments = entry.get("segments") or [[0, None, entry.get(algorithm)]]
-    try:
-        size = os.path.getsize(path)
-        if size != entry["bytes"]:
-            return f"size {size} bytes, the manifest says {entry['bytes']}"
-        hashed = hash_ranges(path, algorithm, [(o, n) for o, n, _ in segments])
-    except FileNotFoundError:
-        return "missing"
-    except OSError as exc:
-        return f"cannot be read: {exc}"
-    for (offset, length, expected), (n, digest) in zip(segments, hashed):
-        if n != (size if length is None else length):
-            return f"truncated at byte {offset + n}"
-        if algorithm != "none" and digest != expected:
-            where = "" if length is None else f" (bytes {offset}-{offset + length})"
-            return f"{algorithm} {digest}{where} does not match the manifest's {expected}: corrupted"
-    return None
 
 
 class _Source:
@@ -135,7 +114,7 @@ def _fetch(path: str, key: str, entry: dict, algorithm: str, holders: Sequence[R
     for remote in holders:
         try:
             remote.get_file(key, tmp)
-            problem = copy_problem(tmp, entry, algorithm)
+            problem = file_problem(tmp, entry, algorithm)
         except Exception as exc:  # noqa: BLE001 - that tier's copy is unusable: the next one
             problem = f"cannot be fetched: {type(exc).__name__}: {exc}"
         if problem is None:
@@ -209,7 +188,10 @@ def _ensure(ckpt_dir: str, name: str, rel: str, entry: dict, algorithm: str,
             holders: Sequence[Remote]) -> int:
     """1 if the file was fetched, 0 if the first tier's copy verifies."""
     path = os.path.join(ckpt_dir, rel)
-    local = copy_problem(path, entry, algorithm)
+    try:
+        local = file_problem(path, entry, algorithm)
+    except OSError as exc:  # missing on the first tier: what a replaced node's disk is
+        local = f"cannot be read: {exc}"
     if local is None:
         return 0
     os.makedirs(os.path.dirname(path), exist_ok=True)

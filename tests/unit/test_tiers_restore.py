@@ -109,7 +109,7 @@ def test_no_valid_copy_anywhere_names_each_copy(tmp_path):
         restore(str(local), [PathRemote(str(tier))], pointer_name="latest")
     message = str(err.value)
     assert "no tier holds a valid copy of model.pt" in message
-    assert f"{local / 'step1' / 'model.pt'}: missing" in message
+    assert f"{local / 'step1' / 'model.pt'}: cannot be read: [Errno 2] No such file or directory" in message
     assert f"{tier / 'step1' / 'model.pt'}: cannot be fetched" in message
 
 
