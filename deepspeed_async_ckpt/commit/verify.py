@@ -73,7 +73,7 @@ def file_problem(path: str, entry: dict, algorithm: str,
 
 
 def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
-                      manifest: dict | None = None,
+                      manifest: dict | None = None, node: int | None = None,
                       include: Callable[[str], bool] | None = None,
                       reads: Callable[[str], Iterable[tuple[int, int]] | None] | None = None) -> dict:
     """Verify the files of a committed checkpoint (against ``manifest`` if already read);
@@ -87,9 +87,10 @@ def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
 
     A manifest with ``nodes`` (node-local storage): the ranks of each node (see
     :mod:`.nodes`) split the files its directory holds, the others are not there to check;
-    each node's first rank checks the late files (every node's leader writes them)."""
+    each node's first rank checks the late files (every node's leader writes them). ``node``:
+    the node whose directory ``ckpt_dir`` is (default: ``rank``'s)."""
     manifest = manifest or read_manifest(ckpt_dir)
-    here = files_on_node(manifest, node_of(rank, world_size))
+    here = files_on_node(manifest, node_of(rank, world_size) if node is None else node)
     if here is not None:  # this node's ranks, over this node's files
         per_node = local_world_size(world_size)
         first = rank - rank % per_node

@@ -22,11 +22,14 @@ def add_parser(sub) -> None:
                                    "no checksums to verify against).")
     p.add_argument("path", help="a checkpoint directory (e.g. ckpt/global_step100), or a save dir "
                                 "with a `latest` or `latest_checkpointed_iteration.txt` pointer")
+    p.add_argument("--node", type=int, default=None,
+                   help="node-local storage: the node whose copy PATH is (default: the node whose "
+                        "files the manifest lists are all there, else the one with the most)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..commit import META_DIR, verify_checkpoint
+    from ..commit import META_DIR, read_manifest, verify_checkpoint
     from ..errors import IntegrityError
 
     path = args.path
@@ -51,7 +54,9 @@ def run(args: argparse.Namespace) -> int:
         raise CliError(f"{path!r} was not written by this engine (no {META_DIR}/): it holds no "
                        "checksums to verify against")
     try:
-        manifest = verify_checkpoint(path)
+        manifest = read_manifest(path)
+        node = _node_of_copy(path, manifest, args.node)
+        verify_checkpoint(path, manifest=manifest, node=node)
     except IntegrityError as e:
         if isinstance(e.__cause__, PermissionError):  # a file the user may not read: not a
             # verdict on the checkpoint, which may well be intact
@@ -66,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
     carried = len(manifest.get("carried", ()))
     files = f"{len(manifest['files'])} files" + (
         f" ({carried} carried over from the checkpoint it replaced)" if carried else "")
+    if node is not None:  # node-local: this directory holds this node's part
+        here = manifest["nodes"][str(node)]
+        total = sum(manifest["files"][rel]["bytes"] for rel in here)
+        files = f"node {node}'s copy: {len(here)} of the {files}"
     print(f"OK: {path}: tag {manifest['tag']}, {files}, {total} bytes, "
           f"{manifest['world_size']} ranks, {checked}{note}")
     unlisted = _unlisted_files(path, manifest)
@@ -74,6 +83,24 @@ def run(args: argparse.Namespace) -> int:
         print(f"note: {len(unlisted)} file(s) there not in the manifest, not verified (a load "
               f"through the engine refuses them): {shown}")
     return 0
+
+
+def _node_of_copy(ckpt_dir: str, manifest: dict, node: int | None) -> int | None:
+    """The node whose copy ``ckpt_dir`` is, for a node-local manifest (with ``nodes``; None
+    otherwise): ``node`` if given (refused if the manifest lists no such node), else the
+    lowest node whose listed files are all there, else the one with the most of them there."""
+    nodes = manifest.get("nodes")
+    if nodes is None:
+        return None
+    if node is not None:
+        if str(node) not in nodes:
+            raise CliError(f"--node {node}: the manifest of {ckpt_dir!r} lists node(s) "
+                           f"{', '.join(sorted(nodes, key=int))}")
+        return node
+    present = {int(n): sum(os.path.isfile(os.path.join(ckpt_dir, rel)) for rel in files)
+               for n, files in nodes.items()}
+    complete = [n for n in sorted(present) if present[n] == len(nodes[str(n)])]
+    return complete[0] if complete else max(sorted(present), key=lambda n: present[n])
 
 
 def _unlisted_files(ckpt_dir: str, manifest: dict) -> list[str]:

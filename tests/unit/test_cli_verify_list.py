@@ -272,3 +272,40 @@ def test_a_manifest_this_version_cannot_check_is_named_not_the_intact_file(tmp_p
     assert cli_main(["list", "--json", str(tmp_path)]) == 0
     (row,) = json.loads(capsys.readouterr().out)
     assert row["state"] == "damaged" and problem in row["problem"], row
+
+
+def _node_copy(root, files: dict[str, bytes], elsewhere: dict[str, bytes]):
+    """Node 1's copy of a node-local checkpoint (its ``files`` there, ``elsewhere`` only on
+    node 0, ``model.pt`` on both), with the manifest listing both nodes."""
+    import xxhash
+
+    def entry(data):
+        return {"bytes": len(data), "xxh128": xxhash.xxh3_128_hexdigest(data)}
+
+    d = root / "t"
+    (d / META_DIR).mkdir(parents=True)
+    for rel, data in files.items():
+        (d / rel).write_bytes(data)
+    manifest = {"format": "deepspeed_async_ckpt/1", "tag": "t", "save_id": "s", "world_size": 4,
+                "checksum": "xxh128", "committed_at": 1.0,
+                "files": {rel: entry(data) for rel, data in {**elsewhere, **files}.items()},
+                "nodes": {"0": sorted(["model.pt", *elsewhere]), "1": sorted(files)}}
+    (d / META_DIR / "manifest.json").write_text(json.dumps(manifest))
+    return d
+
+
+def test_verify_of_a_node_local_copy_checks_the_files_its_node_holds(tmp_path, capsys):
+    """Run on node 1's disk, verify checks node 1's files (found by which node's files are
+    there, or named with --node), not node 0's, which are not there to check."""
+    d = _node_copy(tmp_path, {"model.pt": b"m", "zero_2.pt": b"z2", "zero_3.pt": b"z3"},
+                   {"zero_0.pt": b"z0", "zero_1.pt": b"z1"})
+    assert cli_main(["verify", str(d)]) == 0
+    assert "node 1's copy: 3 of the 5 files, 5 bytes" in capsys.readouterr().out
+    assert cli_main(["verify", "--node", "0", str(d)]) == 1
+    err = capsys.readouterr().err
+    assert "CORRUPT" in err and "zero_0.pt: listed in the manifest" in err, err
+    assert cli_main(["verify", "--node", "7", str(d)]) == 2
+    assert "--node 7: the manifest of" in capsys.readouterr().err
+    os.remove(d / "zero_2.pt")  # node 1's copy damaged: still node 1's (2 of its 3 files there)
+    assert cli_main(["verify", str(d)]) == 1
+    assert "zero_2.pt: listed in the manifest" in capsys.readouterr().err
