@@ -41,7 +41,7 @@ def test_a_steady_state_plan_reuses_the_last_one_and_allocates_a_few_objects_per
     cache = PlanCache()
     plan_file(state, set(), "f", cache)
     fresh_objects, fresh = _tracked_objects_left_by(lambda: plan_file(state, set(), "f"))
-    for step in range(2, 40):  # Python values change (steps, lr), the structure does not
+    for step in range(2, 12):  # Python values change (steps, lr), the structure does not
         state["global_steps"] = step
         state["optimizer"]["param_groups"][0]["lr"] = 0.1 / step
         objects, plan = _tracked_objects_left_by(lambda: plan_file(state, set(), "f", cache))
@@ -49,7 +49,7 @@ def test_a_steady_state_plan_reuses_the_last_one_and_allocates_a_few_objects_per
         # per record: its TensorItem with its latch, source view, label and storage identity
         assert objects <= 6 * records + 50, (step, objects, records)
         del plan
-    assert cache.hits == 38
+    assert cache.hits == 10
     assert objects < fresh_objects / 2, (objects, fresh_objects)
     again = plan_file(state, set(), "f")
     cached = plan_file(state, set(), "f", cache)
