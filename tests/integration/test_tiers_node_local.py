@@ -27,8 +27,8 @@ from helpers import make
 from nodes import NODES, PER_NODE, assert_every_rank_resumed, require_mount_namespaces, run_nodes
 from s3server import s3, s3_server  # noqa: F401  (fixtures)
 
-WORKER = os.path.join(REPO, "tests", "integration", "workers", "tiers_node_local_worker.py")
-MEGATRON_WORKER = os.path.join(REPO, "tests", "integration", "megatron_workers", "tiers_node_local_worker.py")
+WORKER = os.path.join(REPO, "tests", "integration", "workers", "node_local_worker.py")
+MEGATRON_WORKER = os.path.join(REPO, "tests", "integration", "megatron_workers", "node_local_worker.py")
 AWS = dict(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
 
 
@@ -210,7 +210,7 @@ def test_deepspeed_node_local_drains_to_s3_and_a_node_without_its_disk_resumes(
         assert (tmp_path / "node1" / "s1").is_dir()
         shutil.rmtree(tmp_path / "node1" / "s2")
         (tmp_path / "node1" / "latest").write_text("s1")
-    run_nodes(env, tmp_path, "resume", *args, worker=WORKER)
+    run_nodes(env, tmp_path, "load", *args, worker=WORKER)
     for node in range(NODES):
         root = tmp_path / f"node{node}"
         assert (root / "latest").read_text() == "s2", f"node {node}'s pointer"
@@ -242,7 +242,7 @@ def test_megatron_node_local_drains_to_s3_and_restore_brings_every_file_to_each_
     only_node1 = set(manifest["nodes"]["1"]) - set(manifest["nodes"]["0"])
     assert only_node1 and not (tmp_path / "node0" / name / sorted(only_node1)[0]).exists()
     _lose_disk(tmp_path, 1)
-    run_nodes(env, tmp_path, "resume", *args, worker=MEGATRON_WORKER, per_node=1)
+    run_nodes(env, tmp_path, "load", *args, worker=MEGATRON_WORKER, per_node=1)
     for node in range(NODES):
         root = tmp_path / f"node{node}"
         assert (root / "latest_checkpointed_iteration.txt").read_text() == "3"
