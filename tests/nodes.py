@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 
 import pytest
 import torch
@@ -23,14 +24,14 @@ NODES, PER_NODE = 2, 2
 
 def require_mount_namespaces() -> None:
     """Fail, saying why, where this machine cannot make a mount namespace (not root, or a
-    container without CAP_SYS_ADMIN): these tests simulate nodes with them."""
-    try:
-        probe = subprocess.run(["unshare", "-m", "true"], capture_output=True, text=True, timeout=30)
-    except FileNotFoundError:
-        pytest.fail("node-local tests need `unshare` (util-linux) to simulate nodes")
+    container without CAP_SYS_ADMIN): these tests simulate nodes with them. The probe enters one
+    as a rank does (``on_node.py``, an empty script)."""
+    with tempfile.TemporaryDirectory() as node, tempfile.TemporaryDirectory() as common:
+        probe = subprocess.run([sys.executable, ON_NODE, node, common, os.devnull], capture_output=True,
+                               text=True, timeout=30)
     if probe.returncode != 0:
-        pytest.fail("node-local tests simulate nodes with mount namespaces, and `unshare -m true` "
-                    f"failed here (exit {probe.returncode}: {probe.stderr.strip()}); run them as root "
+        pytest.fail("node-local tests simulate nodes with mount namespaces, and entering one failed "
+                    f"here (exit {probe.returncode}: {probe.stderr.strip()[-500:]}); run them as root "
                     "or with CAP_SYS_ADMIN")
 
 

@@ -1,5 +1,5 @@
 """Node-local storage on two simulated nodes (2 ranks each), no directory shared by all ranks:
-each rank runs in a mount namespace of its own (``unshare -m``) with its node's directory
+each rank runs in a mount namespace of its own (``tests/nodes.py``) with its node's directory
 bound at the one checkpoint path, as node-local disks are mounted at the same path on every
 node. The records travel through the process group's store; each node's leader commits its
 node's copy; every rank resumes from its own node, bitwise equal to what it saved."""
