@@ -155,6 +155,11 @@ def write_count(count_file: str) -> None:
         f.write(str(n))
 
 
+LANES = 2
+"""Runs at a time: the driver is one process, its runs each one thread's work (torch single
+threaded), so two at a time keep two cores busy."""
+
+
 def in_child(fn: Callable[[], None]) -> int:
     """Run ``fn()`` in a forked child; its exit code: 0 once ``fn`` returns, 1 if it raised
     (traceback on stderr), :data:`CRASH_EXIT` if a crash point ended it."""
@@ -177,8 +182,9 @@ def crash_every_operation(scenario: str, out: str, setup: Callable[[str], None],
     """The driver: ``setup(root)`` commits the first checkpoint into a template directory;
     ``run(root, crash_at, count_file)`` is the scenario (``crash_at`` 0 and a ``count_file``:
     count its operations; ``count_file`` None: die before operation ``crash_at``), each in a
-    forked child, once per operation on a fresh copy of the template, ``OUT/<n>``. ``check(n,
-    root)``, if given, adds fields to run ``n``'s entry in ``OUT/report.json``."""
+    forked child, once per operation on a fresh copy of the template, ``OUT/<n>`` (:data:`LANES`
+    at a time). ``check(n, root)``, if given, adds fields to run ``n``'s entry in
+    ``OUT/report.json``; it runs in the process that ran ``n``."""
     os.makedirs(out, exist_ok=True)
     template = os.path.join(out, "template")
     if in_child(lambda: setup(template)) != 0:
@@ -189,14 +195,36 @@ def crash_every_operation(scenario: str, out: str, setup: Callable[[str], None],
         raise SystemExit("the scenario failed without a crash")
     with open(count_file) as f:
         total = int(f.read())
+    # the runs are independent (each on its own copy): LANES forked processes take turns at
+    # them, each writing its entries to a file of its own
+    lanes = []
+    for lane in range(LANES):
+        lanes.append(os.fork())
+        if lanes[-1] == 0:
+            code = 1
+            try:
+                entries = []
+                for n in range(1 + lane, total + 2, LANES):  # total + 1: the run that finishes
+                    root = os.path.join(out, str(n))
+                    shutil.copytree(template, root)
+                    entry = {"n": n, "exit": in_child(lambda: run(root, n, None))}
+                    if check is not None:
+                        entry.update(check(n, root))
+                    entries.append(entry)
+                with open(os.path.join(out, f"lane{lane}.json"), "w") as f:
+                    json.dump(entries, f)
+                code = 0
+            except BaseException:  # noqa: BLE001 - reported by the exit code
+                traceback.print_exc()
+                sys.stderr.flush()
+            os._exit(code)
+    if any(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1]) != 0 for pid in lanes):
+        raise SystemExit("a lane of runs failed (its traceback is above)")
     runs = []
-    for n in range(1, total + 2):  # total + 1: the run that finishes
-        root = os.path.join(out, str(n))
-        shutil.copytree(template, root)
-        entry = {"n": n, "exit": in_child(lambda: run(root, n, None))}
-        if check is not None:
-            entry.update(check(n, root))
-        runs.append(entry)
+    for lane in range(LANES):
+        with open(os.path.join(out, f"lane{lane}.json")) as f:
+            runs += json.load(f)
+    runs.sort(key=lambda entry: entry["n"])
     with open(os.path.join(out, "report.json"), "w") as f:
         json.dump({"scenario": scenario, "operations": total, "runs": runs}, f)
 

@@ -101,8 +101,8 @@ def main() -> int:
     torch.set_num_threads(1)
     stores = iter(range(10**6))
 
-    def store() -> str:  # a fresh file store for each child's process group
-        return os.path.join(out, f"store.{next(stores)}")
+    def store() -> str:  # a fresh file store for each child's process group (runs in the child)
+        return os.path.join(out, f"store.{os.getpid()}.{next(stores)}")
 
     def checked(n: int, root: str) -> dict:
         result = os.path.join(out, f"check.{n}.json")
