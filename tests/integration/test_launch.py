@@ -150,8 +150,11 @@ def _four_ranks(tmp_path, preload):
     env = dict(os.environ, MARKER="m", PYTHONWARNINGS="ignore", PYTHONPATH=REPO,
                **{launch.warm_start.PRELOAD: preload})
     prefix = str(tmp_path / ("forked" if preload else "fresh"))
-    codes = launch.launch(str(script), ["a", "b c"], 4, timeout=120, env=env, log_prefix=prefix,
-                          cwd=str(tmp_path))
+    ranks = launch.spawn(str(script), ["a", "b c"], 4, env, log_prefix=prefix, cwd=str(tmp_path))
+    try:  # every rank to its end (launch() would stop the others after the first failure)
+        codes = [rank.wait(timeout=120) for rank in ranks]
+    finally:
+        launch.stop(ranks)
     return codes, [open(f"{prefix}.rank{r}.log").read() for r in range(4)]
 
 
