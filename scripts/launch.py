@@ -105,18 +105,12 @@ def spawn(script: str, script_args: list[str], nproc: int, env: dict | None = No
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         e.setdefault("DS_ACCELERATOR", "cpu")
         e.setdefault("OMP_NUM_THREADS", "1")
-        cmd = [sys.executable, script, *script_args]
-        if warm_start.preloads(e):  # forked from an interpreter that imported torch once
-            if log_prefix is None:
-                procs.append(warm_start.start(script, script_args, e, cwd=cwd))
-            else:
-                with open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8") as log:
-                    procs.append(warm_start.start(script, script_args, e, cwd=cwd, output=log.fileno()))
-        elif log_prefix is None:
-            procs.append(subprocess.Popen(cmd, env=e, cwd=cwd))
+        if log_prefix is None:
+            procs.append(warm_start.popen(script, script_args, e, cwd=cwd))
         else:  # the rank keeps its own descriptor of the log file
             with open(f"{log_prefix}.rank{rank}.log", "w", encoding="utf-8") as log:
-                procs.append(subprocess.Popen(cmd, env=e, cwd=cwd, stdout=log, stderr=subprocess.STDOUT))
+                procs.append(warm_start.popen(script, script_args, e, cwd=cwd, stdout=log.fileno(),
+                                              stderr=log.fileno()))
     return procs
 
 

@@ -5,7 +5,7 @@ would, in a process forked from multiprocessing's fork server, which imported th
 Importing torch and DeepSpeed costs about 4 CPU-seconds per process on a small CPU host, and
 megatron-core another 5; a test suite that launches a few hundred ranks spends most of its time
 there. :mod:`launch` starts ranks this way when ``ASYNC_CKPT_LAUNCH_PRELOAD`` names the modules
-(``torch,deepspeed``); the test suite sets it.
+(``torch,deepspeed``); the test suite sets it. :func:`popen` makes that choice.
 
 A forked rank sees what an ``exec``'d one would: its own environment, ``sys.argv``, working
 directory, ``sys.path[0]`` (the script's directory), stdout and stderr, ``OMP_NUM_THREADS`` and
@@ -43,16 +43,25 @@ def preloads(env: dict) -> list[str]:
     return [m.strip() for m in env.get(PRELOAD, "").split(",") if m.strip()]
 
 
+def popen(script: str, args: list[str], env: dict, *, cwd: str | None = None,
+          stdout: int | None = None, stderr: int | None = None) -> "Rank | subprocess.Popen":
+    """``python script args`` in ``env``: forked from the fork server where ``env`` names
+    preloads (:func:`start`), else a fresh interpreter. ``stdout``, ``stderr``: descriptors
+    (default: this process's own)."""
+    if preloads(env):
+        return start(script, args, env, cwd=cwd, stdout=stdout, stderr=stderr)
+    return subprocess.Popen([sys.executable, script, *args], env=env, cwd=cwd, stdout=stdout, stderr=stderr)
+
+
 def start(script: str, args: list[str], env: dict, *, cwd: str | None = None,
-          output: int | None = None, stdout: int | None = None, stderr: int | None = None) -> "Rank":
+          stdout: int | None = None, stderr: int | None = None) -> "Rank":
     """Run ``script`` with ``args`` in a process forked from the fork server (started at the first
-    call, with ``env``'s preloads). ``output``: a descriptor for both its stdout and stderr; or
-    ``stdout`` and ``stderr`` (default: this process's own)."""
+    call, with ``env``'s preloads). ``stdout``, ``stderr``: descriptors (default: this
+    process's own)."""
     _ensure_server(env)
-    out = output if output is not None else stdout if stdout is not None else 1
-    err = output if output is not None else stderr if stderr is not None else 2
     process = _context.Process(target=_run, args=(os.path.abspath(script), list(args), dict(env), cwd,
-                                                   _Fd(out), _Fd(err)),
+                                                   _Fd(1 if stdout is None else stdout),
+                                                   _Fd(2 if stderr is None else stderr)),
                                name=os.path.basename(script))
     process.start()  # the descriptors travel to the fork server now
     return Rank(process)

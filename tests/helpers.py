@@ -79,17 +79,13 @@ def run_rank_script(script: str, args, env: dict, timeout: float = 120):
     warm interpreter where ``env`` asks for one (``scripts/warm_start.py``); its completed
     process, stdout and stderr as text."""
     import subprocess
-    import sys
     import tempfile
 
     import warm_start
 
     args = [str(a) for a in args]
-    if not warm_start.preloads(env):
-        return subprocess.run([sys.executable, script, *args], env=env, capture_output=True, text=True,
-                              timeout=timeout)
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:
-        rank = warm_start.start(script, args, env, stdout=out.fileno(), stderr=err.fileno())
+        rank = warm_start.popen(script, args, env, stdout=out.fileno(), stderr=err.fileno())
         try:
             code = rank.wait(timeout)
         except subprocess.TimeoutExpired:

@@ -48,12 +48,8 @@ def run_nodes(env, tmp_path, *args, worker, timeout=420, per_node=PER_NODE):
                  LOCAL_WORLD_SIZE=str(per_node), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         argv = [str(node_dir), str(common), worker, *map(str, args),
                 "--ckpt", str(common), "--out", str(tmp_path / "out")]
-        with open(tmp_path / f"{args[0]}.rank{rank}.log", "w") as log:
-            if warm_start.preloads(e):  # forked from a warm interpreter (scripts/launch.py's way)
-                procs.append(warm_start.start(ON_NODE, argv, e, output=log.fileno()))
-            else:
-                procs.append(subprocess.Popen([sys.executable, ON_NODE, *argv], env=e, stdout=log,
-                                              stderr=subprocess.STDOUT))
+        with open(tmp_path / f"{args[0]}.rank{rank}.log", "w") as log:  # forked warm where env asks
+            procs.append(warm_start.popen(ON_NODE, argv, e, stdout=log.fileno(), stderr=log.fileno()))
     try:
         codes = [p.wait(timeout=timeout) for p in procs]
     finally:

@@ -65,15 +65,14 @@ def run(args: argparse.Namespace) -> int:
         return 1
     except OSError as e:  # its manifest unreadable (permissions): nothing verified
         raise CliError(f"cannot read checkpoint {path!r}: {e}") from None
-    total = sum(entry["bytes"] for entry in manifest["files"].values())
+    here = manifest["files"] if node is None else manifest["nodes"][str(node)]  # what was checked
+    total = sum(manifest["files"][rel]["bytes"] for rel in here)
     checked = ("sizes verified (checksum none: no checksums recorded)" if manifest["checksum"] == "none"
                else f"{manifest['checksum']} verified")
     carried = len(manifest.get("carried", ()))
     files = f"{len(manifest['files'])} files" + (
         f" ({carried} carried over from the checkpoint it replaced)" if carried else "")
     if node is not None:  # node-local: this directory holds this node's part
-        here = manifest["nodes"][str(node)]
-        total = sum(manifest["files"][rel]["bytes"] for rel in here)
         files = f"node {node}'s copy: {len(here)} of the {files}"
     print(f"OK: {path}: tag {manifest['tag']}, {files}, {total} bytes, "
           f"{manifest['world_size']} ranks, {checked}{note}")
