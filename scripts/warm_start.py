@@ -36,6 +36,7 @@ ranks start as fresh interpreters)."""
 
 _context = multiprocessing.get_context("forkserver")
 _lock = threading.Lock()
+_started = False
 
 
 def preloads(env: dict) -> list[str]:
@@ -103,11 +104,15 @@ class Rank:
 
 
 def _ensure_server(env: dict) -> None:
-    """Start the fork server, once, in ``env``: its sys.path from ``PYTHONPATH`` (the working
-    tree's code, as the ranks import it) and this directory (for :func:`_run`)."""
+    """Start the fork server, at the first call, in ``env``: its sys.path from ``PYTHONPATH``
+    (the working tree's code, as the ranks import it) and this directory (for :func:`_run`).
+    Later starts reach it through multiprocessing itself."""
     from multiprocessing import forkserver
 
+    global _started
     with _lock:
+        if _started:
+            return
         _context.set_forkserver_preload(preloads(env))
         here = os.path.dirname(os.path.abspath(__file__))
         server_env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (env.get("PYTHONPATH"), here) if p))
@@ -121,6 +126,7 @@ def _ensure_server(env: dict) -> None:
         finally:
             os.environ.clear()
             os.environ.update(saved)
+        _started = True
 
 
 class _Fd:
