@@ -27,6 +27,8 @@ import time
 import torch
 import xxhash
 
+from lost_time import baseline_step, lost_time, summary as lost_summary  # this file's directory
+
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
@@ -89,19 +91,20 @@ def main() -> None:
             lost.append(times)
             jobs.append(done)
         results[kind] = {"rounds": lost, "jobs": jobs}
-    base = statistics.median(quiet)
+    base = baseline_step(quiet)
     print(f"{layers} layers, {nbytes / 1e9:.2f} GB of weights and Adam moments; baseline step "
           f"{base * 1e3:.0f} ms (median of {len(quiet)} quiet steps)")
     print("| background work every K steps | lost: median | worst | per round | work alone (copy, hash) |")
     print("|---|---|---|---|---|")
     summary = {}
     for kind, r in results.items():
-        per = [sum(t - base for t in times) for times in r["rounds"]]
+        per = [lost_time(0.0, times, base) for times in r["rounds"]]  # no save call
+        lost = lost_summary(per)
         copy_s = statistics.median(j["copy_s"] for j in r["jobs"])
         hash_s = statistics.median(j.get("hash_s", 0.0) for j in r["jobs"])
-        summary[kind] = {"median_s": statistics.median(per), "worst_s": max(per), "per_round_s": per,
+        summary[kind] = {"median_s": lost["median_s"], "worst_s": lost["worst_s"], "per_round_s": per,
                          "copy_s": copy_s, "hash_s": hash_s}
-        print(f"| {kind} | {statistics.median(per) * 1e3:.0f} ms | {max(per) * 1e3:.0f} ms | "
+        print(f"| {kind} | {lost['median_s'] * 1e3:.0f} ms | {lost['worst_s'] * 1e3:.0f} ms | "
               f"{', '.join(f'{v * 1e3:.0f}' for v in per)} ms | {copy_s * 1e3:.0f} ms, {hash_s * 1e3:.0f} ms |")
     if args.out:
         with open(args.out, "w", encoding="utf-8") as f:

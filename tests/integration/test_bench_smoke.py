@@ -103,6 +103,23 @@ def test_load_benchmark_times_every_engine(tmp_path, repo_env):
     assert not (tmp_path / "work").exists()
 
 
+def test_memory_bus_benchmark_reports_each_variant(tmp_path, repo_env):
+    """``scripts/bench_membus.py`` at its smallest: a table row and JSON figures per variant, the
+    lost time of each round counted as ``lost_time`` counts a save's (no save call)."""
+    out = tmp_path / "membus.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_membus.py"), "--gb", "0.02",
+                           "--hidden", "256", "--k", "3", "--rounds", "2", "--out", str(out)],
+                          cwd=REPO, env=repo_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert set(res["variants"]) == {"copy", "copy+xxh128"}
+    for kind, v in res["variants"].items():
+        assert f"| {kind} |" in proc.stdout
+        assert len(v["per_round_s"]) == 2 and v["worst_s"] == max(v["per_round_s"])
+        assert v["copy_s"] > 0 and (v["hash_s"] > 0) == (kind == "copy+xxh128")
+    assert res["gb"] > 0 and res["baseline_step_s"] > 0
+
+
 @pytest.mark.slow
 def test_quick_trainer_benchmark_measures_both_engines(tmp_path, repo_env):
     """``scripts/bench_hf_trainer.py --quick``: a Trainer run per engine, each save timed."""
