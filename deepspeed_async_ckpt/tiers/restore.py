@@ -77,6 +77,7 @@ def restore(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag:
     order = choices(save_dir, remotes, pointer_name=pointer_name, tag=tag, name_of=name_of) \
         if chooses else None
     skipped: list[str] = []
+    cause: BaseException | None = None  # this rank's error of the last checkpoint passed over
     while True:
         proposal, error, own = "", None, None
         if order is not None:
@@ -90,7 +91,7 @@ def restore(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag:
         if not name:
             if skipped:
                 raise IntegrityError("no committed checkpoint can be made whole from any tier: "
-                                     + "; ".join(skipped))
+                                     + "; ".join(skipped)) from cause
             return None
         error = own = None
         if restores:
@@ -109,6 +110,7 @@ def restore(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag:
             raise _raised(failed, own)
         why = "; ".join(f"rank {r}: {m[len(_CANNOT):]}" for r, m in sorted(failed.items()))
         skipped.append(f"{name} ({why})")
+        cause = own
 
 
 def _raised(failed: dict[int, str], own: BaseException | None) -> BaseException:

@@ -204,6 +204,26 @@ def test_no_checkpoint_any_tier_can_make_whole_names_each_and_leaves_no_director
     assert not local.exists()
 
 
+def test_a_first_tier_that_cannot_be_written_fails_the_load_instead_of_passing_over(tmp_path, monkeypatch):
+    import errno
+
+    from deepspeed_async_ckpt.tiers import restore as restore_module
+
+    local, tier = tmp_path / "local", tmp_path / "tier"
+    ck = make(tiers=[{"url": str(tier), "keep_last": 0}])
+    save_steps(ck, str(local), [1, 2])
+    ck.close()
+    shutil.rmtree(local)
+
+    def disk_full(storage, path, text, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(restore_module, "write_text_atomic", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        restore(str(local), [PathRemote(str(tier))], pointer_name="latest")
+    assert not local.exists()  # step2's files fetched, then removed with the directory
+
+
 def test_a_named_tag_is_restored_without_moving_the_pointer(tmp_path):
     local, tier = tmp_path / "local", tmp_path / "tier"
     ck = make(tiers=[{"url": str(tier), "keep_last": 0}])
