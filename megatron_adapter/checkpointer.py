@@ -334,10 +334,12 @@ class MegatronCheckpointer:
     # ------------------------------------------------------------------ load path
     def restore(self, save_dir: str, iteration: int | None = None) -> None:
         """Collective, before a load from ``save_dir``: with durable tiers configured, bring the
-        checkpoint to load (``iteration``, else the newest committed on any tier) into it from
-        them, every file missing or damaged there fetched and verified, the tracker last. With
-        ``node_local``, each node's leader restores every file into its node's directory: a
-        rank also reads tensors another rank wrote once (replicated across TP), on any node."""
+        checkpoint to load (``iteration``; else the tracker's where a user edited it, or the
+        newest committed on any tier, or where that cannot be made whole the newest that can:
+        see :mod:`deepspeed_async_ckpt.tiers.restore`) into it from them, every file missing or
+        damaged there fetched and verified, the tracker last. With ``node_local``, each node's
+        leader restores every file into its node's directory: a rank also reads tensors another
+        rank wrote once (replicated across TP), on any node."""
         tiers = self.engine.tiers
         if tiers is not None:
             tiers.restore_all_ranks(

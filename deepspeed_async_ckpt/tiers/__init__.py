@@ -7,7 +7,8 @@ restored from there before a load.
   :mod:`.s3`: :class:`S3Remote` (boto3)
 - :mod:`.mirror`: copying one checkpoint to one tier in commit order; the tier's retention
 - :mod:`.drain`: the :class:`Drainer` thread and its backlog rule
-- :mod:`.restore`: restore before load (:func:`.restore.restore`)
+- :mod:`.choose`: which checkpoint a load takes; :mod:`.restore`: restore before load
+  (:func:`.restore.restore`)
 - :mod:`.durable`: :class:`DurableTiers`, the above wired to one checkpointer
 
 Importing this package is cheap: :mod:`..config` reads :mod:`.config` at parse time, and

@@ -9,8 +9,11 @@ Which ranks do what:
   :mod:`..commit.nodes`) runs a drainer per tier; it drains what its node holds, once the
   commit callback fires there;
 - global rank 0 commits each tier (manifest, pointer) and runs its retention;
-- before a load, rank 0 (each node's leader, with a node-local first tier) restores the
-  checkpoint to load into the first tier (:mod:`.restore`), every rank waiting in one exchange.
+- the node leaders note, beside the first tier's pointer, the text each commit wrote to it
+  (:func:`.choose.record_pointer`), so that a restore tells a pointer edited by hand from it;
+- before a load, rank 0 chooses the checkpoint and rank 0 (each node's leader, with a
+  node-local first tier) restores it into the first tier (:mod:`.restore`), every rank taking
+  each step in the same exchanges.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Any, Callable
 
 from ..commit import Pointer
 from ..commit.nodes import node_leader, node_of
-from ..errors import IntegrityError
+from .choose import record_pointer
 from .config import TierConfig
 from .drain import Drainer
 from .remote import Remote, open_remote
@@ -76,11 +79,17 @@ class DurableTiers:
             self._pointers.popitem(last=False)
 
     def committed(self, info: Any) -> None:
-        """Commit callback (node leaders, after the pointer moved): queue the drains due.
-        Checkpoints saved aside (no pointer) are not drained."""
+        """Commit callback (node leaders, after the pointer moved): note the pointer's text
+        (see :func:`.choose.record_pointer`) and queue the drains due. Checkpoints saved
+        aside (no pointer) are not drained."""
         pointer = self._pointers.get(info.ckpt_dir)
         if pointer is None or not self.drainers:
             return
+        try:
+            record_pointer(os.path.dirname(os.path.abspath(pointer.path)), os.path.basename(info.ckpt_dir),
+                           os.path.basename(pointer.path), pointer.text)
+        except OSError as exc:  # a restore then takes the pointer for one edited by hand: follows it
+            logger.warning("async checkpoint: cannot note the pointer %s: %s", pointer.path, exc)
         self._commits += 1
         for drainer in self.drainers:
             if self._commits % drainer.tier.every == 0:
@@ -112,40 +121,21 @@ class DurableTiers:
 
     def restore_all_ranks(self, checkpointer: Any, save_dir: str, *, pointer_name: str,
                           tag: str | None = None, node_local: bool | None = None,
-                          name_of: Callable[[str], str] = str, every_file: bool = False) -> None:
+                          name_of: Callable[[str], str] = str, every_file: bool = False) -> str | None:
         """Collective (every rank): bring the checkpoint to load into ``save_dir`` from the
-        tiers, before the framework reads it (see :func:`.restore.restore`). Rank 0 (with a
-        node-local first tier, each node's leader) restores; every rank raises if any failed.
-        ``node_local``: whether ``save_dir`` is node-local (None: as the engine commits);
-        ``every_file``: each node restores every file of the checkpoint, not only those its
-        directory held (its ranks read files written on other nodes: Megatron).
+        tiers, before the framework reads it (see :func:`.restore.restore`). Global rank 0
+        chooses; rank 0 (with a node-local first tier, each node's leader) makes it whole in
+        its ``save_dir``; every rank raises if any failed. Returns the checkpoint's name (None:
+        no tier holds one). ``node_local``: whether ``save_dir`` is node-local (None: as the
+        engine commits); ``every_file``: each node restores every file of the checkpoint, not
+        only those its directory held (its ranks read files written on other nodes: Megatron).
 
-        Each node chooses by its own pointer and the tiers' (a node whose disk was replaced
-        takes the tiers' newest), and each node's ranks then load what their node's pointer
-        names: the nodes' choices are compared, and differing ones (a node kept a checkpoint
-        whose drain failed, another lost its disk) raise on every rank, naming them, rather
-        than let the nodes load different checkpoints."""
-        error, name = None, None
+        Every node loads the checkpoint rank 0 chose, its pointer moved to it: one that some
+        node cannot make whole (a node kept a checkpoint whose drain failed, another lost its
+        disk) is passed over on every node alike for the next older one every node can, unless
+        its tag was asked for."""
         local = self.node_local if node_local is None else node_local and self.world_size > 1
-        if node_leader(self.rank, self.world_size) == self.rank if local else self.rank == 0:
-            try:
-                name = restore(save_dir, self.remotes, pointer_name=pointer_name, tag=tag,
-                               name_of=name_of, every_file=every_file,
-                               node=node_of(self.rank, self.world_size) if local else None)
-            except (IntegrityError, OSError) as exc:
-                error = exc
-        chosen, failed = checkpointer.exchange(
-            name or "", None if error is None else f"{type(error).__name__}: {error}")
-        if error is not None:
-            raise error
-        if not failed and local:  # the second word: each node's leader, on rank 0's choice
-            leads = node_leader(self.rank, self.world_size) == self.rank
-            differs = leads and (name or "") != chosen
-            why = (f"node {node_of(self.rank, self.world_size)} would load {name or 'nothing'}, rank 0's "
-                   f"node {chosen or 'nothing'}; load a checkpoint every node can restore (its tag, "
-                   "or the iteration) instead")
-            _, failed = checkpointer.exchange("", why if differs else None)
-        if failed:
-            rank = min(failed)
-            raise IntegrityError(f"restoring from the durable tiers failed on rank {rank}: {failed[rank]}")
-
+        leads = node_leader(self.rank, self.world_size) == self.rank if local else self.rank == 0
+        return restore(save_dir, self.remotes, pointer_name=pointer_name, tag=tag, name_of=name_of,
+                       every_file=every_file, node=node_of(self.rank, self.world_size) if local else None,
+                       exchange=checkpointer.exchange, chooses=self.rank == 0, restores=leads)

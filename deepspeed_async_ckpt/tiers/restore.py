@@ -1,12 +1,16 @@
 """Restore before load: bring the checkpoint to load into the first tier from the durable tiers.
 
-Called before the framework reads the save directory (rank 0; each node's leader with a
-node-local first tier). Rules:
+Called by every rank before the framework reads the save directory (:func:`restore`): global
+rank 0 chooses, and the ranks that restore (rank 0; each node's leader with a node-local first
+tier) make that one checkpoint whole, every rank agreeing on each step through the
+checkpointer's exchange, so that all of them load the same checkpoint. Rules:
 
-1. Which checkpoint: the one named (``tag``), else the newest committed on any tier: the
-   first tier's pointer and each durable tier's pointer are compared by their manifests'
-   commit times (a tie goes to the faster tier). A first-tier checkpoint whose manifest is
-   missing (a replaced node's empty disk) or damaged is not a candidate.
+1. Which checkpoint (rank 0, :func:`.choose.choices`): the tag asked for, and no other; else,
+   following the pointer, the first tier's pointer where a user edited it (a rollback) and it
+   names a committed checkpoint, else the newest committed on any tier. If that one cannot be
+   made whole on every restoring rank (a file of it has no valid copy on any tier), the next
+   older committed on any tier, newest first, until one can; rank 0 logs once which were
+   skipped and why. A tag asked for is never replaced: its failure is raised.
 2. Each of its files that is missing on the first tier or fails verification there is
    fetched from the fastest tier that holds the
    same save (same ``save_id``): downloaded to a temporary name, verified against the
@@ -16,9 +20,11 @@ node-local first tier). Rules:
    (``node``), the files a node restores are those its directory held (its ranks read only
    them: DeepSpeed), or every file of the checkpoint (``every_file``: Megatron, whose ranks
    also read tensors written once, by a rank of another node).
-3. Then the late files (every node's copy has them) and their record, the manifest, and the first tier's pointer last (only
-   when following the pointer and it named an older checkpoint), so that the first tier's
-   pointer, too, never names a partial copy.
+3. Then the late files (every node's copy has them) and their record, the manifest, and the
+   first tier's pointer last (only when following the pointer and it names another
+   checkpoint), then the engine's record of it, so that the first tier's pointer, too, never
+   names a partial copy.
+4. An attempt that fails removes the directories it made: no empty checkpoint directory stays.
 
 The framework then loads as usual, verifying what it reads.
 """
@@ -28,83 +34,184 @@ from __future__ import annotations
 import json
 import logging
 import os
+import shutil
 from typing import Callable, Sequence
 
 from ..commit import LATE_FILES, MANIFEST, META_DIR, write_text_atomic
-from ..commit.manifest import manifest_problem, read_manifest
 from ..commit.verify import file_problem
 from ..errors import IntegrityError
 from ..storage import LocalStorage, temporary_path
-from .mirror import files_of_node, read_tier_manifest, read_tier_pointer
+from .choose import choices, local_manifest, read_local_pointer, record_pointer, tier_manifest
+from .mirror import files_of_node, read_tier_manifest
 from .remote import Remote, manifest_key
 
 logger = logging.getLogger(__name__)
 
+Exchange = Callable[[str, "str | None"], "tuple[str, dict[int, str]]"]
+"""A checkpointer's ``exchange(value, error)``: rank 0's value and every rank's error."""
 
-class _Source:
-    """Where the checkpoint to load was found: the first tier (``remote`` None) or a tier."""
-
-    def __init__(self, name: str, manifest: dict, remote: Remote | None, pointer_text: str | None):
-        self.name, self.manifest, self.remote, self.pointer_text = name, manifest, remote, pointer_text
-
-
-def _read_local_pointer(path: str) -> str | None:
-    try:
-        with open(path, encoding="utf-8") as f:
-            return f.read().strip() or None
-    except FileNotFoundError:
-        return None
+_CANNOT = f"{IntegrityError.__name__}: "
+"""How the error of an attempt that could not make a checkpoint whole begins."""
 
 
-def _local_manifest(save_dir: str, name: str) -> dict | None:
-    try:
-        return read_manifest(os.path.join(save_dir, name))
-    except IntegrityError as exc:
-        logger.warning("async checkpoint: restore: the first tier's copy is not a candidate: %s", exc)
-        return None
+def _alone(value: str, error: str | None) -> tuple[str, dict[int, str]]:
+    return value, ({0: error} if error else {})
 
 
-def _tier_manifest(remote: Remote, name: str) -> dict | None:
-    manifest = read_tier_manifest(remote, name)
-    if manifest is not None and manifest_problem(manifest):
-        raise IntegrityError(f"{remote.describe(name)}: its manifest is damaged: {manifest_problem(manifest)}")
-    return manifest
+def restore(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag: str | None = None,
+            name_of: Callable[[str], str] = str, node: int | None = None, every_file: bool = False,
+            exchange: Exchange = _alone, chooses: bool = True, restores: bool = True) -> str | None:
+    """Make the first tier (``save_dir``) hold a verified copy of the checkpoint to load (see
+    the module's rules). ``pointer_name``: the framework's pointer file in ``save_dir``;
+    ``name_of``: the checkpoint directory its text names (Megatron's tracker holds the
+    iteration). ``node``: the node whose directory ``save_dir`` is (a node-local first tier),
+    which restores the files ``manifest["nodes"]`` places there, or with ``every_file`` every
+    file of the checkpoint.
+
+    Collective with a checkpointer's ``exchange`` (every rank calls it): the rank that
+    ``chooses`` (global rank 0) proposes each checkpoint in turn, those that ``restores`` try
+    to make it whole, and every rank raises alike if one failed otherwise than for want of a
+    valid copy. Without it, this process alone does both. Returns the checkpoint's name (a tag
+    asked for even where no tier holds it: the framework's load says so), or None where no
+    pointer names a committed one."""
+    order = choices(save_dir, remotes, pointer_name=pointer_name, tag=tag, name_of=name_of) \
+        if chooses else None
+    skipped: list[str] = []
+    cause: BaseException | None = None  # this rank's error of the last checkpoint passed over
+    while True:
+        proposal, error, own = "", None, None
+        if order is not None:
+            try:
+                proposal = next(order, None) or ""
+            except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
+                error, own = f"{type(exc).__name__}: {exc}", exc
+        name, failed = exchange(proposal, error)
+        if failed:
+            raise _raised(failed, own)
+        if not name:
+            if skipped:
+                raise IntegrityError("no committed checkpoint can be made whole from any tier: "
+                                     + "; ".join(skipped)) from cause
+            return None
+        error = own = None
+        if restores:
+            try:
+                _make_whole(save_dir, remotes, name, pointer_name=pointer_name, follow=tag is None,
+                            name_of=name_of, node=node, every_file=every_file)
+            except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
+                error, own = f"{type(exc).__name__}: {exc}", exc
+        _, failed = exchange("", error)
+        if not failed:
+            if skipped and chooses:
+                logger.warning("async checkpoint: restore: loading %s; skipped the newer %s", name,
+                               "; ".join(skipped))
+            return name
+        if tag is not None or not all(m.startswith(_CANNOT) for m in failed.values()):
+            raise _raised(failed, own)
+        why = "; ".join(f"rank {r}: {m[len(_CANNOT):]}" for r, m in sorted(failed.items()))
+        skipped.append(f"{name} ({why})")
+        cause = own
 
 
-def choose(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag: str | None,
-           name_of: Callable[[str], str]) -> _Source | None:
-    """The checkpoint to load and where its manifest comes from (rule 1), or None if no tier
-    holds one."""
-    candidates: list[tuple[float, int, _Source]] = []
-    if tag is not None:
-        manifest = _local_manifest(save_dir, tag)
+def _raised(failed: dict[int, str], own: BaseException | None) -> BaseException:
+    """What a rank raises when ``failed`` (rank -> error) is not empty: its own exception, else
+    one naming the lowest rank that failed."""
+    if own is not None:
+        return own
+    rank = min(failed)
+    return IntegrityError(f"restoring from the durable tiers failed on rank {rank}: {failed[rank]}")
+
+
+def _source(save_dir: str, remotes: Sequence[Remote], name: str) -> tuple[dict, Remote | None] | None:
+    """The manifest of ``name`` to restore by, and the tier it comes from (None: the first
+    tier's own); None where no tier holds one."""
+    if os.path.exists(os.path.join(save_dir, name, META_DIR, MANIFEST)):
+        manifest = local_manifest(save_dir, name)
         if manifest is not None:
-            return _Source(tag, manifest, None, None)
-        for remote in remotes:
-            manifest = _tier_manifest(remote, tag)
-            if manifest is not None:
-                return _Source(tag, manifest, remote, None)
-        return None
-    text = _read_local_pointer(os.path.join(save_dir, pointer_name))
-    if text is not None:
-        manifest = _local_manifest(save_dir, name_of(text))
+            return manifest, None
+    for remote in remotes:
+        try:
+            manifest = tier_manifest(remote, name)
+        except Exception:  # noqa: BLE001 - an unreachable tier holds nothing for this restore
+            logger.warning("async checkpoint: restore: %s cannot be read", remote.url, exc_info=True)
+            continue
         if manifest is not None:
-            candidates.append((manifest["committed_at"], 0, _Source(name_of(text), manifest, None, None)))
-    for order, remote in enumerate(remotes, start=1):
-        record = read_tier_pointer(remote)
-        if record is None:
-            continue
-        manifest = _tier_manifest(remote, record["checkpoint"])
-        if manifest is None:  # the tier's commit order never leaves this: someone removed it
-            logger.warning("async checkpoint: restore: %s names %s, which has no manifest there",
-                           remote.url, record["checkpoint"])
-            continue
-        pointer = record.get("pointer")
-        text = pointer[1] if isinstance(pointer, list) and pointer[0] == pointer_name else record["checkpoint"]
-        candidates.append((manifest["committed_at"], order, _Source(record["checkpoint"], manifest, remote, text)))
-    if not candidates:
-        return None
-    return max(candidates, key=lambda c: (c[0], -c[1]))[2]
+            return manifest, remote
+    return None
+
+
+def _pointer_text(manifest: dict, name: str, name_of: Callable[[str], str]) -> str:
+    """The pointer's text that names ``name``: its tag, which both adapters write (Megatron's
+    tracker: the iteration)."""
+    tag = manifest.get("tag")
+    return tag if isinstance(tag, str) and tag and name_of(tag) == name else name
+
+
+def _make_whole(save_dir: str, remotes: Sequence[Remote], name: str, *, pointer_name: str, follow: bool,
+                name_of: Callable[[str], str], node: int | None, every_file: bool) -> None:
+    """One attempt: rules 2 and 3 for checkpoint ``name``; on failure, the directories it made
+    removed (rule 4). ``follow``: the pointer is followed (it is moved to ``name``)."""
+    source = _source(save_dir, remotes, name)
+    if source is None:
+        if follow:
+            raise IntegrityError(f"checkpoint {name}: no tier holds its manifest")
+        return  # a tag no tier holds: the framework's load says so
+    ckpt_dir = os.path.join(save_dir, name)
+    made = [d for d in (save_dir, ckpt_dir, os.path.join(ckpt_dir, META_DIR)) if not os.path.isdir(d)]
+    try:
+        fetched, holders = _fill(save_dir, remotes, name, *source, node=node, every_file=every_file)
+    except BaseException:
+        if made:
+            shutil.rmtree(made[0] if made[0] != save_dir else ckpt_dir, ignore_errors=True)
+            if made[0] == save_dir:
+                try:
+                    os.rmdir(save_dir)
+                except OSError:
+                    pass
+        raise
+    moved = False
+    if follow:
+        text = _pointer_text(source[0], name, name_of)
+        if read_local_pointer(os.path.join(save_dir, pointer_name)) != text:
+            storage = LocalStorage(fsync=True, direct_io=False)
+            write_text_atomic(storage, os.path.join(save_dir, pointer_name), text)
+            moved = True
+            try:
+                record_pointer(save_dir, name, pointer_name, text)
+            except OSError as exc:  # the pointer then looks edited by hand: followed, as it should be
+                logger.warning("async checkpoint: restore: cannot note the pointer of %s: %s", save_dir, exc)
+    if fetched or source[1] is not None or moved:
+        logger.info("async checkpoint: restored %s into %s: %d file(s) fetched from %s", name, save_dir,
+                    fetched, ", ".join(r.url for r in holders) or "no tier")
+
+
+def _fill(save_dir: str, remotes: Sequence[Remote], name: str, manifest: dict, remote: Remote | None, *,
+          node: int | None, every_file: bool) -> tuple[int, list[Remote]]:
+    """Rules 2 and 3 up to the manifest, by ``manifest`` (from ``remote``; None: the first
+    tier's). Returns how many files were fetched, and from which tiers they could be."""
+    ckpt_dir = os.path.join(save_dir, name)
+    os.makedirs(os.path.join(ckpt_dir, META_DIR), exist_ok=True)
+    algorithm = manifest["checksum"]
+    holders = [r for r in remotes if (r is remote) or _holds(r, name, manifest["save_id"])]
+    storage = LocalStorage(fsync=True, direct_io=False)
+    fetched = 0
+    rels = sorted(manifest["files"]) if node is None or every_file else files_of_node(manifest, node)
+    for rel in rels:
+        fetched += _ensure(ckpt_dir, name, rel, manifest["files"][rel], algorithm, holders)
+    late = manifest.get("late_files") or []
+    if late:  # Megatron's marker files: rank 0 writes them, and sends each node's leader a copy
+        record, raw = _late_record(ckpt_dir, name, holders)
+        for rel in late:
+            fetched += _ensure(ckpt_dir, name, rel, record[rel], algorithm, holders)
+        if raw is not None:
+            write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, LATE_FILES), raw)
+    if remote is not None:
+        local = local_manifest(save_dir, name) if os.path.exists(
+            os.path.join(ckpt_dir, META_DIR, MANIFEST)) else None
+        if local is None or local.get("save_id") != manifest["save_id"]:  # the tier's bytes, as they are
+            write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
+                              remote.get_bytes(manifest_key(name)))
+    return fetched, holders
 
 
 def _fetch(path: str, key: str, entry: dict, algorithm: str, holders: Sequence[Remote],
@@ -128,49 +235,6 @@ def _fetch(path: str, key: str, entry: dict, algorithm: str, holders: Sequence[R
         except FileNotFoundError:
             pass
     return False
-
-
-def restore(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag: str | None = None,
-            name_of: Callable[[str], str] = str, node: int | None = None,
-            every_file: bool = False) -> str | None:
-    """Make the first tier (``save_dir``) hold a verified copy of the checkpoint to load (see
-    the module's rules). ``pointer_name``: the framework's pointer file in ``save_dir``;
-    ``name_of``: the checkpoint directory its text names (Megatron's tracker holds the
-    iteration). ``node``: the node whose directory ``save_dir`` is (a node-local first tier),
-    which restores the files ``manifest["nodes"]`` places there, or with ``every_file`` every
-    file of the checkpoint. Returns the checkpoint's name, or None where no tier holds one."""
-    source = choose(save_dir, remotes, pointer_name=pointer_name, tag=tag, name_of=name_of)
-    if source is None:
-        return None
-    name, manifest = source.name, source.manifest
-    ckpt_dir = os.path.join(save_dir, name)
-    os.makedirs(os.path.join(ckpt_dir, META_DIR), exist_ok=True)
-    algorithm = manifest["checksum"]
-    holders = [r for r in remotes if (r is source.remote) or _holds(r, name, manifest["save_id"])]
-    storage = LocalStorage(fsync=True, direct_io=False)
-    fetched = 0
-    rels = sorted(manifest["files"]) if node is None or every_file else files_of_node(manifest, node)
-    for rel in rels:
-        fetched += _ensure(ckpt_dir, name, rel, manifest["files"][rel], algorithm, holders)
-    late = manifest.get("late_files") or []
-    if late:  # Megatron's marker files: rank 0 writes them, and sends each node's leader a copy
-        record, raw = _late_record(ckpt_dir, name, holders)
-        for rel in late:
-            fetched += _ensure(ckpt_dir, name, rel, record[rel], algorithm, holders)
-        if raw is not None:
-            write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, LATE_FILES), raw)
-    if source.remote is not None:
-        local = _local_manifest(save_dir, name) if os.path.exists(
-            os.path.join(ckpt_dir, META_DIR, MANIFEST)) else None
-        if local is None or local.get("save_id") != manifest["save_id"]:  # the tier's bytes, as they are
-            write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, MANIFEST),
-                              source.remote.get_bytes(manifest_key(name)))
-        if tag is None and source.pointer_text is not None:
-            write_text_atomic(storage, os.path.join(save_dir, pointer_name), source.pointer_text)
-    if fetched or source.remote is not None:
-        logger.info("async checkpoint: restored %s into %s: %d file(s) fetched from %s", name, save_dir,
-                    fetched, ", ".join(r.url for r in holders) or "no tier")
-    return name
 
 
 def _holds(remote: Remote, name: str, save_id: str) -> bool:

@@ -1,6 +1,7 @@
 """A real 2-rank DeepSpeed ZeRO-1 run (CPU, gloo) with an S3 tier: save, lose the first tier
 (a replaced node's empty disk), resume from the durable tier: the state loaded is bitwise the
-state saved."""
+state saved; and where the tier's newest has lost a file too, the newest checkpoint the tier
+holds whole is loaded instead, on every rank."""
 
 import json
 import os
@@ -34,5 +35,17 @@ def test_resume_from_the_s3_tier_after_losing_the_first_tier(tmp_path, s3, repo_
     assert (tmp_path / "ckpt" / "latest").read_text() == "global_step3"
     for rank in (0, 1):
         saved = torch.load(tmp_path / f"saved_rank{rank}.pt", weights_only=False)
+        loaded = torch.load(tmp_path / f"loaded_rank{rank}.pt", weights_only=False)
+        assert_same(loaded, saved)
+    # the first tier gone again, and one file of the tier's newest lost: the one drained before
+    # it instead (global_step2, or global_step1 where the backlog rule skipped global_step2)
+    older = json.load(open(tmp_path / "drained.json"))[-2]
+    shutil.rmtree(tmp_path / "ckpt")
+    s3.client.delete_object(Bucket=s3.name, Key="job/global_step3/mp_rank_00_model_states.pt")
+    assert launch(WORKER, ["resume", *args], 2, timeout=300, env=env) == [0, 0]
+    assert (tmp_path / "ckpt" / "latest").read_text() == older
+    assert not (tmp_path / "ckpt" / "global_step3").exists()
+    for rank in (0, 1):
+        saved = torch.load(tmp_path / f"saved_rank{rank}_step{older[len('global_step'):]}.pt", weights_only=False)
         loaded = torch.load(tmp_path / f"loaded_rank{rank}.pt", weights_only=False)
         assert_same(loaded, saved)

@@ -103,22 +103,25 @@ def test_a_node_restores_its_own_files_or_every_file(tmp_path):
         assert (node / "optim.pt").read_bytes() == (tier / "step1" / "optim.pt").read_bytes()
 
 
-class _Rank0ChoseStep2:
-    """A checkpointer's ``exchange`` as node 1's leader sees it: rank 0's node chose ``step2``;
-    the messages the second word carries are kept."""
+class _Rank0Proposes:
+    """A checkpointer's ``exchange`` as node 1's leader sees it: rank 0 proposes each of
+    ``names`` in turn (the first exchange of each round), and a round's second exchange reports
+    the errors this rank sent (kept, in order) as the group's."""
 
-    def __init__(self):
-        self.errors = []
+    def __init__(self, *names):
+        self.names, self.errors = list(names), []
 
     def exchange(self, value, error, key=""):
         self.errors.append(error)
-        return ("step2", {}) if len(self.errors) == 1 else ("", {2: error} if error else {})
+        if len(self.errors) % 2:
+            return self.names.pop(0), {}
+        return "", ({2: error} if error else {})
 
 
-def test_nodes_that_would_load_different_checkpoints_raise_on_every_rank(tmp_path, monkeypatch):
-    """Node 1 lost its disk and the tier's newest is ``step1``, while rank 0's node would load
-    ``step2`` (its drain failed, say): the nodes' ranks would load different checkpoints."""
-    from deepspeed_async_ckpt.errors import IntegrityError
+def test_nodes_load_the_newest_checkpoint_every_node_can_make_whole(tmp_path, monkeypatch):
+    """Node 1 lost its disk and the tier's newest is ``step1``, while rank 0's node holds a
+    newer ``step2`` (its drain failed, say): node 1 cannot make ``step2`` whole and says so, and
+    every node then loads ``step1``, rank 0's next proposal."""
     from deepspeed_async_ckpt.tiers.config import TierConfig
     from deepspeed_async_ckpt.tiers.durable import DurableTiers
 
@@ -131,14 +134,15 @@ def test_nodes_that_would_load_different_checkpoints_raise_on_every_rank(tmp_pat
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     tiers = DurableTiers((TierConfig(url=str(tmp_path / "tier")),), rank=2, world_size=4, node_local=True,
                          hold=lambda name: lambda: None, remotes=[remote])
-    fake = _Rank0ChoseStep2()
+    fake = _Rank0Proposes("step2", "step1")
     try:
-        with pytest.raises(IntegrityError, match="node 1 would load step1, rank 0's node step2"):
-            tiers.restore_all_ranks(fake, str(tmp_path / "node1"), pointer_name="latest")
+        assert tiers.restore_all_ranks(fake, str(tmp_path / "node1"), pointer_name="latest") == "step1"
     finally:
         tiers.close()
-    assert fake.errors[0] is None and len(fake.errors) == 2  # restored; the second word says why
+    assert fake.errors == [None, "IntegrityError: checkpoint step2: no tier holds its manifest", None, None]
+    assert sorted(os.listdir(tmp_path / "node1")) == [".async_ckpt.pointer.json", "latest", "step1"]
     assert (tmp_path / "node1" / "latest").read_text() == "step1"
+    assert (node1 / "model.pt").read_bytes() == (node0 / "model.pt").read_bytes()  # the tier's copy
 
 
 # -- slow: two simulated nodes, real DeepSpeed and Megatron ranks --------------------------

@@ -1,6 +1,8 @@
 """Restore before load: the newest checkpoint committed on any tier, each file from the
 fastest tier holding a verified copy; a copy that fails verification is named."""
 
+import json
+import logging
 import os
 import shutil
 
@@ -11,6 +13,7 @@ from deepspeed_async_ckpt.commit import Pointer, verify_checkpoint
 from deepspeed_async_ckpt.errors import IntegrityError
 from deepspeed_async_ckpt.tiers.remote import PathRemote, open_remote
 from deepspeed_async_ckpt.tiers.config import TierConfig
+from deepspeed_async_ckpt.tiers.choose import RECORD_FILE
 from deepspeed_async_ckpt.tiers.restore import restore
 
 from helpers import flip_byte, make
@@ -116,7 +119,10 @@ def test_no_valid_copy_anywhere_names_each_copy(tmp_path):
 def test_the_newest_commit_on_any_tier_wins(tmp_path):
     local, tier = tmp_path / "local", tmp_path / "tier"
     ck = make(tiers=[{"url": str(tier)}])
-    save_steps(ck, str(local), [1, 2])
+    save_steps(ck, str(local), [1])
+    stale = tmp_path / "stale"
+    shutil.copytree(local, stale)  # the first tier as the engine left it after step1
+    save_steps(ck, str(local), [2])
     ck.close()
     # the first tier newer than the durable one: nothing fetched, its pointer kept
     ck = make()
@@ -125,13 +131,97 @@ def test_the_newest_commit_on_any_tier_wins(tmp_path):
     before = tree(local)
     assert restore(str(local), [PathRemote(str(tier))], pointer_name="latest") == "step3"
     assert tree(local) == before
-    # the durable tier newer (the first tier's pointer on an older checkpoint): restored from it
-    (local / "latest").write_text("step1")
-    shutil.rmtree(local / "step2")
-    shutil.rmtree(local / "step3")
+    # the durable tier newer than the pointer the engine wrote on a disk left behind (a node
+    # back from another allocation): restored from it, the pointer and its record moved
+    shutil.rmtree(local)
+    shutil.move(stale, local)
     assert restore(str(local), [PathRemote(str(tier))], pointer_name="latest") == "step2"
     assert (local / "latest").read_text() == "step2"
+    assert json.loads((local / RECORD_FILE).read_text()) == {"checkpoint": "step2", "pointer": ["latest", "step2"]}
     verify_checkpoint(str(local / "step2"))
+
+
+def test_a_pointer_rolled_back_by_hand_is_followed_with_one_line_naming_the_newer(tmp_path, caplog):
+    local, tier = tmp_path / "local", tmp_path / "tier"
+    ck = make(tiers=[{"url": str(tier)}])
+    save_steps(ck, str(local), [1, 2, 3])
+    ck.close()
+    (local / "latest").write_text("step1\n")  # a rollback to a checkpoint whole on disk
+    before = tree(local)
+    with caplog.at_level(logging.INFO, logger="deepspeed_async_ckpt"):
+        assert restore(str(local), [PathRemote(str(tier))], pointer_name="latest") == "step1"
+    assert tree(local) == before  # the pointer and the engine's record as they were
+    lines = [r.getMessage() for r in caplog.records if "rollback" in r.getMessage()]
+    assert len(lines) == 1 and f"{tier} holds the newer step3" in lines[0] and "names step1" in lines[0]
+    # rolled back to one the first tier no longer holds: restored from the tier, still followed
+    shutil.rmtree(local / "step1")
+    assert restore(str(local), [PathRemote(str(tier))], pointer_name="latest") == "step1"
+    assert (local / "latest").read_text() == "step1\n"
+    verify_checkpoint(str(local / "step1"))
+    # a pointer naming no committed checkpoint: the newest on any tier
+    (local / "latest").write_text("step9")
+    assert restore(str(local), [PathRemote(str(tier))], pointer_name="latest") == "step3"
+    assert (local / "latest").read_text() == "step3"
+
+
+def test_a_newest_checkpoint_no_tier_can_make_whole_gives_way_to_the_newest_that_can(tmp_path, s3, caplog):
+    local = tmp_path / "local"
+    ck = make(tiers=[s3.tier("run", keep_last=0)])
+    save_steps(ck, str(local), [1, 2, 3])
+    ck.close()
+    saved = tree(local / "step2")
+    shutil.rmtree(local)  # the first tier gone, and one file of the newest lost on the tier
+    s3.client.delete_object(Bucket=s3.name, Key="run/step3/optim.pt")
+    with caplog.at_level(logging.WARNING, logger="deepspeed_async_ckpt"):
+        assert restore(str(local), [s3_remote(s3)], pointer_name="latest") == "step2"
+    assert (local / "latest").read_text() == "step2"
+    assert sorted(os.listdir(local)) == [RECORD_FILE, "latest", "step2"]  # no step3 left behind
+    assert tree(local / "step2") == {k: v for k, v in saved.items() if "rank_" not in k}
+    lines = [r.getMessage() for r in caplog.records if "skipped" in r.getMessage()]
+    assert len(lines) == 1, lines
+    assert "loading step2; skipped the newer step3 (rank 0: checkpoint step3: no tier holds a valid copy of " \
+        "optim.pt" in lines[0] and f"s3://{s3.name}/run/step3/optim.pt: cannot be fetched" in lines[0]
+    # the tag asked for is never replaced: its failure is raised, and nothing of it left
+    with pytest.raises(IntegrityError, match="checkpoint step3: no tier holds a valid copy of optim.pt"):
+        restore(str(local), [s3_remote(s3)], pointer_name="latest", tag="step3")
+    assert sorted(os.listdir(local)) == [RECORD_FILE, "latest", "step2"]
+
+
+def test_no_checkpoint_any_tier_can_make_whole_names_each_and_leaves_no_directory(tmp_path):
+    local, tier = tmp_path / "local", tmp_path / "tier"
+    ck = make(tiers=[{"url": str(tier), "keep_last": 0}])
+    save_steps(ck, str(local), [1, 2])
+    ck.close()
+    shutil.rmtree(local)
+    (tier / "step1" / "model.pt").unlink()
+    flip_byte(tier / "step2" / "optim.pt")
+    with pytest.raises(IntegrityError) as err:
+        restore(str(local), [PathRemote(str(tier))], pointer_name="latest")
+    message = str(err.value)
+    assert message.startswith("no committed checkpoint can be made whole from any tier: step2 (rank 0: "
+                              "checkpoint step2: no tier holds a valid copy of optim.pt")
+    assert "; step1 (rank 0: checkpoint step1: no tier holds a valid copy of model.pt" in message
+    assert not local.exists()
+
+
+def test_a_first_tier_that_cannot_be_written_fails_the_load_instead_of_passing_over(tmp_path, monkeypatch):
+    import errno
+
+    from deepspeed_async_ckpt.tiers import restore as restore_module
+
+    local, tier = tmp_path / "local", tmp_path / "tier"
+    ck = make(tiers=[{"url": str(tier), "keep_last": 0}])
+    save_steps(ck, str(local), [1, 2])
+    ck.close()
+    shutil.rmtree(local)
+
+    def disk_full(storage, path, text, **kw):
+        raise OSError(errno.ENOSPC, "No space left on device", path)
+
+    monkeypatch.setattr(restore_module, "write_text_atomic", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        restore(str(local), [PathRemote(str(tier))], pointer_name="latest")
+    assert not local.exists()  # step2's files fetched, then removed with the directory
 
 
 def test_a_named_tag_is_restored_without_moving_the_pointer(tmp_path):

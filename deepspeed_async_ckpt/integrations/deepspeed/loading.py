@@ -124,10 +124,11 @@ def files_read_by_load(ds_engine: Any, arguments: dict) -> Callable[[str], bool]
 def restore_from_tiers(checkpointer: Any, arguments: dict, latest: str = "latest", *,
                        node_local: bool = False) -> None:
     """Collective, before the load reads ``load_dir``: with durable tiers configured, bring the
-    checkpoint to load into it from them (the newest committed on any tier, or the tag asked
-    for), every file missing or damaged there fetched and verified (see
-    :func:`~...tiers.restore.restore`); every rank raises if that fails. Without tiers or a
-    ``load_dir``: nothing."""
+    checkpoint to load into it from them (the tag asked for; else the one ``latest`` names
+    where a user edited it, or the newest committed on any tier, or where that cannot be made
+    whole the newest that can, ``latest`` moved to it), every file missing or damaged there
+    fetched and verified (see :func:`~...tiers.restore.restore`); every rank raises if that
+    fails. Without tiers or a ``load_dir``: nothing."""
     tiers = getattr(checkpointer, "tiers", None)
     if tiers is None or arguments.get("load_dir") is None:
         return

@@ -1,6 +1,8 @@
 """A DeepSpeed rank for the durable-tier test: ``save`` trains and saves into a first tier
 with an S3 tier behind it, then dumps the state it saved; ``resume`` (after the test emptied
-the first tier) loads from the same save directory and dumps the state it loaded."""
+the first tier) loads from the same save directory and dumps the state it loaded. The state
+after each save is dumped too (``saved_rank<r>_step<n>.pt``), for a resume that must fall back
+to an older checkpoint."""
 
 import argparse
 import json
@@ -44,6 +46,7 @@ def main():
         for step in range(3):
             train(engine, args, 1, start=step)
             engine.save_checkpoint(save_dir)
+            torch.save(state_of(engine), os.path.join(args.out, f"saved_rank{rank}_step{step + 1}.pt"))
         torch.save(state_of(engine), os.path.join(args.out, f"saved_rank{rank}.pt"))
         engine.checkpoint_engine.cleanup()  # close: the last drain finishes on rank 0
         if rank == 0:
