@@ -384,7 +384,7 @@ def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
     log = str(tmp_path / "log.jsonl")
     run(PRETRAIN, [*TINY_GPT, "--load", d / "ckpt", "--ckpt-step", 3, "--save", tmp_path / "ckpt",
                    "--save-interval", 3, "--async-ckpt", "--async-ckpt-config", CONFIG,
-                   "--log-json", log], env)
+                   "--log-json", log, "--tensorboard-dir", tmp_path / "tb"], env)
     resumed = steps(log)
     assert sorted({i for _, i in resumed}) == [4, 5, 6]
     assert resumed == {k: v for k, v in straight.items() if k[1] > 3}
@@ -408,6 +408,21 @@ def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
     assert [(e["rank"], e["iteration"]) for e in saved] == [(0, 6)]
     assert saved[0]["files"] == len(manifest["files"]) and saved[0]["seconds"] > 0
     assert saved[0]["bytes"] == sum(f["bytes"] for f in manifest["files"].values())
+    # --tensorboard-dir: the loss (the last rank, as Megatron-LM) and, from rank 0, the commit's
+    # figures at its iteration, those of the manifest and of the on_saved report
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    scalars = {tag: [(e.step, e.value) for e in board.Scalars(tag)] for tag in board.Tags()["scalars"]}
+    assert [step for step, _ in scalars["lm loss"]] == [4, 5, 6]
+    assert scalars["lm loss"][-1][1] == pytest.approx(resumed[(3, 6)][0])
+    timings = manifest["timings"]
+    assert scalars["async-ckpt/bytes"] == [(6, pytest.approx(saved[0]["bytes"], rel=1e-6))]  # float32
+    assert scalars["async-ckpt/committed-s"] == [(6, pytest.approx(saved[0]["seconds"]))]
+    assert scalars["async-ckpt/save-call-ms"] == [(6, pytest.approx(timings["save_call_s"]["max"] * 1e3))]
+    assert scalars["async-ckpt/fence-wait-ms"] == [(6, pytest.approx(timings["fence_wait_s"]["max"] * 1e3))]
+    assert scalars["async-ckpt/persisted-s"] == [(6, pytest.approx(timings["persisted_s"]["max"]))]
 
 
 def test_resume_from_a_truncated_common_pt_names_it(straight_run, tmp_path, env):
