@@ -78,6 +78,13 @@ class Progress:
             self._report(self.line(now))
             self._last = now
 
+    def stop(self) -> None:
+        """The operation failed: a bar is closed, no last report (its error says the rest)."""
+        if not self._finished:
+            self._finished = True
+            if self._bar is not None:
+                self._bar.close()
+
     def done(self) -> None:
         """The operation ended: a last report if any was made (a bar is closed). Once."""
         if self._finished:

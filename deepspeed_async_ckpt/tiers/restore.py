@@ -34,6 +34,7 @@ from ..commit import LATE_FILES, MANIFEST, META_DIR, write_text_atomic
 from ..commit.manifest import manifest_problem, read_manifest
 from ..commit.verify import file_problem
 from ..errors import IntegrityError
+from ..progress import track
 from ..storage import LocalStorage, temporary_path
 from .mirror import files_of_node, read_tier_manifest, read_tier_pointer
 from .remote import Remote, manifest_key
@@ -150,7 +151,7 @@ def restore(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag:
     storage = LocalStorage(fsync=True, direct_io=False)
     fetched = 0
     rels = sorted(manifest["files"]) if node is None or every_file else files_of_node(manifest, node)
-    for rel in rels:
+    for rel in track(rels, lambda rel: manifest["files"][rel]["bytes"], f"restore of {name} into {save_dir}"):
         fetched += _ensure(ckpt_dir, name, rel, manifest["files"][rel], algorithm, holders)
     late = manifest.get("late_files") or []
     if late:  # Megatron's marker files: rank 0 writes them, and sends each node's leader a copy
