@@ -45,12 +45,12 @@ _REMEMBERED = 256
 
 
 def commit_events(info: CommitInfo, step: int) -> list[Event]:
-    """The figures of one committed save, at ``step``."""
-    return [(f"{PREFIX}save-call-ms", info.save_call_s * 1e3, step),
-            (f"{PREFIX}fence-wait-ms", info.fence_wait_s * 1e3, step),
+    """The figures of one committed save, at ``step`` (times to the microsecond)."""
+    return [(f"{PREFIX}save-call-ms", round(info.save_call_s * 1e3, 3), step),
+            (f"{PREFIX}fence-wait-ms", round(info.fence_wait_s * 1e3, 3), step),
             (f"{PREFIX}bytes", info.bytes, step),
-            (f"{PREFIX}persisted-s", info.persisted_s, step),
-            (f"{PREFIX}committed-s", info.seconds, step)]
+            (f"{PREFIX}persisted-s", round(info.persisted_s, 6), step),
+            (f"{PREFIX}committed-s", round(info.seconds, 6), step)]
 
 
 def tier_name(index: int, figure: str) -> str:
@@ -127,7 +127,7 @@ class CommitFigures:
                 return
             number, step, began = committed
             self._newest_on_tier[tier] = max(number, self._newest_on_tier.get(tier, -1))
-        self._report(self._write, [(tier_name(tier, "drained-s"), now - began, step)])
+        self._report(self._write, [(tier_name(tier, "drained-s"), round(now - began, 6), step)])
 
 
 def write_to(writers: Iterable[Any]) -> Callable[[list[Event]], None]:

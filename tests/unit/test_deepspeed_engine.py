@@ -206,4 +206,4 @@ def test_deepspeeds_monitor_gets_each_commits_figures_at_its_global_step_only_wh
         "async-ckpt/persisted-s", "async-ckpt/committed-s"]
     info = engine.checkpointer.history[-1].commit_info
     assert ("async-ckpt/bytes", info.bytes, 9) in written
-    assert ("async-ckpt/committed-s", info.seconds, 9) in written
+    assert ("async-ckpt/committed-s", round(info.seconds, 6), 9) in written

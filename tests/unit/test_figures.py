@@ -92,9 +92,9 @@ def test_each_commit_is_written_at_its_step_and_each_drain_when_it_ends(tmp_path
     for info, step in zip(infos, (10, 15, 20)):
         row = by_step[step]
         assert row["async-ckpt/bytes"] == info.bytes
-        assert row["async-ckpt/committed-s"] == info.seconds
-        assert row["async-ckpt/save-call-ms"] == info.save_call_s * 1e3
-        assert row["async-ckpt/fence-wait-ms"] == info.fence_wait_s * 1e3
+        assert row["async-ckpt/committed-s"] == round(info.seconds, 6)
+        assert row["async-ckpt/save-call-ms"] == round(info.save_call_s * 1e3, 3)
+        assert row["async-ckpt/fence-wait-ms"] == round(info.fence_wait_s * 1e3, 3)
         assert row["async-ckpt/persisted-s"] == info.persisted_s
     assert set(by_step[15]) == set(NAMES)  # kept aside: never drained, no tier figures
     for step in (10, 20):
