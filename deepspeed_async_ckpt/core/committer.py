@@ -55,8 +55,8 @@ logger = logging.getLogger(__name__)
 def _timings(handle: CheckpointHandle, is_async: bool) -> dict[str, float]:
     """This rank's times of ``handle`` for its record (see :data:`~..commit.records.TIMINGS`):
     its save call (in sync mode, ``end`` writes the files: to them persisted), its fence
-    wait so far (its copies are done by now, so every fence that waited for them is counted),
-    and from ``begin`` to its files persisted."""
+    wait so far (its copies are done by now: a fence that waited for them has returned, or is
+    just returning), and from ``begin`` to its files persisted."""
     times = handle.times
     called = times.get("called", times["begin"])
     returned = times.get("end", times["persisted"]) if is_async else times["persisted"]
