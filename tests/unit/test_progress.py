@@ -7,6 +7,7 @@ import json
 import logging
 import os
 import shutil
+import sys
 
 import torch
 
@@ -98,7 +99,6 @@ def test_the_verify_cli_writes_its_progress_to_standard_error_only(tmp_path, cap
     assert main(["verify", str(tmp_path)]) == 0
     out, _ = capsys.readouterr()
     assert out.startswith("OK: ") and len(out.splitlines()) == 1, out
-    import sys
     assert "100%" in sys.stderr.getvalue()
     assert main(["list", str(tmp_path), "--json"]) == 0
     json.loads(capsys.readouterr().out)  # nothing but the JSON
