@@ -34,7 +34,7 @@ setup(
         "megatron": ["megatron-core>=0.16,<0.17"],
         "hf": ["transformers>=5,<6", "accelerate>=1.0"],
         "s3": ["boto3>=1.34"],
-        "test": ["pytest>=8", "pytest-timeout", "megatron-core>=0.16,<0.17", "matplotlib",
+        "test": ["pytest>=8", "pytest-timeout", "megatron-core>=0.16,<0.17", "matplotlib", "tensorboard",
                  "transformers>=5,<6", "accelerate>=1.0", "boto3>=1.34", "moto[server]>=5"],
     },
     entry_points={"console_scripts": ["ds-async-ckpt=deepspeed_async_ckpt.tools.cli:main"]},

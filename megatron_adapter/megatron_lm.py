@@ -28,6 +28,10 @@ What :func:`install` hooks (module attributes of ``megatron.training``):
   first; the load itself is Megatron-LM's (the format is megatron's ``torch_dist``).
 - ``maybe_finalize_async_save(blocking=True)``: also flushes the engine.
 
+Each committed save's figures go to Megatron-LM's TensorBoard (``--tensorboard-dir``) and W&B
+writers at its iteration, as ``async-ckpt/...`` beside its ``save-checkpoint-time`` (see
+:mod:`.monitor`).
+
 Not with Megatron-LM's ``--async-save`` (saves would bypass its queue): the engine refuses it.
 Routed saves keep ``--save-retain-interval`` (the engine removes the checkpoints it would, once
 the tracker moved) and Megatron-LM's log lines (rank 0: "saving checkpoint at iteration",
@@ -51,6 +55,7 @@ from deepspeed_async_ckpt.commit import META_DIR
 from deepspeed_async_ckpt.errors import ConfigError, IntegrityError
 
 from .arguments import add_arguments, config_from_args
+from .monitor import attach_figures
 from .checkpointer import (MegatronCheckpointer, checkpoint_dir, read_tracker, tracker_path,
                            verify_checkpoint_dir)
 
@@ -88,7 +93,19 @@ def _engine(args: Any) -> MegatronCheckpointer | None:
             cfg, writers=args.async_ckpt_writers,
             retain_interval=getattr(args, "save_retain_interval", None),
             on_saved=_print_saved)
+        _attach_figures(_STATE["engine"], args)
     return _STATE["engine"]
+
+
+def _attach_figures(engine: MegatronCheckpointer, args: Any) -> None:
+    """Rank 0: each commit's figures into Megatron-LM's TensorBoard and W&B writers (where
+    this rank holds them) or ``--tensorboard-dir`` (see :mod:`.monitor`)."""
+    import megatron.training as mt
+
+    writer = {name: getattr(mt, f"get_{name}_writer", lambda: None)() for name in ("tensorboard", "wandb")}
+    attach_figures(engine, tensorboard=writer["tensorboard"], wandb=writer["wandb"],
+                   tensorboard_dir=getattr(args, "tensorboard_dir", None),
+                   wandb_project=getattr(args, "wandb_project", None))
 
 
 def _now() -> str:

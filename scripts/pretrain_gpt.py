@@ -54,6 +54,7 @@ from megatron_adapter.checkpointer import (  # noqa: E402
     read_tracker,
     tracker_path,
 )
+from megatron_adapter.monitor import attach_figures  # noqa: E402
 
 CPU_SHIM = os.path.join(REPO, "tests", "megatron_cpu_shim.py")
 
@@ -113,6 +114,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="validate the sharding of the first save only")
     g.add_argument("--dist-ckpt-optim-fully-reshardable", action="store_true",
                    help="accepted: the distributed optimizer is always saved fully reshardable here")
+    g = p.add_argument_group("logging (Megatron-LM names)")
+    g.add_argument("--tensorboard-dir", default=None,
+                   help="TensorBoard event files: the loss (last rank, as Megatron-LM) and each "
+                        "committed save's async-ckpt/... figures (rank 0)")
+    g.add_argument("--wandb-project", default=None, help="a W&B run (last rank, as Megatron-LM)")
+    g.add_argument("--wandb-exp-name", default=None)
     g = p.add_argument_group("this script")
     g.add_argument("--log-json", default=None, metavar="PATH", help="append JSON-lines events")
     add_arguments(p)
@@ -390,6 +397,27 @@ def load_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, sch
     return int(state["iteration"])
 
 
+def writers(args: argparse.Namespace) -> tuple[Any, Any]:
+    """Megatron-LM's TensorBoard and W&B writers: on the last rank, None elsewhere."""
+    if dist.get_rank() != dist.get_world_size() - 1:
+        return None, None
+    tensorboard = wandb = None
+    if args.tensorboard_dir:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:
+            raise SystemExit(f"--tensorboard-dir: TensorBoard cannot be imported ({exc}): "
+                             "pip install tensorboard") from None
+        tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
+    if args.wandb_project:
+        try:
+            import wandb
+        except ImportError as exc:
+            raise SystemExit(f"--wandb-project: W&B cannot be imported ({exc}): pip install wandb") from None
+        wandb.init(project=args.wandb_project, name=args.wandb_exp_name, config=vars(args))
+    return tensorboard, wandb
+
+
 # ---------------------------------------------------------------------------------- loop
 def main(argv: list[str] | None = None, storage=None) -> int:
     """Train; ``storage`` (tests) is handed to the engine (a fault-injecting Storage)."""
@@ -412,6 +440,10 @@ def main(argv: list[str] | None = None, storage=None) -> int:
                                 on_saved=saved) if cfg.enabled else None
     rank = dist.get_rank()
     log = open(args.log_json, "a", encoding="utf-8") if args.log_json else None
+    tensorboard, wandb = writers(args)
+    if ckpt is not None:  # rank 0: each commit's figures, beside the loss (see megatron_adapter.monitor)
+        attach_figures(ckpt, tensorboard=tensorboard, wandb=wandb, tensorboard_dir=args.tensorboard_dir,
+                       wandb_project=args.wandb_project)
 
     # One line on stdout per step (from the last rank, on the last pipeline stage), save, saved
     # checkpoint (the tracker moved: in the background with --async-ckpt) and resume (rank 0),
@@ -465,6 +497,10 @@ def main(argv: list[str] | None = None, storage=None) -> int:
                 loss = sum(float(x["lm loss"]) for x in losses) / max(len(losses), 1)
                 emit(event="step", iteration=iteration, loss=loss, grad_norm=float(grad_norm or 0),
                      step_s=time.perf_counter() - t0, fence_s=fence_s)
+                if tensorboard is not None:
+                    tensorboard.add_scalar("lm loss", loss, iteration)
+                if wandb is not None:
+                    wandb.log({"lm loss": loss}, step=iteration)
             if args.save and args.save_interval and iteration % args.save_interval == 0:
                 record = save_checkpoint(args, ckpt, gpt, optimizer, scheduler, iteration, validate)
                 validate = not args.ckpt_assume_constant_structure
@@ -487,6 +523,8 @@ def main(argv: list[str] | None = None, storage=None) -> int:
     emit(event="done", iteration=iteration)
     if log is not None:
         log.close()
+    if tensorboard is not None:
+        tensorboard.close()
     dist.barrier()
     dist.destroy_process_group()
     return 0

@@ -277,6 +277,9 @@ def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_si
         manifest["carried"] = carried
     if late_files:
         manifest["late_files"] = sorted(late_files)
+    timings = slowest(records)
+    if timings:
+        manifest["timings"] = timings
     if not rotation:  # absent means in the rotation
         manifest["rotation"] = False
     problem = manifest_problem(manifest)  # what every reader would refuse: never committed
@@ -290,6 +293,17 @@ def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_si
         own = {rel: entry for rel, entry in by_node[node].items() if entry != files[rel]}
         per_node[node] = dict(manifest, files={**files, **own}) if own else manifest
     return manifest, per_node
+
+
+def slowest(records: dict[int, dict]) -> dict[str, dict]:
+    """Of each time the ranks' records carry (:data:`.records.TIMINGS`), the largest and the
+    lowest rank with it: ``{"save_call_s": {"max": 0.21, "rank": 3}, ...}``."""
+    out: dict[str, dict] = {}
+    for r, record in sorted(records.items()):
+        for key, value in record.get("timings", {}).items():
+            if key not in out or value > out[key]["max"]:
+                out[key] = {"max": value, "rank": r}
+    return out
 
 
 def _gather(exchange: Any, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,

@@ -53,11 +53,18 @@ def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: st
                                                              checksum=checksum, files=files))
 
 
+#: What a rank's record may say of its save's times (seconds, see :func:`rank_record`).
+TIMINGS = ("save_call_s", "fence_wait_s", "persisted_s")
+
+
 def rank_record(ckpt_dir: str, *, rank: int, save_id: str, checksum: str,
-                files: Iterable[FileRecord], node: int | None = None) -> dict:
+                files: Iterable[FileRecord], node: int | None = None,
+                timings: dict[str, float] | None = None) -> dict:
     """Rank ``rank``'s record of its durable files for save ``save_id``: each file's path
     within ``ckpt_dir``, size and checksum (or its segments). ``node``: the node it ran on,
-    recorded with node-local storage only (see :mod:`.nodes`)."""
+    recorded with node-local storage only (see :mod:`.nodes`). ``timings``: this rank's
+    seconds of :data:`TIMINGS` (its save call, its fence wait, to its files persisted), which
+    rank 0's commit takes the largest of, so no collective carries them."""
     entries = {}
     for r in files:
         rel = os.path.relpath(r.path, ckpt_dir)
@@ -73,6 +80,8 @@ def rank_record(ckpt_dir: str, *, rank: int, save_id: str, checksum: str,
     record = {"rank": rank, "save_id": save_id, "checksum": checksum, "files": entries}
     if node is not None:
         record["node"] = node
+    if timings:
+        record["timings"] = {k: round(float(v), 6) for k, v in timings.items()}
     return record
 
 
@@ -118,6 +127,10 @@ def record_problem(record: object, rank: int, save_id: str, checksum: str) -> st
             return f"{key} {record.get(key)!r}, expected {want!r}"
     if "node" in record and (type(record["node"]) is not int or record["node"] < 0):
         return f"node {record['node']!r} is not a node index"
+    timings = record.get("timings", {})
+    if not isinstance(timings, dict) or not all(
+            k in TIMINGS and type(v) in (int, float) and v >= 0 for k, v in timings.items()):
+        return f"timings {timings!r} are not seconds of {', '.join(TIMINGS)}"
     for rel, entry in record["files"].items():
         if os.path.isabs(rel) or os.pardir in rel.split("/") or not rel:
             return f"file {rel!r} is outside the checkpoint"

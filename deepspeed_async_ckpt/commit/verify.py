@@ -75,7 +75,8 @@ def file_problem(path: str, entry: dict, algorithm: str,
 def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
                       manifest: dict | None = None, node: int | None = None,
                       include: Callable[[str], bool] | None = None,
-                      reads: Callable[[str], Iterable[tuple[int, int]] | None] | None = None) -> dict:
+                      reads: Callable[[str], Iterable[tuple[int, int]] | None] | None = None,
+                      progress: Callable[[int], None] | None = None) -> dict:
     """Verify the files of a committed checkpoint (against ``manifest`` if already read);
     returns its manifest. With ``world_size`` ranks each verifying its share, rank ``r``
     checks the units ``r, r + world_size, ...`` of the manifest, a unit being a file or one
@@ -88,7 +89,9 @@ def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
     A manifest with ``nodes`` (node-local storage): the ranks of each node (see
     :mod:`.nodes`) split the files its directory holds, the others are not there to check;
     each node's first rank checks the late files (every node's leader writes them). ``node``:
-    the node whose directory ``ckpt_dir`` is (default: ``rank``'s)."""
+    the node whose directory ``ckpt_dir`` is (default: ``rank``'s). ``progress(nbytes)``:
+    called after each file, share or set of archives this rank checked, with its bytes (see
+    :mod:`..progress`)."""
     manifest = manifest or read_manifest(ckpt_dir)
     here = files_on_node(manifest, node_of(rank, world_size) if node is None else node)
     if here is not None:  # this node's ranks, over this node's files
@@ -111,6 +114,10 @@ def verify_checkpoint(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
                       for i in range(len(entry.get("segments", [None])))]
     for rel, segment in units[rank::world_size]:
         verify_file(os.path.join(ckpt_dir, rel), manifest, segment, ckpt_dir=ckpt_dir)
+        if progress is not None:
+            entry = manifest["files"][rel]
+            chosen = [] if segment is None else [segment] if isinstance(segment, int) else segment
+            progress(sum(entry["segments"][i][1] for i in chosen) if chosen else entry["bytes"])
     if rank == 0:  # a few small files, which every load reads (each node has them)
         _verify_late_files(ckpt_dir, manifest)
     return manifest

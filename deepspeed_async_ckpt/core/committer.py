@@ -52,6 +52,18 @@ from .saves import Saves
 logger = logging.getLogger(__name__)
 
 
+def _timings(handle: CheckpointHandle, is_async: bool) -> dict[str, float]:
+    """This rank's times of ``handle`` for its record (see :data:`~..commit.records.TIMINGS`):
+    its save call (in sync mode, ``end`` writes the files: to them persisted), its fence
+    wait so far (its copies are done by now: a fence that waited for them has returned, or is
+    just returning), and from ``begin`` to its files persisted."""
+    times = handle.times
+    called = times.get("called", times["begin"])
+    returned = times.get("end", times["persisted"]) if is_async else times["persisted"]
+    return {"save_call_s": max(0.0, returned - called), "fence_wait_s": handle.fence_wait_s,
+            "persisted_s": times["persisted"] - times["begin"]}
+
+
 class Committer:
     """Commits the saves of one rank, in the order they were sealed.
 
@@ -158,7 +170,7 @@ class Committer:
             node = self._node if self._exchange.node_local else None
             self._exchange.publish(handle.write_dir, rank_record(
                 handle.write_dir, rank=self._rank, save_id=handle.save_id, checksum=cfg.checksum,
-                files=records, node=node))
+                files=records, node=node, timings=_timings(handle, cfg.is_async)))
             recorded = True
             manifest = None
             if self._rank == 0:

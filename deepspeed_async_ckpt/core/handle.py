@@ -32,6 +32,16 @@ class CommitInfo:
     """From ``begin`` (once the ranks agreed to save) to the commit (the pointer moved):
     staging, writing, the commit and its finalize steps, beside training. ``str()`` gives
     bytes over it as GB/s, which is not the disk's bandwidth."""
+    save_id: str = ""
+    save_call_s: float = 0.0
+    """The largest over the ranks of the save call: from ``begin`` called to ``end`` called
+    (the save sealed) on the training thread, the ranks' agreement included; in sync mode, to
+    the rank's files persisted (``end`` writes them)."""
+    fence_wait_s: float = 0.0
+    """The largest over the ranks of the time the training loop waited at fences for this
+    save's copies (the fences before its record: by then its copies are done)."""
+    persisted_s: float = 0.0
+    """The largest over the ranks of the time from ``begin`` to the rank's files persisted."""
 
     def __str__(self) -> str:
         rate = self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")

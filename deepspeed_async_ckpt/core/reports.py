@@ -13,6 +13,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
+from ..commit.records import TIMINGS
 from .handle import CheckpointHandle, CommitInfo
 from .saves import Saves
 
@@ -95,10 +96,13 @@ class Reporter:
         """Rank 0, once a checkpoint is committed: log it (INFO) and queue the commit callbacks.
         A failure here is logged, never the save's: the pointer has moved already."""
         try:
+            slowest = {key: float(t["max"]) for key, t in manifest.get("timings", {}).items()
+                       if key in TIMINGS and isinstance(t, dict) and type(t.get("max")) in (int, float)}
             info = CommitInfo(tag=handle.tag, ckpt_dir=handle.ckpt_dir, files=len(manifest["files"]),
                               bytes=sum(e["bytes"] for e in manifest["files"].values()),
                               world_size=self._world_size,
-                              seconds=handle.times["committed"] - handle.times["begin"])
+                              seconds=handle.times["committed"] - handle.times["begin"],
+                              save_id=handle.save_id, **slowest)
             handle.commit_info = info
             logger.info("async checkpoint: %s", info)
             for fn in list(self.callbacks):

@@ -96,6 +96,7 @@ class Session:
         """Open a checkpoint (collective: every rank); see :meth:`AsyncCheckpointer.begin
         <.checkpointer.AsyncCheckpointer.begin>`. If a previous save failed on any rank, raises
         on every rank and starts nothing."""
+        called = time.perf_counter()
         saves = self._saves
         if saves.current is not None:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {saves.current.tag!r} is "
@@ -131,6 +132,7 @@ class Session:
             save_id, write_dir = _write_dir(ckpt_dir, save_id)
             handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
                                       finalize if self._rank == 0 else (), rotation=rotation)
+            handle.times["called"] = called  # the save call: from here to end()
             saves.current = handle
             self._begun(handle)  # the begin callbacks: what it depends on
             if self._rank == 0:  # and the marker's entry (made under another name, renamed), and

@@ -69,6 +69,9 @@ class Drainer:
         """One message per failed drain attempt."""
         self.seconds: list[float] = []
         """Seconds each successful drain took (upload to the tier's pointer)."""
+        self.on_drained: list[Callable[[str], None]] = []
+        """Called on this drainer's thread with the checkpoint directory of each drain that
+        committed on the tier (a monitor's figures); an exception is logged."""
         self._thread = threading.Thread(target=self._loop, name=f"async-ckpt-drain-{tier.url}",
                                         daemon=True)
         self._thread.start()
@@ -158,6 +161,11 @@ class Drainer:
             self.drained.append(name)
             logger.info("async checkpoint: %s drained to %s in %.2f s", name, self.tier.url,
                         time.monotonic() - t0)
+            for fn in list(self.on_drained):
+                try:
+                    fn(job.ckpt_dir)
+                except Exception as exc:  # noqa: BLE001 - a report, never the drain's failure
+                    logger.warning("async checkpoint: a drain callback failed: %s", describe(exc))
             if self.coordinator:
                 try:
                     removed = retire_on_tier(self.remote, self.tier.keep_last, name, self._tried)

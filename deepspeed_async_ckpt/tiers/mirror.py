@@ -29,6 +29,7 @@ from ..commit.manifest import files_on_node
 from ..commit.policy import CheckpointInfo
 from ..commit.retention import step_in_name
 from ..errors import IntegrityError
+from ..progress import track
 from .remote import POINTER_KEY, Remote, manifest_key, marker_key
 
 logger = logging.getLogger(__name__)
@@ -59,7 +60,8 @@ def upload_node_files(remote: Remote, ckpt_dir: str, manifest: dict, node: int) 
     uploaded."""
     name = os.path.basename(ckpt_dir)
     total = 0
-    for rel in files_to_upload(manifest, node):
+    for rel in track(files_to_upload(manifest, node), lambda rel: manifest["files"][rel]["bytes"],
+                     f"drain of {name} to {remote.url}"):
         path = os.path.join(ckpt_dir, rel)
         verify_file(path, manifest, ckpt_dir=ckpt_dir)  # a damaged local copy is never drained
         remote.put_file(path, f"{name}/{rel}")

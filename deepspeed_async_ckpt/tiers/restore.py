@@ -40,6 +40,7 @@ from typing import Callable, Sequence
 from ..commit import LATE_FILES, MANIFEST, META_DIR, write_text_atomic
 from ..commit.verify import file_problem
 from ..errors import IntegrityError
+from ..progress import track
 from ..storage import LocalStorage, temporary_path
 from .choose import choices, local_manifest, read_local_pointer, record_pointer, tier_manifest
 from .mirror import files_of_node, read_tier_manifest
@@ -196,7 +197,7 @@ def _fill(save_dir: str, remotes: Sequence[Remote], name: str, manifest: dict, r
     storage = LocalStorage(fsync=True, direct_io=False)
     fetched = 0
     rels = sorted(manifest["files"]) if node is None or every_file else files_of_node(manifest, node)
-    for rel in rels:
+    for rel in track(rels, lambda rel: manifest["files"][rel]["bytes"], f"restore of {name} into {save_dir}"):
         fetched += _ensure(ckpt_dir, name, rel, manifest["files"][rel], algorithm, holders)
     late = manifest.get("late_files") or []
     if late:  # Megatron's marker files: rank 0 writes them, and sends each node's leader a copy

@@ -1,6 +1,8 @@
 """``ds-async-ckpt verify PATH``: every file of a committed checkpoint checked against its
 manifest (size and checksum). Exit 0 if intact, 1 if not (damaged, partial, unfinalized), 2 if
-there is no such directory or this engine did not write it.
+there is no such directory or this engine did not write it. Its progress goes to standard error
+(:mod:`...progress`): a bar on a terminal, a line at a bounded rate otherwise; the verdict to
+standard output.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def add_parser(sub) -> None:
 def run(args: argparse.Namespace) -> int:
     from ..commit import META_DIR, read_manifest, verify_checkpoint
     from ..errors import IntegrityError
+    from ..progress import Progress
 
     path = args.path
     target = pointer_target(path) if os.path.isdir(path) else None
@@ -53,19 +56,28 @@ def run(args: argparse.Namespace) -> int:
                            f"`ds-async-ckpt list {path}` shows them")
         raise CliError(f"{path!r} was not written by this engine (no {META_DIR}/): it holds no "
                        "checksums to verify against")
+    progress = None
     try:
         manifest = read_manifest(path)
         node = _node_of_copy(path, manifest, args.node)
-        verify_checkpoint(path, manifest=manifest, node=node)
+        here = manifest["files"] if node is None else manifest["nodes"][str(node)]  # what is checked
+        # on standard error only: a bar on a terminal, else a line at a bounded rate
+        progress = Progress(f"verify {path}", sum(manifest["files"][rel]["bytes"] for rel in here),
+                            stream=sys.stderr)
+        verify_checkpoint(path, manifest=manifest, node=node, progress=progress.add)
+        progress.done()
     except IntegrityError as e:
+        if progress is not None:
+            progress.stop()
         if isinstance(e.__cause__, PermissionError):  # a file the user may not read: not a
             # verdict on the checkpoint, which may well be intact
             raise CliError(f"cannot read checkpoint {path!r}: {e}") from None
         print(f"CORRUPT: {e}", file=sys.stderr)
         return 1
     except OSError as e:  # its manifest unreadable (permissions): nothing verified
+        if progress is not None:
+            progress.stop()
         raise CliError(f"cannot read checkpoint {path!r}: {e}") from None
-    here = manifest["files"] if node is None else manifest["nodes"][str(node)]  # what was checked
     total = sum(manifest["files"][rel]["bytes"] for rel in here)
     checked = ("sizes verified (checksum none: no checksums recorded)" if manifest["checksum"] == "none"
                else f"{manifest['checksum']} verified")

@@ -696,14 +696,20 @@ def test_auto_activation_comes_from_the_installed_pth_and_can_be_switched_off(tm
     assert "AttributeError: no create_checkpoint_engine here" in out.stderr
 
 
-def test_each_commit_is_in_deepspeeds_log_from_rank_0(tmp_path, repo_env):
+def test_each_commit_is_in_deepspeeds_log_and_monitor_from_rank_0(tmp_path, repo_env):
     """With DeepSpeed's ``log_level`` at info, rank 0 logs every commit through DeepSpeed's own
     logger (the line users look for to know a checkpoint is safe; DeepSpeed's engine logs that
-    a checkpoint "is about to be saved"), with the manifest's figures; the other rank does not."""
+    a checkpoint "is about to be saved"), with the manifest's figures; the other rank does not.
+    With DeepSpeed's CSV monitor on, rank 0 writes each commit's figures through it, at the
+    global step of the save: the largest over the ranks from the manifest's timings, its
+    bytes, and the seconds to committed of the log line."""
+    import csv
+
     from deepspeed_async_ckpt.commit import read_manifest
 
     config = json.load(open(os.path.join(REPO, "configs", "deepspeed_async.json")))
     config["log_level"] = "info"
+    config["csv_monitor"] = {"enabled": True, "output_path": str(tmp_path / "csv"), "job_name": "run"}
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(config))
     save = tmp_path / "ckpt"
@@ -720,3 +726,18 @@ def test_each_commit_is_in_deepspeeds_log_from_rank_0(tmp_path, repo_env):
                f"{len(manifest['files'])} file(s), {nbytes / 1e9:.3g} GB from 2 rank(s), "
         assert logs[0].count(line) == 1, logs[0]
     assert "committed:" not in logs[1]
+    rows = {}
+    for path in glob.glob(str(tmp_path / "csv" / "run" / "async-ckpt_*.csv")):
+        with open(path, newline="") as f:
+            (header, *values) = list(csv.reader(f))
+        rows[header[1]] = {int(step): float(value) for step, value in values}
+    assert sorted(rows) == ["bytes", "committed-s", "fence-wait-ms", "persisted-s", "save-call-ms"]
+    for step in (2, 4):
+        manifest = read_manifest(str(save / f"global_step{step}"))
+        slowest = {key: t["max"] for key, t in manifest["timings"].items()}
+        assert rows["save-call-ms"][step] == round(slowest["save_call_s"] * 1e3, 3) > 0
+        assert rows["fence-wait-ms"][step] == round(slowest["fence_wait_s"] * 1e3, 3)
+        assert rows["persisted-s"][step] == slowest["persisted_s"] > 0
+        assert rows["bytes"][step] == sum(f["bytes"] for f in manifest["files"].values())
+        assert f"{rows['committed-s'][step]:.2f} s after the save began" in logs[0]
+    assert sorted(rows["bytes"]) == [2, 4]

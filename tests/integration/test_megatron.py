@@ -13,6 +13,7 @@ The whole file runs in about 4 minutes on 2 CPU cores (nine 4-rank launches).
 from __future__ import annotations
 
 import glob
+import importlib.util
 import json
 import os
 import subprocess
@@ -37,6 +38,8 @@ from deepspeed_async_ckpt.errors import IntegrityError  # noqa: E402
 from megatron_adapter.checkpointer import read_tracker, verify_checkpoint_dir  # noqa: E402
 
 pytestmark = pytest.mark.slow
+
+HAVE_TENSORBOARD = importlib.util.find_spec("tensorboard") is not None
 
 
 # ---------------------------------------------------------------------------------- launches
@@ -384,7 +387,8 @@ def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
     log = str(tmp_path / "log.jsonl")
     run(PRETRAIN, [*TINY_GPT, "--load", d / "ckpt", "--ckpt-step", 3, "--save", tmp_path / "ckpt",
                    "--save-interval", 3, "--async-ckpt", "--async-ckpt-config", CONFIG,
-                   "--log-json", log], env)
+                   "--log-json", log, *(["--tensorboard-dir", tmp_path / "tb"] if HAVE_TENSORBOARD else [])],
+        env)
     resumed = steps(log)
     assert sorted({i for _, i in resumed}) == [4, 5, 6]
     assert resumed == {k: v for k, v in straight.items() if k[1] > 3}
@@ -408,6 +412,23 @@ def test_resume_gives_the_same_losses(straight_run, tmp_path, env):
     assert [(e["rank"], e["iteration"]) for e in saved] == [(0, 6)]
     assert saved[0]["files"] == len(manifest["files"]) and saved[0]["seconds"] > 0
     assert saved[0]["bytes"] == sum(f["bytes"] for f in manifest["files"].values())
+    # --tensorboard-dir: the loss (the last rank, as Megatron-LM) and, from rank 0, the commit's
+    # figures at its iteration, those of the manifest and of the on_saved report
+    if not HAVE_TENSORBOARD:
+        pytest.skip("tensorboard is not installed (the test extra installs it): scalars not read back")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    board = EventAccumulator(str(tmp_path / "tb"))
+    board.Reload()
+    scalars = {tag: [(e.step, e.value) for e in board.Scalars(tag)] for tag in board.Tags()["scalars"]}
+    assert [step for step, _ in scalars["lm loss"]] == [4, 5, 6]
+    assert scalars["lm loss"][-1][1] == pytest.approx(resumed[(3, 6)][0])
+    timings = manifest["timings"]
+    assert scalars["async-ckpt/bytes"] == [(6, pytest.approx(saved[0]["bytes"], rel=1e-6))]  # float32
+    assert scalars["async-ckpt/committed-s"] == [(6, pytest.approx(saved[0]["seconds"], abs=1e-6))]
+    assert scalars["async-ckpt/save-call-ms"] == [(6, pytest.approx(timings["save_call_s"]["max"] * 1e3))]
+    assert scalars["async-ckpt/fence-wait-ms"] == [(6, pytest.approx(timings["fence_wait_s"]["max"] * 1e3))]
+    assert scalars["async-ckpt/persisted-s"] == [(6, pytest.approx(timings["persisted_s"]["max"]))]
 
 
 def test_resume_from_a_truncated_common_pt_names_it(straight_run, tmp_path, env):

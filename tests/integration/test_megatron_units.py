@@ -537,6 +537,57 @@ def test_megatron_lm_hook_prints_megatron_lms_saved_line_for_log_monitors(monkey
     assert "checkpoint 50 committed: /ckpt/iter_0000050, 9 file(s), 3 GB from 8 rank(s), 1.50 s" in out
 
 
+def test_megatron_lm_hook_writes_each_commits_figures_through_megatron_lms_writers(monkeypatch, tmp_path):
+    """Rank 0 holding Megatron-LM's TensorBoard and W&B writers (a one-rank run): each commit's
+    figures go to both, at its iteration, named beside Megatron-LM's ``save-checkpoint-time``;
+    without a writer and without ``--tensorboard-dir`` nothing is attached."""
+    import types
+
+    from deepspeed_async_ckpt.commit import Pointer
+    from deepspeed_async_ckpt.core import AsyncCheckpointer
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from megatron_adapter import megatron_lm
+
+    class Board:
+        def __init__(self):
+            self.scalars = []
+
+        def add_scalar(self, name, value, step):
+            self.scalars.append((name, value, step))
+
+    class WandB:
+        def __init__(self):
+            self.logged = []
+
+        def log(self, values, step=None):
+            self.logged.append((step, values))
+
+    board, wandb = Board(), WandB()
+    mt = types.ModuleType("megatron.training")
+    mt.get_tensorboard_writer, mt.get_wandb_writer = lambda: board, lambda: wandb
+    monkeypatch.setitem(sys.modules, "megatron.training", mt)
+    for writers in (True, False):
+        before = len(board.scalars)
+        if not writers:
+            mt.get_tensorboard_writer = mt.get_wandb_writer = lambda: None
+        ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+        engine = types.SimpleNamespace(rank=0, engine=ck)
+        megatron_lm._attach_figures(engine, argparse.Namespace(tensorboard_dir=None, wandb_project=None))
+        d = str(tmp_path / f"{writers}" / "iter_0000050")
+        ck.begin(d, tag="50", pointer=Pointer(str(tmp_path / f"{writers}" / "tracker"), "50"))
+        ck.save({"w": torch.ones(64)}, os.path.join(d, "common.pt"))
+        ck.end()
+        ck.close()
+        assert (len(board.scalars) > before) is writers
+        if writers:
+            info = ck.history[-1].commit_info
+    names = ["async-ckpt/save-call-ms", "async-ckpt/fence-wait-ms", "async-ckpt/bytes",
+             "async-ckpt/persisted-s", "async-ckpt/committed-s"]
+    assert [(name, step) for name, _, step in board.scalars] == [(name, 50) for name in names]
+    assert [(step, sorted(values)) for step, values in wandb.logged] == [(50, sorted(names))]
+    assert ("async-ckpt/bytes", info.bytes, 50) in board.scalars
+
+
 def test_on_saved_runs_in_order_on_its_own_thread_through_close():
     """Megatron's ``on_saved`` callbacks run one after the other, in iteration order, on the
     engine's callback thread, including that of a save committed while ``close()`` runs (not

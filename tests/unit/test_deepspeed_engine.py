@@ -172,3 +172,38 @@ def test_fence_all_and_the_hybrid_engines_lora_fusion_come_before_an_in_place_ed
         deepspeed_async_ckpt.fence_all()  # a closed checkpointer: nothing to do
     finally:
         unpatch_weight_editors()
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_deepspeeds_monitor_gets_each_commits_figures_at_its_global_step_only_when_enabled(tmp_path, enabled):
+    """DeepSpeed's ``monitor`` (its ``MonitorMaster``) gets the figures of each committed save,
+    at the engine's global step when it was saved, through ``write_events``; with the
+    monitor off, nothing is attached and nothing written."""
+    from types import SimpleNamespace as NS
+
+    from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo
+
+    from deepspeed_async_ckpt.integrations.deepspeed.engine import AsyncCheckpointEngine
+
+    written = []
+    monitor = NS(enabled=enabled, write_events=written.extend)
+    engine = AsyncCheckpointEngine(None, AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    ds = NS(monitor=monitor, global_steps=7, zero_optimization_partition_weights=lambda: True)
+    for step in (7, 9):
+        ds.global_steps = step
+        engine.begin_save(ds, None)
+        engine.create(CheckpointCommitInfo(tag=f"global_step{step}", save_dir=str(tmp_path), save_latest=True))
+        engine.save({"w": torch.ones(256)}, str(tmp_path / f"global_step{step}" / "model.pt"))
+        engine.end_save(True)
+        engine.checkpointer.wait()
+    engine.cleanup()
+    if not enabled:
+        assert written == [] and engine.checkpointer._reporter.callbacks[1:] == []
+        return
+    assert sorted({step for _, _, step in written}) == [7, 9]
+    assert [name for name, _, step in written if step == 9] == [
+        "async-ckpt/save-call-ms", "async-ckpt/fence-wait-ms", "async-ckpt/bytes",
+        "async-ckpt/persisted-s", "async-ckpt/committed-s"]
+    info = engine.checkpointer.history[-1].commit_info
+    assert ("async-ckpt/bytes", info.bytes, 9) in written
+    assert ("async-ckpt/committed-s", round(info.seconds, 6), 9) in written

@@ -9,6 +9,9 @@
   only the first replica writes it, as DeepSpeed's own engine does.
 - :meth:`~AsyncCheckpointEngine.begin_save` / :meth:`~AsyncCheckpointEngine.end_save` and the
   optimizer-step hooks are called by the patched ``DeepSpeedEngine`` methods (:mod:`.patches`).
+- With DeepSpeed's ``monitor_config`` enabled (TensorBoard, W&B, CSV, Comet), rank 0 writes
+  each committed save's figures through the engine's own ``monitor.write_events`` at the
+  global step it was saved at (:mod:`...core.figures`); nothing is attached otherwise.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointComm
 from deepspeed.utils import logger as ds_logger
 
 from ...core import AsyncCheckpointer, CommitInfo, by_rank, exchange_across_ranks, only_durability, what_stays
+from ...core.figures import CommitFigures
 from ...commit import Pointer, check_name
 from ...config import AsyncCheckpointConfig
 from ...errors import CommitError, DurabilityError, describe
@@ -80,6 +84,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self._buffers: list[torch.Tensor] = []  # the model's: a forward may update them
         self._reserved = False  # the host pool was sized again after the first optimizer step
         self._held: Exception | None = None  # sync mode: this save's first write error
+        self._figures: CommitFigures | None = None  # rank 0, DeepSpeed's monitor enabled
         self.reservation: threading.Thread | None = None
         """The thread faulting the host pool in (from :meth:`after_initialize`, or after the
         first optimizer step where that estimate fell short), if any."""
@@ -181,11 +186,19 @@ class AsyncCheckpointEngine(CheckpointEngine):
     # Our hooks, called by the patched DeepSpeedEngine methods ---------------------------
     def begin_save(self, ds_engine: Any, client_state: dict | None) -> None:
         self._ds_engine = ds_engine
+        if self._figures is None and self.checkpointer.rank == 0:
+            monitor = getattr(ds_engine, "monitor", None)
+            if getattr(monitor, "enabled", False):  # its writers exist on global rank 0 only
+                self._figures = CommitFigures(monitor.write_events, self._global_step).attach(self.checkpointer)
         self._eager_keys = _DEEPSPEED_EAGER_KEYS + tuple(client_state or ())
         # Buffers change outside the optimizer step, in the forward that follows the save
         # (BatchNorm's running statistics), so the copier may not get to them first.
         module = getattr(ds_engine, "module", None)
         self._buffers = list(module.buffers()) if isinstance(module, torch.nn.Module) else []
+
+    def _global_step(self, handle: Any) -> int | None:
+        """The step a save begun inside ``save_checkpoint`` is reported at (a begin callback)."""
+        return getattr(self._ds_engine, "global_steps", None)
 
     def end_save(self, ok: bool) -> None:
         held, self._held = self._held, None
