@@ -103,6 +103,11 @@ class DurableTiers:
         return queued.wait(timeout)
 
     def close(self) -> None:
+        """Every tier's last try at once: each tier's ``close_timeout_s`` counts from here, so
+        several tiers that do not answer hold the exit for the longest of them, not their sum
+        (see :mod:`.drain`)."""
+        for drainer in self.drainers:
+            drainer.stop()
         for drainer in self.drainers:
             drainer.close()
 

@@ -15,7 +15,8 @@ from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.tiers.mirror import drain_checkpoint
 from deepspeed_async_ckpt.tiers.remote import POINTER_KEY, PathRemote, manifest_key
 
-from helpers import make, save_small
+from fakes import GatedRemote
+from helpers import eventually, make, save_small
 from s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 
@@ -96,24 +97,6 @@ def test_every_nth_commit_drains(tmp_path):
     assert ck.tiers.drainers[0].drained == ["step2", "step4"]
 
 
-class GatedRemote(PathRemote):
-    """A path tier whose uploads wait for ``gate`` (a slow remote), recording every write."""
-
-    def __init__(self, root):
-        super().__init__(root)
-        self.gate = threading.Event()
-        self.writes = []
-
-    def put_file(self, local_path, key):
-        self.gate.wait(60)
-        self.writes.append(key)
-        super().put_file(local_path, key)
-
-    def put_bytes(self, key, data):
-        self.writes.append(key)
-        super().put_bytes(key, data)
-
-
 def gated(ck, remote):
     drainer = ck.tiers.drainers[0]
     drainer.remote = ck.tiers.remotes[0] = remote
@@ -122,15 +105,6 @@ def gated(ck, remote):
 
 def steps_in(path):
     return sorted(n for n in os.listdir(path) if n.startswith("step"))
-
-
-def eventually(check, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_backlog_is_one_drain_running_and_one_waiting_the_newest(tmp_path):

@@ -1,6 +1,7 @@
-"""The S3 tier going away in the middle of an upload (its connections cut, new ones refused)
-and coming back: training never waits for it, the tier's pointer stays on the checkpoint
-before, and the drain completes once the tier is back."""
+"""A tier going away (the S3 server's connections cut, new ones refused; a path tier refusing
+or never answering): training never waits for it, the tier's pointer stays on the checkpoint
+before, the drain completes once the tier is back; close gives it one last try, bounded by
+``close_timeout_s``, and names what stays undrained."""
 
 import json
 import os
@@ -12,7 +13,8 @@ import torch
 
 from deepspeed_async_ckpt.commit import Pointer
 
-from helpers import make
+from fakes import DeadRemote, HungRemote
+from helpers import eventually, make
 from s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 
@@ -80,3 +82,75 @@ def test_remote_cut_mid_upload_never_stalls_saves_and_the_drain_completes_later(
     for rel in ("model.pt", ".async_ckpt/manifest.json"):
         assert s3.get(f"run/step6/{rel}") == open(os.path.join(local, "step6", rel), "rb").read()
     ck.close()
+
+
+def save_step(ck, save_dir, step):
+    timed_save(ck, save_dir, step, {"w": torch.full((256,), float(step))})
+    ck.wait()
+    assert ck.tiers.wait_queued(10)  # its commit callback queued the drain
+
+
+def tier_with(ck, remote):
+    """``ck``'s only tier, its drainer writing through ``remote`` instead."""
+    drainer = ck.tiers.drainers[0]
+    drainer.remote = ck.tiers.remotes[0] = remote
+    return drainer
+
+
+def test_close_gives_a_dead_tier_one_last_try_and_names_what_stays_undrained(tmp_path, caplog):
+    local, tier = str(tmp_path / "local"), str(tmp_path / "tier")
+    ck = make(tiers=[{"url": tier, "retry_delay_s": 60, "close_timeout_s": 40}])
+    remote = DeadRemote(tier)
+    drainer = tier_with(ck, remote)
+    save_step(ck, local, 1)
+    assert ck.tiers.wait_idle(60) and drainer.drained == ["step1"]
+    remote.dead = True  # the store goes away
+    save_step(ck, local, 2)
+    assert eventually(lambda: drainer.failures)  # failed once, its retry 60 s away
+    refused = remote.refused
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="deepspeed_async_ckpt.tiers.drain"):
+        ck.close()
+    took = time.monotonic() - t0
+    assert remote.refused == refused + 1  # one last try at once, no retry
+    assert took < 40 / 4, took  # not close_timeout_s, nor the retry's delay
+    assert drainer.undrained == ["step2"] and drainer.drained == ["step1"]
+    said = [r.getMessage() for r in caplog.records if "not drained at close" in r.getMessage()]
+    assert len(said) == 1 and f"tier {tier}: step2 not drained at close (its last try failed)" in said[0]
+    assert "the next start drains" in said[0]
+
+
+def test_close_waits_close_timeout_s_for_a_tier_that_never_answers(tmp_path, caplog):
+    local, tier = str(tmp_path / "local"), str(tmp_path / "tier")
+    ck = make(tiers=[{"url": tier, "close_timeout_s": 0.5}])
+    remote = HungRemote(tier)
+    drainer = tier_with(ck, remote)
+    save_step(ck, local, 1)
+    assert eventually(lambda: drainer.backlog == 1)
+    t0 = time.monotonic()
+    with caplog.at_level("WARNING", logger="deepspeed_async_ckpt.tiers.drain"):
+        ck.close()
+    took = time.monotonic() - t0
+    remote.answer.set()
+    assert 0.5 <= took < 5, took
+    assert drainer.undrained == ["step1"]
+    assert any("step1 not drained at close (close_timeout_s=0.5 s passed)" in r.getMessage()
+               for r in caplog.records)
+
+
+def test_close_gives_every_tier_its_last_try_at_once(tmp_path):
+    local = str(tmp_path / "local")
+    tiers = [str(tmp_path / "a"), str(tmp_path / "b")]
+    ck = make(tiers=[{"url": t, "close_timeout_s": 1} for t in tiers])
+    remotes = [HungRemote(t) for t in tiers]
+    for drainer, remote in zip(ck.tiers.drainers, remotes):
+        drainer.remote = remote
+    save_step(ck, local, 1)
+    assert eventually(lambda: all(d.backlog == 1 for d in ck.tiers.drainers))
+    t0 = time.monotonic()
+    ck.close()
+    took = time.monotonic() - t0
+    for remote in remotes:
+        remote.answer.set()
+    assert 1 <= took < 1.9, took  # the longest close_timeout_s, not their sum
+    assert [d.undrained for d in ck.tiers.drainers] == [["step1"], ["step1"]]
