@@ -154,3 +154,59 @@ def test_close_gives_every_tier_its_last_try_at_once(tmp_path):
         remote.answer.set()
     assert 1 <= took < 1.9, took  # the longest close_timeout_s, not their sum
     assert [d.undrained for d in ck.tiers.drainers] == [["step1"], ["step1"]]
+
+
+_HUNG_STORE_EXIT = """
+import os, sys, time
+import torch
+from deepspeed_async_ckpt.commit import Pointer
+from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.core import AsyncCheckpointer
+
+url, endpoint, local = sys.argv[1:4]
+tier = dict(url=url, endpoint_url=endpoint, max_attempts=1, close_timeout_s=1)
+ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.05, tiers=[tier]))
+print("built", flush=True)
+sys.stdin.readline()  # the store stops answering
+d = os.path.join(local, "step1")
+ck.begin(d, tag="step1", pointer=Pointer(os.path.join(local, "latest"), "step1"))
+ck.save({"w": torch.zeros(2 * 1024 * 1024)}, os.path.join(d, "model.pt"))
+ck.end()
+ck.wait()
+t0 = time.monotonic()
+ck.close()
+print(f"closed {time.monotonic() - t0:.2f} {ck.tiers.drainers[0].undrained}", flush=True)
+"""
+
+
+def test_an_s3_store_that_stops_answering_holds_neither_close_nor_the_exit(tmp_path, s3, s3_server,
+                                                                          repo_env):
+    """Its upload waits on a read timeout (60 s) on s3transfer's threads; they are daemons, so
+    once close gave up the process exits at once."""
+    import socket
+    import subprocess
+    import sys
+
+    relay = s3_server.relay
+    proc = subprocess.Popen([sys.executable, "-c", _HUNG_STORE_EXIT, s3.url("run"), s3.endpoint,
+                             str(tmp_path / "local")], env=repo_env, stdin=subprocess.PIPE,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    hole = socket.create_server(("127.0.0.1", 0))  # connections queue there, never read or answered
+    try:
+        assert proc.stdout.readline().strip() == "built", proc.stderr.read()
+        relay.target = hole.getsockname()[1]  # the store stops answering
+        proc.stdin.write("\n")
+        proc.stdin.flush()
+        closed = proc.stdout.readline().split()
+        t0 = time.monotonic()
+        proc.wait(50)  # held, the exit would wait for the read timeout (60 s)
+        exited = time.monotonic() - t0
+    finally:
+        relay.target = s3_server.port
+        relay.cut()  # the connections to the hole
+        hole.close()
+        proc.kill()
+        proc.wait()
+    assert closed[:1] == ["closed"] and 1.0 <= float(closed[1]) < 5, closed
+    assert closed[2:] == ["['step1']"]
+    assert exited < 10, exited
