@@ -16,7 +16,9 @@ finishes or fails, the one waiting (a failed one waiting for its retry included)
 try at once, and close waits for them ``close_timeout_s`` in all, counted from
 :meth:`~Drainer.stop` (every tier's clock starts together). A tier that does not answer
 therefore holds the exit that long at most; a drain still running then is abandoned on its
-daemon thread. What stays undrained is logged by name and tier (:attr:`Drainer.undrained`).
+daemon thread. What stays undrained is logged by name and tier (:attr:`Drainer.undrained`);
+the next start queues the newest committed checkpoint the tier lacks before anything else
+(:meth:`Drainer.submit` with ``if_behind``, from :meth:`.durable.DurableTiers.catch_up`).
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ from typing import Callable
 from ..commit import Pointer
 from ..errors import describe
 from .config import TierConfig, without_userinfo
-from .mirror import drain_checkpoint, retire_on_tier
+from .mirror import drain_checkpoint, retire_on_tier, tier_lacks
 from .remote import Remote
 
 logger = logging.getLogger(__name__)
@@ -49,6 +51,9 @@ class DrainJob:
     """Lets the first tier's retention remove it again (called once)."""
     attempts: int = 0
     not_before: float = 0.0
+    if_behind: bool = False
+    """Drained only if the tier lacks it (:func:`.mirror.tier_lacks`), checked on the drain
+    thread: the catch-up at start."""
     released: bool = field(default=False, repr=False)
 
     def done(self) -> None:
@@ -85,13 +90,16 @@ class Drainer:
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, ckpt_dir: str, pointer: Pointer | None, release: Callable[[], None]) -> None:
-        """Queue a committed checkpoint (any thread); replaces the one waiting, if any."""
-        job = DrainJob(ckpt_dir, pointer, release)
+    def submit(self, ckpt_dir: str, pointer: Pointer | None, release: Callable[[], None], *,
+               if_behind: bool = False) -> None:
+        """Queue a committed checkpoint (any thread); replaces the one waiting, if any.
+        ``if_behind``: drained only if the tier lacks it, and only while no drain runs or
+        waits (one queued by a commit of this process is newer)."""
+        job = DrainJob(ckpt_dir, pointer, release, if_behind=if_behind)
         with self._cond:
             old, self._pending = self._pending, job
-            if self._closing:  # after close: not drained
-                self._pending = old
+            if self._closing or (if_behind and (old is not None or self._running is not None)):
+                self._pending = old  # not drained
                 job.done()
                 return
             self._cond.notify_all()
@@ -181,6 +189,11 @@ class Drainer:
             name = os.path.basename(job.ckpt_dir)
             t0 = time.monotonic()
             try:
+                if job.if_behind and not tier_lacks(self.remote, job.ckpt_dir):
+                    logger.info("async checkpoint: tier %s holds %s or a newer checkpoint: not "
+                                "drained again", self.tier.url, name)
+                    self._finished(job)
+                    continue
                 if name not in self._tried:
                     self._tried = (self._tried + [name])[-64:]
                 drain_checkpoint(self.remote, job.ckpt_dir, job.pointer, node=self.node,

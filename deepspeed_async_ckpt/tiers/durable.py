@@ -9,6 +9,9 @@ Which ranks do what:
   :mod:`..commit.nodes`) runs a drainer per tier; it drains what its node holds, once the
   commit callback fires there;
 - global rank 0 commits each tier (manifest, pointer) and runs its retention;
+- at the first save into a save directory, or the load from it, each drainer's rank queues the
+  checkpoint the directory's pointer names, drained first if a tier lacks it (a drain that a
+  dead store cut short, or close gave up: :meth:`DurableTiers.catch_up`);
 - before a load, rank 0 (each node's leader, with a node-local first tier) restores the
   checkpoint to load into the first tier (:mod:`.restore`), every rank waiting in one exchange.
 """
@@ -56,6 +59,7 @@ class DurableTiers:
         self._pointers: collections.OrderedDict[str, Pointer | None] = collections.OrderedDict()
         self._commits = 0
         self._report: Callable[..., None] | None = None
+        self._caught_up: set[str] = set()
 
     @classmethod
     def attach(cls, checkpointer: Any, hold: Callable[[str], Callable[[], None]],
@@ -70,10 +74,45 @@ class DurableTiers:
         return tiers
 
     def begun(self, handle: Any) -> None:
-        """Begin callback (every rank): note the pointer the save will move."""
+        """Begin callback (every rank): note the pointer the save will move; at the first
+        save into a save directory, catch the tiers up with it (:meth:`catch_up`)."""
         self._pointers[handle.ckpt_dir] = handle.pointer
         while len(self._pointers) > 64:
             self._pointers.popitem(last=False)
+        if handle.pointer is not None:
+            self.catch_up(os.path.dirname(handle.ckpt_dir), handle.pointer.path,
+                          saving=handle.ckpt_dir)
+
+    def catch_up(self, save_dir: str, pointer_path: str,
+                 name_of: Callable[[str], str] | None = None, *, saving: str | None = None) -> None:
+        """Drainers' ranks, once per save directory (its first save or load here; the
+        others return at once): queue, for each tier, the checkpoint the pointer file
+        ``pointer_path`` names (``name_of``: its directory's name from the pointer's text; by
+        default the text itself, or Megatron's ``iter_NNNNNNN`` for a number), to be drained
+        before anything else if the tier lacks it: a drain a dead store cut short, or close
+        gave up, in an earlier run. The drain thread checks the tier
+        (:func:`.mirror.tier_lacks`); nothing is asked of the tier here, on the caller's
+        thread. ``saving``: the checkpoint the save that calls it writes, not queued if it is
+        the one the pointer names (its own commit drains it)."""
+        save_dir = os.path.abspath(save_dir)
+        if not self.drainers or save_dir in self._caught_up:
+            return
+        self._caught_up.add(save_dir)
+        try:
+            with open(pointer_path, encoding="utf-8") as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            return  # nothing committed there yet
+        if name_of is not None:
+            names = [name_of(text)]
+        else:
+            names = [text, f"iter_{int(text):07d}"] if text.isdigit() else [text]
+        ckpt_dir = next((os.path.join(save_dir, n) for n in names
+                         if n and os.path.isdir(os.path.join(save_dir, n))), None)
+        if ckpt_dir is None or (saving is not None and os.path.abspath(saving) == ckpt_dir):
+            return
+        for drainer in self.drainers:
+            drainer.submit(ckpt_dir, Pointer(pointer_path, text), self._hold(ckpt_dir), if_behind=True)
 
     def committed(self, info: Any) -> None:
         """Commit callback (node leaders, after the pointer moved): queue the drains due.
@@ -153,4 +192,6 @@ class DurableTiers:
         if failed:
             rank = min(failed)
             raise IntegrityError(f"restoring from the durable tiers failed on rank {rank}: {failed[rank]}")
+        if local == self.node_local:  # the drainers' directory: caught up before any save
+            self.catch_up(save_dir, os.path.join(save_dir, pointer_name), name_of)
 

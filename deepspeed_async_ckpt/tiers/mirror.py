@@ -148,6 +148,25 @@ def read_tier_manifest(remote: Remote, name: str) -> dict | None:
         raise IntegrityError(f"{remote.describe(manifest_key(name))} is damaged: {exc}") from None
 
 
+def tier_lacks(remote: Remote, ckpt_dir: str) -> bool:
+    """Whether the tier lacks the committed first-tier checkpoint ``ckpt_dir``: its pointer
+    names neither that save nor one committed after it (a tier with the save's manifest and an
+    older pointer lacks it too: the drain stopped between the two). False where ``ckpt_dir``
+    is not committed (nothing to drain)."""
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except (IntegrityError, OSError):
+        return False
+    record = read_tier_pointer(remote)
+    if record is None:
+        return True
+    if record["checkpoint"] == os.path.basename(ckpt_dir) and record.get("save_id") == manifest["save_id"]:
+        return False
+    at = record.get("committed_at")
+    newer = isinstance(at, (int, float)) and not isinstance(at, bool) and at > manifest["committed_at"]
+    return not newer
+
+
 def retire_on_tier(remote: Remote, keep_last: int, current: str, tried: Iterable[str]) -> list[str]:
     """Global rank 0, after a drain of ``current``: remove the tier's committed checkpoints
     beyond the ``keep_last`` newest (never the one its pointer names), and the partial copies

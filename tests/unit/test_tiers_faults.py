@@ -1,7 +1,7 @@
 """A tier going away (the S3 server's connections cut, new ones refused; a path tier refusing
 or never answering): training never waits for it, the tier's pointer stays on the checkpoint
 before, the drain completes once the tier is back; close gives it one last try, bounded by
-``close_timeout_s``, and names what stays undrained."""
+``close_timeout_s``, names what stays undrained, and the next start drains it."""
 
 import json
 import os
@@ -13,7 +13,7 @@ import torch
 
 from deepspeed_async_ckpt.commit import Pointer
 
-from fakes import DeadRemote, HungRemote
+from fakes import DeadRemote, GatedRemote, HungRemote
 from helpers import eventually, make
 from s3server import s3, s3_server  # noqa: F401  (fixtures)
 
@@ -154,6 +154,75 @@ def test_close_gives_every_tier_its_last_try_at_once(tmp_path):
         remote.answer.set()
     assert 1 <= took < 1.9, took  # the longest close_timeout_s, not their sum
     assert [d.undrained for d in ck.tiers.drainers] == [["step1"], ["step1"]]
+
+
+def test_first_save_drains_the_checkpoint_the_tier_lacks_before_its_own(tmp_path):
+    local, tier = str(tmp_path / "local"), str(tmp_path / "tier")
+    ck = make(tiers=[{"url": tier, "close_timeout_s": 1}])
+    remote = DeadRemote(tier)
+    tier_with(ck, remote)
+    save_step(ck, local, 1)
+    assert ck.tiers.wait_idle(60)
+    remote.dead = True
+    save_step(ck, local, 2)
+    ck.close()  # step2 left on the first tier only
+    assert json.loads(open(os.path.join(tier, ".async_ckpt", "pointer.json")).read())["checkpoint"] == "step1"
+
+    ck = make(tiers=[{"url": tier}])  # the next start, the store back
+    remote = GatedRemote(tier)
+    drainer = tier_with(ck, remote)
+    d = os.path.join(local, "step3")
+    ck.begin(d, tag="step3", pointer=Pointer(os.path.join(local, "latest"), "step3"))
+    assert remote.started.wait(30)  # step2's drain began at the save's begin
+    ck.save({"w": torch.full((256,), 3.0)}, os.path.join(d, "model.pt"))
+    ck.end()
+    ck.wait()
+    assert ck.tiers.wait_queued(10)
+    remote.gate.set()
+    assert ck.tiers.wait_idle(60)
+    ck.close()
+    assert drainer.drained == ["step2", "step3"] and drainer.replaced == []
+    for step in (2, 3):
+        rel = f"step{step}/model.pt"
+        assert open(os.path.join(tier, rel), "rb").read() == open(os.path.join(local, rel), "rb").read()
+
+
+def test_a_start_queues_nothing_the_tier_holds(tmp_path):
+    local, tier = str(tmp_path / "local"), str(tmp_path / "tier")
+    ck = make(tiers=[{"url": tier}])
+    save_step(ck, local, 1)
+    ck.close()
+    ck = make(tiers=[{"url": tier}])
+    remote = GatedRemote(tier)
+    remote.gate.set()
+    drainer = tier_with(ck, remote)
+    ck.tiers.restore_all_ranks(ck, local, pointer_name="latest")
+    assert ck.tiers.wait_idle(60)
+    ck.close()
+    assert drainer.drained == [] and remote.writes == []
+
+
+def test_the_next_start_drains_what_close_left_on_the_first_tier_without_a_new_save(tmp_path, s3,
+                                                                                    s3_server):
+    local = str(tmp_path / "local")
+    tier = s3.tier("run", max_attempts=1, retry_delay_s=60, connect_timeout_s=1, close_timeout_s=20)
+    ck = make(tiers=[tier])
+    save_step(ck, local, 1)
+    assert ck.tiers.wait_idle(60) and tier_pointer(s3) == "step1"
+    s3_server.relay.cut()  # the store goes away
+    save_step(ck, local, 2)
+    t0 = time.monotonic()
+    ck.close()
+    assert time.monotonic() - t0 < 20 / 2  # a refused store: its last try fails at once
+    assert ck.tiers.drainers[0].undrained == ["step2"] and tier_pointer(s3) == "step1"
+
+    s3_server.relay.restore()  # the store is back; the next start loads, saves nothing
+    ck = make(tiers=[tier])
+    ck.tiers.restore_all_ranks(ck, local, pointer_name="latest")
+    assert ck.tiers.wait_idle(60)
+    ck.close()
+    assert tier_pointer(s3) == "step2" and s3.get("run/latest") == b"step2"
+    assert s3.get("run/step2/model.pt") == open(os.path.join(local, "step2", "model.pt"), "rb").read()
 
 
 _HUNG_STORE_EXIT = """
