@@ -155,6 +155,15 @@ class S3Remote:
             self.client.delete_objects(Bucket=self.bucket, Delete={"Objects": keys[i:i + 1000],
                                                                    "Quiet": True})
 
+    def last_modified(self, name: str) -> float | None:
+        newest = None
+        for page in self.client.get_paginator("list_objects_v2").paginate(
+                Bucket=self.bucket, Prefix=self._key(name) + "/"):
+            for o in page.get("Contents", ()):
+                at = o["LastModified"].timestamp()
+                newest = at if newest is None else max(newest, at)
+        return newest
+
     def describe(self, key: str) -> str:
         return f"{self.url}/{key}"
 
