@@ -141,7 +141,7 @@ def test_close_waits_close_timeout_s_for_a_tier_that_never_answers(tmp_path, cap
 def test_close_gives_every_tier_its_last_try_at_once(tmp_path):
     local = str(tmp_path / "local")
     tiers = [str(tmp_path / "a"), str(tmp_path / "b")]
-    ck = make(tiers=[{"url": t, "close_timeout_s": 1} for t in tiers])
+    ck = make(tiers=[{"url": t, "close_timeout_s": 2} for t in tiers])
     remotes = [HungRemote(t) for t in tiers]
     for drainer, remote in zip(ck.tiers.drainers, remotes):
         drainer.remote = remote
@@ -152,7 +152,7 @@ def test_close_gives_every_tier_its_last_try_at_once(tmp_path):
     took = time.monotonic() - t0
     for remote in remotes:
         remote.answer.set()
-    assert 1 <= took < 1.9, took  # the longest close_timeout_s, not their sum
+    assert 2 <= took < 2 * 1.75, took  # the longest close_timeout_s, not their sum
     assert [d.undrained for d in ck.tiers.drainers] == [["step1"], ["step1"]]
 
 
