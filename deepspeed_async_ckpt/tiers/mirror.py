@@ -183,10 +183,11 @@ def retire_on_tier(remote: Remote, keep_last: int, current: str, tried: Iterable
     - those this process drained before (``tried``): its drains run one at a time, so none of
       them is in flight now;
     - those another process left (a crashed job, a drain close gave up): older than the
-      tier's pointer, both by step (the step in the name below ``current``'s; names without
-      one are compared by time alone) and by time (the newest object written at least
-      :data:`PARTIAL_GRACE_S` before the pointer, both times by the store's clock). A live
-      drain to the same tier writes a newer checkpoint, or writes objects within the grace.
+      tier's pointer, both by step (the step in the name below ``current``'s) and by time
+      (the newest object written at least :data:`PARTIAL_GRACE_S` before the pointer, both
+      times by the store's clock). A live drain to the same tier writes a newer checkpoint,
+      or writes objects within the grace. A name without a step (or a pointer naming one
+      without) is never removed as such: it may be no checkpoint at all.
 
     A damaged manifest is never removed. Returns the names removed."""
     removed = []
@@ -221,7 +222,7 @@ def _abandoned(remote: Remote, name: str, current: str, pointer_at: float | None
     written at ``pointer_at``) by step and by :data:`PARTIAL_GRACE_S` (see
     :func:`retire_on_tier`)."""
     step, pointer_step = step_in_name(name), step_in_name(current)
-    if pointer_at is None or (step is not None and pointer_step is not None and step >= pointer_step):
+    if pointer_at is None or step is None or pointer_step is None or step >= pointer_step:
         return False
     newest = remote.last_modified(name)  # None: a plain object (``latest``), not a copy
     return newest is not None and newest <= pointer_at - PARTIAL_GRACE_S

@@ -198,16 +198,16 @@ def leave_partial(local, tier_put, name, source="step1"):
 def test_retention_removes_a_partial_copy_no_live_drain_writes_and_keeps_the_others(tmp_path):
     """A partial copy left by a killed run (older step, objects older than the grace) goes; one
     a live drain may be writing (objects within the grace, or a step after the tier's pointer),
-    a committed one and a damaged manifest stay."""
+    a committed one, a damaged manifest and a name without a step stay."""
     local, tier = tmp_path / "local", tmp_path / "tier"
     ck = make(tiers=[{"url": str(tier)}])
     save_states(ck, str(local), [1, 2], wait_each=True)
     ck.close()
     remote = PathRemote(str(tier))
-    for name in ("step4", "step5", "step9"):  # killed runs, step5 written a minute ago
+    for name in ("step4", "step5", "step9", "notes"):  # killed runs, step5 written a minute ago
         leave_partial(local, remote.put_bytes, name)
     old = time.time() - 2 * 3600
-    for name in ("step4", "step9"):
+    for name in ("step4", "step9", "notes"):
         os.utime(tier / name / "model.pt", (old, old))
     os.utime(tier / "step5" / "model.pt", (time.time() - 60,) * 2)
     (tier / "step3" / ".async_ckpt").mkdir(parents=True)
@@ -217,6 +217,7 @@ def test_retention_removes_a_partial_copy_no_live_drain_writes_and_keeps_the_oth
     save_states(ck, str(local), [6], wait_each=True)
     ck.close()
     assert steps_in(tier) == ["step1", "step2", "step3", "step5", "step6", "step9"]
+    assert (tier / "notes" / "model.pt").exists()  # no step: perhaps no checkpoint at all
 
 
 def test_retention_removes_a_partial_copy_on_s3_never_a_committed_one(tmp_path, s3, monkeypatch):
