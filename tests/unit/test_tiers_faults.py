@@ -202,8 +202,8 @@ def test_a_start_queues_nothing_the_tier_holds(tmp_path):
     assert drainer.drained == [] and remote.writes == []
 
 
-def test_the_next_start_drains_what_close_left_on_the_first_tier_without_a_new_save(tmp_path, s3,
-                                                                                    s3_server):
+def test_the_next_start_drains_what_close_left_on_the_first_tier_without_a_new_save(
+        tmp_path, s3, s3_server, caplog):
     local = str(tmp_path / "local")
     tier = s3.tier("run", max_attempts=1, retry_delay_s=60, connect_timeout_s=1, close_timeout_s=20)
     ck = make(tiers=[tier])
@@ -212,9 +212,11 @@ def test_the_next_start_drains_what_close_left_on_the_first_tier_without_a_new_s
     s3_server.relay.cut()  # the store goes away
     save_step(ck, local, 2)
     t0 = time.monotonic()
-    ck.close()
+    with caplog.at_level("WARNING", logger="deepspeed_async_ckpt.tiers.drain"):
+        ck.close()
     assert time.monotonic() - t0 < 20 / 2  # a refused store: its last try fails at once
     assert ck.tiers.drainers[0].undrained == ["step2"] and tier_pointer(s3) == "step1"
+    assert f"tier {s3.url('run')} (endpoint {s3.endpoint}): step2 not drained at close" in caplog.text
 
     s3_server.relay.restore()  # the store is back; the next start loads, saves nothing
     ck = make(tiers=[tier])
@@ -248,8 +250,8 @@ print(f"closed {time.monotonic() - t0:.2f} {ck.tiers.drainers[0].undrained}", fl
 """
 
 
-def test_an_s3_store_that_stops_answering_holds_neither_close_nor_the_exit(tmp_path, s3, s3_server,
-                                                                          repo_env):
+def test_an_s3_store_that_stops_answering_holds_neither_close_nor_the_exit(
+        tmp_path, s3, s3_server, repo_env):
     """Its upload waits on a read timeout (60 s) on s3transfer's threads; they are daemons, so
     once close gave up the process exits at once."""
     import socket
