@@ -2,7 +2,8 @@
 call recorded each. Faults: a disk that fills up (after a byte budget, for ``.pt`` files, for
 small commit files), a slow disk, writes held until released, a failing commit step, no rename
 exchange, a failing rank record, failing listings, directories that cannot be made. Records:
-directory syncs and renames in order, listings counted."""
+directory syncs and renames in order, listings counted. Tier fakes: a slow store
+recording its writes, one that refuses every call, one whose uploads never answer."""
 
 import errno
 import os
@@ -11,6 +12,7 @@ import time
 
 from deepspeed_async_ckpt.commit import META_DIR
 from deepspeed_async_ckpt.storage import LocalStorage
+from deepspeed_async_ckpt.tiers.remote import PathRemote
 
 
 class FailingStorage(LocalStorage):
@@ -207,3 +209,65 @@ class RecordingStorage(LocalStorage):
         if durable:  # fsyncs dst's directory
             self.events.append(("sync", os.path.dirname(os.path.abspath(dst))))
         self.events.append(("rename", os.path.abspath(dst)))
+
+
+class GatedRemote(PathRemote):
+    """A path tier whose uploads wait for ``gate`` (a slow remote), recording every write;
+    ``started`` is set at its first read (a drain reads the tier's pointer before it uploads)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.gate = threading.Event()
+        self.started = threading.Event()
+        self.writes = []
+
+    def put_file(self, local_path, key):
+        self.gate.wait(60)
+        self.writes.append(key)
+        super().put_file(local_path, key)
+
+    def put_bytes(self, key, data):
+        self.writes.append(key)
+        super().put_bytes(key, data)
+
+    def get_bytes(self, key):
+        self.started.set()
+        return super().get_bytes(key)
+
+
+class DeadRemote(PathRemote):
+    """A path tier whose every write and read is refused while ``dead`` (a store that went
+    away), counting the refusals in ``refused``."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.dead, self.refused = False, 0
+
+    def _refuse(self):
+        if self.dead:
+            self.refused += 1
+            raise ConnectionRefusedError(errno.ECONNREFUSED, "Connection refused", self.root)
+
+    def put_file(self, local_path, key):
+        self._refuse()
+        super().put_file(local_path, key)
+
+    def put_bytes(self, key, data):
+        self._refuse()
+        super().put_bytes(key, data)
+
+    def get_bytes(self, key):
+        self._refuse()
+        return super().get_bytes(key)
+
+
+class HungRemote(PathRemote):
+    """A path tier whose uploads never answer (until ``answer`` is set, 120 s at most)."""
+
+    def __init__(self, root):
+        super().__init__(root)
+        self.answer = threading.Event()
+
+    def put_file(self, local_path, key):
+        self.answer.wait(120)
+        super().put_file(local_path, key)

@@ -4,6 +4,7 @@ interpreter, the CLI, permission faults."""
 
 import errno
 import os
+import time
 
 import pytest
 import torch
@@ -16,6 +17,16 @@ from deepspeed_async_ckpt.core import AsyncCheckpointer
 def listing(path) -> list[str]:
     """A directory's names, sorted, without the save directory's lock (see claim_save_dir)."""
     return sorted(n for n in os.listdir(path) if n != LOCK_FILE)
+
+
+def eventually(check, timeout=30.0):
+    """Whether ``check()`` became true within ``timeout`` seconds (polled every 50 ms)."""
+    deadline = time.monotonic() + timeout
+    while not check():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
 
 
 def make(mode="async", gb=0.01, **kw):

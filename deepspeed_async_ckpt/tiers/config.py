@@ -66,8 +66,12 @@ class TierConfig:
     """Node-local first tiers: how long global rank 0 waits for every node's upload marker
     before it gives the drain up (and retries it later)."""
 
-    close_timeout_s: float = 600.0
-    """How long ``close`` waits for the drain in progress and the pending one to finish."""
+    close_timeout_s: float = 30.0
+    """How long ``close`` waits, in seconds from when it began, for the drain running and the
+    one waiting, each given one last try (no retry once close began; every tier's wait at
+    once): a tier that does not answer holds the exit this long at most. What is not drained
+    by then is logged by name and stays on the first tier only, until the next start drains
+    the newest committed checkpoint the tier lacks."""
 
     @property
     def is_s3(self) -> bool:

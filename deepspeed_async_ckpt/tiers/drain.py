@@ -10,6 +10,15 @@ drained instead.
 
 While a checkpoint waits or is drained, the first tier's retention leaves its directory
 (``hold``); it is released when the drain is done, replaced or given up.
+
+Close. Once close began (:meth:`Drainer.stop`), nothing is retried: the drain running
+finishes or fails, the one waiting (a failed one waiting for its retry included) gets one
+try at once, and close waits for them ``close_timeout_s`` in all, counted from
+:meth:`~Drainer.stop` (every tier's clock starts together). A tier that does not answer
+therefore holds the exit that long at most; a drain still running then is abandoned on its
+daemon thread. What stays undrained is logged by name and tier (:attr:`Drainer.undrained`);
+the next start queues the newest committed checkpoint the tier lacks before anything else
+(:meth:`Drainer.submit` with ``if_behind``, from :meth:`.durable.DurableTiers.catch_up`).
 """
 
 from __future__ import annotations
@@ -23,8 +32,8 @@ from typing import Callable
 
 from ..commit import Pointer
 from ..errors import describe
-from .config import TierConfig
-from .mirror import drain_checkpoint, retire_on_tier
+from .config import TierConfig, without_userinfo
+from .mirror import drain_checkpoint, retire_on_tier, tier_lacks
 from .remote import Remote
 
 logger = logging.getLogger(__name__)
@@ -42,6 +51,9 @@ class DrainJob:
     """Lets the first tier's retention remove it again (called once)."""
     attempts: int = 0
     not_before: float = 0.0
+    if_behind: bool = False
+    """Drained only if the tier lacks it (:func:`.mirror.tier_lacks`), checked on the drain
+    thread: the catch-up at start."""
     released: bool = field(default=False, repr=False)
 
     def done(self) -> None:
@@ -60,6 +72,9 @@ class Drainer:
         self._pending: DrainJob | None = None
         self._running: DrainJob | None = None
         self._closing = False
+        self._deadline: float | None = None
+        """When close stops waiting (monotonic seconds), set by :meth:`stop`; from then on a
+        failed drain is not retried."""
         self._tried: list[str] = []
         self.drained: list[str] = []
         """Names of the checkpoints drained so far, in order."""
@@ -72,17 +87,22 @@ class Drainer:
         self.on_drained: list[Callable[[str], None]] = []
         """Called on this drainer's thread with the checkpoint directory of each drain that
         committed on the tier (a monitor's figures); an exception is logged."""
+        self.undrained: list[str] = []
+        """Names of the checkpoints close left undrained (given up, or still running)."""
         self._thread = threading.Thread(target=self._loop, name=f"async-ckpt-drain-{tier.url}",
                                         daemon=True)
         self._thread.start()
 
-    def submit(self, ckpt_dir: str, pointer: Pointer | None, release: Callable[[], None]) -> None:
-        """Queue a committed checkpoint (any thread); replaces the one waiting, if any."""
-        job = DrainJob(ckpt_dir, pointer, release)
+    def submit(self, ckpt_dir: str, pointer: Pointer | None, release: Callable[[], None], *,
+               if_behind: bool = False) -> None:
+        """Queue a committed checkpoint (any thread); replaces the one waiting, if any.
+        ``if_behind``: drained only if the tier lacks it, and only while no drain runs or
+        waits (one queued by a commit of this process is newer)."""
+        job = DrainJob(ckpt_dir, pointer, release, if_behind=if_behind)
         with self._cond:
             old, self._pending = self._pending, job
-            if self._closing:  # after close: not drained
-                self._pending = old
+            if self._closing or (if_behind and (old is not None or self._running is not None)):
+                self._pending = old  # not drained
                 job.done()
                 return
             self._cond.notify_all()
@@ -111,20 +131,43 @@ class Drainer:
                 self._cond.wait(left)
         return True
 
+    def stop(self) -> None:
+        """Close begins (called by :meth:`close`, or first for every tier at once): from now on
+        a failed drain is not retried, the one waiting for its retry goes at once, and
+        ``close_timeout_s`` starts counting."""
+        with self._cond:
+            if self._deadline is None:
+                self._deadline = time.monotonic() + self.tier.close_timeout_s
+            if self._pending is not None:
+                self._pending.not_before = 0.0
+            self._cond.notify_all()
+
     def close(self) -> None:
-        """Let the drain running and the one waiting finish, for at most ``close_timeout_s``;
-        then give up what is left (logged: those checkpoints stay on the first tier only)."""
-        if not self.wait_idle(self.tier.close_timeout_s):
-            logger.warning("async checkpoint: tier %s: drains not finished within close_timeout_s=%s s; "
-                           "the newest checkpoints stay on the first tier only", self.tier.url,
-                           self.tier.close_timeout_s)
+        """Wait for the drain running and the one waiting, each given its last try, until
+        ``close_timeout_s`` after :meth:`stop`; then give up what is left. What stays undrained
+        is logged by name (:attr:`undrained`): it is on the first tier only until the next
+        start drains it."""
+        self.stop()
+        finished = self.wait_idle(max(0.0, self._deadline - time.monotonic()))
         with self._cond:
             self._closing = True
-            pending, self._pending = self._pending, None
+            running, (pending, self._pending) = self._running, (self._pending, None)
+            left = [os.path.basename(j.ckpt_dir) for j in (running, pending) if j is not None]
+            self.undrained += [n for n in left if n not in self.undrained]
             self._cond.notify_all()
         if pending is not None:
             pending.done()
-        self._thread.join(timeout=1.0)
+        if self.undrained:
+            where = f" (endpoint {self.tier.safe_endpoint})" if self.tier.safe_endpoint else ""
+            logger.warning("async checkpoint: tier %s%s: %s not drained at close (%s); %s on the first "
+                           "tier only, and the next start drains the newest committed checkpoint "
+                           "the tier lacks", without_userinfo(self.tier.url), where,
+                           ", ".join(self.undrained),
+                           "its last try failed" if finished else
+                           f"close_timeout_s={self.tier.close_timeout_s:g} s passed",
+                           "it stays" if len(self.undrained) == 1 else "they stay")
+        if running is None:  # else it is abandoned: a daemon, it holds no exit
+            self._thread.join(timeout=1.0)
 
     def _next(self) -> DrainJob | None:
         with self._cond:
@@ -149,6 +192,11 @@ class Drainer:
             name = os.path.basename(job.ckpt_dir)
             t0 = time.monotonic()
             try:
+                if job.if_behind and not tier_lacks(self.remote, job.ckpt_dir):
+                    logger.info("async checkpoint: tier %s holds %s or a newer checkpoint: not "
+                                "drained again", self.tier.url, name)
+                    self._finished(job)
+                    continue
                 if name not in self._tried:
                     self._tried = (self._tried + [name])[-64:]
                 drain_checkpoint(self.remote, job.ckpt_dir, job.pointer, node=self.node,
@@ -175,10 +223,13 @@ class Drainer:
                 except Exception as exc:  # noqa: BLE001 - retried after the next drain
                     logger.warning("async checkpoint: tier %s: retention failed: %s", self.tier.url,
                                    describe(exc))
-            with self._cond:
-                self._running = None
-                self._cond.notify_all()
-            job.done()
+            self._finished(job)
+
+    def _finished(self, job: DrainJob) -> None:
+        with self._cond:
+            self._running = None
+            self._cond.notify_all()
+        job.done()
 
     def _failed(self, job: DrainJob, exc: BaseException) -> None:
         name = os.path.basename(job.ckpt_dir)
@@ -188,15 +239,18 @@ class Drainer:
         self.failures.append(message)
         with self._cond:
             self._running = None
-            retry = self._pending is None and not self._closing
+            stopping = self._deadline is not None
+            retry = self._pending is None and not stopping
             if retry:
                 job.not_before = time.monotonic() + delay
                 self._pending = job
+            elif stopping and self._pending is None and name not in self.undrained:
+                self.undrained.append(name)
             self._cond.notify_all()
         if retry:
             logger.warning("async checkpoint: drain of %s failed (attempt %d; the tier's pointer is "
                            "unchanged); retrying in %.0f s", message, job.attempts, delay)
         else:
-            logger.warning("async checkpoint: drain of %s failed; a newer checkpoint is drained "
-                           "instead", message)
+            logger.warning("async checkpoint: drain of %s failed; %s", message,
+                           "not retried: closing" if stopping else "a newer checkpoint is drained instead")
             job.done()

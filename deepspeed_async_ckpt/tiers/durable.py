@@ -11,6 +11,9 @@ Which ranks do what:
 - global rank 0 commits each tier (manifest, pointer) and runs its retention;
 - the node leaders note, beside the first tier's pointer, the text each commit wrote to it
   (:func:`.choose.record_pointer`), so that a restore tells a pointer edited by hand from it;
+- at the first save into a save directory, or the load from it, each drainer's rank queues the
+  checkpoint the directory's pointer names, drained first if a tier lacks it (a drain that a
+  dead store cut short, or close gave up: :meth:`DurableTiers.catch_up`);
 - before a load, rank 0 chooses the checkpoint and rank 0 (each node's leader, with a
   node-local first tier) restores it into the first tier (:mod:`.restore`), every rank taking
   each step in the same exchanges.
@@ -59,6 +62,7 @@ class DurableTiers:
         self._pointers: collections.OrderedDict[str, Pointer | None] = collections.OrderedDict()
         self._commits = 0
         self._report: Callable[..., None] | None = None
+        self._caught_up: set[str] = set()
 
     @classmethod
     def attach(cls, checkpointer: Any, hold: Callable[[str], Callable[[], None]],
@@ -73,10 +77,45 @@ class DurableTiers:
         return tiers
 
     def begun(self, handle: Any) -> None:
-        """Begin callback (every rank): note the pointer the save will move."""
+        """Begin callback (every rank): note the pointer the save will move; at the first
+        save into a save directory, catch the tiers up with it (:meth:`catch_up`)."""
         self._pointers[handle.ckpt_dir] = handle.pointer
         while len(self._pointers) > 64:
             self._pointers.popitem(last=False)
+        if handle.pointer is not None:
+            self.catch_up(os.path.dirname(handle.ckpt_dir), handle.pointer.path,
+                          saving=handle.ckpt_dir)
+
+    def catch_up(self, save_dir: str, pointer_path: str,
+                 name_of: Callable[[str], str] | None = None, *, saving: str | None = None) -> None:
+        """Drainers' ranks, once per save directory (its first save or load here; the
+        others return at once): queue, for each tier, the checkpoint the pointer file
+        ``pointer_path`` names (``name_of``: its directory's name from the pointer's text; by
+        default the text itself, or Megatron's ``iter_NNNNNNN`` for a number), to be drained
+        before anything else if the tier lacks it: a drain a dead store cut short, or close
+        gave up, in an earlier run. The drain thread checks the tier
+        (:func:`.mirror.tier_lacks`); nothing is asked of the tier here, on the caller's
+        thread. ``saving``: the checkpoint the save that calls it writes, not queued if it is
+        the one the pointer names (its own commit drains it)."""
+        save_dir = os.path.abspath(save_dir)
+        if not self.drainers or save_dir in self._caught_up:
+            return
+        self._caught_up.add(save_dir)
+        try:
+            with open(pointer_path, encoding="utf-8") as f:
+                text = f.read().strip()
+        except (OSError, ValueError):
+            return  # nothing committed there yet
+        if name_of is not None:
+            names = [name_of(text)]
+        else:
+            names = [text, f"iter_{int(text):07d}"] if text.isdigit() else [text]
+        ckpt_dir = next((os.path.join(save_dir, n) for n in names
+                         if n and os.path.isdir(os.path.join(save_dir, n))), None)
+        if ckpt_dir is None or (saving is not None and os.path.abspath(saving) == ckpt_dir):
+            return
+        for drainer in self.drainers:
+            drainer.submit(ckpt_dir, Pointer(pointer_path, text), self._hold(ckpt_dir), if_behind=True)
 
     def committed(self, info: Any) -> None:
         """Commit callback (node leaders, after the pointer moved): note the pointer's text
@@ -112,6 +151,11 @@ class DurableTiers:
         return queued.wait(timeout)
 
     def close(self) -> None:
+        """Every tier's last try at once: each tier's ``close_timeout_s`` counts from here, so
+        several tiers that do not answer hold the exit for the longest of them, not their sum
+        (see :mod:`.drain`)."""
+        for drainer in self.drainers:
+            drainer.stop()
         for drainer in self.drainers:
             drainer.close()
 
@@ -136,6 +180,9 @@ class DurableTiers:
         its tag was asked for."""
         local = self.node_local if node_local is None else node_local and self.world_size > 1
         leads = node_leader(self.rank, self.world_size) == self.rank if local else self.rank == 0
-        return restore(save_dir, self.remotes, pointer_name=pointer_name, tag=tag, name_of=name_of,
+        name = restore(save_dir, self.remotes, pointer_name=pointer_name, tag=tag, name_of=name_of,
                        every_file=every_file, node=node_of(self.rank, self.world_size) if local else None,
                        exchange=checkpointer.exchange, chooses=self.rank == 0, restores=leads)
+        if local == self.node_local:  # the drainers' directory: caught up before any save
+            self.catch_up(save_dir, os.path.join(save_dir, pointer_name), name_of)
+        return name

@@ -10,7 +10,8 @@ manifest, then the pointer, so that the tier's pointer never names a partial cop
     (global rank 0)      wait for every node's marker; the late files and their record;
                          <name>/.async_ckpt/manifest.json; then .async_ckpt/pointer.json and
                          a copy of the framework's pointer file (``latest``)
-    (global rank 0)      retention on the tier (``keep_last``)
+    (global rank 0)      retention on the tier (``keep_last``), and the partial copies no
+                         live drain can be writing (:func:`retire_on_tier`)
 
 The source is always the committed first-tier copy on disk, never training memory.
 """
@@ -33,6 +34,12 @@ from ..progress import track
 from .remote import POINTER_KEY, Remote, manifest_key, marker_key
 
 logger = logging.getLogger(__name__)
+
+PARTIAL_GRACE_S = 3600.0
+"""A partial copy on a tier (objects, no manifest) another process left is removed only once
+its newest object is this many seconds older than the tier's pointer: longer than a live
+drain goes without a new object (one file's upload: an S3 object appears when its upload
+completes; a node's wait for the others' markers, ``marker_timeout_s``)."""
 
 
 def files_of_node(manifest: dict, node: int) -> list[str]:
@@ -150,13 +157,45 @@ def read_tier_manifest(remote: Remote, name: str) -> dict | None:
         raise IntegrityError(f"{remote.describe(manifest_key(name))} is damaged: {exc}") from None
 
 
+def tier_lacks(remote: Remote, ckpt_dir: str) -> bool:
+    """Whether the tier lacks the committed first-tier checkpoint ``ckpt_dir``: its pointer
+    names neither that save nor one committed after it (a tier with the save's manifest and an
+    older pointer lacks it too: the drain stopped between the two). False where ``ckpt_dir``
+    is not committed (nothing to drain)."""
+    try:
+        manifest = read_manifest(ckpt_dir)
+    except (IntegrityError, OSError):
+        return False
+    record = read_tier_pointer(remote)
+    if record is None:
+        return True
+    if record["checkpoint"] == os.path.basename(ckpt_dir) and record.get("save_id") == manifest["save_id"]:
+        return False
+    at = record.get("committed_at")
+    newer = isinstance(at, (int, float)) and not isinstance(at, bool) and at > manifest["committed_at"]
+    return not newer
+
+
 def retire_on_tier(remote: Remote, keep_last: int, current: str, tried: Iterable[str]) -> list[str]:
-    """Global rank 0, after a drain of ``current``: remove the tier's committed checkpoints
-    beyond the ``keep_last`` newest (never the one its pointer names), and the partial copies
-    this process left there (``tried``: names it drained before). Returns the names removed."""
+    """Global rank 0, after a drain of ``current`` moved the tier's pointer: remove the tier's
+    committed checkpoints (those with a manifest) beyond the ``keep_last`` newest, never the
+    one its pointer names, and the partial copies (objects under a name, no manifest) that no
+    live drain is writing:
+
+    - those this process drained before (``tried``): its drains run one at a time, so none of
+      them is in flight now;
+    - those another process left (a crashed job, a drain close gave up): older than the
+      tier's pointer, both by step (the step in the name below ``current``'s) and by time
+      (the newest object written at least :data:`PARTIAL_GRACE_S` before the pointer, both
+      times by the store's clock). A live drain to the same tier writes a newer checkpoint,
+      or writes objects within the grace. A name without a step (or a pointer naming one
+      without) is never removed as such: it may be no checkpoint at all.
+
+    A damaged manifest is never removed. Returns the names removed."""
     removed = []
     tried = set(tried) - {current}
     committed: list[tuple[float, str]] = []
+    pointer_at = remote.last_modified(META_DIR)  # the pointer, just written
     for name in remote.list_names():
         if name.startswith(META_DIR) or name == current:
             continue
@@ -166,7 +205,7 @@ def retire_on_tier(remote: Remote, keep_last: int, current: str, tried: Iterable
             continue  # someone should look at it: never removed
         if manifest is not None:
             committed.append((float(manifest.get("committed_at", 0.0)), name))
-        elif name in tried:
+        elif name in tried or _abandoned(remote, name, current, pointer_at):
             remote.delete_tree(name)
             removed.append(name)
     if keep_last > 0:
@@ -178,3 +217,14 @@ def retire_on_tier(remote: Remote, keep_last: int, current: str, tried: Iterable
                 remote.delete_tree(name)
                 removed.append(name)
     return removed
+
+
+def _abandoned(remote: Remote, name: str, current: str, pointer_at: float | None) -> bool:
+    """Whether the partial copy ``name`` is older than the tier's pointer (naming ``current``,
+    written at ``pointer_at``) by step and by :data:`PARTIAL_GRACE_S` (see
+    :func:`retire_on_tier`)."""
+    step, pointer_step = step_in_name(name), step_in_name(current)
+    if pointer_at is None or step is None or pointer_step is None or step >= pointer_step:
+        return False
+    newest = remote.last_modified(name)  # None: a plain object (``latest``), not a copy
+    return newest is not None and newest <= pointer_at - PARTIAL_GRACE_S

@@ -63,6 +63,11 @@ class Remote(Protocol):
     def delete_tree(self, name: str) -> None:
         """Remove the checkpoint ``name``: its manifest first (it no longer counts), then the rest."""
 
+    def last_modified(self, name: str) -> float | None:
+        """When the newest object under ``name/`` was written (seconds since the epoch, by the
+        store's own clock), or None where nothing is under it (``name`` a plain object, or
+        absent)."""
+
     def describe(self, key: str) -> str:
         """The URL of ``key``, for messages."""
 
@@ -136,6 +141,17 @@ class PathRemote:
         except FileNotFoundError:
             pass
         shutil.rmtree(path, ignore_errors=True)
+
+    def last_modified(self, name: str) -> float | None:
+        newest = None
+        for parent, _, files in os.walk(self._path(name)):  # nothing for a file or nothing
+            for f in files:
+                try:  # a temporary file being written counts: its time moves as it grows
+                    at = os.stat(os.path.join(parent, f)).st_mtime
+                except FileNotFoundError:
+                    continue
+                newest = at if newest is None else max(newest, at)
+        return newest
 
     def describe(self, key: str) -> str:
         return self._path(key)

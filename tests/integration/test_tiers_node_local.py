@@ -5,9 +5,10 @@ uploads the files its node holds and its drained marker, global rank 0 the manif
 the tier's pointer; then a node loses its disk and every rank resumes from the newest
 checkpoint committed on any tier, bitwise equal to what it saved.
 
-The two fast tests check the rules that make this work, on a path tier in one process: a file
+The fast tests check the rules that make this work, on a path tier in one process: a file
 written on several nodes goes up once, from the lowest of them; a node restores the files its
-directory held, or every file of the checkpoint where its ranks read other nodes' files."""
+directory held, or every file of the checkpoint where its ranks read other nodes' files; the
+catch-up at start has every node upload its share before global rank 0 commits the tier."""
 
 import json
 import os
@@ -143,6 +144,34 @@ def test_nodes_load_the_newest_checkpoint_every_node_can_make_whole(tmp_path, mo
     assert sorted(os.listdir(tmp_path / "node1")) == [".async_ckpt.pointer.json", "latest", "step1"]
     assert (tmp_path / "node1" / "latest").read_text() == "step1"
     assert (node1 / "model.pt").read_bytes() == (node0 / "model.pt").read_bytes()  # the tier's copy
+
+
+def test_the_catch_up_at_start_has_every_node_upload_its_share_before_rank0_commits(tmp_path,
+                                                                                   monkeypatch):
+    """A checkpoint the tier lacks (a drain cut short): each node's leader queues the one its
+    node's pointer names; global rank 0 commits the tier only once node 1's marker is up."""
+    from deepspeed_async_ckpt.tiers.config import TierConfig
+    from deepspeed_async_ckpt.tiers.durable import DurableTiers
+
+    node0, node1 = _two_nodes(tmp_path)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    tier = TierConfig(url=str(tmp_path / "tier"), marker_timeout_s=30)
+    leaders = [DurableTiers((tier,), rank=rank, world_size=4, node_local=True,
+                            hold=lambda name: lambda: None, remotes=[PathRemote(tier.url)])
+               for rank in (0, 2)]  # node 0's leader (global rank 0) and node 1's
+    pointer_file = tmp_path / "tier" / ".async_ckpt" / "pointer.json"
+    try:
+        leaders[0].catch_up(str(tmp_path / "node0"), str(tmp_path / "node0" / "latest"))
+        assert not leaders[0].wait_idle(1.0) and not pointer_file.exists()  # waits for node 1
+        leaders[1].catch_up(str(tmp_path / "node1"), str(tmp_path / "node1" / "latest"))
+        assert all(t.wait_idle(60) for t in leaders)
+    finally:
+        for t in leaders:
+            t.close()
+    assert [t.drainers[0].drained for t in leaders] == [["step1"], ["step1"]]
+    assert json.loads(pointer_file.read_text())["checkpoint"] == "step1"
+    assert (tmp_path / "tier" / "step1" / ".async_ckpt" / "drained.1.json").exists()
+    assert (tmp_path / "tier" / "step1" / "model.pt").read_bytes() == (node0 / "model.pt").read_bytes()
 
 
 # -- slow: two simulated nodes, real DeepSpeed and Megatron ranks --------------------------

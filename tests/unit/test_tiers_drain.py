@@ -1,7 +1,8 @@
 """Draining committed checkpoints to a path tier and to S3 (a real server over HTTP): the
 tier's copy is byte for byte the first tier's, each tier keeps its own number, the backlog is
 at most one drain running and one waiting, the tier's pointer is written only after the
-manifest it names, and the first tier's retention leaves a checkpoint while it drains."""
+manifest it names, the first tier's retention leaves a checkpoint while it drains, and a
+tier's retention removes the partial copies no live drain is writing."""
 
 import json
 import os
@@ -15,7 +16,8 @@ from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.tiers.mirror import drain_checkpoint
 from deepspeed_async_ckpt.tiers.remote import POINTER_KEY, PathRemote, manifest_key
 
-from helpers import make, save_small
+from fakes import GatedRemote
+from helpers import eventually, make, save_small
 from s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 
@@ -96,24 +98,6 @@ def test_every_nth_commit_drains(tmp_path):
     assert ck.tiers.drainers[0].drained == ["step2", "step4"]
 
 
-class GatedRemote(PathRemote):
-    """A path tier whose uploads wait for ``gate`` (a slow remote), recording every write."""
-
-    def __init__(self, root):
-        super().__init__(root)
-        self.gate = threading.Event()
-        self.writes = []
-
-    def put_file(self, local_path, key):
-        self.gate.wait(60)
-        self.writes.append(key)
-        super().put_file(local_path, key)
-
-    def put_bytes(self, key, data):
-        self.writes.append(key)
-        super().put_bytes(key, data)
-
-
 def gated(ck, remote):
     drainer = ck.tiers.drainers[0]
     drainer.remote = ck.tiers.remotes[0] = remote
@@ -122,15 +106,6 @@ def gated(ck, remote):
 
 def steps_in(path):
     return sorted(n for n in os.listdir(path) if n.startswith("step"))
-
-
-def eventually(check, timeout=30.0):
-    deadline = time.monotonic() + timeout
-    while not check():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
 
 
 def test_backlog_is_one_drain_running_and_one_waiting_the_newest(tmp_path):
@@ -213,3 +188,51 @@ def test_node_local_first_tier_each_node_uploads_its_files_and_rank0_waits_for_m
         < remote.writes.index(manifest_key("step1")) < remote.writes.index(POINTER_KEY)
     assert (tmp_path / "tier" / "step1" / "optim.pt").read_bytes() == (node1 / "optim.pt").read_bytes()
     assert (tmp_path / "tier" / "step1" / "model.pt").read_bytes() == (node0 / "model.pt").read_bytes()
+
+
+def leave_partial(local, tier_put, name, source="step1"):
+    """What a drain killed mid-way leaves on a tier: one file of ``name``, no manifest."""
+    tier_put(f"{name}/model.pt", (local / source / "model.pt").read_bytes())
+
+
+def test_retention_removes_a_partial_copy_no_live_drain_writes_and_keeps_the_others(tmp_path):
+    """A partial copy left by a killed run (older step, objects older than the grace) goes; one
+    a live drain may be writing (objects within the grace, or a step after the tier's pointer),
+    a committed one, a damaged manifest and a name without a step stay."""
+    local, tier = tmp_path / "local", tmp_path / "tier"
+    ck = make(tiers=[{"url": str(tier)}])
+    save_states(ck, str(local), [1, 2], wait_each=True)
+    ck.close()
+    remote = PathRemote(str(tier))
+    for name in ("step4", "step5", "step9", "notes"):  # killed runs, step5 written a minute ago
+        leave_partial(local, remote.put_bytes, name)
+    old = time.time() - 2 * 3600
+    for name in ("step4", "step9", "notes"):
+        os.utime(tier / name / "model.pt", (old, old))
+    os.utime(tier / "step5" / "model.pt", (time.time() - 60,) * 2)
+    (tier / "step3" / ".async_ckpt").mkdir(parents=True)
+    (tier / "step3" / ".async_ckpt" / "manifest.json").write_text("{not json")
+
+    ck = make(tiers=[{"url": str(tier)}])  # a later run, on the same tier
+    save_states(ck, str(local), [6], wait_each=True)
+    ck.close()
+    assert steps_in(tier) == ["step1", "step2", "step3", "step5", "step6", "step9"]
+    assert (tier / "notes" / "model.pt").exists()  # no step: perhaps no checkpoint at all
+
+
+def test_retention_removes_a_partial_copy_on_s3_never_a_committed_one(tmp_path, s3, monkeypatch):
+    from deepspeed_async_ckpt.tiers import mirror
+
+    local = tmp_path / "local"
+    ck = make(tiers=[s3.tier("run", keep_last=2)])
+    save_states(ck, str(local), [1, 2], wait_each=True)
+    ck.close()
+    leave_partial(local, lambda key, data: s3.put(f"run/{key}", data), "step4")
+    leave_partial(local, lambda key, data: s3.put(f"run/{key}", data), "step8")  # a newer step
+    time.sleep(1.1)  # the store's clock counts whole seconds
+    monkeypatch.setattr(mirror, "PARTIAL_GRACE_S", 1.0)  # S3 keeps the time it was written
+
+    ck = make(tiers=[s3.tier("run", keep_last=2)])
+    save_states(ck, str(local), [6], wait_each=True)
+    ck.close()
+    assert sorted({k.split("/")[1] for k in s3.keys("run/step")}) == ["step2", "step6", "step8"]
