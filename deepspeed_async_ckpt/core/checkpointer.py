@@ -48,6 +48,7 @@ from ..errors import AsyncCheckpointError, CommitError, DurabilityError
 from ..persist import check_torch_writer
 from ..snapshot import HostBufferPool, Stager
 from ..storage import LocalStorage, Storage
+from ..tiers.config import refuse_overlap
 from ..tiers.durable import DurableTiers, open_remotes
 from . import lifecycle
 from .collectives import Replicas, by_rank, exchange_across_ranks, only_durability, without_key
@@ -156,7 +157,8 @@ class AsyncCheckpointer:
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
               finalize: Iterable[FinalizeStep] = (), rotation: bool = True) -> CheckpointHandle:
         """Start a checkpoint (collective: every rank). If a previous save failed on any rank,
-        raises on every rank (the failing one gets its own error) and starts nothing.
+        raises on every rank (the failing one gets its own error) and starts nothing; so does a
+        durable tier that is, contains or lies inside ``ckpt_dir``'s directory (ConfigError).
 
         ``pointer``: the small file rank 0 replaces atomically once the checkpoint is
         committed, naming it (DeepSpeed's ``latest`` holding the tag, Megatron's
@@ -174,6 +176,7 @@ class AsyncCheckpointer:
         saved aside (DeepSpeed's ``save_latest=False``: a "best" model, say), which retention
         neither counts nor removes (its manifest says ``"rotation": false``)."""
         self._check_open()
+        refuse_overlap(self.config.tiers, os.path.dirname(os.path.abspath(ckpt_dir)))
         self._owner = threading.current_thread()
         return self._session.begin(ckpt_dir, tag=tag, pointer=pointer, finalize=finalize,
                                    rotation=rotation)
