@@ -48,7 +48,6 @@ from ..errors import AsyncCheckpointError, CommitError, DurabilityError
 from ..persist import check_torch_writer
 from ..snapshot import HostBufferPool, Stager
 from ..storage import LocalStorage, Storage
-from ..tiers.config import refuse_overlap
 from ..tiers.durable import DurableTiers, open_remotes
 from . import lifecycle
 from .collectives import Replicas, by_rank, exchange_across_ranks, only_durability, without_key
@@ -176,7 +175,6 @@ class AsyncCheckpointer:
         saved aside (DeepSpeed's ``save_latest=False``: a "best" model, say), which retention
         neither counts nor removes (its manifest says ``"rotation": false``)."""
         self._check_open()
-        refuse_overlap(self.config.tiers, os.path.dirname(os.path.abspath(ckpt_dir)))
         self._owner = threading.current_thread()
         return self._session.begin(ckpt_dir, tag=tag, pointer=pointer, finalize=finalize,
                                    rotation=rotation)
