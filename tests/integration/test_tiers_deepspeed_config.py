@@ -21,7 +21,8 @@ pytestmark = pytest.mark.slow
 
 def test_no_file_object_or_log_line_of_a_run_holds_the_endpoints_password(tmp_path, s3, repo_env):
     """``endpoint_url`` with a user name and password: DeepSpeed saves its whole config into the
-    model and optimizer states and logs it at INFO. Every file of the save directory, every
+    model and optimizer states, and logs it at INFO (with ``dump_state``, its engine's
+    attributes too, the raw config among them). Every file of the save directory, every
     object of the bucket and every log line is searched for the password; the saved config
     keeps the endpoint without it, and the drain worked (requests are signed with the
     environment's credentials)."""

@@ -2,8 +2,9 @@
 
 Phases:
   secret  train and save twice into --out/ckpt with an S3 tier whose ``endpoint_url`` holds a
-          user name and password (--endpoint), DeepSpeed's and this package's logs at INFO
-          (DeepSpeed then logs its whole config); close, so the last drain ends.
+          user name and password (--endpoint), DeepSpeed's and this package's logs at INFO and
+          DeepSpeed's dump_state on (it then logs its whole config, and every attribute of its
+          engine); close, so the last drain ends.
   apart   for each tier URL given (--tier, repeated), build an engine with that one path tier
           and call save_checkpoint and load_checkpoint on --out/ckpt; write each call's error
           to --out/apart.json.
@@ -19,12 +20,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ds_worker import init, train  # noqa: E402
 
 
-def config(tier):
+def config(tier, dump_state=False):
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
         "zero_optimization": {"stage": 1},
+        "dump_state": dump_state,  # DeepSpeed then logs every attribute of its engine, its config too
         "async_checkpoint": {"enabled": True, "host_buffer_gb": 0.05, "keep_last": 2, "tiers": [tier]},
     }
 
@@ -34,7 +36,8 @@ def phase_secret(args, save_dir):
 
     logging.basicConfig(level=logging.INFO)
     set_log_level_from_string("info")
-    engine = init(args, config({"url": args.url, "endpoint_url": args.endpoint, "keep_last": 2}))
+    tier = {"url": args.url, "endpoint_url": args.endpoint, "keep_last": 2}
+    engine = init(args, config(tier, dump_state=True))
     for step in range(2):
         train(engine, args, 1, start=step)
         engine.save_checkpoint(save_dir)
