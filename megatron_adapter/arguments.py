@@ -13,6 +13,7 @@ import argparse
 
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig, read_block
 from deepspeed_async_ckpt.errors import ConfigError
+from deepspeed_async_ckpt.tiers.config import refuse_overlap
 
 from .election import WRITER_MODES
 
@@ -58,12 +59,18 @@ def config_from_args(args: argparse.Namespace) -> AsyncCheckpointConfig:
     """The engine config the flags ask for. ``enabled`` defaults to true here (the file can set
     it false); the mode is the file's ``mode`` where it sets one, else ``async`` with
     ``--async-ckpt`` and ``sync`` without (a file's ``"mode": "async"`` was overridden to sync
-    without the flag, while its ``"sync"`` won over the flag)."""
+    without the flag, while its ``"sync"`` won over the flag). A tier that is, contains or lies
+    inside ``--save`` or ``--load`` is refused here (ConfigError), before the engine is built."""
     path = getattr(args, "async_ckpt_config", None)
     raw = {"enabled": True, "mode": "async" if getattr(args, "async_ckpt", False) else "sync"}
     if path:  # as parsed (not read again at each save), or a path set on args by other code
         raw.update(_PARSED[path] if path in _PARSED else read_block(path))
     try:
-        return AsyncCheckpointConfig.from_dict(raw)
+        config = AsyncCheckpointConfig.from_dict(raw)
+        for flag in ("save", "load"):  # the checkpoint directories, known from here on
+            if config.enabled and getattr(args, flag, None):
+                refuse_overlap(config.tiers, getattr(args, flag),
+                               what=f"the checkpoint directory (--{flag})")
+        return config
     except ConfigError as exc:
         raise ConfigError(f"{path}: {exc}" if path else str(exc)) from None

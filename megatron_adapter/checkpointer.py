@@ -50,6 +50,7 @@ from deepspeed_async_ckpt.core import (AsyncCheckpointer, CheckpointHandle, Comm
                                        exchange_across_ranks)
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError
 from deepspeed_async_ckpt.storage import Storage, aligned_size
+from deepspeed_async_ckpt.tiers.config import refuse_overlap
 
 from . import torch_dist
 from .election import check_mode, elect_writers, is_writer
@@ -339,7 +340,9 @@ class MegatronCheckpointer:
         see :mod:`deepspeed_async_ckpt.tiers.restore`) into it from them, every file missing or
         damaged there fetched and verified, the tracker last. With ``node_local``, each node's
         leader restores every file into its node's directory: a rank also reads tensors another
-        rank wrote once (replicated across TP), on any node."""
+        rank wrote once (replicated across TP), on any node.
+        A tier that is, contains or lies inside ``save_dir`` raises ConfigError first."""
+        refuse_overlap(self.config.tiers, save_dir)
         tiers = self.engine.tiers
         if tiers is not None:
             tiers.restore_all_ranks(

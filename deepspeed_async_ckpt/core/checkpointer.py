@@ -156,7 +156,8 @@ class AsyncCheckpointer:
     def begin(self, ckpt_dir: str, *, tag: str, pointer: Pointer | None = None,
               finalize: Iterable[FinalizeStep] = (), rotation: bool = True) -> CheckpointHandle:
         """Start a checkpoint (collective: every rank). If a previous save failed on any rank,
-        raises on every rank (the failing one gets its own error) and starts nothing.
+        raises on every rank (the failing one gets its own error) and starts nothing; so does a
+        durable tier that is, contains or lies inside ``ckpt_dir``'s directory (ConfigError).
 
         ``pointer``: the small file rank 0 replaces atomically once the checkpoint is
         committed, naming it (DeepSpeed's ``latest`` holding the tag, Megatron's

@@ -30,6 +30,7 @@ from ..commit.finalize import declared_files
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, CommitError, DurabilityError, describe
 from ..storage import Storage
+from ..tiers.config import refuse_overlap
 from .collectives import ELSEWHERE, by_rank, only_durability
 from .committer import Committer
 from .failures import FailureLedger, reraise, this_save_failed, what_stays
@@ -95,13 +96,15 @@ class Session:
               finalize: Iterable[FinalizeStep] = (), rotation: bool = True) -> CheckpointHandle:
         """Open a checkpoint (collective: every rank); see :meth:`AsyncCheckpointer.begin
         <.checkpointer.AsyncCheckpointer.begin>`. If a previous save failed on any rank, raises
-        on every rank and starts nothing."""
+        on every rank and starts nothing; so does a durable tier that is, holds or lies in the
+        save directory (ConfigError)."""
         called = time.perf_counter()
         saves = self._saves
         if saves.current is not None:
             raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {saves.current.tag!r} is "
                                        "still open: call end() first")
         ckpt_dir = check_checkpoint_dir(ckpt_dir)
+        refuse_overlap(self._config.tiers, os.path.dirname(ckpt_dir))  # a tier's copies stay apart
         if pointer is not None:  # written later, by the committer: not wherever the cwd is then
             # its text is read back as one name (a tag, an iteration): a readable one
             check_name(pointer.text, f"Pointer({pointer.path!r}, text)")

@@ -78,6 +78,30 @@ def test_config_file_uses_the_deepspeed_schema(tmp_path, capsys):
         config_from_args(argparse.Namespace(async_ckpt_config=str(tmp_path / "missing.json")))
 
 
+def test_a_tier_that_is_contains_or_lies_inside_save_or_load_is_refused_before_the_engine(tmp_path):
+    """--save and --load are known when the flags are read: a tier inside either, the directory
+    itself, or one that holds it is refused there, naming the key and the flag, before the
+    engine is built (which would make the tier's directory); the config file's secrets and
+    the checkpoint stay apart. Megatron-LM saves ``args`` with every checkpoint: it holds the
+    config file's path, never its content."""
+    save = tmp_path / "ckpt"
+    path = tmp_path / "c.json"
+    for url, how, flag in [(save / "tier", "lies inside", "--save"), (save, "is", "--save"),
+                           (tmp_path, "contains", "--save"), (tmp_path / "pretrained", "is", "--load")]:
+        path.write_text(json.dumps({"tiers": [{"url": str(url)}]}))
+        args = parse("--async-ckpt-config", str(path))
+        args.save, args.load = str(save), str(tmp_path / "pretrained")
+        with pytest.raises(ConfigError) as err:
+            config_from_args(args)
+        assert f"async_checkpoint.tiers[0].url '{url}' {how} the checkpoint directory ({flag})" in str(err.value)
+        assert args.async_ckpt_config == str(path)
+    assert os.listdir(tmp_path) == ["c.json"]
+    path.write_text(json.dumps({"tiers": [{"url": str(tmp_path / "tier")}]}))
+    args = parse("--async-ckpt-config", str(path))
+    args.save = args.load = str(save)
+    assert config_from_args(args).tiers[0].url == str(tmp_path / "tier")
+
+
 def test_writer_modes():
     assert parse("--async-ckpt-writers", "balanced").async_ckpt_writers == "balanced"
     with pytest.raises(SystemExit):

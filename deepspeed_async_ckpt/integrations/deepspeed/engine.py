@@ -12,6 +12,8 @@
 - With DeepSpeed's ``monitor_config`` enabled (TensorBoard, W&B, CSV, Comet), rank 0 writes
   each committed save's figures through the engine's own ``monitor.write_events`` at the
   global step it was saved at (:mod:`...core.figures`); nothing is attached otherwise.
+- DeepSpeed saves its whole config (``ds_config``) into the model and optimizer states, and
+  logs it: both get it without the tiers' credentials (:func:`~...tiers.config.without_credentials`).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from ...commit import Pointer, check_name
 from ...config import AsyncCheckpointConfig
 from ...errors import CommitError, DurabilityError, describe
 from ...storage import DIRECT_ALIGN, aligned_size, temporary_path
+from ...tiers.config import without_credentials
 from .loading import POINTER_NAMES
 from .replicas import data_parallel_replicas, needs_node_local, ranks_on_this_node, with_rank0_shared_params
 from .weight_editors import patch_weight_editors
@@ -61,6 +64,9 @@ class AsyncCheckpointEngine(CheckpointEngine):
                  zero_stage: Any = None, has_moe_layers: bool = False) -> None:
         super().__init__(config_params)
         self.name = ENGINE_NAME
+        if isinstance(getattr(config_params, "_param_dict", None), dict):
+            # what DeepSpeed logs once the engine is built (its parsed fields are read already)
+            config_params._param_dict = without_credentials(config_params._param_dict)
         initialized = dist.is_available() and dist.is_initialized()
         world_size = dist.get_world_size() if initialized else 1
         self._node_local = bool(getattr(config_params, "use_node_local_storage", False))
@@ -110,6 +116,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
             self._replicated = os.path.abspath(ds._get_ckpt_name(info.save_dir, info.tag))
 
     def save(self, state_dict: Any, path: str) -> None:
+        if isinstance(state_dict, dict) and "ds_config" in state_dict:  # the config as saved
+            state_dict = {**state_dict, "ds_config": without_credentials(state_dict["ds_config"])}
         if self._ds_engine is None:
             self._save_now(state_dict, path)
             return

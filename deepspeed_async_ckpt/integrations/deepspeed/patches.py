@@ -7,10 +7,13 @@ against DeepSpeed 0.19.8's sources:
 - ``DeepSpeedEngine._take_model_step`` (which the pipeline engine also uses) gets a fence
   before the optimizer step: the only point where training waits for outstanding copies.
 - ``DeepSpeedEngine._configure_checkpointing`` (the end of ``deepspeed.initialize``'s setup,
-  the optimizer built) starts faulting the host pool in, in the background, sized from an
-  estimate of this rank's share of the state; after the first step (when the optimizer state
-  exists) the estimate is made again and the pool grown if it fell short.
-- ``save_checkpoint`` is wrapped to seal the checkpoint when DeepSpeed's save returns and to
+  the optimizer built) drops the tiers' credentials from the engine's raw config (which it
+  logs with ``dump_state`` and saves), and starts faulting the host pool in, in the
+  background, sized from an estimate of this rank's share of the state; after the first step
+  (when the optimizer state exists) the estimate is made again and the pool grown if it fell
+  short.
+- ``save_checkpoint`` is wrapped to refuse a ``save_dir`` that a tier is, contains or lies
+  inside (before anything is written), to seal the checkpoint when DeepSpeed's save returns and to
   freeze ``client_state`` eagerly (in sync mode it also holds a failed write, and rank 0's
   failed copy of ``zero_to_fp32.py``, until DeepSpeed's closing barrier, then shares the
   outcome so that every rank raises or returns committed); ``load_checkpoint`` first waits
@@ -35,6 +38,7 @@ from typing import Any, Callable
 
 from ...config import CONFIG_KEY, AsyncCheckpointConfig
 from ...errors import ConfigError
+from ...tiers.config import refuse_overlap, without_credentials
 from .engine import AsyncCheckpointEngine
 from .loading import (agreed_latest_tag, checkpoint_to_load, files_read_by_load, is_optimizer_file, no_file,
                       restore_from_tiers, takes_module_from_latest, zero3_module_source)
@@ -110,6 +114,8 @@ def install(on_engine_built: Callable[[], None] = lambda: None) -> bool:
         if not isinstance(engine, AsyncCheckpointEngine):
             return _ORIGINALS["save"](self, *args, **kwargs)
         bound = save_sig.bind(self, *args, **kwargs)
+        # before DeepSpeed makes the directory: on every rank alike, nothing written
+        refuse_overlap(engine.checkpointer.config.tiers, bound.arguments["save_dir"])
         engine.begin_save(self, bound.arguments.get("client_state"))
         ok = False
         try:
@@ -124,6 +130,8 @@ def install(on_engine_built: Callable[[], None] = lambda: None) -> bool:
         engine = getattr(self, "checkpoint_engine", None)
         if isinstance(engine, AsyncCheckpointEngine):
             arguments = load_sig.bind(self, *args, **kwargs).arguments
+            if arguments.get("load_dir") is not None:  # a restore would write there
+                refuse_overlap(engine.checkpointer.config.tiers, arguments["load_dir"])
             # `latest` must reflect every save issued so far; collective, so that a failed save
             # stops the load on every rank, not only on the one whose background write failed.
             engine.checkpointer.wait_all_ranks(action="load_checkpoint",
@@ -202,6 +210,8 @@ def install(on_engine_built: Callable[[], None] = lambda: None) -> bool:
             result = configure(self, *args, **kwargs)
             engine = getattr(self, "checkpoint_engine", None)
             if isinstance(engine, AsyncCheckpointEngine):
+                # the raw config, as the engine logs it next (dump_state) and saves it
+                self.config = without_credentials(self.config)
                 engine.after_initialize(self)
             return result
 

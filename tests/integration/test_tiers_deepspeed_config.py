@@ -1,0 +1,67 @@
+"""Real DeepSpeed runs (one rank, CPU) with tiers configured: no credential of a tier reaches
+a file, an object or a log line, and a tier that is, contains or lies inside the checkpoint
+directory is refused before anything is written."""
+
+import json
+import os
+from urllib.parse import urlsplit
+
+import pytest
+import torch
+
+from conftest import REPO
+from launch import launch
+from s3server import s3, s3_server  # noqa: F401  (fixtures)
+
+WORKER = os.path.join(REPO, "tests", "integration", "workers", "tiers_config_ds_worker.py")
+SECRET = b"SECRETPASSWORD"
+
+pytestmark = pytest.mark.slow
+
+
+def test_no_file_object_or_log_line_of_a_run_holds_the_endpoints_password(tmp_path, s3, repo_env):
+    """``endpoint_url`` with a user name and password: DeepSpeed saves its whole config into the
+    model and optimizer states, and logs it at INFO (with ``dump_state``, its engine's
+    attributes too, the raw config among them). Every file of the save directory, every
+    object of the bucket and every log line is searched for the password; the saved config
+    keeps the endpoint without it, and the drain worked (requests are signed with the
+    environment's credentials)."""
+    env = dict(repo_env, AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing",
+               AWS_DEFAULT_REGION="us-east-1")
+    parts = urlsplit(s3.endpoint)
+    endpoint = f"{parts.scheme}://user:{SECRET.decode()}@{parts.netloc}"
+    out = tmp_path / "out"
+    out.mkdir()
+    log = str(tmp_path / "log")
+    assert launch(WORKER, ["secret", "--out", str(out), "--url", s3.url("job"), "--endpoint", endpoint],
+                  1, timeout=300, env=env, log_prefix=log) == [0]
+    assert json.load(open(out / "drained.json")) == ["global_step1", "global_step2"]
+    logs = open(f"{log}.rank0.log", "rb").read()
+    assert b"DeepSpeedEngine configuration" in logs and b"async_checkpoint" in logs  # its config, logged
+    files = [os.path.join(d, n) for d, _, names in os.walk(out) for n in names]
+    keys = s3.keys()
+    assert len(files) > 6 and any(k.endswith("optim_states.pt") for k in keys)
+    holding = [f for f in files if SECRET in open(f, "rb").read()]
+    holding += [f"s3://{s3.name}/{k}" for k in keys if SECRET in s3.get(k)]
+    holding += ["the log"] if SECRET in logs else []
+    assert holding == []
+    model = torch.load(out / "ckpt" / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert model["ds_config"]["async_checkpoint"]["tiers"][0]["endpoint_url"] == s3.endpoint
+
+
+def test_a_tier_that_is_contains_or_lies_inside_the_checkpoint_directory_is_refused(tmp_path, repo_env):
+    """``<save_dir>/tier`` as a tier, ``save_dir`` itself, and a tier holding ``save_dir``:
+    save_checkpoint and load_checkpoint refuse each, naming the key and the directory, and
+    nothing is written (the tier's own directory is made at engine build, when it is checked)."""
+    save_dir = tmp_path / "ckpt"
+    tiers = {str(save_dir / "tier"): "lies inside", str(save_dir): "is", str(tmp_path): "contains"}
+    args = ["apart", "--out", str(tmp_path)] + [a for url in tiers for a in ("--tier", url)]
+    assert launch(WORKER, args, 1, timeout=300, env=repo_env, log_prefix=str(tmp_path / "log")) == [0]
+    errors = json.load(open(tmp_path / "apart.json"))
+    for url, how in tiers.items():
+        for call in ("save_checkpoint", "load_checkpoint"):
+            message = errors[f"{url} {call}"]
+            assert message is not None and message.startswith(
+                f"async_checkpoint.tiers[0].url '{url}' {how} the checkpoint directory '{save_dir}'"), message
+    assert [os.path.join(d, n) for d, _, names in os.walk(save_dir) for n in names] == []
+    assert os.listdir(save_dir) == ["tier"]
