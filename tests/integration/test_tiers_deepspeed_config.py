@@ -49,6 +49,29 @@ def test_no_file_object_or_log_line_of_a_run_holds_the_endpoints_password(tmp_pa
     assert model["ds_config"]["async_checkpoint"]["tiers"][0]["endpoint_url"] == s3.endpoint
 
 
+def test_with_the_engine_disabled_deepspeeds_own_checkpoints_and_logs_hold_no_endpoint_password(tmp_path,
+                                                                                                repo_env):
+    """The same config with ``"enabled": false``: DeepSpeed's own checkpoint engine saves, and
+    it too puts the whole config into every model and optimizer state file and logs it. Every
+    file of the save directory and every log line is searched for the password (the tier is
+    never reached: nothing is drained)."""
+    endpoint = f"http://user:{SECRET.decode()}@127.0.0.1:9"
+    out = tmp_path / "out"
+    out.mkdir()
+    log = str(tmp_path / "log")
+    assert launch(WORKER, ["secret", "--disabled", "--out", str(out), "--url", "s3://bucket/job",
+                           "--endpoint", endpoint], 1, timeout=300, env=repo_env, log_prefix=log) == [0]
+    assert json.load(open(out / "engine.json")) == "TorchCheckpointEngine"
+    logs = open(f"{log}.rank0.log", "rb").read()
+    assert b"DeepSpeedEngine configuration" in logs and b"async_checkpoint" in logs
+    files = [os.path.join(d, n) for d, _, names in os.walk(out) for n in names]
+    assert sum(f.endswith(".pt") for f in files) == 4  # model and optimizer states, two saves
+    holding = [f for f in files if SECRET in open(f, "rb").read()] + (["the log"] if SECRET in logs else [])
+    assert holding == []
+    model = torch.load(out / "ckpt" / "global_step2" / "mp_rank_00_model_states.pt", weights_only=False)
+    assert model["ds_config"]["async_checkpoint"]["tiers"][0]["endpoint_url"] == "http://127.0.0.1:9"
+
+
 def test_a_tier_that_is_contains_or_lies_inside_the_checkpoint_directory_is_refused(tmp_path, repo_env):
     """``<save_dir>/tier`` as a tier, ``save_dir`` itself, and a tier holding ``save_dir``:
     save_checkpoint and load_checkpoint refuse each, naming the key and the directory, and
