@@ -68,10 +68,13 @@ def parse_config(param_dict: dict | None) -> AsyncCheckpointConfig | None:
 _ORIGINALS: dict[str, Any] = {}
 
 
-def install(on_engine_built: Callable[[], None] = lambda: None) -> bool:
+def install(on_engine_built: Callable[[], None] = lambda: None,
+            on_disabled: Callable[[], None] = lambda: None) -> bool:
     """Patch DeepSpeed so the config key takes effect; ``on_engine_built()`` runs each time the
-    patched factory builds an :class:`~.engine.AsyncCheckpointEngine`. Idempotent; returns
-    True if it patched DeepSpeed."""
+    patched factory builds an :class:`~.engine.AsyncCheckpointEngine`, ``on_disabled()`` each
+    time it builds DeepSpeed's own engine for a config holding the key with ``enabled: false``
+    (whose tiers' credentials must still stay out of what is saved). Idempotent; returns True
+    if it patched DeepSpeed."""
     import deepspeed.runtime.engine as ds_engine
 
     if _ORIGINALS:
@@ -86,9 +89,13 @@ def install(on_engine_built: Callable[[], None] = lambda: None) -> bool:
 
     @functools.wraps(_ORIGINALS["create"])
     def create_checkpoint_engine(config_params=None, *args, **kwargs):
-        cfg = parse_config(getattr(config_params, "_param_dict", None))
+        param_dict = getattr(config_params, "_param_dict", None)
+        cfg = parse_config(param_dict)
         if cfg is None:
-            return _ORIGINALS["create"](config_params, *args, **kwargs)
+            engine = _ORIGINALS["create"](config_params, *args, **kwargs)
+            if isinstance(param_dict, dict) and param_dict.get(CONFIG_KEY) is not None:
+                on_disabled()
+            return engine
         given = create_sig.bind_partial(config_params, *args, **kwargs).arguments
         engine = AsyncCheckpointEngine(config_params, cfg, zero_stage=given.get("zero_stage"),
                                        has_moe_layers=given.get("has_moe_layers", False))
