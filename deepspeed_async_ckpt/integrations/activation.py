@@ -39,7 +39,7 @@ def install() -> bool:
     from .deepspeed import patches  # imports DeepSpeed
 
     adapt_trainer()
-    return patches.install(on_engine_built=check_installed)
+    return patches.install(on_engine_built=check_installed, on_disabled=check_disabled)
 
 
 def adapt_trainer(module: Any = None) -> bool:
@@ -81,8 +81,19 @@ def check_installed() -> None:
                    "short")
 
 
+def check_disabled() -> None:
+    """When DeepSpeed builds its own checkpoint engine for a config whose ``async_checkpoint``
+    key says ``enabled: false``: wrap Trainer's methods all the same
+    (:mod:`.hf_trainer.trainer_methods`, which without this engine do what Trainer does), so
+    that the tiers' credentials leave the configs Trainer saves into ``training_args.bin``."""
+    from .hf_trainer import trainer_methods
+
+    trainer_methods.install()
+
+
 def uninstall() -> None:
-    """Undo :func:`install`, :func:`adapt_trainer` and :func:`check_installed` (tests)."""
+    """Undo :func:`install`, :func:`adapt_trainer`, :func:`check_installed` and
+    :func:`check_disabled` (tests)."""
     global _trainer_hook
     from .deepspeed import patches  # imports DeepSpeed
     from .hf_trainer import rotation, trainer_methods

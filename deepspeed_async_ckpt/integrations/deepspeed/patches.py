@@ -7,11 +7,11 @@ against DeepSpeed 0.19.8's sources:
 - ``DeepSpeedEngine._take_model_step`` (which the pipeline engine also uses) gets a fence
   before the optimizer step: the only point where training waits for outstanding copies.
 - ``DeepSpeedEngine._configure_checkpointing`` (the end of ``deepspeed.initialize``'s setup,
-  the optimizer built) drops the tiers' credentials from the engine's raw config (which it
-  logs with ``dump_state`` and saves), and starts faulting the host pool in, in the
-  background, sized from an estimate of this rank's share of the state; after the first step
-  (when the optimizer state exists) the estimate is made again and the pool grown if it fell
-  short.
+  the optimizer built) drops the tiers' credentials from the engine's raw and parsed config
+  (which it logs and saves), whichever checkpoint engine it built (:func:`forget_credentials`),
+  and, with this engine, starts faulting the host pool in, in the background, sized from an
+  estimate of this rank's share of the state; after the first step (when the optimizer state
+  exists) the estimate is made again and the pool grown if it fell short.
 - ``save_checkpoint`` is wrapped to refuse a ``save_dir`` that a tier is, contains or lies
   inside (before anything is written), to seal the checkpoint when DeepSpeed's save returns and to
   freeze ``client_state`` eagerly (in sync mode it also holds a failed write, and rank 0's
@@ -68,10 +68,13 @@ def parse_config(param_dict: dict | None) -> AsyncCheckpointConfig | None:
 _ORIGINALS: dict[str, Any] = {}
 
 
-def install(on_engine_built: Callable[[], None] = lambda: None) -> bool:
+def install(on_engine_built: Callable[[], None] = lambda: None,
+            on_disabled: Callable[[], None] = lambda: None) -> bool:
     """Patch DeepSpeed so the config key takes effect; ``on_engine_built()`` runs each time the
-    patched factory builds an :class:`~.engine.AsyncCheckpointEngine`. Idempotent; returns
-    True if it patched DeepSpeed."""
+    patched factory builds an :class:`~.engine.AsyncCheckpointEngine`, ``on_disabled()`` each
+    time it builds DeepSpeed's own engine for a config holding the key with ``enabled: false``
+    (whose tiers' credentials must still stay out of what is saved). Idempotent; returns True
+    if it patched DeepSpeed."""
     import deepspeed.runtime.engine as ds_engine
 
     if _ORIGINALS:
@@ -86,9 +89,13 @@ def install(on_engine_built: Callable[[], None] = lambda: None) -> bool:
 
     @functools.wraps(_ORIGINALS["create"])
     def create_checkpoint_engine(config_params=None, *args, **kwargs):
-        cfg = parse_config(getattr(config_params, "_param_dict", None))
+        param_dict = getattr(config_params, "_param_dict", None)
+        cfg = parse_config(param_dict)
         if cfg is None:
-            return _ORIGINALS["create"](config_params, *args, **kwargs)
+            engine = _ORIGINALS["create"](config_params, *args, **kwargs)
+            if isinstance(param_dict, dict) and param_dict.get(CONFIG_KEY) is not None:
+                on_disabled()
+            return engine
         given = create_sig.bind_partial(config_params, *args, **kwargs).arguments
         engine = AsyncCheckpointEngine(config_params, cfg, zero_stage=given.get("zero_stage"),
                                        has_moe_layers=given.get("has_moe_layers", False))
@@ -208,10 +215,9 @@ def install(on_engine_built: Callable[[], None] = lambda: None) -> bool:
         @functools.wraps(configure)
         def _configure_checkpointing(self, *args, **kwargs):
             result = configure(self, *args, **kwargs)
+            forget_credentials(self)
             engine = getattr(self, "checkpoint_engine", None)
             if isinstance(engine, AsyncCheckpointEngine):
-                # the raw config, as the engine logs it next (dump_state) and saves it
-                self.config = without_credentials(self.config)
                 engine.after_initialize(self)
             return result
 
@@ -244,6 +250,19 @@ def uninstall() -> None:
 
 def is_installed() -> bool:
     return bool(_ORIGINALS)
+
+
+def forget_credentials(ds_engine: Any) -> None:
+    """The tiers' endpoint user information out of ``ds_engine``'s raw config (``config``, which
+    it saves into every model and optimizer state file as ``ds_config`` and logs with
+    ``dump_state``) and its parsed config's ``_param_dict`` (logged at INFO once the engine is
+    built): each replaced by a copy without it, the caller's dict left as it is. Whichever
+    checkpoint engine saves: an ``async_checkpoint`` block with ``enabled: false`` leaves
+    DeepSpeed's own, which saves the config as it finds it."""
+    ds_engine.config = without_credentials(ds_engine.config)
+    parsed = getattr(ds_engine, "_config", None)
+    if isinstance(getattr(parsed, "_param_dict", None), dict):
+        parsed._param_dict = without_credentials(parsed._param_dict)
 
 
 def use_checkpoint_engine(ds_engine: Any, checkpoint_engine: Any) -> None:

@@ -19,7 +19,9 @@ a checkpoint without ``latest``, with temporary files.
   wrapped when this engine is built;
 - :mod:`.beside`: the weights export (``model.safetensors``), written beside the DeepSpeed
   checkpoint on the engine's writer threads and committed with it;
-- :mod:`.in_flight`: what this process is saving, as both ask about it.
+- :mod:`.in_flight`: what this process is saving, as both ask about it;
+- :mod:`.credentials`: the tiers' endpoint credentials out of the DeepSpeed configs Trainer
+  pickles into ``training_args.bin`` and logs.
 
 :mod:`deepspeed_async_ckpt.integrations.activation` installs and uninstalls them.
 """

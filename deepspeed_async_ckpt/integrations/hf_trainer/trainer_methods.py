@@ -2,9 +2,11 @@
 ``Trainer.train``, :func:`install`): ``_push_from_checkpoint`` with a checkpoint strategy waits
 for that checkpoint's save to commit first, and ``push_to_hub`` for the saves into
 ``output_dir``; the just-in-time checkpoint on SIGTERM marks its checkpoint complete once
-committed; and a checkpoint's weights export (``model.safetensors``, which Trainer would write
+committed; a checkpoint's weights export (``model.safetensors``, which Trainer would write
 before the call returns, most of its stall) is written by the engine's writers, committed
-with the DeepSpeed checkpoint beside it (:func:`save_model`)."""
+with the DeepSpeed checkpoint beside it (:func:`save_model`); and the tiers' endpoint
+credentials leave Trainer's copies of the DeepSpeed config before anything saves or logs
+them (:func:`.credentials.forget_credentials`)."""
 
 from __future__ import annotations
 
@@ -14,6 +16,7 @@ import threading
 from typing import Any
 
 from . import beside
+from .credentials import forget_credentials
 from .in_flight import async_checkpointer, raise_failure, wait_for_saves_in
 from .rotation import checkpoint_prefix
 
@@ -25,6 +28,7 @@ _ORIGINALS: dict[str, Any] = {}
 
 
 def _push_from_checkpoint(self: Any, checkpoint_folder: str, *args: Any, **kwargs: Any) -> Any:
+    forget_credentials(self)  # it saves training_args.bin into output_dir
     strategy = getattr(self.args, "hub_strategy", None)
     strategy = getattr(strategy, "value", strategy)
     previous = getattr(self, "push_in_progress", None)
@@ -68,6 +72,7 @@ def save_model(self: Any, output_dir: str | None = None, _internal_call: bool = 
     upload), by ``push_to_hub`` or Ray Tune's ``_tune_save_checkpoint`` (which upload or hand
     over the directory right after, so it must hold its weights by then), and
     ``save_only_model`` (no DeepSpeed checkpoint follows to carry it) stay as they are."""
+    forget_credentials(self)  # Trainer's _save writes training_args.bin beside the weights
     checkpointer = None
     if _internal_call and getattr(_checkpointing, "depth", 0) \
             and not getattr(self.args, "save_only_model", False):
@@ -120,6 +125,14 @@ def _owned(tensors: dict, model: Any) -> dict:
     return {name: t.detach().to("cpu", copy=True, memory_format=torch.contiguous_format)
             if t.device.type != "cpu" or t.untyped_storage().data_ptr() in live else t
             for name, t in tensors.items()}
+
+
+def create_scheduler(self: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Trainer.create_scheduler``: the first of Trainer's methods that ``train()`` calls once
+    ``accelerator.prepare`` built the engine, before the callbacks' ``on_train_begin``, where
+    reporting integrations log ``args.to_json_string()`` (the config as given among them)."""
+    forget_credentials(self)
+    return _ORIGINALS["create_scheduler"](self, *args, **kwargs)
 
 
 _pushing = threading.local()  # inside Trainer.push_to_hub, on this thread
@@ -191,12 +204,13 @@ def execute_jit_checkpoint(self: Any, *args: Any, **kwargs: Any) -> Any:
 TRAINER_METHODS = {("transformers.trainer", "Trainer"): {
                        "_push_from_checkpoint": _push_from_checkpoint, "push_to_hub": push_to_hub,
                        "_finish_current_push": _finish_current_push, "save_model": save_model,
-                       "_save_checkpoint": _save_checkpoint},
+                       "_save_checkpoint": _save_checkpoint, "create_scheduler": create_scheduler},
                    ("transformers.trainer_jit_checkpoint", "CheckpointManager"): {
                        "execute_jit_checkpoint": execute_jit_checkpoint},
                    ("transformers.modeling_utils", None): {"safe_save_file": safe_save_file}}
 """What :func:`install` wraps: Trainer's methods that upload to the Hub, save the
-model or end a checkpoint, and the safetensors writer ``save_pretrained`` calls:
+model or end a checkpoint, the first it calls once the engine is built, and the safetensors
+writer ``save_pretrained`` calls:
 (module, class or None for the module itself) -> name -> wrapper."""
 
 

@@ -11,6 +11,11 @@ checkpoint every 2 steps into ``<out>/run/checkpoint-N``.
   --kill-at K     rank 0 SIGKILLs itself in on_save at step K (its held save never commits)
   --resume        train(resume_from_checkpoint=True); the weights Trainer resumed with are
                   dumped to <out>/resumed_rank{r}.pt
+  --tier URL      an S3 tier (keep_last 2) reached at --endpoint; rank 0 writes, at
+                  on_train_begin, ``args.to_json_string()`` to <out>/args.json (what reporting
+                  integrations log) and, at the end, the checkpoints drained to <out>/drained.json
+                  (and whether the config given to TrainingArguments still holds --endpoint)
+  --disabled      the async_checkpoint key with enabled: false (DeepSpeed's own engine saves)
 
 At every on_save, rank 0 records what ``<out>/run`` holds to ``<out>/seen.json``: per step, each
 ``checkpoint-N`` with its ``latest`` (or null), and under "exports" the files its engine was given
@@ -41,6 +46,9 @@ p.add_argument("--settle-at", type=int, default=0)
 p.add_argument("--kill-at", type=int, default=0)
 p.add_argument("--resume", action="store_true")
 p.add_argument("--stage", type=int, default=2, help="ZeRO stage (3: 16-bit weights gathered for save_model)")
+p.add_argument("--tier")
+p.add_argument("--endpoint")
+p.add_argument("--disabled", action="store_true")
 args = p.parse_args()
 if len(args.hold_from) != len(args.release_at) and args.release_at:
     p.error("--hold-from and --release-at: one release step per hold step")
@@ -110,6 +118,9 @@ class Probe(TrainerCallback):
             released.set()
 
     def on_train_begin(self, targs, state, control, model=None, **kw):
+        if args.tier and RANK == 0:
+            with open(os.path.join(args.out, "args.json"), "w") as f:
+                f.write(targs.to_json_string())
         if args.resume:  # Trainer has loaded the checkpoint by now (ZeRO-3: this rank's partitions)
             weights = {k: v.detach().clone() for k, v in model.state_dict().items()}
             torch.save({"global_step": state.global_step, "module": weights},
@@ -120,7 +131,9 @@ ds = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "
       "train_batch_size": "auto", "gradient_clipping": "auto",
       "zero_optimization": {"stage": args.stage,  # no "optimizer": Trainer's torch AdamW
                             "stage3_gather_16bit_weights_on_model_save": args.stage == 3},
-      "async_checkpoint": {"enabled": True, "host_buffer_gb": 0.05, "writer_threads": 2}}
+      "async_checkpoint": {"enabled": not args.disabled, "host_buffer_gb": 0.05, "writer_threads": 2}}
+if args.tier:
+    ds["async_checkpoint"]["tiers"] = [{"url": args.tier, "endpoint_url": args.endpoint, "keep_last": 2}]
 torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=128, n_positions=32))
 tokens = torch.randint(0, 128, (64, 16), generator=torch.Generator().manual_seed(1))
@@ -132,5 +145,13 @@ targs = TrainingArguments(output_dir=RUN, max_steps=args.max_steps, per_device_t
 trainer = Trainer(model=model, args=targs, train_dataset=data, callbacks=[Probe()])
 trainer.train(resume_from_checkpoint=True if args.resume else None)
 engine_name = type(trainer.model_wrapped.checkpoint_engine).__name__
-assert engine_name == "AsyncCheckpointEngine", engine_name
+assert engine_name == ("TorchCheckpointEngine" if args.disabled else "AsyncCheckpointEngine"), engine_name
+if args.tier and RANK == 0:
+    drained = None
+    if not args.disabled:
+        trainer.model_wrapped.checkpoint_engine.cleanup()  # close: the last drain ends
+        drained = trainer.model_wrapped.checkpoint_engine.checkpointer.tiers.drainers[0].drained
+    with open(os.path.join(args.out, "drained.json"), "w") as f:
+        json.dump({"drained": drained,
+                   "given_config_kept": ds["async_checkpoint"]["tiers"][0]["endpoint_url"] == args.endpoint}, f)
 print(f"rank {RANK}: trained to step {trainer.state.global_step}", flush=True)

@@ -4,7 +4,8 @@ Phases:
   secret  train and save twice into --out/ckpt with an S3 tier whose ``endpoint_url`` holds a
           user name and password (--endpoint), DeepSpeed's and this package's logs at INFO and
           DeepSpeed's dump_state on (it then logs its whole config, and every attribute of its
-          engine); close, so the last drain ends.
+          engine); close, so the last drain ends. With --disabled, the same config with
+          ``enabled: false``: DeepSpeed's own checkpoint engine saves, nothing is drained.
   apart   for each tier URL given (--tier, repeated), build an engine with that one path tier
           and call save_checkpoint and load_checkpoint on --out/ckpt; write each call's error
           to --out/apart.json.
@@ -20,14 +21,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from ds_worker import init, train  # noqa: E402
 
 
-def config(tier, dump_state=False):
+def config(tier, dump_state=False, enabled=True):
     return {
         "train_micro_batch_size_per_gpu": 2,
         "gradient_accumulation_steps": 1,
         "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
         "zero_optimization": {"stage": 1},
         "dump_state": dump_state,  # DeepSpeed then logs every attribute of its engine, its config too
-        "async_checkpoint": {"enabled": True, "host_buffer_gb": 0.05, "keep_last": 2, "tiers": [tier]},
+        "async_checkpoint": {"enabled": enabled, "host_buffer_gb": 0.05, "keep_last": 2, "tiers": [tier]},
     }
 
 
@@ -37,10 +38,15 @@ def phase_secret(args, save_dir):
     logging.basicConfig(level=logging.INFO)
     set_log_level_from_string("info")
     tier = {"url": args.url, "endpoint_url": args.endpoint, "keep_last": 2}
-    engine = init(args, config(tier, dump_state=True))
+    engine = init(args, config(tier, dump_state=True, enabled=not args.disabled))
     for step in range(2):
         train(engine, args, 1, start=step)
         engine.save_checkpoint(save_dir)
+    if args.disabled:
+        with open(os.path.join(args.out, "engine.json"), "w") as f:
+            json.dump(type(engine.checkpoint_engine).__name__, f)
+        engine.destroy()
+        return
     engine.checkpoint_engine.cleanup()  # close: the last drain finishes
     drained = engine.checkpoint_engine.checkpointer.tiers.drainers[0].drained
     engine.destroy()
@@ -73,6 +79,7 @@ def main():
     p.add_argument("--url")
     p.add_argument("--endpoint")
     p.add_argument("--tier", action="append", default=[])
+    p.add_argument("--disabled", action="store_true")
     args = p.parse_args()
     args.zero_stage, args.pipeline_stages, args.tied, args.offload = 1, 0, 0, 0
     save_dir = os.path.join(args.out, "ckpt")
