@@ -196,3 +196,41 @@ def test_gpu_check_finds_pytests_closing_line_with_or_without_rules(tmp_path, lo
     path = tmp_path / "x.log"
     path.write_text(log)
     assert gpu_check.pytest_summary(str(path)) == expected
+
+
+def test_standin_benchmark_reports_every_engine_ab(tmp_path, repo_env):
+    """``scripts/bench_standin.py`` at its smallest: per engine, real and sham events in ABBA
+    order, every step kept, each event's loss as ``lost_time.event_loss`` counts it, the A/B
+    and A/A figures, the threads beside training; the table names every engine."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import lost_time
+    finally:
+        sys.path.remove(os.path.join(REPO, "scripts"))
+    out = tmp_path / "standin.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_standin.py"), "--gb", "0.002",
+                           "--step-ms", "2", "--interval", "8", "--base", "4", "--events", "4",
+                           "--out", str(out), "--work-dir", str(tmp_path / "work")],
+                          cwd=REPO, env=repo_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert not (tmp_path / "work").exists()  # checkpoints removed
+    assert res["config"]["ops_per_step"] >= 1
+    assert set(res["engines"]) == {"torch", "threads", "process"}
+    for name, r in res["engines"].items():
+        assert f"| {r['label']} |" in proc.stdout
+        assert r["labels"] == ["R", "S", "S", "R"] and [e["kind"] for e in r["events"]] == r["labels"]
+        # the warm-up save's steps, the first baseline and every event's steps, all kept
+        assert len(r["steps_s"]) == 8 + 4 + 4 * 8 and all(s > 0 for s in r["steps_s"])
+        for ev in r["events"]:
+            s = ev["step"]
+            loss, base = lost_time.event_loss(r["steps_s"][s - 4:s], r["steps_s"][s:s + 8], ev["call_s"], ev["tail_s"])
+            assert ev["loss_s"] == loss and ev["baseline_s"] == base
+            assert "MainThread" in ev["threads"] and ev["memory_after"]["rss_bytes"] > 0
+        summ = r["summary"]
+        assert summ["events"] == 4 and summ["real_minus_sham"]["n_a"] == summ["real_minus_sham"]["n_b"] == 2
+        assert summ["real_minus_sham"]["lo_s"] <= summ["real_minus_sham"]["diff_s"] <= summ["real_minus_sham"]["hi_s"]
+        assert set(r["by_kind"]) == {"R", "S"}
+    threads = res["engines"]["threads"]["by_kind"]["R"]["threads"]
+    assert "async-ckpt-copier" in threads and "async-ckpt-committer" in threads
+    assert any(t.startswith("worker:") for t in res["engines"]["process"]["by_kind"]["R"]["threads"])
