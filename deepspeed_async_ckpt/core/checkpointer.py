@@ -46,6 +46,7 @@ from ..commit.retention import step_in_name
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, CommitError, DurabilityError
 from ..persist import check_torch_writer
+from ..qos import lower_this_thread
 from ..snapshot import HostBufferPool, Stager
 from ..storage import LocalStorage, Storage
 from ..tiers.durable import DurableTiers, open_remotes
@@ -120,7 +121,8 @@ class AsyncCheckpointer:
         use_cuda = _cuda_usable()
         self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda,
                                    shared=config.persist_in == "process")
-        self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="async-ckpt-writer")
+        self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="async-ckpt-writer",
+                                           initializer=lower_this_thread)
         saves = self._saves = Saves()
         self.history = saves.history
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""

@@ -21,6 +21,7 @@ from typing import Any, Iterable
 import torch
 
 from ..errors import SnapshotError, describe
+from ..qos import lower_this_thread
 from ..storage import aligned_size
 from .item import TensorItem
 from .pool import HostBufferPool
@@ -254,6 +255,7 @@ class Stager:
             self.pooled_bytes += pooled
 
     def _run(self) -> None:
+        lower_this_thread()
         while True:
             job = self._queue.get()
             if job is None:
