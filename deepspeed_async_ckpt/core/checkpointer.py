@@ -224,15 +224,17 @@ class AsyncCheckpointer:
         """
         return self._session.end(commit=commit)
 
-    def fence(self) -> None:
+    def fence(self, unchanged: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         """Call before parameters or optimizer state are modified (the optimizer step, or any
-        in-place edit outside it: see :func:`fence_all`)."""
+        in-place edit outside it: see :func:`fence_all`). ``unchanged``: what that change
+        leaves alone (the optimizer step: frozen parameters), whose copies need not be waited
+        for (see :meth:`~..snapshot.Stager.fence`)."""
         self._check_not_forked()
         t0 = time.perf_counter()
         current = self._saves.current
         if current is not None:  # fenced inside a save: its copies must come first
             self._files.seal(current)
-        self._files.stager.fence()
+        self._files.stager.fence(unchanged)
         if self.history:
             self.history[-1].fence_wait_s += time.perf_counter() - t0
 
