@@ -234,3 +234,26 @@ def test_standin_benchmark_reports_every_engine_ab(tmp_path, repo_env):
     threads = res["engines"]["threads"]["by_kind"]["R"]["threads"]
     assert "async-ckpt-copier" in threads and "async-ckpt-committer" in threads
     assert any(t.startswith("worker:") for t in res["engines"]["process"]["by_kind"]["R"]["threads"])
+
+
+def test_gpu_lost_time_measurement_runs_its_smallest_form_and_reports_the_decoupled_engine(tmp_path, repo_env):
+    """``scripts/gpu_check.py lost --tiny``, what a lent GPU machine runs for the lost-time
+    figure, here on the CPU with a 2-layer GPT-2: it installs this checkout, measures each of
+    this package's engines and ``TorchCheckpointEngine`` A/B, and reports DeepSpeed's
+    decoupled engine by its error where it cannot save (ZeRO-1's optimizer state cannot cross
+    into its writer process) and megatron-core's async save as not measured."""
+    out, wheels = tmp_path / "out", tmp_path / "wheels"
+    wheels.mkdir()
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "gpu_check.py"), "lost", "--tiny",
+                           "--out", str(out), "--wheels", str(wheels), "--budget-s", "120"],
+                          cwd=REPO, env=repo_env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:] + (out / "lost.log").read_text()[-4000:]
+    res = json.loads((out / "lost.json").read_text())
+    assert {"torch", "threads", "process"} <= set(res["engines"])
+    for r in res["engines"].values():
+        assert r["labels"] == ["R", "S", "S", "R"] and len(r["steps_s"]) == 6 + 3 + 4 * 6
+        assert r["summary"]["real_minus_sham"]["n_a"] == 2
+    if "decoupled" in res["not_run"]:
+        assert "Cowardly refusing to serialize non-leaf tensor" in res["not_run"]["decoupled"]["error"]
+    assert "not measured" in res["config"]["megatron_async_save"]
+    assert json.loads((out / "summary.json").read_text())["steps"][0]["exit"] == 0
