@@ -162,7 +162,8 @@ def main(argv=None) -> int:
     p.add_argument("--window", type=int, default=None)
     p.add_argument("--base", type=int, default=15)
     p.add_argument("--events", type=int, default=20)
-    p.add_argument("--engines", default="decoupled,torch,threads,process")
+    p.add_argument("--engines", default="decoupled,threads,process,torch",
+                   help="in this order, the last gets what the others leave of the budget")
     p.add_argument("--async-config", default="{}")
     p.add_argument("--budget-s", type=float, default=480, help="seconds for every engine together")
     p.add_argument("--tiny", action="store_true", help="a 2-layer model on the CPU: the path, in seconds")

@@ -97,3 +97,48 @@ def test_cpu_lists_are_read_as_taskset_writes_them(monkeypatch):
     assert qos.background_cpus() == {0, 1, 2, 5}
     monkeypatch.delenv("ASYNC_CKPT_BACKGROUND_CPUS")
     assert qos.background_cpus() is None
+
+
+def _wakeups() -> dict[str, int]:
+    out = {}
+    for name, tid in _threads().items():
+        if name.startswith("async-ckpt-"):
+            try:
+                with open(f"/proc/self/task/{tid}/status") as f:
+                    out[name] = next(int(ln.split()[1]) for ln in f if ln.startswith("voluntary_ctxt_switches"))
+            except OSError:  # ended meanwhile
+                pass
+    return out
+
+
+def test_no_engine_thread_polls_while_a_save_waits_or_after_its_commit(tmp_path):
+    """Every thread of the engine sleeps until there is work: while a save's file waits for
+    the disk (here: its open held) and after the commit, none wakes more than twice in half
+    a second (a thread polling every 50 ms would wake ten times)."""
+    import time
+
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from deepspeed_async_ckpt.core import AsyncCheckpointer
+    from fakes import HeldWrites
+
+    storage = HeldWrites()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    try:
+        handle = save_one(ck, str(tmp_path), sample_state())
+        ck.fence()
+        time.sleep(0.2)  # the copier and the writers reach their waits
+        before = _wakeups()
+        time.sleep(0.5)
+        during = {n: v - before.get(n, v) for n, v in _wakeups().items()}
+        assert during and max(during.values()) <= 2, during
+        storage.released.set()
+        handle.wait_committed(30)
+        ck.wait()
+        time.sleep(0.2)
+        before = _wakeups()
+        time.sleep(0.5)
+        after = {n: v - before.get(n, v) for n, v in _wakeups().items()}
+        assert max(after.values(), default=0) <= 2, after
+    finally:
+        storage.released.set()
+        ck.close()
