@@ -386,12 +386,15 @@ def table(result: dict) -> str:
         R, S = k["R"], k["S"]
         beside = []
         for label in sorted(R["threads"], key=lambda t: -(R["threads"][t]["cpu_s"] - S["threads"].get(t, {}).get("cpu_s", 0))):
-            if label == "MainThread":
+            if label == "MainThread" or "(all threads)" in label:
                 continue
             dc = R["threads"][label]["cpu_s"] - S["threads"].get(label, {}).get("cpu_s", 0)
             dw = R["threads"][label]["wakeups"] - S["threads"].get(label, {}).get("wakeups", 0)
             if abs(dc) >= 1e-3 or dw >= 5:
                 beside.append(f"{label} {dc * 1e3:.0f} ms, {dw:.0f}")
+        total = sum(R["threads"].get(t, {}).get("cpu_s", 0) - S["threads"].get(t, {}).get("cpu_s", 0)
+                    for t in ("(all threads)", "worker:(all threads)"))
+        beside.insert(0, f"all threads {total * 1e3:.0f} ms")
         lines.append(f"| {r['label']} | {_ms(R['train_cpu_s'] - S['train_cpu_s'])}, "
                      f"{_ms(R['train_rq_s'] - S['train_rq_s'])}, {_ms(R['train_asleep_s'] - S['train_asleep_s'])} ms | "
                      f"{_ms(R['fence_s'])} ms | {'; '.join(beside[:8]) or '-'} |")

@@ -50,16 +50,24 @@ def _names() -> dict[int, str]:
 def sample(pid: int | None = None, children: bool = True) -> dict[str, dict]:
     """``{label: {"cpu_s", "wait_s", "slices", "wakeups"}}`` for every thread of ``pid`` (this
     process by default) and, with ``children``, of its children. Labels are unique (a numeric
-    suffix for a repeated name, e.g. four ``async-ckpt-writer`` threads)."""
+    suffix for a repeated name, e.g. four ``async-ckpt-writer`` threads); ``(all threads)``
+    (``worker:(all threads)``) is the whole process's CPU, threads that ended included (the
+    I/O thread lives as long as its file), at the clock tick's resolution."""
     pid = os.getpid() if pid is None else pid
     names = _names() if pid == os.getpid() else {}
     out: dict[str, dict] = {}
     procs = [(pid, "")] + ([(c, "worker:") for c in _children(pid)] if children else [])
+    tick = os.sysconf("SC_CLK_TCK")
     for p, prefix in procs:
         try:
             tids = sorted(int(t) for t in os.listdir(f"/proc/{p}/task"))
         except OSError:
             continue
+        stat = _read(f"/proc/{p}/stat")
+        if stat:  # the whole process, threads that have ended included (clock ticks)
+            fields = stat.rsplit(")", 1)[1].split()
+            out[prefix + "(all threads)"] = {"cpu_s": (int(fields[11]) + int(fields[12])) / tick, "wait_s": 0.0,
+                                             "slices": 0, "wakeups": 0, "tid": p}
         for tid in tids:
             sched = _read(f"/proc/{p}/task/{tid}/schedstat")
             status = _read(f"/proc/{p}/task/{tid}/status")
