@@ -18,7 +18,10 @@ calls :func:`lower_this_thread` first thing (and the worker process :func:`lower
   idle is the launcher's knowledge (numactl, Slurm, DeepSpeed's ``--bind_cores_to_rank``).
 
 ``ASYNC_CKPT_BACKGROUND_NICE`` overrides :data:`NICE` (0 keeps the training thread's
-priority). Everything here is best effort: where the system refuses (no Linux, a seccomp
+priority). ``ASYNC_CKPT_BACKGROUND_POLICY=idle`` puts them in ``SCHED_IDLE`` as well: they
+then run on a core only when nothing else wants it (a nice-10 thread still takes about a
+tenth of a core it shares with training), at the risk of a checkpoint that persists slowly
+while every core is busy. Everything here is best effort: where the system refuses (no Linux, a seccomp
 profile, an unknown architecture for ``ioprio_set``), the thread runs as it was and the
 checkpoint is unaffected.
 """
@@ -56,6 +59,15 @@ def nice_increment() -> int:
     if not 0 <= value <= 19:
         raise ValueError(f"ASYNC_CKPT_BACKGROUND_NICE={raw!r}: an integer from 0 to 19")
     return value
+
+
+def idle_policy() -> bool:
+    """Whether ``ASYNC_CKPT_BACKGROUND_POLICY`` asks for ``SCHED_IDLE`` ("idle"; default
+    "nice")."""
+    raw = os.environ.get("ASYNC_CKPT_BACKGROUND_POLICY", "nice").strip()
+    if raw not in ("nice", "idle"):
+        raise ValueError(f"ASYNC_CKPT_BACKGROUND_POLICY={raw!r}: 'nice' or 'idle'")
+    return raw == "idle"
 
 
 def background_cpus() -> set[int] | None:
@@ -113,6 +125,7 @@ def lower_this_thread() -> None:
     try:
         step = nice_increment()
         cpus = background_cpus()
+        idle = idle_policy()
     except ValueError as exc:
         logger.warning("async checkpoint: %s; background threads keep the training thread's priority", exc)
         return
@@ -124,6 +137,8 @@ def lower_this_thread() -> None:
             _set_io_priority(tid, _IOPRIO_LOWEST_BE)
         if cpus is not None:
             os.sched_setaffinity(tid, cpus)
+        if idle and hasattr(os, "SCHED_IDLE"):
+            os.sched_setscheduler(tid, os.SCHED_IDLE, os.sched_param(0))
     except OSError as exc:  # not allowed here: run as made
         logger.debug("async checkpoint: thread %d keeps its priority or cores: %s", tid, exc)
 

@@ -81,15 +81,27 @@ def test_background_cpus_put_the_engines_threads_on_those_cores(tmp_path, monkey
         ck.close()
 
 
+def test_the_idle_policy_puts_the_engines_threads_in_sched_idle(tmp_path, monkeypatch):
+    monkeypatch.setenv("ASYNC_CKPT_BACKGROUND_POLICY", "idle")
+    ck = _saved(tmp_path)
+    try:
+        assert os.sched_getscheduler(_threads()["async-ckpt-copier"]) == os.SCHED_IDLE
+        assert os.sched_getscheduler(0) == os.SCHED_OTHER  # training: untouched
+    finally:
+        ck.close()
+
+
 @pytest.mark.parametrize("name, value, message", [
     ("ASYNC_CKPT_BACKGROUND_NICE", "20", "an integer from 0 to 19"),
     ("ASYNC_CKPT_BACKGROUND_NICE", "low", "an integer from 0 to 19"),
     ("ASYNC_CKPT_BACKGROUND_CPUS", "a-b", "a list of cores such as '8-15' or '3,7'"),
+    ("ASYNC_CKPT_BACKGROUND_POLICY", "fifo", "'nice' or 'idle'"),
 ])
 def test_a_bad_setting_is_refused_naming_the_variable(monkeypatch, name, value, message):
     monkeypatch.setenv(name, value)
+    read = {"NICE": qos.nice_increment, "CPUS": qos.background_cpus, "POLICY": qos.idle_policy}
     with pytest.raises(ValueError, match=f"{name}={value!r}: {message}"):
-        qos.nice_increment() if name.endswith("NICE") else qos.background_cpus()
+        read[name.rsplit("_", 1)[1]]()
 
 
 def test_cpu_lists_are_read_as_taskset_writes_them(monkeypatch):
