@@ -150,6 +150,13 @@ def decoupled(engine, root: str) -> tuple[object | None, dict]:
     return ckpt, info
 
 
+def _write(path: str | None, result: dict) -> None:
+    if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(result, f, default=str)
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--layers", type=int, default=24)
@@ -222,6 +229,7 @@ def main(argv=None) -> int:
             r["probe"] = {k: v for k, v in info.items() if k != "tiny_engine"}
         result["engines"][name] = r
         adapter.close()
+        _write(args.out, result)  # each engine's figures kept, should a later one overrun
         if len(r["labels"]) < args.events:
             print(f"{name}: {len(r['labels'])} of {args.events} events within the budget", flush=True)
         print(f"{name}: done at {now() - t0:.0f} s", flush=True)
@@ -234,9 +242,7 @@ def main(argv=None) -> int:
         print(f"{LABELS[name]}: {info['error']}")
     print(f"megatron-core --async-save: {MEGATRON_NOTE}")
     if args.out:
-        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
-        with open(args.out, "w", encoding="utf-8") as f:
-            json.dump(result, f, default=str)
+        _write(args.out, result)
         print(f"wrote {args.out}")
     return 0 if result["engines"] and all(math.isfinite(r["interval_s"]) for r in result["engines"].values()) else 1
 
