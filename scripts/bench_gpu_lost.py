@@ -1,6 +1,6 @@
 """What a checkpoint costs GPU training, measured A/B: GPT-2 24 x 1024, bf16, ZeRO-1, fused AdamW.
 
-The model of the report this measurement answers: a GPT-2 of 24 layers, width 1024, 16 heads,
+The model: a GPT-2 of 24 layers, width 1024, 16 heads,
 sequence 1024, vocabulary 50257 (355M parameters; Hugging Face's ``GPT2LMHeadModel`` where
 ``transformers`` is installed, else the same architecture written out here, which the JSON
 says), batch 8, bf16 under DeepSpeed ZeRO-1 with torch's fused AdamW: 14 bytes a parameter,
