@@ -23,6 +23,13 @@ here, and everything there is one command:
    where the engine pins its pool and runs a copy stream: faults of those paths show only
    there, not in the CPU-only CI. Without a GPU it is not run (CI runs those tests), and the
    summary says so.
+``lost`` (a call of its own: ``python3 scripts/gpu_check.py lost --out $OUT``, 8.5-9.5 minutes
+with the install) installs the same way and runs ``scripts/bench_gpu_lost.py``: the training
+time a checkpoint costs GPT-2 24 x 1024 (bf16, ZeRO-1, fused AdamW, 4.97 GB per checkpoint),
+real saves against shams in ABBA order, per engine (``TorchCheckpointEngine``, DeepSpeed's
+decoupled engine or its error, this engine with threads and with a worker process), into
+``$OUT/lost.json`` and ``$OUT/lost.log``.
+
 It writes ``summary.json`` and one log per step under ``--out`` (seven files: the device tool
 brings back eight at most) and prints a line per step and the summary; it exits 1 if a step
 failed. Where no GPU is
@@ -217,6 +224,24 @@ def checks(out: str, env: dict, demo_dir: str, quick: bool, deadline: float) -> 
     return gpus, results
 
 
+def lost(out: str, wheel_dir: str, budget_s: float, tiny: bool = False) -> int:
+    """Install, then the A/B lost-time measurement on the GPU within ``budget_s`` seconds
+    (``tiny``: its smallest form, on the CPU if there is no GPU)."""
+    os.makedirs(out, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="gpu_check_") as scratch:
+        env = install(wheel_dir, os.path.join(scratch, "site"))
+        import torch
+
+        env = dict(env, DS_ACCELERATOR="cuda" if torch.cuda.is_available() else "cpu")
+        cmd = [sys.executable, "scripts/bench_gpu_lost.py", "--out", os.path.join(out, "lost.json"),
+               "--budget-s", str(budget_s), "--work-dir", os.path.join(scratch, "work")] + (["--tiny"] if tiny else [])
+        # the model's start comes before the budget and an engine may end one ABBA block past it
+        result = step("lost", cmd, env, out, budget_s + 150, time.monotonic() + budget_s + 150)
+    with open(os.path.join(out, "summary.json"), "w", encoding="utf-8") as f:
+        json.dump({"steps": [result], "table": tail_line(os.path.join(out, "lost.log"), "| ")}, f, indent=1)
+    return 0 if result["exit"] == 0 else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = p.add_subparsers(dest="command", required=True)
@@ -229,7 +254,15 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--quick", action="store_true", help="a small demo (8 steps, hidden 256)")
     r.add_argument("--budget-s", type=float, default=420,
                    help="seconds for all the steps together (the install comes before)")
+    lo = sub.add_parser("lost", help="there: install .whl/ and measure the time a checkpoint costs training")
+    lo.add_argument("--out", default=os.environ.get("OUT") or os.path.join(REPO, "bench_out", "gpu_check"))
+    lo.add_argument("--wheels", default=WHEELS)
+    lo.add_argument("--budget-s", type=float, default=390, help="seconds for the measurement (the install and "
+                    "the model's start come on top: about 1.5 minutes)")
+    lo.add_argument("--tiny", action="store_true", help="the smallest model (the smoke test's)")
     a = p.parse_args(argv)
+    if a.command == "lost":
+        return lost(a.out, a.wheels, a.budget_s, a.tiny)
     if a.command == "wheels":
         return wheels(a.out, a.python_version)
     return run(a.out, a.wheels, a.quick, a.budget_s)

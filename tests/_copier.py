@@ -16,9 +16,9 @@ def hold_copier_until_fence() -> threading.Event:
             release.wait(60)
         return real_copy(self, item, ready)
 
-    def fence(self):
+    def fence(self, unchanged=None):
         release.set()
-        return real_fence(self)
+        return real_fence(self, unchanged)
 
     Stager._copy, Stager.fence = copy, fence
     return release

@@ -46,6 +46,7 @@ from ..commit.retention import step_in_name
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, CommitError, DurabilityError
 from ..persist import check_torch_writer
+from ..qos import lower_this_thread
 from ..snapshot import HostBufferPool, Stager
 from ..storage import LocalStorage, Storage
 from ..tiers.durable import DurableTiers, open_remotes
@@ -120,7 +121,8 @@ class AsyncCheckpointer:
         use_cuda = _cuda_usable()
         self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda,
                                    shared=config.persist_in == "process")
-        self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="async-ckpt-writer")
+        self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="async-ckpt-writer",
+                                           initializer=lower_this_thread)
         saves = self._saves = Saves()
         self.history = saves.history
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
@@ -223,15 +225,17 @@ class AsyncCheckpointer:
         """
         return self._session.end(commit=commit)
 
-    def fence(self) -> None:
+    def fence(self, unchanged: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         """Call before parameters or optimizer state are modified (the optimizer step, or any
-        in-place edit outside it: see :func:`fence_all`)."""
+        in-place edit outside it: see :func:`fence_all`). ``unchanged``: what that change
+        leaves alone (the optimizer step: frozen parameters), whose copies need not be waited
+        for (see :meth:`~..snapshot.Stager.fence`)."""
         self._check_not_forked()
         t0 = time.perf_counter()
         current = self._saves.current
         if current is not None:  # fenced inside a save: its copies must come first
             self._files.seal(current)
-        self._files.stager.fence()
+        self._files.stager.fence(unchanged)
         if self.history:
             self.history[-1].fence_wait_s += time.perf_counter() - t0
 

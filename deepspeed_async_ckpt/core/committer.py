@@ -41,6 +41,7 @@ from ..commit.records import DirectoryExchange, rank_record
 from ..config import AsyncCheckpointConfig
 from ..errors import ConfigError, DurabilityError
 from ..persist import FileRecord
+from ..qos import lower_this_thread
 from ..storage import Storage
 from .failures import FailureLedger
 from .files import missing_dirs
@@ -122,6 +123,7 @@ class Committer:
         self.thread.join(timeout=timeout)
 
     def _loop(self) -> None:
+        lower_this_thread()
         while True:
             handle = self._queue.get()
             if handle is None:

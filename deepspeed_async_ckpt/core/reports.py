@@ -14,6 +14,7 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable
 
 from ..commit.records import TIMINGS
+from ..qos import lower_this_thread
 from .handle import CheckpointHandle, CommitInfo
 from .saves import Saves
 
@@ -61,7 +62,8 @@ class Reporter:
             self.queued += 1
             if not saves.closed:
                 if self._executor is None:
-                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-reporter")
+                    self._executor = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-reporter",
+                                                        initializer=lower_this_thread)
                 self._executor.submit(call)
                 return
         self.drain()  # in order: after what was queued before the close

@@ -22,6 +22,7 @@ from ..commit import (REMOVING_PREFIX, KeepLast, RetentionPolicy, finish_replace
                       retire_checkpoints)
 from ..commit.retention import step_in_name
 from ..errors import AsyncCheckpointError
+from ..qos import lower_this_thread
 from ..storage import Storage
 from .handle import CheckpointHandle
 from .saves import Saves, time_left
@@ -121,7 +122,8 @@ class Retention:
         with self._saves.lock:  # close() sets closed before it takes the lock to stop the thread
             if not self._saves.closed:
                 if self._retirer is None:
-                    self._retirer = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-retirer")
+                    self._retirer = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-retirer",
+                                                       initializer=lower_this_thread)
                 self._prune()  # nobody called wait() meanwhile
                 future = self._retirer.submit(fn, *args, **kwargs)
                 self.retiring.append(future)

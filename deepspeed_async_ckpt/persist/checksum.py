@@ -14,7 +14,10 @@ import xxhash
 from ..storage import buffer_address
 
 _READ_CHUNK = 8 * 1024 * 1024
-_PART = 8 * 1024 * 1024
+_PART = 64 * 1024 * 1024
+"""Bytes hashed and handed to the file at a time. Each part takes the GIL back from the
+training thread (after the hash, which releases it): fewer parts, fewer hand-overs (measured
+in docs/benchmarks.md, "Where the lost time goes")."""
 
 
 class _Crc32:

@@ -41,6 +41,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import AsyncCheckpointError, PersistError
+from ..qos import lower_this_thread
 from ..snapshot import FilePlan, HostBufferPool, TensorItem
 from .pacing import WritePacer
 from .shares import Share
@@ -201,6 +202,7 @@ class _Worker:
 
     # ------------------------------------------------------------------ from the worker
     def _read(self) -> None:
+        lower_this_thread()
         while True:
             try:
                 msg = self.conn.recv()

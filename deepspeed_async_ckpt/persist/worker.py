@@ -38,6 +38,7 @@ from typing import Any, Callable
 import torch
 
 from ..errors import PersistError, SnapshotError, describe
+from ..qos import lower_this_process
 from ..snapshot import FilePlan
 from .writer import write_file
 
@@ -164,6 +165,7 @@ def main(argv: list[str]) -> None:
     # Ctrl-C reaches the whole process group: the training process handles it (its exit
     # flush still needs this worker), so the worker ignores it and ends with ("stop",).
     signal.signal(signal.SIGINT, signal.SIG_IGN)
+    lower_this_process()  # below the training process, as its background threads are
     _Worker(Connection(int(argv[1]))).run()
 
 

@@ -14,6 +14,7 @@ from typing import Callable
 import torch
 
 from ..errors import SnapshotError
+from ..qos import lower_this_thread
 from ..storage import DIRECT_ALIGN, aligned_size
 from .pinned import HostBlock
 
@@ -124,6 +125,7 @@ class HostBufferPool:
         return thread
 
     def _fault_in(self, nbytes: int) -> None:
+        lower_this_thread()
         block = None
         try:
             block = HostBlock(nbytes, self._pin_device, shared=self.shared)  # pinning faults pages in

@@ -16,13 +16,14 @@ import collections
 import queue
 import threading
 import weakref
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ..errors import SnapshotError, describe
+from ..qos import lower_this_thread
 from ..storage import aligned_size
-from .item import TensorItem
+from .item import TensorItem, _storage_of
 from .pool import HostBufferPool
 
 
@@ -179,9 +180,16 @@ class Stager:
             item.src = None
             item._set_issued()
 
-    def fence(self) -> None:
+    def fence(self, unchanged: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         """Block until every queued copy is issued; with CUDA, make the current stream wait for
         the copies instead of blocking the host. Called before the optimizer step.
+
+        ``unchanged``: what the caller knows the coming change leaves alone (the optimizer
+        step: frozen parameters), called only when copies are queued. A copy whose source
+        shares a storage with one of them is not waited for (nor helped with): the copier
+        gets to it while training goes on, and a change before it is copied still fails the
+        save, as for any tensor (the version and storage checks). A later fence without
+        ``unchanged`` waits for it.
 
         Where sources are in host memory (no CUDA, or ZeRO-Offload's optimizer state beside
         CUDA weights), a training thread that would block here copies too: it takes such
@@ -189,20 +197,29 @@ class Stager:
         buffer for every item it can when such a save arrives) while the copier works from
         the front, so a copy that outlasts forward and backward finishes with two threads
         copying."""
+        with self._lock:
+            if not self._pending:
+                return
+        skip = {_storage_of(t) for t in unchanged()} - {None} if unchanged is not None else set()
+        at = 0  # items before it in the queue are left to the copier (their sources unchanged)
         while True:
             with self._lock:
-                if not self._pending:
+                while at < len(self._pending) and skip and not self._pending[at]._issued \
+                        and self._pending[at]._storage in skip:
+                    at += 1
+                if at >= len(self._pending):
                     return
-                item = self._pending[0]
-            if not item._issued and self._copy_one_from_the_back():
+                item = self._pending[at]
+            if not item._issued and self._copy_one_from_the_back(skip):
                 continue
             item._wait_issued()
             with self._lock:  # done with it, failed or not: an error is raised once
-                if self._pending and self._pending[0] is item:
-                    self._pending.popleft()
+                if at < len(self._pending) and self._pending[at] is item:
+                    del self._pending[at]
                 if item.error is not None:  # and once per save: the rest of it failed with it
                     self._pending = collections.deque(i for i in self._pending if i._job is not item._job)
                     self._failed_jobs.add(item._job)
+                at = 0  # another thread's fence may have taken items meanwhile: look again
             if item.error is not None:
                 raise SnapshotError(f"staging {item.what} failed: {describe(item.error)}") from item.error
             if item._cuda_event is not None:
@@ -215,10 +232,10 @@ class Stager:
         with self._lock:
             self._pending = collections.deque(item for item in self._pending if not item._issued)
 
-    def _copy_one_from_the_back(self) -> bool:
+    def _copy_one_from_the_back(self, skip: set = frozenset()) -> bool:
         """Copy the last queued item from host memory that has its buffer and that no thread
-        has taken; False if there is none (a save of CUDA tensors has none: the fence does not
-        block the host there)."""
+        has taken, unless its storage is in ``skip``; False if there is none (a save of CUDA
+        tensors has none: the fence does not block the host there)."""
         claimed = None
         try:
             with self._lock:
@@ -226,7 +243,7 @@ class Stager:
                     self._prepared.wait()
                 while self._helpable:
                     item = self._helpable.pop()
-                    if not item._claimed and not item._issued:
+                    if not item._claimed and not item._issued and item._storage not in skip:
                         item._claimed, claimed = True, item
                         break
                 else:
@@ -254,6 +271,7 @@ class Stager:
             self.pooled_bytes += pooled
 
     def _run(self) -> None:
+        lower_this_thread()
         while True:
             job = self._queue.get()
             if job is None:

@@ -133,7 +133,7 @@ class DirectFile:
     Direct writes need page-aligned memory, file offsets and lengths. Every write runs on one
     I/O thread, in order, so the caller never waits for the disk:
 
-    - :meth:`write_stable` writes the caller's buffer in place, 8 MiB at a time, when it is
+    - :meth:`write_stable` writes the caller's buffer in place, 32 MiB at a time, when it is
       page-aligned (the checkpoint's tensor records are: pool buffers are page-aligned and the
       zip writer pads record data to ``DIRECT_ALIGN``) and at least 1 MiB; what is staged
       before it goes out in the same ``pwritev``. The caller must keep the buffer unchanged
@@ -152,7 +152,7 @@ class DirectFile:
     """
 
     _STAGE = 8 << 20
-    _PART = 8 << 20
+    _PART = 32 << 20  # per write in place: each takes the GIL back once, on the I/O thread
     _SMALL = 1 << 20
     _MAX_STAGES = 4
 

@@ -196,3 +196,64 @@ def test_gpu_check_finds_pytests_closing_line_with_or_without_rules(tmp_path, lo
     path = tmp_path / "x.log"
     path.write_text(log)
     assert gpu_check.pytest_summary(str(path)) == expected
+
+
+def test_standin_benchmark_reports_every_engine_ab(tmp_path, repo_env):
+    """``scripts/bench_standin.py`` at its smallest: per engine, real and sham events in ABBA
+    order, every step kept, each event's loss as ``lost_time.event_loss`` counts it, the A/B
+    and A/A figures, the threads beside training; the table names every engine."""
+    sys.path.insert(0, os.path.join(REPO, "scripts"))
+    try:
+        import lost_time
+    finally:
+        sys.path.remove(os.path.join(REPO, "scripts"))
+    out = tmp_path / "standin.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_standin.py"), "--gb", "0.002",
+                           "--step-ms", "2", "--interval", "8", "--base", "4", "--events", "4",
+                           "--out", str(out), "--work-dir", str(tmp_path / "work")],
+                          cwd=REPO, env=repo_env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    res = json.loads(out.read_text())
+    assert not (tmp_path / "work").exists()  # checkpoints removed
+    assert res["config"]["ops_per_step"] >= 1
+    assert set(res["engines"]) == {"torch", "threads", "process"}
+    for name, r in res["engines"].items():
+        assert f"| {r['label']} |" in proc.stdout
+        assert r["labels"] == ["R", "S", "S", "R"] and [e["kind"] for e in r["events"]] == r["labels"]
+        # the warm-up save's steps, the first baseline and every event's steps, all kept
+        assert len(r["steps_s"]) == 8 + 4 + 4 * 8 and all(s > 0 for s in r["steps_s"])
+        for ev in r["events"]:
+            s = ev["step"]
+            loss, base = lost_time.event_loss(r["steps_s"][s - 4:s], r["steps_s"][s:s + 8], ev["call_s"], ev["tail_s"])
+            assert ev["loss_s"] == loss and ev["baseline_s"] == base
+            assert "MainThread" in ev["threads"] and ev["memory_after"]["rss_bytes"] > 0
+        summ = r["summary"]
+        assert summ["events"] == 4 and summ["real_minus_sham"]["n_a"] == summ["real_minus_sham"]["n_b"] == 2
+        assert summ["real_minus_sham"]["lo_s"] <= summ["real_minus_sham"]["diff_s"] <= summ["real_minus_sham"]["hi_s"]
+        assert set(r["by_kind"]) == {"R", "S"}
+    threads = res["engines"]["threads"]["by_kind"]["R"]["threads"]
+    assert "async-ckpt-copier" in threads and "async-ckpt-committer" in threads
+    assert any(t.startswith("worker:") for t in res["engines"]["process"]["by_kind"]["R"]["threads"])
+
+
+def test_gpu_lost_time_measurement_runs_its_smallest_form_and_reports_the_decoupled_engine(tmp_path, repo_env):
+    """``scripts/gpu_check.py lost --tiny``, what a lent GPU machine runs for the lost-time
+    figure, here on the CPU with a 2-layer GPT-2: it installs this checkout, measures each of
+    this package's engines and ``TorchCheckpointEngine`` A/B, and reports DeepSpeed's
+    decoupled engine by its error where it cannot save (ZeRO-1's optimizer state cannot cross
+    into its writer process) and megatron-core's async save as not measured."""
+    out, wheels = tmp_path / "out", tmp_path / "wheels"
+    wheels.mkdir()
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "gpu_check.py"), "lost", "--tiny",
+                           "--out", str(out), "--wheels", str(wheels), "--budget-s", "120"],
+                          cwd=REPO, env=repo_env, capture_output=True, text=True, timeout=400)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:] + (out / "lost.log").read_text()[-4000:]
+    res = json.loads((out / "lost.json").read_text())
+    assert {"torch", "threads", "process"} <= set(res["engines"])
+    for r in res["engines"].values():
+        assert r["labels"] == ["R", "S", "S", "R"] and len(r["steps_s"]) == 6 + 3 + 4 * 6
+        assert r["summary"]["real_minus_sham"]["n_a"] == 2
+    if "decoupled" in res["not_run"]:
+        assert "Cowardly refusing to serialize non-leaf tensor" in res["not_run"]["decoupled"]["error"]
+    assert "not measured" in res["config"]["megatron_async_save"]
+    assert json.loads((out / "summary.json").read_text())["steps"][0]["exit"] == 0

@@ -207,3 +207,18 @@ def test_deepspeeds_monitor_gets_each_commits_figures_at_its_global_step_only_wh
     info = engine.checkpointer.history[-1].commit_info
     assert ("async-ckpt/bytes", info.bytes, 9) in written
     assert ("async-ckpt/committed-s", round(info.seconds, 6), 9) in written
+
+
+def test_the_optimizer_steps_fence_leaves_frozen_parameters_to_the_copier():
+    """What the fence before DeepSpeed's optimizer step need not wait for: parameters that
+    do not require a gradient, unless they share a storage with one that does (a flattened
+    buffer of both, which the step writes)."""
+    from deepspeed_async_ckpt.integrations.deepspeed.engine import frozen_parameters
+
+    flat = torch.zeros(20)
+    m = torch.nn.Module()
+    m.frozen = torch.nn.Parameter(torch.ones(4), requires_grad=False)
+    m.trained = torch.nn.Parameter(flat[:10])
+    m.beside_trained = torch.nn.Parameter(flat[10:], requires_grad=False)  # same storage as trained
+    m.empty = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+    assert [p is m.frozen for p in frozen_parameters(m)] == [True]

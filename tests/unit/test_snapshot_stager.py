@@ -498,3 +498,55 @@ def test_a_staging_error_reported_by_wait_is_not_raised_again_by_a_later_fence(t
     finally:
         ck.close()
     assert (tmp_path / "latest").read_text() == "t1"
+
+
+def test_a_fence_leaves_the_copies_of_what_the_step_does_not_change_to_the_copier(tmp_path, monkeypatch):
+    """The optimizer step's fence, told which tensors the step leaves alone (frozen
+    parameters), waits for the other copies only: the copier, held on the frozen tensor, is
+    still copying it when the fence returns, and a fence that is not told waits for it. The
+    file holds the values of save time."""
+    from deepspeed_async_ckpt.snapshot import Stager
+
+    frozen, trained = torch.randn(256, 256), torch.randn(64, 64)
+    expected = {"frozen": frozen.clone(), "trained": trained.clone()}
+    real_copy, release = Stager._copy, threading.Event()
+
+    def copy(self, item, ready=None):
+        if item.nbytes == frozen.numel() * 4 and threading.current_thread().name == "async-ckpt-copier":
+            release.wait(10)
+        return real_copy(self, item, ready)
+
+    monkeypatch.setattr(Stager, "_copy", copy)
+    ck = make()
+    save_one(ck, str(tmp_path), {"frozen": frozen, "trained": trained}, eager=())
+    stager = ck._files.stager
+    t = time.perf_counter()
+    ck.fence(lambda: [frozen])
+    assert time.perf_counter() - t < 5 and not release.is_set()
+    trained.add_(1.0)  # the optimizer step, while the frozen tensor's copy is held
+    assert [i.nbytes for i in stager._pending] == [frozen.numel() * 4]  # still to be fenced by others
+    fenced = threading.Thread(target=ck.fence)
+    fenced.start()
+    fenced.join(0.3)
+    assert fenced.is_alive()  # an unrestricted fence waits for it
+    release.set()
+    fenced.join(10)
+    ck.wait()
+    ck.close()
+    assert_same(torch.load(tmp_path / "t1" / "model.pt", weights_only=True), expected)
+
+
+def test_a_frozen_tensor_changed_before_its_copy_still_fails_the_save(tmp_path, held_copier):
+    frozen = torch.zeros(64, 64)
+    ck = make()
+    held_copier.clear()
+    save_one(ck, str(tmp_path), {"frozen": frozen, "w": torch.ones(8)}, eager=())
+    frozen.add_(1)  # changed though the caller said the step leaves it alone
+    try:
+        ck.fence(lambda: [frozen])  # lets the copier go; raises only if it got there first
+    except SnapshotError as exc:
+        assert "changed in place after the save" in str(exc)
+    with pytest.raises(PersistError, match="changed in place after the save"):
+        ck.wait()
+    assert not (tmp_path / "latest").exists()  # not committed
+    ck.close()

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import logging
 import os
@@ -246,8 +247,13 @@ class AsyncCheckpointEngine(CheckpointEngine):
                               f"({what_stays(os.path.dirname(handle.ckpt_dir))}), because of rank(s) "
                               f"{by_rank(failed)}")
 
-    def before_optimizer_step(self) -> None:
-        self.checkpointer.fence()
+    def before_optimizer_step(self, ds_engine: Any = None) -> None:
+        """The fence before DeepSpeed's optimizer step, which leaves frozen parameters alone:
+        their copies go on in the background (a 1 GB frozen tensor's copy on the host would
+        otherwise hold the step for its whole memcpy)."""
+        module = getattr(ds_engine, "module", None)
+        self.checkpointer.fence(functools.partial(frozen_parameters, module)
+                                if isinstance(module, torch.nn.Module) else None)
 
     def after_initialize(self, ds_engine: Any) -> None:
         """DeepSpeed built the engine (its optimizer exists, the optimizer's state not yet):
@@ -270,6 +276,18 @@ class AsyncCheckpointEngine(CheckpointEngine):
                            "%s: %s", type(exc).__name__, exc)
             return
         self.reservation = self.checkpointer.reserve(nbytes) or self.reservation
+
+
+def frozen_parameters(module: torch.nn.Module) -> list[torch.Tensor]:
+    """The parameters of ``module`` that no optimizer step writes: those that do not require
+    a gradient and share no storage with one that does (a flattened buffer holding both)."""
+    frozen, trained = [], set()
+    for p in module.parameters():
+        if p.requires_grad:
+            trained.add(p.untyped_storage().data_ptr())
+        elif p.numel():
+            frozen.append(p)
+    return [p for p in frozen if p.untyped_storage().data_ptr() not in trained]
 
 
 def checkpoint_bytes_estimate(ds_engine: Any, model_share: float = 1.0) -> int:

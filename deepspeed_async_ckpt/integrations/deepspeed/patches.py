@@ -107,7 +107,7 @@ def install(on_engine_built: Callable[[], None] = lambda: None,
         engine = getattr(self, "checkpoint_engine", None)
         if not isinstance(engine, AsyncCheckpointEngine):
             return _ORIGINALS["step"](self, *args, **kwargs)
-        engine.before_optimizer_step()
+        engine.before_optimizer_step(self)
         result = _ORIGINALS["step"](self, *args, **kwargs)
         engine.after_optimizer_step(self)
         return result
