@@ -42,9 +42,9 @@ import torch
 
 from ..errors import AsyncCheckpointError, PersistError
 from ..snapshot import FilePlan, HostBufferPool, TensorItem
-from .pacing import WritePacer
+from .pacing import PacedWrites, WritePacer
 from .shares import Share
-from .writer import FileRecord, PacedWriter
+from .writer import FileRecord
 
 logger = logging.getLogger(__name__)
 
@@ -234,9 +234,9 @@ class _Worker:
             entry.fail(self.death)
 
 
-class ProcessWriter(PacedWriter):
-    """Writes files in a worker process (see the module's description); the counterpart of
-    :class:`~.writer.ThreadWriter`.
+class ProcessWriter(PacedWrites):
+    """A :class:`~.writer.FileWriter` that writes files in a worker process (see the
+    module's description); the counterpart of :class:`~.writer.ThreadWriter`.
 
     ``storage`` (picklable) is what the worker writes with; ``pool``: the shared host pool
     the records are staged in; ``threads``: the writer threads, on which each file's records
@@ -264,9 +264,8 @@ class ProcessWriter(PacedWriter):
     def submit(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
                share: Share | None = None) -> Future:
         """Write the file in the background; the future holds its :class:`FileRecord`."""
-        schedule = self._schedule()
         return self._threads.submit(self.write, path, plans, part_names=part_names, share=share,
-                                    pace=None if schedule is None else schedule.take)
+                                    pace=self.take())
 
     def write(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
               share: Share | None = None, stage: Callable[[TensorItem], None] | None = None,
