@@ -42,6 +42,8 @@ import torch
 
 from ..errors import AsyncCheckpointError, PersistError
 from ..snapshot import FilePlan, HostBufferPool, TensorItem
+from .messages import (Archive, FileWritten, ForgetBlock, MapBlock, RecordBytes, RecordFailed,
+                       RecordStaged, Released, Stop, UseStorage, WriteFile)
 from .pacing import PacedWrites, WritePacer
 from .shares import Share
 from .writer import FileRecord
@@ -125,10 +127,10 @@ class _Worker:
         self._reader = threading.Thread(target=self._read, name="async-ckpt-persist-reader",
                                         daemon=True)
         self._reader.start()
-        self._send(("storage", storage))
+        self._send(UseStorage(storage))
 
     # ------------------------------------------------------------------ to the worker
-    def _send(self, *msgs: Any, handle: int | None = None, data: Any = None) -> None:
+    def _send(self, *msgs: object, handle: int | None = None, data: Any = None) -> None:
         try:
             with self._send_lock:
                 for msg in msgs:
@@ -150,9 +152,10 @@ class _Worker:
                 raise self.death
             fid = next(self._ids)
             self._files[fid] = entry
-        archives = [(plan.pickle_bytes, [(i.key, i.nbytes, i.what) for i in plan.items]) for plan in plans]
-        self._send(("file", fid, path, archives, checksum,
-                    None if part_names is None else list(part_names), zip_crc32, share))
+        archives = tuple(Archive(plan.pickle_bytes, tuple((i.key, i.nbytes, i.what) for i in plan.items))
+                         for plan in plans)
+        self._send(WriteFile(fid, path, archives, checksum,
+                             None if part_names is None else tuple(part_names), zip_crc32, share))
         return fid, entry
 
     def staged(self, fid: int, k: int, host: torch.Tensor) -> None:
@@ -160,17 +163,17 @@ class _Worker:
         outside it: eager state) its bytes."""
         found = self._pool.locate(host) if host.numel() else None
         if found is None:
-            self._send(("bytes", fid, k), data=host.numpy() if host.numel() else b"")
+            self._send(RecordBytes(fid, k), data=host.numpy() if host.numel() else b"")
             return
         block, offset = found
         with self._send_lock:
             if block.id not in self._blocks:  # its first record: the worker maps it first
-                self._send(("block", block.id, block.size), handle=block.fd)
+                self._send(MapBlock(block.id, block.size), handle=block.fd)
                 self._blocks.add(block.id)
-            self._send(("staged", fid, k, block.id, offset))
+            self._send(RecordStaged(fid, k, block.id, offset))
 
     def failed(self, fid: int, k: int, message: str) -> None:
-        self._send(("failed", fid, k, message))
+        self._send(RecordFailed(fid, k, message))
 
     def forget(self, block_id: int) -> None:
         """The pool dropped the block: the worker unmaps it too, so its memory goes."""
@@ -179,14 +182,14 @@ class _Worker:
                 return
             self._blocks.discard(block_id)
             try:
-                self._send(("forget", block_id))
+                self._send(ForgetBlock(block_id))
             except PersistError:  # gone: its mapping went with it
                 pass
 
     def stop(self) -> None:
         if self.death is None:
             try:
-                self._send(("stop",))
+                self._send(Stop())
             except PersistError:
                 pass
         try:
@@ -206,21 +209,20 @@ class _Worker:
                 msg = self.conn.recv()
             except (EOFError, OSError):
                 break
-            if msg[0] == "released":
+            if isinstance(msg, Released):
                 with self._lock:
-                    entry = self._files.get(msg[1])
+                    entry = self._files.get(msg.file)
                 if entry is not None:
-                    entry.release(msg[2])
-            elif msg[0] == "done":
-                _, fid, record, error = msg
+                    entry.release(msg.record)
+            elif isinstance(msg, FileWritten):
                 with self._lock:
-                    entry = self._files.pop(fid, None)
+                    entry = self._files.pop(msg.file, None)
                 if entry is None:
                     continue
-                if error is not None:
-                    entry.result.set_exception(error)
+                if msg.error is not None:
+                    entry.result.set_exception(msg.error)
                 else:
-                    entry.result.set_result(record)
+                    entry.result.set_result(msg.record)
         try:
             code = self.process.wait(timeout=_STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
