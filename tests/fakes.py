@@ -1,7 +1,8 @@
 """Storage fakes shared by the tests: ``LocalStorage`` with one fault injected or one kind of
 call recorded each. Faults: a disk that fills up (after a byte budget, for ``.pt`` files, for
 small commit files), a slow disk, writes held until released, a failing commit step, no rename
-exchange, a failing rank record, failing listings, directories that cannot be made. Records:
+exchange, a failing rank record, failing listings, directories that cannot be made, removals
+refused. Records:
 directory syncs and renames in order, listings counted. Tier fakes: a slow store
 recording its writes, one that refuses every call, one whose uploads never answer. A record
 exchange held in memory."""
@@ -191,6 +192,35 @@ class MakedirsRefused(LocalStorage):
         if self.refuse and path.endswith(self.suffix):
             raise PermissionError(errno.EACCES, "Permission denied", path)
         return super().makedirs(path, *args, **kwargs)
+
+
+class RemovalsRefused(LocalStorage):
+    """While ``refuse`` (True: every path; a set: those paths), every removal (of a tree, a
+    file, an empty directory) and every rename for deletion (to ``.async_ckpt_removing.*``)
+    fails with EACCES, as in a directory this process may not change; ``refused`` lists the
+    paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.refuse, self.refused = True, []
+
+    def _check(self, path):
+        if self.refuse is True or (self.refuse and path in self.refuse):
+            self.refused.append(path)
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    def remove_tree(self, path):
+        self._check(path)
+        super().remove_tree(path)
+
+    def remove_dir(self, path):
+        self._check(path)
+        super().remove_dir(path)
+
+    def replace(self, src, dst, *, durable=True):
+        if os.path.basename(dst).startswith(".async_ckpt_removing."):
+            self._check(src)
+        super().replace(src, dst, durable=durable)
 
 
 class RecordingStorage(LocalStorage):

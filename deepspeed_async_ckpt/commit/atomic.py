@@ -22,7 +22,7 @@ def write_text_atomic(storage: Storage, path: str, text: str | bytes, *, durable
         storage.replace(tmp, path, durable=durable)
     except OSError as exc:  # a full disk, say: no temporary left, and the file named
         try:
-            os.unlink(tmp)
+            storage.remove_tree(tmp)
         except OSError:
             pass
         if exc.filename is None:

@@ -99,8 +99,8 @@ def _commit_here(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, wor
             for name in names:
                 if name.endswith(suffix):
                     try:
-                        os.unlink(os.path.join(top, name))
-                    except OSError:
+                        storage.remove_tree(os.path.join(top, name))
+                    except OSError:  # the commit's own error is the one to raise
                         pass
         raise
     if finalize:

@@ -549,3 +549,32 @@ def test_the_commit_runs_on_any_record_exchange_and_tells_it_the_outcome(tmp_pat
                timeout_s=5, pointer=Pointer(str(tmp_path / "latest"), "t2"), exchange=exchange)
     assert exchange.told[0][:2] == ("failed", "s2") and "disk gone" in exchange.told[0][2]
     assert (tmp_path / "latest").read_text() == "t"
+
+
+def test_a_shares_temporary_the_storage_will_not_remove_leaves_the_commits_own_error(tmp_path):
+    """A failed commit removes the shares' temporaries through the storage; one it refuses to
+    remove stays (nothing else can be done), the others go, and what is raised is why the
+    commit failed, not the removal's error."""
+    from deepspeed_async_ckpt.storage import temporary_path
+    from fakes import RemovalsRefused
+
+    storage = RemovalsRefused()
+    storage.refuse = False
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, commit_timeout_s=30),
+                           rank=0, world_size=2, exchange=lambda v, e, key="": (v, {}), storage=storage)
+    d = str(tmp_path / "t")
+    handle = ck.begin(d, tag="t", pointer=Pointer(str(tmp_path / "latest"), "t"))
+    ck.save({"w": torch.randn(64)}, os.path.join(d, "model.pt"))
+    ck.end()
+    kept, removed = (temporary_path(os.path.join(d, name), handle.save_id) for name in ("a.pt", "b.pt"))
+    for path in (kept, removed):
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+    storage.refuse = {kept}
+    with open(os.path.join(d, META_DIR, f"rank_00001.{handle.save_id}.failed"), "w") as f:
+        f.write("OSError: [Errno 5] Input/output error")
+    with pytest.raises(CommitError, match=r"rank\(s\) 1 failed to persist their part \(OSError"):
+        ck.wait()
+    assert storage.refused == [kept] and os.path.exists(kept) and not os.path.exists(removed)
+    assert not (tmp_path / "latest").exists()
+    ck.close()
