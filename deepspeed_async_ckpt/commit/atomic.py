@@ -23,7 +23,7 @@ def write_text_atomic(storage: Storage, path: str, text: str | bytes, *, durable
     except OSError as exc:  # a full disk, say: no temporary left, and the file named
         try:
             storage.remove_tree(tmp)
-        except OSError:
+        except Exception:  # the write's error is the one to raise
             pass
         if exc.filename is None:
             raise OSError(exc.errno, exc.strerror or str(exc), path) from exc

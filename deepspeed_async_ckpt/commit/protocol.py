@@ -100,8 +100,8 @@ def _commit_here(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, wor
                 if name.endswith(suffix):
                     try:
                         storage.remove_tree(os.path.join(top, name))
-                    except OSError:  # the commit's own error is the one to raise
-                        pass
+                    except Exception:  # (a storage of another kind raises its own errors)
+                        pass  # the commit's own error is the one to raise
         raise
     if finalize:
         _finalize(finalize, FinalizeContext(storage, ckpt_dir, replaces or ckpt_dir, tag, save_id,

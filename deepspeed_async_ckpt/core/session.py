@@ -74,7 +74,7 @@ def _remove_if_empty(storage: Storage, made: tuple[str, list[str]]) -> None:
         storage.remove_dir(os.path.join(write_dir, META_DIR))
         for path in created:
             storage.remove_dir(path)
-    except OSError:
+    except Exception:  # not empty, or a storage's own error: the refusal is what is raised
         pass
 
 

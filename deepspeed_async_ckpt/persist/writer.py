@@ -126,8 +126,8 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
                 item.cancel()
             item.release()
         try:
-            os.unlink(tmp)
-        except OSError:
+            storage.remove_tree(tmp)
+        except Exception:  # (a storage of another kind raises its own): the write's error is raised
             pass
         if isinstance(exc, PersistError) or not isinstance(exc, Exception):  # Ctrl-C stays Ctrl-C
             raise

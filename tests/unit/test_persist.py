@@ -282,3 +282,32 @@ def test_an_eager_copy_failing_in_a_later_part_of_a_packed_file_keeps_no_pool_bu
     assert done, "the next save hung at the fence: its buffer never came back to the pool"
     ck.close()
     verify_checkpoint(str(tmp_path / "good"))
+
+
+def test_a_failed_writes_temporary_is_removed_through_the_storage_and_its_error_stays_the_writes(tmp_path):
+    """A file whose write fails (a full disk) has its temporary removed through the storage
+    (the worker process runs the same ``write_file``); a storage that cannot remove it (an
+    error of its own kind) leaves it, and the save fails with the write's error, not the
+    removal's."""
+    class FullAndStuck(FailingStorage):
+        def __init__(self):
+            super().__init__(budget=1000)
+            self.removing = []
+
+        def remove_tree(self, path):
+            self.removing.append(path)
+            raise RuntimeError("503 Slow Down")
+
+    storage = FullAndStuck()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    d = tmp_path / "t"
+    ck.begin(str(d), tag="t", pointer=Pointer(str(tmp_path / "latest"), "t"))
+    ck.save({"w": torch.randn(16384)}, str(d / "model.pt"))
+    ck.end()
+    with pytest.raises(PersistError, match="writing .*model.pt failed: .*No space left") as raised:
+        ck.wait()
+    ck.close()
+    assert "503" not in str(raised.value)
+    left = [n for n in os.listdir(d) if n.startswith("model.pt.tmp.")]
+    assert len(left) == 1 and storage.removing == [str(d / left[0])]
+    assert not (tmp_path / "latest").exists()
