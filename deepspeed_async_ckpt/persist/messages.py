@@ -14,7 +14,7 @@ To the worker, in this order:
 - :class:`Stop`: finish the files in hand, then exit.
 
 From the worker: :class:`Released` once a record's buffer may be reused, :class:`FileWritten`
-once a file is written or failed.
+once a file is written or failed. :data:`ToWorker` and :data:`FromWorker` name each way's.
 """
 
 from __future__ import annotations
@@ -118,3 +118,11 @@ class FileWritten:
     file: int
     record: FileRecord | None
     error: BaseException | None
+
+
+#: What the training process sends the worker.
+ToWorker = (UseStorage | MapBlock | ForgetBlock | WriteFile | RecordStaged | RecordBytes | RecordFailed
+            | Stop)
+
+#: What the worker answers.
+FromWorker = Released | FileWritten

@@ -43,7 +43,7 @@ import torch
 from ..errors import AsyncCheckpointError, PersistError
 from ..snapshot import FilePlan, HostBufferPool, TensorItem
 from .messages import (Archive, FileWritten, ForgetBlock, MapBlock, RecordBytes, RecordFailed,
-                       RecordStaged, Released, Stop, UseStorage, WriteFile)
+                       RecordStaged, Released, Stop, ToWorker, UseStorage, WriteFile)
 from .pacing import PacedWrites, WritePacer
 from .shares import Share
 from .writer import FileRecord
@@ -130,7 +130,7 @@ class _Worker:
         self._send(UseStorage(storage))
 
     # ------------------------------------------------------------------ to the worker
-    def _send(self, *msgs: object, handle: int | None = None, data: Any = None) -> None:
+    def _send(self, *msgs: ToWorker, handle: int | None = None, data: Any = None) -> None:
         try:
             with self._send_lock:
                 for msg in msgs:

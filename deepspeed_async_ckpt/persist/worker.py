@@ -28,8 +28,8 @@ import torch
 
 from ..errors import PersistError, SnapshotError, describe
 from ..snapshot import FilePlan
-from .messages import (FileWritten, ForgetBlock, MapBlock, RecordBytes, RecordFailed, RecordStaged,
-                       Released, Stop, UseStorage, WriteFile)
+from .messages import (FileWritten, ForgetBlock, FromWorker, MapBlock, RecordBytes, RecordFailed,
+                       RecordStaged, Released, Stop, UseStorage, WriteFile)
 from .writer import write_file
 
 
@@ -75,7 +75,7 @@ class _Worker:
         self._files: dict[int, list[_Record]] = {}
         self._threads: list[threading.Thread] = []
 
-    def send(self, msg: Released | FileWritten) -> None:
+    def send(self, msg: FromWorker) -> None:
         with self._send_lock:
             self._conn.send(msg)
 
