@@ -1,8 +1,9 @@
-"""The storage seam: every change the engine makes to the filesystem its checkpoints live on,
-and the names of files not yet renamed into place.
+"""The storage seam: every change a save makes to the filesystem its checkpoints live on, and
+the names of files not yet renamed into place.
 
 :class:`Storage` is what the persist and commit stages, retention and the cleanup of failed
-or refused saves are written against for every write, rename, link, removal and sync;
+or refused saves are written against for every write, rename, link, removal and sync (the
+save directory's lock file, :mod:`..commit.claims`, is a ``flock`` on a local file);
 :class:`~.local.LocalStorage` is the default implementation. It is a POSIX filesystem's
 (local, or a shared mount every rank sees): the commit's atomicity rests on its renames, the
 exchange of two directories, hard links and directory fsyncs, which an object store has
@@ -34,8 +35,8 @@ def is_temporary(name: str) -> bool:
 
 
 class Storage(Protocol):
-    """The changes the engine makes to the filesystem (see the module's description). Any
-    thread of any rank calls it; calls on different paths may run at once."""
+    """The changes a save makes to the filesystem (see the module's description). Any thread
+    of any rank calls it; calls on different paths may run at once."""
 
     def open_write(self, path: str) -> BinaryIO:
         """A new unbuffered binary file at ``path`` (truncated if present), whose ``write``
