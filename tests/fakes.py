@@ -1,9 +1,11 @@
 """Storage fakes shared by the tests: ``LocalStorage`` with one fault injected or one kind of
 call recorded each. Faults: a disk that fills up (after a byte budget, for ``.pt`` files, for
 small commit files), a slow disk, writes held until released, a failing commit step, no rename
-exchange, a failing rank record, failing listings, directories that cannot be made. Records:
+exchange, a failing rank record, failing listings, directories that cannot be made, removals
+refused. Records:
 directory syncs and renames in order, listings counted. Tier fakes: a slow store
-recording its writes, one that refuses every call, one whose uploads never answer."""
+recording its writes, one that refuses every call, one whose uploads never answer. A record
+exchange held in memory."""
 
 import errno
 import os
@@ -192,6 +194,35 @@ class MakedirsRefused(LocalStorage):
         return super().makedirs(path, *args, **kwargs)
 
 
+class RemovalsRefused(LocalStorage):
+    """While ``refuse`` (True: every path; a set: those paths), every removal (of a tree, a
+    file, an empty directory) and every rename for deletion (to ``.async_ckpt_removing.*``)
+    fails with EACCES, as in a directory this process may not change; ``refused`` lists the
+    paths."""
+
+    def __init__(self):
+        super().__init__()
+        self.refuse, self.refused = True, []
+
+    def _check(self, path):
+        if self.refuse is True or (self.refuse and path in self.refuse):
+            self.refused.append(path)
+            raise PermissionError(errno.EACCES, "Permission denied", path)
+
+    def remove_tree(self, path):
+        self._check(path)
+        super().remove_tree(path)
+
+    def remove_dir(self, path):
+        self._check(path)
+        super().remove_dir(path)
+
+    def replace(self, src, dst, *, durable=True):
+        if os.path.basename(dst).startswith(".async_ckpt_removing."):
+            self._check(src)
+        super().replace(src, dst, durable=durable)
+
+
 class RecordingStorage(LocalStorage):
     """Records in ``events``, in order and with absolute paths, ``("sync", directory)`` for
     each directory fsync (a durable rename's included) and ``("rename", destination)``."""
@@ -209,6 +240,45 @@ class RecordingStorage(LocalStorage):
         if durable:  # fsyncs dst's directory
             self.events.append(("sync", os.path.dirname(os.path.abspath(dst))))
         self.events.append(("rename", os.path.abspath(dst)))
+
+
+class MemoryExchange:
+    """A :class:`~deepspeed_async_ckpt.commit.RecordExchange` in memory: ``records`` (rank ->
+    record) and ``failures`` (rank -> message) as the ranks left them, and in ``told`` what
+    rank 0 said to the other nodes."""
+
+    node_local = False
+
+    def __init__(self):
+        self.records, self.failures, self.told = {}, {}, []
+
+    def publish(self, ckpt_dir, record):
+        self.records[record["rank"]] = record
+
+    def fail(self, ckpt_dir, *, rank, save_id, message):
+        self.failures[rank] = message
+
+    def look(self, ckpt_dir, *, save_id, world_size):
+        missing = [r for r in range(world_size) if r not in self.records]
+        return not missing, [r for r in missing if r in self.failures]
+
+    def reason(self, ckpt_dir, *, save_id, rank):
+        return self.failures[rank]
+
+    def missing(self, ckpt_dir, *, save_id, world_size):
+        return [r for r in range(world_size) if r not in self.records]
+
+    def read(self, ckpt_dir, *, tag, save_id, world_size, checksum):
+        return {r: self.records[r] for r in range(world_size)}
+
+    def discard(self, *, save_id, world_size):
+        self.records.clear()
+
+    def tell_nodes(self, save_id, manifests, late):
+        self.told.append(("committed", save_id, sorted(manifests)))
+
+    def tell_nodes_failed(self, save_id, message):
+        self.told.append(("failed", save_id, message))
 
 
 class GatedRemote(PathRemote):

@@ -1,6 +1,6 @@
 """Helpers shared by the unit tests: a checkpointer with a small pool (``make``), a sample
 state, one save (``save_one``), the held copier fixture, scripts run in a fresh
-interpreter, the CLI, permission faults."""
+interpreter, the CLI, permission faults, a class checked against a declared protocol."""
 
 import errno
 import os
@@ -190,3 +190,30 @@ def save_small(ck, save_dir, tag):
     ck.begin(d, tag=tag, pointer=Pointer(os.path.join(save_dir, "latest"), tag))
     ck.save({"w": torch.randn(16)}, os.path.join(d, "model.pt"))
     return ck.end()
+
+
+def declared_calls(protocol) -> list[str]:
+    """The methods a ``typing.Protocol`` declares, sorted."""
+    return sorted(n for n, v in vars(protocol).items() if not n.startswith("_") and callable(v))
+
+
+def takes_declared_calls(cls, protocol) -> list[str]:
+    """What keeps ``cls`` from taking every call ``protocol`` declares as declared: a method
+    missing, or one whose parameters are not the declared ones (names and kinds, in order)
+    followed only by parameters with defaults. Empty if none."""
+    import inspect
+
+    problems = []
+    for name in declared_calls(protocol):
+        method = getattr(cls, name, None)
+        if method is None:
+            problems.append(f"{cls.__name__}.{name} is missing")
+            continue
+        want = list(inspect.signature(getattr(protocol, name)).parameters.values())
+        have = list(inspect.signature(method).parameters.values())
+        if [(p.name, p.kind) for p in have[:len(want)]] != [(p.name, p.kind) for p in want] or \
+                any(p.default is inspect.Parameter.empty and p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+                    for p in have[len(want):]):
+            problems.append(f"{cls.__name__}.{name}{inspect.signature(method)} is not "
+                            f"{name}{inspect.signature(getattr(protocol, name))}")
+    return problems

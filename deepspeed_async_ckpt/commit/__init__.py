@@ -13,7 +13,8 @@ save meets them:
 
 - :mod:`.layout`: on-disk names and the rules a checkpoint's name must meet
 - :mod:`.claims`: one process saves into a save directory at a time (rank 0)
-- :mod:`.records`: each rank's record of its durable files, or of its failure (every rank)
+- :mod:`.records`: each rank's record of its durable files, or of its failure (every rank),
+  and :class:`RecordExchange`, how the records reach rank 0
 - :mod:`.nodes`, :mod:`.exchange`: node-local storage: which node a rank is on, and the
   records through the process group's store instead of the directory (every rank)
 - :mod:`.protocol`: the commit itself (rank 0; with node-local storage, each node's leader too)
@@ -35,7 +36,7 @@ from .layout import (LATE_FILES, LOCK_FILE, MANIFEST, MAX_NAME_BYTES, META_DIR, 
 from .manifest import is_finalized, read_manifest, record_late_files
 from .policy import CheckpointInfo, KeepAny, KeepEvery, KeepIf, KeepLast, RetentionPolicy
 from .protocol import commit, commit_on_node, poll_delay
-from .records import write_rank_failure, write_rank_record
+from .records import RecordExchange, write_rank_failure, write_rank_record
 from .replace import finish_replacements, remove_stale_temporaries, remove_trash, replace_checkpoint
 from .retention import (abandoned_checkpoints, committed_checkpoints, linked_checkpoints,
                         retire_checkpoints, scan_checkpoints)
@@ -44,7 +45,8 @@ from .verify import verify_checkpoint, verify_file
 __all__ = [
     "CheckpointInfo", "FinalizeContext", "FinalizeStep", "KeepAny", "KeepEvery", "KeepIf",
     "KeepLast", "LATE_FILES", "LOCK_FILE",
-    "MANIFEST", "MAX_NAME_BYTES", "META_DIR", "Pointer", "REMOVING_PREFIX", "RetentionPolicy",
+    "MANIFEST", "MAX_NAME_BYTES", "META_DIR", "Pointer", "REMOVING_PREFIX", "RecordExchange",
+    "RetentionPolicy",
     "STAGING_PREFIX", "abandoned_checkpoints", "check_checkpoint_dir",
     "check_name", "claim_save_dir", "commit", "commit_on_node", "committed_checkpoints", "find_checkpoint_dir",
     "finish_replacements", "forget_claims_in_child", "is_finalized", "linked_checkpoints",

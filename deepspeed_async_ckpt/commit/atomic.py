@@ -22,8 +22,8 @@ def write_text_atomic(storage: Storage, path: str, text: str | bytes, *, durable
         storage.replace(tmp, path, durable=durable)
     except OSError as exc:  # a full disk, say: no temporary left, and the file named
         try:
-            os.unlink(tmp)
-        except OSError:
+            storage.remove_tree(tmp)
+        except Exception:  # the write's error is the one to raise
             pass
         if exc.filename is None:
             raise OSError(exc.errno, exc.strerror or str(exc), path) from exc

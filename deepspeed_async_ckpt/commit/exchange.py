@@ -42,8 +42,8 @@ LEADER_WAIT_FACTOR = 2
 class StoreExchange:
     """The records of every save of one checkpointer, through ``store`` (a
     ``torch.distributed.Store``: ``PrefixStore``, ``TCPStore``, ``HashStore``), among
-    ``world_size`` ranks. The calls of :class:`.records.DirectoryExchange`, plus the
-    outcome's publication to the other nodes (:meth:`tell_nodes`, :meth:`await_commit`)."""
+    ``world_size`` ranks: a :class:`.records.RecordExchange` whose outcome also reaches the
+    other nodes (:meth:`tell_nodes`), and whose leaders wait for it (:meth:`await_commit`)."""
 
     #: Every node commits the checkpoint in its own directory.
     node_local = True

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import time
-from typing import Any, Sequence
+from typing import Sequence
 
 from ..errors import CommitError, DurabilityError
 from ..storage import Storage, temporary_path
@@ -29,7 +29,7 @@ from .atomic import write_text_atomic
 from .finalize import FinalizeContext, FinalizeStep, declared_files, step_name
 from .layout import FORMAT, MANIFEST, META_DIR, STAGING_PREFIX, Pointer
 from .manifest import holds_save, manifest_problem, record_late_files
-from .records import DirectoryExchange
+from .records import DirectoryExchange, RecordExchange
 from .replace import carry_over_listed, replace_checkpoint
 
 #: Rank 0 polls for the ranks' records at once, then again after a wait of 1/16 of the time it
@@ -51,7 +51,7 @@ def poll_delay(waited_s: float) -> float:
 def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
            checksum: str, timeout_s: float, pointer: Pointer | None,
            replaces: str | None = None, finalize: Sequence[FinalizeStep] = (),
-           rotation: bool = True, exchange: Any = None) -> dict:
+           rotation: bool = True, exchange: RecordExchange | None = None) -> dict:
     """Rank 0: wait for every rank's record, write the manifest, run the save's ``finalize``
     steps (see :mod:`.finalize`) and record the files they wrote, swap ``ckpt_dir`` in for
     ``replaces`` if given (a staging directory, see :func:`.replace.replace_checkpoint`), then
@@ -73,18 +73,16 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
                                           timeout_s=timeout_s, pointer=pointer, replaces=replaces,
                                           finalize=finalize, rotation=rotation, exchange=exchange)
     except BaseException as exc:
-        if exchange.node_local:
-            exchange.tell_nodes_failed(save_id, f"{type(exc).__name__}: {exc}")
+        exchange.tell_nodes_failed(save_id, f"{type(exc).__name__}: {exc}")
         raise
-    if exchange.node_local:
-        exchange.tell_nodes(save_id, per_node, late)
+    exchange.tell_nodes(save_id, per_node, late)
     return manifest
 
 
 def _commit_here(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
                  checksum: str, timeout_s: float, pointer: Pointer | None, replaces: str | None,
                  finalize: Sequence[FinalizeStep], rotation: bool,
-                 exchange: Any) -> tuple[dict, dict[int, dict], dict[str, bytes]]:
+                 exchange: RecordExchange) -> tuple[dict, dict[int, dict], dict[str, bytes]]:
     """:func:`commit` on rank 0's node; returns the manifest, each node's (see
     :func:`_commit`) and, with node-local storage, the bytes of the late files."""
     late_files = declared_files(finalize)
@@ -101,9 +99,9 @@ def _commit_here(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, wor
             for name in names:
                 if name.endswith(suffix):
                     try:
-                        os.unlink(os.path.join(top, name))
-                    except OSError:
-                        pass
+                        storage.remove_tree(os.path.join(top, name))
+                    except Exception:  # (a storage of another kind raises its own errors)
+                        pass  # the commit's own error is the one to raise
         raise
     if finalize:
         _finalize(finalize, FinalizeContext(storage, ckpt_dir, replaces or ckpt_dir, tag, save_id,
@@ -229,7 +227,7 @@ def _after_the_manifest(exc: OSError, written: str, replaces: str | None, tag: s
 def _commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
             checksum: str, timeout_s: float, late_files: Sequence[str] = (),
             rotation: bool = True, replaces: str | None = None,
-            exchange: Any = None) -> tuple[dict, dict[int, dict]]:
+            exchange: RecordExchange | None = None) -> tuple[dict, dict[int, dict]]:
     """Wait for the records, join the shares, write the manifest. Returns it and, with
     node-local storage, each node's: the same but for a file written on several nodes with
     different bytes (DeepSpeed's model states carry each replica's BatchNorm statistics), whose
@@ -306,7 +304,7 @@ def slowest(records: dict[int, dict]) -> dict[str, dict]:
     return out
 
 
-def _gather(exchange: Any, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
+def _gather(exchange: RecordExchange, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
             checksum: str, timeout_s: float) -> dict[int, dict]:
     """Every rank's record, once all are there (rank -> record); ``CommitError`` as soon as a
     rank reported its part failed, or after ``timeout_s`` without every record."""

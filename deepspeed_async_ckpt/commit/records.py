@@ -7,14 +7,15 @@ waits for them and reads them back (:class:`DirectoryExchange`). Records are exc
 the checkpoint directory itself (which rank 0 must see, as DeepSpeed's own ``latest`` already
 assumes), so no collective ever runs on a background thread. Where the ranks share no
 directory (node-local storage), the same records travel through the process group's store
-instead (:mod:`.exchange`).
+instead (:mod:`.exchange`). Both ways are a :class:`RecordExchange`, the seam the commit is
+written against.
 """
 
 from __future__ import annotations
 
 import json
 import os
-from typing import Iterable
+from typing import Iterable, Protocol, runtime_checkable
 
 from ..errors import CommitError
 from ..persist import FileRecord
@@ -147,9 +148,62 @@ def record_problem(record: object, rank: int, save_id: str, checksum: str) -> st
     return None
 
 
+@runtime_checkable
+class RecordExchange(Protocol):
+    """How the ranks' records of one save reach rank 0, and how rank 0's word on the commit
+    reaches the other nodes: :class:`DirectoryExchange` (the checkpoint directory) or
+    :class:`.exchange.StoreExchange` (the process group's store, node-local storage).
+
+    Call order, per save, with the ranks that make each call:
+
+    - (every rank) :meth:`publish` its record once its files are durable, or :meth:`fail`;
+    - (rank 0, :func:`.protocol.commit`) :meth:`look` until every record is there; on a
+      failure :meth:`reason`, on a timeout :meth:`missing`; then :meth:`read`, or
+      :meth:`discard` if the wait ended in an error;
+    - (rank 0, once the pointer moved or the commit failed) :meth:`tell_nodes` or
+      :meth:`tell_nodes_failed`: nothing to tell where :attr:`node_local` is False.
+    """
+
+    node_local: bool
+    """Whether every node commits the checkpoint in a directory of its own (the records then
+    say which node wrote each file, and the manifest lists them per node)."""
+
+    def publish(self, ckpt_dir: str, record: dict) -> None:
+        """Every rank: its record (:func:`rank_record`), once all its files are durable."""
+
+    def fail(self, ckpt_dir: str, *, rank: int, save_id: str, message: str) -> None:
+        """A rank whose part failed: ``message`` says why; rank 0 abandons the commit at once."""
+
+    def look(self, ckpt_dir: str, *, save_id: str, world_size: int) -> tuple[bool, list[int]]:
+        """Rank 0: whether every rank's record is there, and which ranks reported a failure."""
+
+    def reason(self, ckpt_dir: str, *, save_id: str, rank: int) -> str:
+        """Rank 0: why rank ``rank``'s part failed, as it reported."""
+
+    def missing(self, ckpt_dir: str, *, save_id: str, world_size: int) -> list[int]:
+        """Rank 0: the ranks whose record is not there."""
+
+    def read(self, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
+             checksum: str) -> dict[int, dict]:
+        """Rank 0, once :meth:`look` found them all: every rank's record (rank -> record),
+        checked; ``CommitError`` naming a damaged one."""
+
+    def discard(self, *, save_id: str, world_size: int) -> None:
+        """Rank 0, once the records are read or the commit failed: what the exchange holds of
+        the save goes."""
+
+    def tell_nodes(self, save_id: str, manifests: dict[int, dict], late: dict[str, bytes]) -> None:
+        """Rank 0, once its pointer moved: each other node's manifest (node -> manifest) and the
+        late files its finalize steps wrote (path -> bytes)."""
+
+    def tell_nodes_failed(self, save_id: str, message: str) -> None:
+        """Rank 0, once the save failed: why, to the other nodes."""
+
+
 class DirectoryExchange:
     """The records of a save, through its checkpoint directory (which rank 0 must see): every
-    rank :meth:`publish`\ es its record (or :meth:`fail`\ s), rank 0 :meth:`gather`\ s them."""
+    rank :meth:`publish`\ es its record (or :meth:`fail`\ s), rank 0 :meth:`read`\ s them. A
+    :class:`RecordExchange` of one node: nothing to tell other nodes."""
 
     #: No node other than rank 0's has a checkpoint of its own to commit.
     node_local = False
@@ -198,3 +252,9 @@ class DirectoryExchange:
     def discard(self, *, save_id: str, world_size: int) -> None:
         """Rank 0, once the commit failed: nothing to remove (the records stay with the
         checkpoint's partial directory, which retention removes)."""
+
+    def tell_nodes(self, save_id: str, manifests: dict[int, dict], late: dict[str, bytes]) -> None:
+        """Rank 0: no other node commits (every rank sees this directory)."""
+
+    def tell_nodes_failed(self, save_id: str, message: str) -> None:
+        """Rank 0: no other node waits for word of the commit."""

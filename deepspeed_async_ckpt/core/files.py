@@ -24,7 +24,7 @@ import xxhash
 
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, SnapshotError
-from ..persist import ProcessWriter, Share, ThreadWriter, split_items
+from ..persist import FileWriter, ProcessWriter, Share, ThreadWriter, split_items
 from ..persist.pacing import WritePacer
 from ..snapshot import (FilePlan, HostBufferPool, PlanCache, Stager, TensorItem, plan_file,
                         storage_addresses, tensor_ids)
@@ -69,7 +69,7 @@ class SaveFiles:
         self._pool, self.stager = pool, stager
         persist = dict(checksum=config.checksum, zip_crc32=config.zip_crc32,
                        pacer=WritePacer() if config.pace_writes and config.is_async else None)
-        self._persist = ProcessWriter(storage, pool, writers, **persist) \
+        self._persist: FileWriter = ProcessWriter(storage, pool, writers, **persist) \
             if config.persist_in == "process" else ThreadWriter(storage, writers, **persist)
         self._eager_held: dict[CheckpointHandle, int] = {}
         """Bytes of each save's eager copies (outside the pool) until its files are written."""

@@ -172,7 +172,8 @@ class Retention:
         if os.path.islink(path) or not os.path.isdir(path):
             return False
         try:
-            os.rename(path, os.path.join(parent, f"{REMOVING_PREFIX}{name}.{os.urandom(6).hex()}"))
+            self._storage.replace(path, os.path.join(parent, f"{REMOVING_PREFIX}{name}.{os.urandom(6).hex()}"),
+                                  durable=False)
         except OSError:
             return False
         self.later(self.remove_trash, parent)

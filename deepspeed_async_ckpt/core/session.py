@@ -65,16 +65,16 @@ def _write_dir(ckpt_dir: str, save_id: str) -> tuple[str, str]:
     return save_id, staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
 
 
-def _remove_if_empty(made: tuple[str, list[str]]) -> None:
+def _remove_if_empty(storage: Storage, made: tuple[str, list[str]]) -> None:
     """Undo ``_make_write_dir`` for a save ``begin`` then refused: the empty marker, and the
     directories it created (deepest first), as long as nothing else is in them. A directory
     that was there before (empty, made by hand) stays."""
     write_dir, created = made
     try:
-        os.rmdir(os.path.join(write_dir, META_DIR))
+        storage.remove_dir(os.path.join(write_dir, META_DIR))
         for path in created:
-            os.rmdir(path)
-    except OSError:
+            storage.remove_dir(path)
+    except Exception:  # not empty, or a storage's own error: the refusal is what is raised
         pass
 
 
@@ -130,7 +130,7 @@ class Session:
                 if made is not None:  # refused: nothing of it is left
                     if save_dir in made[1]:  # its lock too, if claimed here
                         self._claims.unclaim(save_dir)
-                    _remove_if_empty(made)
+                    _remove_if_empty(self._storage, made)
                 raise
             save_id, write_dir = _write_dir(ckpt_dir, save_id)
             handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,

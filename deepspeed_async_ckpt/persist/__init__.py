@@ -8,7 +8,9 @@ read them unchanged. Each is written under a temporary name, checksummed while t
 out, fsynced, then renamed.
 
 - :mod:`.writer`: :func:`write_file`, one file to storage, and its :class:`FileRecord`;
-  :class:`ThreadWriter` runs it on the writer threads.
+  :class:`FileWriter`, how the core hands files over; :class:`ThreadWriter` runs
+  :func:`write_file` on the writer threads.
+- :mod:`.pacing`: a save's writes spread over the save interval (config ``pace_writes``).
 - :mod:`.process`: :class:`ProcessWriter` runs it in a worker process (:mod:`.worker`),
   from the host pool in shared memory (config ``persist_in: "process"``).
 - :mod:`.archive`: one ``torch.save`` archive, record by record, laid out on pages.
@@ -25,12 +27,13 @@ from .checksum import HASHERS, hash_ranges, new_hasher
 from .safetensors import SAFETENSORS_DTYPES, safetensors_writable, write_safetensors
 from .shares import Share, split_items
 from .process import ProcessWriter
-from .writer import FileRecord, ThreadWriter, write_file
+from .writer import FileRecord, FileWriter, ThreadWriter, write_file
 
 __all__ = [
     "HASHERS",
     "SAFETENSORS_DTYPES",
     "FileRecord",
+    "FileWriter",
     "ProcessWriter",
     "Share",
     "ThreadWriter",

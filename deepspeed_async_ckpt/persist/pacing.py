@@ -15,7 +15,7 @@ of that line. Pacing never delays a write past that deadline, so a save whose di
 is written by then, before the next save is due; a write already behind the line is never
 held. The first save, and one whose cadence is unknown, are not paced; a new save, or a
 wait for the saves to be durable (:meth:`WritePacer.hurry`), ends the pacing of the one
-before.
+before. A writer's :meth:`~.writer.FileWriter.pace` and ``hurry`` are :class:`PacedWrites`.
 """
 
 from __future__ import annotations
@@ -128,3 +128,29 @@ class WritePacer:
         with self._lock:
             if self.current is not None:
                 self.current.hurry()
+
+
+class PacedWrites:
+    """The pacing of a :class:`~.writer.FileWriter`: its ``pace`` and ``hurry``, and the
+    :meth:`take` its background writes call; ``pacer``: the checkpointer's
+    :class:`WritePacer` (config ``pace_writes``), or None (writes go flat out)."""
+
+    def __init__(self, pacer: WritePacer | None) -> None:
+        self.pacer = pacer
+
+    def pace(self, save: Any, begun_at: float, nbytes: int) -> None:
+        """The files handed to the writer next are the save ``save``'s (begun at ``begun_at``,
+        ``time.perf_counter`` seconds), ``nbytes`` more of its bytes."""
+        if self.pacer is not None:
+            self.pacer.start(save, begun_at, nbytes)
+
+    def hurry(self) -> None:
+        """Someone waits for the saves: stop pacing their writes."""
+        if self.pacer is not None:
+            self.pacer.hurry()
+
+    def take(self) -> Callable[[int], None] | None:
+        """What a file submitted now calls before each write (:meth:`Schedule.take` of the
+        latest save), or None where it is not paced."""
+        schedule = None if self.pacer is None else self.pacer.current
+        return None if schedule is None else schedule.take

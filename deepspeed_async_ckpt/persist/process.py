@@ -43,9 +43,11 @@ import torch
 from ..errors import AsyncCheckpointError, PersistError
 from ..qos import lower_this_thread
 from ..snapshot import FilePlan, HostBufferPool, TensorItem
-from .pacing import WritePacer
+from .messages import (Archive, FileWritten, ForgetBlock, MapBlock, RecordBytes, RecordFailed,
+                       RecordStaged, Released, Stop, ToWorker, UseStorage, WriteFile)
+from .pacing import PacedWrites, WritePacer
 from .shares import Share
-from .writer import FileRecord, PacedWriter
+from .writer import FileRecord
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +128,10 @@ class _Worker:
         self._reader = threading.Thread(target=self._read, name="async-ckpt-persist-reader",
                                         daemon=True)
         self._reader.start()
-        self._send(("storage", storage))
+        self._send(UseStorage(storage))
 
     # ------------------------------------------------------------------ to the worker
-    def _send(self, *msgs: Any, handle: int | None = None, data: Any = None) -> None:
+    def _send(self, *msgs: ToWorker, handle: int | None = None, data: Any = None) -> None:
         try:
             with self._send_lock:
                 for msg in msgs:
@@ -151,9 +153,10 @@ class _Worker:
                 raise self.death
             fid = next(self._ids)
             self._files[fid] = entry
-        archives = [(plan.pickle_bytes, [(i.key, i.nbytes, i.what) for i in plan.items]) for plan in plans]
-        self._send(("file", fid, path, archives, checksum,
-                    None if part_names is None else list(part_names), zip_crc32, share))
+        archives = tuple(Archive(plan.pickle_bytes, tuple((i.key, i.nbytes, i.what) for i in plan.items))
+                         for plan in plans)
+        self._send(WriteFile(fid, path, archives, checksum,
+                             None if part_names is None else tuple(part_names), zip_crc32, share))
         return fid, entry
 
     def staged(self, fid: int, k: int, host: torch.Tensor) -> None:
@@ -161,17 +164,17 @@ class _Worker:
         outside it: eager state) its bytes."""
         found = self._pool.locate(host) if host.numel() else None
         if found is None:
-            self._send(("bytes", fid, k), data=host.numpy() if host.numel() else b"")
+            self._send(RecordBytes(fid, k), data=host.numpy() if host.numel() else b"")
             return
         block, offset = found
         with self._send_lock:
             if block.id not in self._blocks:  # its first record: the worker maps it first
-                self._send(("block", block.id, block.size), handle=block.fd)
+                self._send(MapBlock(block.id, block.size), handle=block.fd)
                 self._blocks.add(block.id)
-            self._send(("staged", fid, k, block.id, offset))
+            self._send(RecordStaged(fid, k, block.id, offset))
 
     def failed(self, fid: int, k: int, message: str) -> None:
-        self._send(("failed", fid, k, message))
+        self._send(RecordFailed(fid, k, message))
 
     def forget(self, block_id: int) -> None:
         """The pool dropped the block: the worker unmaps it too, so its memory goes."""
@@ -180,14 +183,14 @@ class _Worker:
                 return
             self._blocks.discard(block_id)
             try:
-                self._send(("forget", block_id))
+                self._send(ForgetBlock(block_id))
             except PersistError:  # gone: its mapping went with it
                 pass
 
     def stop(self) -> None:
         if self.death is None:
             try:
-                self._send(("stop",))
+                self._send(Stop())
             except PersistError:
                 pass
         try:
@@ -208,21 +211,20 @@ class _Worker:
                 msg = self.conn.recv()
             except (EOFError, OSError):
                 break
-            if msg[0] == "released":
+            if isinstance(msg, Released):
                 with self._lock:
-                    entry = self._files.get(msg[1])
+                    entry = self._files.get(msg.file)
                 if entry is not None:
-                    entry.release(msg[2])
-            elif msg[0] == "done":
-                _, fid, record, error = msg
+                    entry.release(msg.record)
+            elif isinstance(msg, FileWritten):
                 with self._lock:
-                    entry = self._files.pop(fid, None)
+                    entry = self._files.pop(msg.file, None)
                 if entry is None:
                     continue
-                if error is not None:
-                    entry.result.set_exception(error)
+                if msg.error is not None:
+                    entry.result.set_exception(msg.error)
                 else:
-                    entry.result.set_result(record)
+                    entry.result.set_result(msg.record)
         try:
             code = self.process.wait(timeout=_STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -236,9 +238,9 @@ class _Worker:
             entry.fail(self.death)
 
 
-class ProcessWriter(PacedWriter):
-    """Writes files in a worker process (see the module's description); the counterpart of
-    :class:`~.writer.ThreadWriter`.
+class ProcessWriter(PacedWrites):
+    """A :class:`~.writer.FileWriter` that writes files in a worker process (see the
+    module's description); the counterpart of :class:`~.writer.ThreadWriter`.
 
     ``storage`` (picklable) is what the worker writes with; ``pool``: the shared host pool
     the records are staged in; ``threads``: the writer threads, on which each file's records
@@ -266,9 +268,8 @@ class ProcessWriter(PacedWriter):
     def submit(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
                share: Share | None = None) -> Future:
         """Write the file in the background; the future holds its :class:`FileRecord`."""
-        schedule = self._schedule()
         return self._threads.submit(self.write, path, plans, part_names=part_names, share=share,
-                                    pace=None if schedule is None else schedule.take)
+                                    pace=self.take())
 
     def write(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
               share: Share | None = None, stage: Callable[[TensorItem], None] | None = None,

@@ -3,24 +3,13 @@ host pool it shares with that process, so the training interpreter runs none of 
 checksumming or fsyncing.
 
 Started by :class:`~.process.ProcessWriter` as ``python -m deepspeed_async_ckpt.persist.worker
-FD``, ``FD`` being its end of a socket pair. It reads, in order:
-
-- ``("storage", pickled_storage)``: first, the :class:`~..storage.Storage` to write with;
-- ``("block", id, nbytes)`` followed by the block's memory file (``SCM_RIGHTS``): a pool block,
-  mapped here until ``("forget", id)``;
-- ``("file", file_id, path, archives, checksum, part_names, zip_crc32, share)``: a file to
-  write, ``archives`` being ``(pickle_bytes, [(key, nbytes, what), ...])`` per archive; its
-  records are numbered across the archives, in file order;
-- ``("staged", file_id, k, block_id, offset)``: record ``k``'s host copy is in the pool;
-  ``("bytes", file_id, k)`` followed by its bytes (a copy outside the pool: eager state);
-  ``("failed", file_id, k, message)``: it could not be staged;
-- ``("stop",)``: finish the files in hand, then exit.
-
-It answers ``("released", file_id, k)`` once record ``k``'s buffer may be reused, and
-``("done", file_id, record, error)`` once a file is written (a :class:`~.writer.FileRecord`)
-or failed. Each file is written on a thread of its own by :func:`~.writer.write_file`, the
-function the writer threads run, so both write the same bytes. The worker exits at once when
-the training process goes away: nothing it writes then would be committed.
+FD``, ``FD`` being its end of a socket pair, over which both sides send the messages of
+:mod:`.messages`: the storage first, pool blocks to map and forget, files to write and, as
+each record is staged, where its host copy lies; it answers when a record's buffer may be
+reused and when a file is written (a :class:`~.writer.FileRecord`) or failed. Each file is
+written on a thread of its own by :func:`~.writer.write_file`, the function the writer threads
+run, so both write the same bytes. The worker exits at once when the training process goes
+away: nothing it writes then would be committed.
 """
 
 from __future__ import annotations
@@ -40,6 +29,8 @@ import torch
 from ..errors import PersistError, SnapshotError, describe
 from ..qos import lower_this_process
 from ..snapshot import FilePlan
+from .messages import (FileWritten, ForgetBlock, FromWorker, MapBlock, RecordBytes, RecordFailed,
+                       RecordStaged, Released, Stop, UseStorage, WriteFile)
 from .writer import write_file
 
 
@@ -85,7 +76,7 @@ class _Worker:
         self._files: dict[int, list[_Record]] = {}
         self._threads: list[threading.Thread] = []
 
-    def send(self, msg: tuple) -> None:
+    def send(self, msg: FromWorker) -> None:
         with self._send_lock:
             self._conn.send(msg)
 
@@ -95,30 +86,31 @@ class _Worker:
                 msg = self._conn.recv()
             except (EOFError, OSError):  # the training process is gone: nothing will commit
                 os._exit(1)
-            kind = msg[0]
-            if kind == "staged":
-                _, fid, k, block, offset = msg
-                record = self._files[fid][k]
-                record.staged(self._blocks[block][offset:offset + record.nbytes])
-            elif kind == "bytes":
+            if isinstance(msg, RecordStaged):
+                record = self._files[msg.file][msg.record]
+                record.staged(self._blocks[msg.block][msg.offset:msg.offset + record.nbytes])
+            elif isinstance(msg, RecordBytes):
                 data = self._conn.recv_bytes()
-                self._files[msg[1]][msg[2]].staged(
+                self._files[msg.file][msg.record].staged(
                     torch.frombuffer(bytearray(data), dtype=torch.uint8) if data
                     else torch.empty(0, dtype=torch.uint8))
-            elif kind == "failed":
-                self._files[msg[1]][msg[2]].staged(None, msg[3])
-            elif kind == "file":
-                self._start_file(*msg[1:])
-            elif kind == "block":
-                self._map_block(msg[1], msg[2], recv_handle(self._conn))
-            elif kind == "forget":
-                self._blocks.pop(msg[1], None)  # unmapped with the last view of it
-            elif kind == "storage":
-                self._storage = pickle.loads(msg[1])
-            elif kind == "stop":
+            elif isinstance(msg, RecordFailed):
+                self._files[msg.file][msg.record].staged(None, msg.message)
+            elif isinstance(msg, WriteFile):
+                self._start_file(msg)
+            elif isinstance(msg, MapBlock):
+                self._map_block(msg.block, msg.nbytes, recv_handle(self._conn))
+            elif isinstance(msg, ForgetBlock):
+                self._blocks.pop(msg.block, None)  # unmapped with the last view of it
+            elif isinstance(msg, UseStorage):
+                self._storage = pickle.loads(msg.storage)
+            elif isinstance(msg, Stop):
                 for thread in self._threads:
                     thread.join()
                 return
+            else:
+                raise TypeError(f"the persist worker was sent {msg!r}, not a message of "
+                                "deepspeed_async_ckpt.persist.messages")
 
     def _map_block(self, block: int, nbytes: int, fd: int) -> None:
         try:  # faulted in now, once, rather than by the first file that reads it
@@ -127,43 +119,42 @@ class _Worker:
             os.close(fd)
         self._blocks[block] = torch.frombuffer(memory, dtype=torch.uint8)
 
-    def _start_file(self, fid: int, path: str, archives: list, checksum: str,
-                    part_names: list[str] | None, zip_crc32: bool, share: Any) -> None:
+    def _start_file(self, msg: WriteFile) -> None:
+        fid = msg.file
         records: list[_Record] = []
         plans = []
-        for pickle_bytes, described in archives:
+        for archive in msg.archives:
             mine = [_Record(key, nbytes, what, self._releaser(fid, len(records) + j))
-                    for j, (key, nbytes, what) in enumerate(described)]
+                    for j, (key, nbytes, what) in enumerate(archive.records)]
             records += mine
-            plans.append(FilePlan(pickle_bytes, mine))
+            plans.append(FilePlan(archive.pickle_bytes, mine))
         self._files[fid] = records
         thread = threading.Thread(target=self._write, name=f"async-ckpt-persist-{fid}", daemon=True,
-                                  args=(fid, path, plans, checksum, part_names, zip_crc32, share))
+                                  args=(msg, plans))
         self._threads = [t for t in self._threads if t.is_alive()] + [thread]
         thread.start()
 
     def _releaser(self, fid: int, k: int) -> Callable[[], None]:
-        return lambda: self.send(("released", fid, k))
+        return lambda: self.send(Released(fid, k))
 
-    def _write(self, fid: int, path: str, plans: list, checksum: str, part_names: list[str] | None,
-               zip_crc32: bool, share: Any) -> None:
+    def _write(self, msg: WriteFile, plans: list[FilePlan]) -> None:
         record, error = None, None
         try:
-            record = write_file(self._storage, path, plans, checksum, part_names=part_names,
-                                zip_crc32=zip_crc32, share=share)
+            record = write_file(self._storage, msg.path, plans, msg.checksum, part_names=msg.part_names,
+                                zip_crc32=msg.zip_crc32, share=msg.share)
         except BaseException as exc:
             error = exc
             try:
                 pickle.dumps(exc)
             except Exception:
-                error = PersistError(f"writing {path} failed: {describe(exc)}")
-        self._files.pop(fid, None)
-        self.send(("done", fid, record, error))
+                error = PersistError(f"writing {msg.path} failed: {describe(exc)}")
+        self._files.pop(msg.file, None)
+        self.send(FileWritten(msg.file, record, error))
 
 
 def main(argv: list[str]) -> None:
     # Ctrl-C reaches the whole process group: the training process handles it (its exit
-    # flush still needs this worker), so the worker ignores it and ends with ("stop",).
+    # flush still needs this worker), so the worker ignores it and ends with Stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     lower_this_process()  # below the training process, as its background threads are
     _Worker(Connection(int(argv[1]))).run()

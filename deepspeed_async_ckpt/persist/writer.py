@@ -13,14 +13,14 @@ from __future__ import annotations
 import os
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from ..errors import PersistError, describe
 from ..snapshot import FilePlan, TensorItem
 from ..storage import DIRECT_ALIGN, Storage, temporary_path
 from .archive import layout, write_archive
 from .checksum import ChecksumSink, new_hasher
-from .pacing import Schedule, WritePacer
+from .pacing import PacedWrites, WritePacer
 from .shares import Share
 
 
@@ -126,8 +126,8 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
                 item.cancel()
             item.release()
         try:
-            os.unlink(tmp)
-        except OSError:
+            storage.remove_tree(tmp)
+        except Exception:  # (a storage of another kind raises its own): the write's error is raised
             pass
         if isinstance(exc, PersistError) or not isinstance(exc, Exception):  # Ctrl-C stays Ctrl-C
             raise
@@ -152,34 +152,42 @@ class _Paced:
         return self._f.write_stable(data)
 
 
-class PacedWriter:
-    """What both writers share: the pace of their background writes (config ``pace_writes``:
-    a :class:`~.pacing.WritePacer`, else None)."""
+class FileWriter(Protocol):
+    """How the core hands a save's files to the persist stage: :class:`ThreadWriter` (the
+    writer threads, config ``persist_in: "thread"``) or :class:`~.process.ProcessWriter` (a
+    worker process, ``"process"``). Both write each file with :func:`write_file`, so the bytes
+    are the same.
 
-    def __init__(self, pacer: WritePacer | None) -> None:
-        self.pacer = pacer
+    Call order, on each rank that writes: (training thread, async mode) :meth:`pace` with a
+    save's bytes, then :meth:`submit` per file of that save; (training thread, sync mode)
+    :meth:`write` per file instead; (any thread) :meth:`hurry` when someone waits for the
+    saves; (the checkpointer's ``close``) :meth:`close` once, after the last file."""
 
     def pace(self, save: Any, begun_at: float, nbytes: int) -> None:
         """The files :meth:`submit` is handed next are the save ``save``'s (begun at
         ``begun_at``, ``time.perf_counter`` seconds), ``nbytes`` more of its bytes."""
-        if self.pacer is not None:
-            self.pacer.start(save, begun_at, nbytes)
 
     def hurry(self) -> None:
         """Someone waits for the saves: stop pacing their writes."""
-        if self.pacer is not None:
-            self.pacer.hurry()
 
-    def _schedule(self) -> Schedule | None:
-        return None if self.pacer is None else self.pacer.current
+    def submit(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
+               share: Share | None = None) -> Future:
+        """Write the file in the background (paced, see :meth:`pace`); the future holds its
+        :class:`FileRecord`, or the error."""
+
+    def write(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
+              share: Share | None = None, stage: Callable[[TensorItem], None] | None = None) -> FileRecord:
+        """Write the file now and return its record; ``stage``, when given, stages each record
+        first (the synchronous mode)."""
+
+    def close(self) -> None:
+        """Stop what the writer started of its own, once the files in its hands are written."""
 
 
-class ThreadWriter(PacedWriter):
-    """Writes files with :func:`write_file` on the writer threads (``threads``) of the
-    training process (config ``persist_in: "thread"``); :class:`~.process.ProcessWriter`
-    does it in a worker process instead. Both offer :meth:`submit` (in the background, paced
-    by ``pacer`` if given) and :meth:`write` (inline: the synchronous mode, ``stage`` staging
-    each record first)."""
+class ThreadWriter(PacedWrites):
+    """A :class:`FileWriter` that runs :func:`write_file` on the writer threads (``threads``)
+    of the training process (config ``persist_in: "thread"``); its background writes follow
+    ``pacer``'s schedules, if given (:class:`~.pacing.PacedWrites`)."""
 
     def __init__(self, storage: Storage, threads: Executor, *, checksum: str, zip_crc32: bool,
                  pacer: WritePacer | None = None) -> None:
@@ -189,10 +197,9 @@ class ThreadWriter(PacedWriter):
 
     def submit(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
                share: Share | None = None) -> Future:
-        schedule = self._schedule()
         return self._threads.submit(write_file, self._storage, path, plans, self._checksum,
                                     part_names=part_names, zip_crc32=self._zip_crc32, share=share,
-                                    pace=None if schedule is None else schedule.take)
+                                    pace=self.take())
 
     def write(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
               share: Share | None = None, stage: Callable[[TensorItem], None] | None = None) -> FileRecord:

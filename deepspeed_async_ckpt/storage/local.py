@@ -150,6 +150,9 @@ class LocalStorage:
         else:
             shutil.rmtree(path)
 
+    def remove_dir(self, path: str) -> None:
+        os.rmdir(path)
+
 
 def _fsync_dir(path: str) -> None:
     fd = os.open(path, os.O_RDONLY)

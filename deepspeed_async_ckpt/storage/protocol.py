@@ -1,9 +1,17 @@
-"""The storage seam: the few filesystem operations the persist and commit stages use, and the
-names of files not yet renamed into place.
+"""The storage seam: every change a save makes to the filesystem its checkpoints live on, and
+the names of files not yet renamed into place.
 
-:class:`Storage` is what both stages are written against; :class:`~.local.LocalStorage` is the
-default implementation. Tests inject faults by subclassing it; a remote backend would implement
-the same ten methods.
+:class:`Storage` is what the persist and commit stages, retention and the cleanup of failed
+or refused saves are written against for every write, rename, link, removal and sync (the
+save directory's lock file, :mod:`..commit.claims`, is a ``flock`` on a local file);
+:class:`~.local.LocalStorage` is the default implementation. It is a POSIX filesystem's
+(local, or a shared mount every rank sees): the commit's atomicity rests on its renames, the
+exchange of two directories, hard links and directory fsyncs, which an object store has
+none of. Copies to object stores are the durable tiers' (:class:`~..tiers.remote.Remote`).
+Reads (manifests, records, listings of a save directory, the files a load verifies) are plain
+file reads, as ``torch.load`` and DeepSpeed's own loaders read the same files. Tests inject
+faults by subclassing :class:`~.local.LocalStorage`: a fault reaches every change, the
+cleanup's included.
 """
 
 from __future__ import annotations
@@ -27,6 +35,9 @@ def is_temporary(name: str) -> bool:
 
 
 class Storage(Protocol):
+    """The changes a save makes to the filesystem (see the module's description). Any thread
+    of any rank calls it; calls on different paths may run at once."""
+
     def open_write(self, path: str) -> BinaryIO:
         """A new unbuffered binary file at ``path`` (truncated if present), whose ``write``
         writes all it is given or raises."""
@@ -56,7 +67,7 @@ class Storage(Protocol):
         """Make file ``src`` also appear at ``dst`` (a hard link, or a copy where links fail)."""
 
     def makedirs(self, path: str) -> None:
-        ...
+        """Make directory ``path`` and its missing parents; nothing if it exists."""
 
     def sync_dir(self, path: str) -> None:
         """Make the entries of directory ``path`` (links, directories made in it) durable."""
@@ -66,4 +77,8 @@ class Storage(Protocol):
 
     def remove_tree(self, path: str) -> None:
         """Delete directory ``path`` and everything under it (retention); a symbolic link or
-        a file at ``path`` is unlinked."""
+        a file at ``path`` is unlinked (a temporary file a failed write left)."""
+
+    def remove_dir(self, path: str) -> None:
+        """Delete the empty directory ``path``; ``OSError`` if it holds anything (a refused
+        save's directories are removed only while nothing else is in them)."""

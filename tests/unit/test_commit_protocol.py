@@ -499,3 +499,82 @@ def test_a_save_ended_uncommitted_does_not_say_it_committed(tmp_path, mode):
     ck.close()
     assert not (tmp_path / "latest").exists()
     assert not handle.committed and handle.commit_info is None
+
+
+
+def test_both_record_exchanges_and_the_memory_fake_take_the_calls_the_protocol_declares():
+    """The commit is written against ``RecordExchange``; each exchange takes every declared
+    call with the declared parameters (names and kinds: a keyword the commit passes is one
+    the exchange takes)."""
+    from deepspeed_async_ckpt.commit import RecordExchange
+    from deepspeed_async_ckpt.commit.exchange import StoreExchange
+    from deepspeed_async_ckpt.commit.records import DirectoryExchange
+    from fakes import MemoryExchange
+    from helpers import declared_calls, takes_declared_calls
+
+    assert declared_calls(RecordExchange) == ["discard", "fail", "look", "missing", "publish", "read",
+                                              "reason", "tell_nodes", "tell_nodes_failed"]
+    for cls in (DirectoryExchange, StoreExchange, MemoryExchange):
+        assert isinstance(cls.node_local, bool), cls
+        assert takes_declared_calls(cls, RecordExchange) == []
+    assert isinstance(DirectoryExchange(LocalStorage()), RecordExchange)
+
+
+def test_the_commit_runs_on_any_record_exchange_and_tells_it_the_outcome(tmp_path):
+    """``commit`` needs nothing of an exchange but the declared calls: records held in memory
+    commit a checkpoint, and the exchange hears the outcome (committed, or why not)."""
+    from deepspeed_async_ckpt.commit import commit
+    from deepspeed_async_ckpt.commit.records import rank_record
+    from deepspeed_async_ckpt.persist import FileRecord
+    from fakes import MemoryExchange
+
+    d = str(tmp_path / "t")
+    os.makedirs(os.path.join(d, META_DIR))  # as begin makes it
+    exchange = MemoryExchange()
+    for r in range(2):
+        with open(os.path.join(d, f"r{r}.pt"), "wb") as f:
+            f.write(b"x" * (r + 1))
+        exchange.publish(d, rank_record(d, rank=r, save_id="s1", checksum="xxh128", files=[
+            FileRecord(path=os.path.join(d, f"r{r}.pt"), nbytes=r + 1, checksum=f"{r:032x}")]))
+    manifest = commit(LocalStorage(), d, tag="t", save_id="s1", world_size=2, checksum="xxh128",
+                      timeout_s=5, pointer=Pointer(str(tmp_path / "latest"), "t"), exchange=exchange)
+    assert sorted(manifest["files"]) == ["r0.pt", "r1.pt"] and (tmp_path / "latest").read_text() == "t"
+    assert read_manifest(d)["files"]["r1.pt"] == {"bytes": 2, "xxh128": f"{1:032x}"}
+    assert exchange.told == [("committed", "s1", [0])]
+
+    exchange = MemoryExchange()
+    exchange.fail(d, rank=1, save_id="s2", message="OSError: disk gone")
+    with pytest.raises(CommitError, match=r"rank\(s\) 1 failed to persist their part \(OSError: disk gone\)"):
+        commit(LocalStorage(), d, tag="t", save_id="s2", world_size=2, checksum="xxh128",
+               timeout_s=5, pointer=Pointer(str(tmp_path / "latest"), "t2"), exchange=exchange)
+    assert exchange.told[0][:2] == ("failed", "s2") and "disk gone" in exchange.told[0][2]
+    assert (tmp_path / "latest").read_text() == "t"
+
+
+def test_a_shares_temporary_the_storage_will_not_remove_leaves_the_commits_own_error(tmp_path):
+    """A failed commit removes the shares' temporaries through the storage; one it refuses to
+    remove stays (nothing else can be done), the others go, and what is raised is why the
+    commit failed, not the removal's error."""
+    from deepspeed_async_ckpt.storage import temporary_path
+    from fakes import RemovalsRefused
+
+    storage = RemovalsRefused()
+    storage.refuse = False
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, commit_timeout_s=30),
+                           rank=0, world_size=2, exchange=lambda v, e, key="": (v, {}), storage=storage)
+    d = str(tmp_path / "t")
+    handle = ck.begin(d, tag="t", pointer=Pointer(str(tmp_path / "latest"), "t"))
+    ck.save({"w": torch.randn(64)}, os.path.join(d, "model.pt"))
+    ck.end()
+    kept, removed = (temporary_path(os.path.join(d, name), handle.save_id) for name in ("a.pt", "b.pt"))
+    for path in (kept, removed):
+        with open(path, "wb") as f:
+            f.write(b"x" * 4096)
+    storage.refuse = {kept}
+    with open(os.path.join(d, META_DIR, f"rank_00001.{handle.save_id}.failed"), "w") as f:
+        f.write("OSError: [Errno 5] Input/output error")
+    with pytest.raises(CommitError, match=r"rank\(s\) 1 failed to persist their part \(OSError"):
+        ck.wait()
+    assert storage.refused == [kept] and os.path.exists(kept) and not os.path.exists(removed)
+    assert not (tmp_path / "latest").exists()
+    ck.close()

@@ -283,3 +283,24 @@ def test_a_shared_file_whose_directory_cannot_be_made_stays_saved(tmp_path):
     assert replicas.met == 1
     ck.end(commit=False)
     ck.close()
+
+
+def test_a_refused_saves_directories_are_removed_through_the_storage_and_a_refusal_stays_the_error(tmp_path):
+    """What begin made for a save the ranks then refuse is removed through the storage; where
+    the storage will not remove it, it stays, and begin raises the refusal, not the removal's
+    error."""
+    from fakes import RemovalsRefused
+
+    storage = RemovalsRefused()
+    refuse = lambda value, error, key="": (value, {1: "PersistError: disk full"})  # noqa: E731
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), world_size=2,
+                           storage=storage, exchange=refuse)
+    with pytest.raises(CommitError, match="disk full"):
+        ck.begin(str(tmp_path / "t1"), tag="t1")
+    assert storage.refused == [str(tmp_path / "t1" / ".async_ckpt")]
+    assert listing(tmp_path / "t1") == [".async_ckpt"]
+    storage.refuse = False
+    with pytest.raises(CommitError, match="disk full"):
+        ck.begin(str(tmp_path / "t2"), tag="t2")
+    ck.close()
+    assert listing(tmp_path) == ["t1"]

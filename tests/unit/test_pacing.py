@@ -161,3 +161,28 @@ def test_wait_hurries_paced_writes(tmp_path):
     got = torch.load(os.path.join(tmp_path, "t2", "model.pt"), weights_only=False)["module"]
     assert all(torch.equal(got[k], v) for k, v in expect.items())
     ck.close()
+
+
+def test_both_writers_take_the_calls_the_file_writer_declares_and_pace_alike():
+    """The core holds a ``FileWriter``: both writers take its calls as declared, and pacing is
+    one helper they share: no pacer, nothing paced; with one, a save's files submitted after
+    ``pace`` follow that save's schedule until ``hurry``."""
+    from deepspeed_async_ckpt.persist import FileWriter, ProcessWriter, ThreadWriter
+    from deepspeed_async_ckpt.persist.pacing import PacedWrites
+    from helpers import declared_calls, takes_declared_calls
+
+    assert declared_calls(FileWriter) == ["close", "hurry", "pace", "submit", "write"]
+    for cls in (ThreadWriter, ProcessWriter):
+        assert takes_declared_calls(cls, FileWriter) == [] and issubclass(cls, PacedWrites)
+    assert PacedWrites(None).take() is None
+    clock = FakeClock()
+    paced = PacedWrites(WritePacer(0.5, clock=clock, sleep=clock.sleep, burst=MiB))
+    paced.pace("s0", 0.0, 10 * MiB)
+    assert paced.take() is None  # the first save: no cadence yet
+    paced.pace("s1", 10.0, 10 * MiB)
+    take = paced.take()
+    assert take.__self__ is paced.pacer.current and paced.pacer.current.span == 5.0
+    paced.hurry()
+    clock.now = 10.0
+    take(10 * MiB)  # hurried: at once
+    assert clock.now == 10.0

@@ -315,3 +315,32 @@ def test_a_large_record_is_hashed_and_written_in_few_parts(tmp_path, monkeypatch
     if writes:  # direct I/O where the filesystem has it
         assert len(writes) <= 5, len(writes)
     assert torch.equal(torch.load(tmp_path / "t1" / "model.pt", weights_only=True)["big"], big)
+
+
+def test_a_failed_writes_temporary_is_removed_through_the_storage_and_its_error_stays_the_writes(tmp_path):
+    """A file whose write fails (a full disk) has its temporary removed through the storage
+    (the worker process runs the same ``write_file``); a storage that cannot remove it (an
+    error of its own kind) leaves it, and the save fails with the write's error, not the
+    removal's."""
+    class FullAndStuck(FailingStorage):
+        def __init__(self):
+            super().__init__(budget=1000)
+            self.removing = []
+
+        def remove_tree(self, path):
+            self.removing.append(path)
+            raise RuntimeError("503 Slow Down")
+
+    storage = FullAndStuck()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    d = tmp_path / "t"
+    ck.begin(str(d), tag="t", pointer=Pointer(str(tmp_path / "latest"), "t"))
+    ck.save({"w": torch.randn(16384)}, str(d / "model.pt"))
+    ck.end()
+    with pytest.raises(PersistError, match="writing .*model.pt failed: .*No space left") as raised:
+        ck.wait()
+    ck.close()
+    assert "503" not in str(raised.value)
+    left = [n for n in os.listdir(d) if n.startswith("model.pt.tmp.")]
+    assert len(left) == 1 and storage.removing == [str(d / left[0])]
+    assert not (tmp_path / "latest").exists()

@@ -225,3 +225,60 @@ def test_background_persistence_lets_the_training_thread_have_the_gil_in_short_s
     assert hold > 0.02, f"the yardstick copy took only {hold * 1e3:.1f} ms"
     assert thread_gap < hold / 5, f"writer threads: {thread_gap * 1e3:.1f} ms, yardstick {hold * 1e3:.1f} ms"
     assert process_gap < hold / 5, f"worker process: {process_gap * 1e3:.1f} ms, yardstick {hold * 1e3:.1f} ms"
+
+
+class _ScriptedConnection:
+    """The worker's end of its socket, scripted: ``recv`` hands out ``script`` in order
+    (``bytes`` are what ``recv_bytes`` returns after a message that says bytes follow), and
+    ``sent`` keeps the worker's answers."""
+
+    def __init__(self, script):
+        self._script, self.sent = list(script), []
+
+    def recv(self):
+        return self._script.pop(0)
+
+    def recv_bytes(self):
+        return self._script.pop(0)
+
+    def send(self, msg):
+        self.sent.append(msg)
+
+
+def test_the_worker_writes_a_file_from_typed_messages_and_answers_with_typed_messages(tmp_path):
+    """What the worker is sent and answers is the frozen dataclasses of ``persist.messages``,
+    dispatched on their type: a file described, its records' bytes, then Stop give the file
+    loads as the state, one ``Released`` per record and the file's record; anything else is
+    refused by name."""
+    import dataclasses
+    import pickle
+
+    import xxhash
+
+    from deepspeed_async_ckpt.persist import messages
+    from deepspeed_async_ckpt.persist.worker import _Worker
+
+    state = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int64)}
+    plan = plan_file(state, set(), what="model.pt")
+    archive = messages.Archive(plan.pickle_bytes, tuple((i.key, i.nbytes, i.what) for i in plan.items))
+    path = str(tmp_path / "model.pt")
+    script = [messages.UseStorage(pickle.dumps(LocalStorage(fsync=False))),
+              messages.WriteFile(0, path, (archive,), "xxh128", None, False, None)]
+    for k, tensor in enumerate(state.values()):
+        script += [messages.RecordBytes(0, k), tensor.numpy().tobytes()]
+    conn = _ScriptedConnection(script + [messages.Stop()])
+    _Worker(conn).run()
+    loaded = torch.load(path)
+    assert sorted(loaded) == ["a", "b"] and all(torch.equal(loaded[k], state[k]) for k in state)
+    released = [m for m in conn.sent if isinstance(m, messages.Released)]
+    assert sorted((m.file, m.record) for m in released) == [(0, 0), (0, 1)]
+    done = conn.sent[-1]
+    assert isinstance(done, messages.FileWritten) and done.error is None
+    data = open(path, "rb").read()
+    assert (done.record.path, done.record.nbytes, done.record.checksum) == \
+        (path, len(data), xxhash.xxh3_128_hexdigest(data))
+    for cls in vars(messages).values():
+        if isinstance(cls, type) and cls.__module__ == messages.__name__:
+            assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
+    with pytest.raises(TypeError, match=r"was sent \('stop',\), not a message of"):
+        _Worker(_ScriptedConnection([("stop",)])).run()

@@ -524,3 +524,23 @@ def test_a_checkpoint_left_for_its_callback_goes_once_the_callback_is_done(tmp_p
         ck.wait()
     ck.close()
     assert listing(tmp_path) == ["latest", "t3"]
+
+
+def test_a_directory_the_storage_will_not_rename_for_deletion_stays_and_remove_later_says_so(tmp_path):
+    """``remove_later`` renames through the storage, so a refused rename is the storage's to
+    report: False, nothing renamed or queued; once allowed, the directory goes."""
+    from fakes import RemovalsRefused
+
+    storage = RemovalsRefused()
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), storage=storage)
+    old = tmp_path / "checkpoint-1"
+    old.mkdir()
+    (old / "model.pt").write_bytes(b"x")
+    assert ck.remove_later(str(old)) is False
+    assert storage.refused == [str(old)] and listing(tmp_path) == ["checkpoint-1"]
+    assert not ck._retention.retiring
+    storage.refuse = False
+    assert ck.remove_later(str(old)) is True
+    ck.wait()
+    assert listing(tmp_path) == []
+    ck.close()
