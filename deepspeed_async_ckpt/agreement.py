@@ -118,6 +118,13 @@ def exchange_across_ranks(value: Any, failure: Failure | None,
 
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return alone(value, failure)
+    encoded = b""
+    if dist.get_rank() == 0:
+        try:  # a value that cannot travel fails the step on every rank, not rank 0 alone
+            encoded = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception as exc:  # noqa: BLE001 - shared below
+            value, failure = None, failure or Failure(type(exc).__name__, f"rank 0's value cannot be "
+                                                                           f"pickled: {exc}")
     device = collective_device()
     # [ranks that failed, length of rank 0's pickled value (-1: too long), sum of key hashes,
     # sum of their squares, rank 0's value's bytes...]: a sum over ranks in which only rank 0
@@ -127,7 +134,6 @@ def exchange_across_ranks(value: Any, failure: Failure | None,
     h = xxhash.xxh3_64_intdigest(key.encode()) & 0xFFFFF
     msg[2], msg[3] = h, h * h
     if dist.get_rank() == 0:
-        encoded = pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
         if len(encoded) <= _EXCHANGE_VALUE_BYTES:
             msg[1] = len(encoded)
             msg[4:4 + len(encoded)] = torch.tensor(list(encoded), dtype=torch.int64)

@@ -316,14 +316,14 @@ class AsyncCheckpointer:
             detail = f"{local}" + (f" (and {count} more failed save(s))" if count else "")
         _, failed = outcome(action, action, local, exchange=self._exchange,
                             failure=None if local is None else Failure(type(local).__name__, detail))
-        if failed is None:
-            return
         retry = f". The errors reported here are cleared: calling {action} again retries."
         if error is not None:
             raise error
         if local is not None:
             cls = type(local) if isinstance(local, AsyncCheckpointError) else CommitError
             raise cls(f"{action} refused on every rank: {detail}{retry}") from local
+        if failed is None:
+            return
         cls = DurabilityError if failed.only_durability else CommitError
         raise cls(f"{action} refused on every rank, because of rank(s) {by_rank(failed.failures)}{retry}") \
             from failed

@@ -13,9 +13,9 @@ from typing import Any, Callable
 
 import torch
 
+from ..agreement import Exchange, by_rank, outcome
 from ..commit import META_DIR, find_checkpoint_dir, read_manifest, verify_checkpoint, verify_file
 from ..errors import Failure, IntegrityError
-from ..agreement import Exchange, by_rank, outcome
 
 
 class Loader:

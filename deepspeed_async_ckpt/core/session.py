@@ -24,6 +24,7 @@ import time
 import uuid
 from typing import Callable, Iterable
 
+from ..agreement import KEY_DIFFERS, Exchange, by_rank, outcome
 from ..commit import (META_DIR, FinalizeStep, Pointer, check_checkpoint_dir, check_name,
                       make_checkpoint_dir, remove_stale_temporaries, staging_dir)
 from ..commit.finalize import declared_files
@@ -31,7 +32,6 @@ from ..config import AsyncCheckpointConfig
 from ..errors import AgreementError, AsyncCheckpointError, CommitError, DurabilityError, Failure, describe
 from ..storage import Storage
 from ..tiers.config import refuse_overlap
-from ..agreement import KEY_DIFFERS, Exchange, by_rank, outcome
 from .committer import Committer
 from .failures import FailureLedger, reraise, this_save_failed, what_stays
 from .files import SaveFiles, missing_dirs

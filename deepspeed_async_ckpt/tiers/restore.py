@@ -37,9 +37,9 @@ import os
 import shutil
 from typing import Callable, Sequence
 
+from ..agreement import AgreementError, Exchange, alone, outcome
 from ..commit import LATE_FILES, MANIFEST, META_DIR, write_text_atomic
 from ..commit.verify import file_problem
-from ..agreement import AgreementError, Exchange, alone, outcome
 from ..errors import IntegrityError
 from ..progress import track
 from ..storage import LocalStorage, temporary_path

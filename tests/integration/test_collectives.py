@@ -36,6 +36,11 @@ def _rank(rank: int, init: str, out: str) -> None:
     got.append(plain(exchange_across_ranks("v", None, key="/ckpt/step9")))
     got.append(plain(exchange_across_ranks("v", Failure("E1", "m") if rank == 1 else None,
                                            key="/ckpt/step9" if rank < 2 else "/other/step9")))
+    # rank 0's value cannot be pickled (a lock): every rank fails, none waits for rank 0
+    import threading
+
+    value, failures = exchange_across_ranks(threading.Lock() if rank == 0 else "x", None)
+    got.append((value, sorted(failures), failures[0].message.startswith("rank 0's value cannot be pickled")))
     # agree: rank 0's result on every rank; one rank's exception raised on every rank, typed
     got.append(agree("step", lambda: ("tag", rank, None)))
 
@@ -133,6 +138,7 @@ def test_exchange_gives_rank0_value_and_every_error_to_every_rank(tmp_path):
         (("id0", True), {}),
         ("v", {}),
         ("v", {1: ("E1", "m"), 2: (KEY_DIFFERS, "works in '/other/step9', rank 0 in '/ckpt/step9'")}),
+        (None, [0], True),
         ("tag", 0, None),
     ]
     for rank in range(WORLD):
