@@ -144,12 +144,12 @@ def test_exchange_gives_rank0_value_and_every_error_to_every_rank(tmp_path):
     for rank in range(WORLD):
         with open(tmp_path / f"rank{rank}.txt", encoding="utf-8") as f:
             got = eval(f.read())
-        assert got[-1] == "load_checkpoint refused on every rank: on rank(s) 1: IntegrityError", f"rank {rank}"
+        assert got[-1] == "load_checkpoint refused on every rank: on rank(s) 1: IntegrityError", rank
         got.pop()
         assert got[:-2] == expected, f"rank {rank}"
         assert got[-2] == ("save", {2: ("OSError", "[Errno 28] No space left on device")},
                            "OSError" if rank == 2 else "NoneType",
-                           "save failed on rank(s) 2: OSError: [Errno 28] No space left on device"), f"rank {rank}"
+                           "save failed on rank(s) 2: OSError: [Errno 28] No space left on device"), rank
         assert got[-1] == (
             f"the ranks are not saving the same checkpoint (rank {rank}: 'OUT/ckpt/step{9 if rank != 1 else 8}'): "
             "rank(s) 1: works in 'OUT/ckpt/step8', rank 0 in 'OUT/ckpt/step9'; every rank must "

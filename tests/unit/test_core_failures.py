@@ -16,7 +16,8 @@ from deepspeed_async_ckpt.commit import KeepIf
 from deepspeed_async_ckpt.commit import META_DIR, Pointer, verify_checkpoint
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
-from deepspeed_async_ckpt.errors import AsyncCheckpointError, CommitError, Failure, IntegrityError, PersistError
+from deepspeed_async_ckpt.errors import (AsyncCheckpointError, CommitError, Failure, IntegrityError,
+                                         PersistError)
 
 from fakes import FailingAfter, FailingStorage, FullDisk, HeldWrites, RecordFailing, SmallFileFull
 from helpers import listing, make, sample_state, save_one, save_small
@@ -180,7 +181,8 @@ def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path, m
     A sync rank that wrote nothing would leave rank 0 waiting ``commit_timeout_s`` for its
     record (a 4-rank Megatron save with one disk full would hang for 600 s)."""
     r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode), rank=1, world_size=2,
-                           storage=FailingStorage(budget=1000), exchange=lambda v, e, key="": (("same-id", False), {}))
+                           storage=FailingStorage(budget=1000),
+                           exchange=lambda v, e, key="": (("same-id", False), {}))
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, commit_timeout_s=300), rank=0, world_size=2,
                            exchange=lambda v, e, key="": (("same-id", False), {}))
     d = str(tmp_path / "t1")

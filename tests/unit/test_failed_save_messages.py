@@ -144,7 +144,8 @@ def test_a_sync_deepspeed_save_failing_on_another_rank_says_nothing_was_committe
     # this rank's part ends well; rank 1's write failed, so rank 0 never commits the save
     monkeypatch.setattr(engine.checkpointer, "end", lambda commit=True: end(commit=False))
     monkeypatch.setattr(deepspeed_engine, "exchange_across_ranks",
-                        lambda value, error, key="": (None, {1: Failure("PersistError", "No space left on device")}))
+                        lambda value, error, key="": (None, {1: Failure("PersistError",
+                                                                        "No space left on device")}))
     with pytest.raises(CommitError, match=rf"global_step1 was not committed \({nothing_yet(tmp_path)}\), "
                                           r"because of rank\(s\) 1"):
         engine.end_save(True)
