@@ -7,6 +7,7 @@ cause) at the next save, wait or optimizer-step fence: they never pass silently.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Mapping, Sequence
 
 
@@ -58,6 +59,60 @@ def _durability_error(message: str, pointer_moved: bool) -> DurabilityError:
 
 class IntegrityError(AsyncCheckpointError):
     """A checkpoint file does not match its manifest (size or checksum), or is uncommitted."""
+
+
+@dataclass(frozen=True)
+class Failure:
+    """Why one rank failed a step the ranks take together (:func:`.agreement.agree`).
+    ``kind``: the type name of the exception it raised (``"PersistError"``,
+    ``"DurabilityError"``), or, for a failure that is no exception of that rank's, a kind the
+    step names (its ``key`` differs from rank 0's; rank 0 refused the save directory); compared
+    whole, never parsed. ``message``: what to tell the user, never blank. Picklable: it
+    travels between ranks."""
+
+    kind: str
+    message: str
+
+    @classmethod
+    def of(cls, exc: BaseException) -> "Failure":
+        """The failure of a rank whose step raised ``exc``."""
+        return cls(type(exc).__name__, describe(exc))
+
+    def __str__(self) -> str:
+        return f"{self.kind}: {self.message}"
+
+
+class AgreementError(AsyncCheckpointError):
+    """A step the ranks take together failed on some rank: raised on every rank alike (as
+    torch DCP's ``CheckpointException``). ``step``: what the ranks were doing; ``failures``:
+    each failed rank's :class:`Failure`, by rank; ``own``: this rank's own exception, if its
+    part raised (also the ``__cause__``). The engine's call sites raise their own error from
+    it (a :class:`CommitError` naming the ranks, the failing rank's own exception), so
+    ``exc.__cause__.failures`` tells a caller which ranks failed and how."""
+
+    def __init__(self, step: str, failures: Mapping[int, Failure], own: BaseException | None = None) -> None:
+        super().__init__(f"{step} failed on rank(s) {by_rank(failures)}")
+        self.step = step
+        self.failures = dict(failures)
+        self.own = own
+
+    def __reduce__(self):  # pickled with its fields (the base takes the message alone)
+        return (AgreementError, (self.step, self.failures, None))
+
+    def only(self, kind: str) -> bool:
+        """Whether every rank failed with ``kind`` (``"DurabilityError"``, say)."""
+        return all(f.kind == kind for f in self.failures.values())
+
+    @property
+    def only_durability(self) -> bool:
+        """Whether every failure is a :class:`DurabilityError` (the checkpoint is in place, a
+        later step failed): then that is what every rank raises."""
+        return self.only(DurabilityError.__name__)
+
+
+def by_rank(failures: Mapping[int, Failure]) -> str:
+    """``"1: PersistError: msg; 3: ..."``: ``failures``, in rank order."""
+    return "; ".join(f"{r}: {f}" for r, f in sorted(failures.items()))
 
 
 def describe(exc: BaseException) -> str:

@@ -47,7 +47,7 @@ from deepspeed_async_ckpt.commit import KeepAny, KeepEvery, KeepLast, Pointer, R
 from deepspeed_async_ckpt.commit.nodes import node_leader
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import (AsyncCheckpointer, CheckpointHandle, CommitInfo, by_rank,
-                                       exchange_across_ranks)
+                                       exchange_across_ranks, outcome)
 from deepspeed_async_ckpt.errors import CommitError, IntegrityError
 from deepspeed_async_ckpt.storage import Storage, aligned_size
 from deepspeed_async_ckpt.tiers.config import refuse_overlap
@@ -102,11 +102,11 @@ def retention_policy(keep_last: int, retain_interval: int | None) -> RetentionPo
 def _agree(error: BaseException | None) -> None:
     """Collective: raise on every rank if any rank has an error (its own, or a summary), as a
     megatron-core save fails on every rank or on none."""
-    _, failed = exchange_across_ranks("", None if error is None else f"{type(error).__name__}: {error}")
+    _, failed = outcome("checkpoint", None, error, exchange=exchange_across_ranks)
     if error is not None:
         raise error
-    if failed:
-        raise CommitError("checkpoint failed on rank(s) " + by_rank(failed))
+    if failed is not None:
+        raise CommitError("checkpoint failed on rank(s) " + by_rank(failed.failures)) from failed
 
 
 @dataclass

@@ -50,7 +50,7 @@ import runpy
 import sys
 from typing import Any, Callable
 
-from deepspeed_async_ckpt.core import by_rank, exchange_across_ranks
+from deepspeed_async_ckpt.core import by_rank, exchange_across_ranks, outcome
 from deepspeed_async_ckpt.commit import META_DIR
 from deepspeed_async_ckpt.errors import ConfigError, IntegrityError
 
@@ -273,11 +273,12 @@ def load_checkpoint(*args, **kwargs):
             # Each rank read the tracker itself: the check is collective, so every rank must
             # agree on what it checks first, nothing included (a rank that read the tracker
             # just before a commit skipped the check, and the others waited in it for good)
-            _, failed = exchange_across_ranks("", None, key=os.path.abspath(ours) if ours else "")
-            if failed:
+            _, failed = outcome("load_checkpoint", None, exchange=exchange_across_ranks,
+                                key=os.path.abspath(ours) if ours else "")
+            if failed is not None:
                 raise IntegrityError("load_checkpoint refused on every rank: the ranks read different "
-                                     f"checkpoints from the tracker (rank(s) {by_rank(failed)}); a save "
-                                     "moved it meanwhile: load again")
+                                     f"checkpoints from the tracker (rank(s) {by_rank(failed.failures)}); "
+                                     "a save moved it meanwhile: load again") from failed
             if ours is not None:
                 verify_checkpoint_dir(ours, rank=dist.get_rank(), world_size=dist.get_world_size(),
                                       skip=skip)

@@ -4,7 +4,8 @@ The modules, in the order a save goes through them:
 
 - :mod:`.handle`: a save's handle and what a commit reports (:class:`CheckpointHandle`,
   :class:`CommitInfo`).
-- :mod:`.collectives`: the collectives a save and a load make across ranks.
+- :mod:`.collectives`: replicas writing one file together (agreement across ranks is
+  :mod:`..agreement`'s: :func:`agree`, :func:`outcome`).
 - :mod:`.saves`: the saves of one checkpointer and the lock that guards them.
 - :mod:`.session`: ``begin``/``end``, the save session; :mod:`.files`: the files of the open
   save, handed to the writers and the copier when it is sealed.
@@ -17,7 +18,8 @@ The modules, in the order a save goes through them:
 """
 
 from .checkpointer import AsyncCheckpointer
-from .collectives import Replicas, by_rank, exchange_across_ranks, layout_digest, only_durability
+from ..agreement import agree, by_rank, exchange_across_ranks, outcome
+from .collectives import Replicas, layout_digest
 from .failures import what_stays
 from .handle import CheckpointHandle, CommitInfo
 from .lifecycle import (cancel_flush_at_exit, fence_all, flush_at_exit, open_checkpointers,
@@ -28,14 +30,15 @@ __all__ = [
     "CheckpointHandle",
     "CommitInfo",
     "Replicas",
+    "agree",
     "by_rank",
     "cancel_flush_at_exit",
     "exchange_across_ranks",
     "fence_all",
     "flush_at_exit",
     "layout_digest",
-    "only_durability",
     "open_checkpointers",
+    "outcome",
     "saves_in_flight",
     "saving_dirs",
     "what_stays",

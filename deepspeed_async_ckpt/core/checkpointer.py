@@ -41,17 +41,18 @@ from typing import Any, Callable, Iterable
 
 import torch
 
+from ..agreement import Exchange, by_rank, exchange_across_ranks, outcome, without_key
 from ..commit import FinalizeStep, Pointer, RetentionPolicy
 from ..commit.retention import step_in_name
 from ..config import AsyncCheckpointConfig
-from ..errors import AsyncCheckpointError, CommitError, DurabilityError
+from ..errors import AsyncCheckpointError, CommitError, DurabilityError, Failure
 from ..persist import check_torch_writer
 from ..qos import lower_this_thread
 from ..snapshot import HostBufferPool, Stager
 from ..storage import LocalStorage, Storage
 from ..tiers.durable import DurableTiers, open_remotes
 from . import lifecycle
-from .collectives import Replicas, by_rank, exchange_across_ranks, only_durability, without_key
+from .collectives import Replicas
 from .committer import Committer
 from .failures import FailureLedger, reraise
 from .files import SaveFiles
@@ -80,11 +81,13 @@ def _cuda_usable() -> bool:
 class AsyncCheckpointer:
     """Snapshot, persist and commit checkpoints for one rank.
 
-    ``exchange`` is the one collective ``begin`` makes (on the training thread, every rank):
-    agree on rank 0's save id, share every rank's pending background error and check that
-    every rank saves into the same directory, see :func:`~.collectives.exchange_across_ranks`,
-    whose signature it has (``value, error, key=""``). Tests and single-process use may pass
-    their own; one taking only ``(value, error)`` is called without the key.
+    ``exchange`` is the transport of every agreement across ranks (:mod:`..agreement`): the
+    one collective ``begin`` makes (on the training thread, every rank: rank 0's save id,
+    every rank's pending background error, every rank saving into the same directory), and
+    those of loads and collective waits. Its signature is
+    :func:`~..agreement.exchange_across_ranks`'s (``value, failure, key=""`` to rank 0's
+    value and ``{rank: Failure}``). Tests and single-process use may pass their own; one
+    taking only ``(value, failure)`` is called without the key.
 
     ``retention``: which committed checkpoints rank 0 keeps once a commit moved the pointer (a
     :class:`~..commit.RetentionPolicy`: ``KeepAny(KeepLast(1), KeepEvery(1000))``, say); by
@@ -95,7 +98,7 @@ class AsyncCheckpointer:
 
     def __init__(self, config: AsyncCheckpointConfig, *, rank: int = 0, world_size: int = 1,
                  storage: Storage | None = None,
-                 exchange: Callable[..., tuple[str, dict[int, str]]] | None = None,
+                 exchange: Callable[..., tuple[Any, dict[int, Failure]]] | None = None,
                  on_commit: Callable[[CommitInfo], None] | None = None,
                  retention: RetentionPolicy | None = None,
                  step_of: Callable[[str], int | None] = step_in_name,
@@ -117,7 +120,7 @@ class AsyncCheckpointer:
         self.storage = storage or LocalStorage(fsync=config.fsync, direct_io=config.direct_io)
         if exchange is not None and "key" not in inspect.signature(exchange).parameters:
             exchange = functools.partial(without_key, exchange)
-        self._exchange = exchange or exchange_across_ranks
+        self._exchange: Exchange = exchange or exchange_across_ranks
         use_cuda = _cuda_usable()
         self.pool = HostBufferPool(config.host_buffer_bytes, pin=use_cuda,
                                    shared=config.persist_in == "process")
@@ -315,16 +318,19 @@ class AsyncCheckpointer:
         if local is not None:
             count = 0 if first is None else 1 + more
             detail = f"{local}" + (f" (and {count} more failed save(s))" if count else "")
-        _, failed = self._exchange(action, None if local is None else f"{type(local).__name__}: {detail}")
+        _, failed = outcome(action, action, local, exchange=self._exchange,
+                            failure=None if local is None else Failure(type(local).__name__, detail))
         retry = f". The errors reported here are cleared: calling {action} again retries."
         if error is not None:
             raise error
         if local is not None:
             cls = type(local) if isinstance(local, AsyncCheckpointError) else CommitError
             raise cls(f"{action} refused on every rank: {detail}{retry}") from local
-        if failed:
-            raise (DurabilityError if only_durability(failed) else CommitError)(
-                f"{action} refused on every rank, because of rank(s) " + by_rank(failed) + retry)
+        if failed is None:
+            return
+        cls = DurabilityError if failed.only_durability else CommitError
+        raise cls(f"{action} refused on every rank, because of rank(s) {by_rank(failed.failures)}{retry}") \
+            from failed
 
     # ------------------------------------------------------------------ integrations' seams
     def submit_write(self, path: str, fn: Callable[..., Any], *args: Any) -> Future:
@@ -358,10 +364,11 @@ class AsyncCheckpointer:
         """The background errors recorded and not raised yet, oldest first."""
         return self._failures.unreported()
 
-    def exchange(self, value: str, error: str | None, key: str = "") -> tuple[str, dict[int, str]]:
-        """The collective :meth:`begin` makes (every rank, training thread), for adapters' own
-        agreements: see :func:`~.collectives.exchange_across_ranks`."""
-        return self._exchange(value, error, key=key)
+    def exchange(self, value: Any, failure: Failure | None, key: str = "") -> tuple[Any, dict[int, Failure]]:
+        """The transport of this checkpointer's agreements (every rank, training thread): see
+        :func:`~..agreement.exchange_across_ranks`. Adapters agree through
+        :func:`~..agreement.agree` and :func:`~..agreement.outcome` with it."""
+        return self._exchange(value, failure, key=key)
 
     def remove_later(self, path: str) -> bool:
         """Rename the directory ``path`` out of sight now and delete it on the retention thread,

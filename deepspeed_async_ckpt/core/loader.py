@@ -13,18 +13,18 @@ from typing import Any, Callable
 
 import torch
 
+from ..agreement import Exchange, by_rank, outcome
 from ..commit import META_DIR, find_checkpoint_dir, read_manifest, verify_checkpoint, verify_file
-from ..errors import IntegrityError
-from .collectives import by_rank
+from ..errors import Failure, IntegrityError
 
 
 class Loader:
-    """The load path of one rank. ``exchange``: the checkpointer's collective (see
-    :func:`~.collectives.exchange_across_ranks`); ``verify_on_load``: check a file that no
+    """The load path of one rank. ``exchange``: the transport of its agreements across ranks
+    (see :func:`~..agreement.exchange_across_ranks`); ``verify_on_load``: check a file that no
     :meth:`verify_all_ranks` covered against its manifest before reading it."""
 
     def __init__(self, *, rank: int, world_size: int,
-                 exchange: Callable[..., tuple[str, dict[int, str]]], verify_on_load: bool) -> None:
+                 exchange: Exchange, verify_on_load: bool) -> None:
         self.rank, self.world_size = rank, world_size
         self.exchange = exchange
         self.verify_on_load = verify_on_load
@@ -55,10 +55,10 @@ class Loader:
         read ``latest`` on either side of its first write all raise, none waiting for the rest.
         """
         if ckpt_dir is None:
-            _, failed = self.exchange(action, None, key="")
-            if failed:
+            _, failed = outcome(action, action, exchange=self.exchange, key="")
+            if failed is not None:
                 raise IntegrityError(f"{action} refused on every rank, because of rank(s) "
-                                     f"{by_rank(failed)}")
+                                     f"{by_rank(failed.failures)}") from failed
             return
         ckpt_dir = os.path.abspath(ckpt_dir)
         self._verified.pop(ckpt_dir, None)  # an earlier pass counts no more if this one fails
@@ -77,12 +77,12 @@ class Loader:
         # key: each rank checks a share of the files, which covers them all only if every
         # rank checks the same checkpoint (ranks that read `latest` on either side of a commit
         # would each check part of a different one, and load the rest unchecked)
-        _, failed = self.exchange(action, detail, key=ckpt_dir)
+        _, failed = outcome(action, action, error, exchange=self.exchange, key=ckpt_dir)
         if error is not None:
             raise IntegrityError(f"{action} refused on every rank: {detail}") from error
-        if failed:
+        if failed is not None:
             raise IntegrityError(f"{action} refused on every rank, because of rank(s) "
-                                 f"{by_rank(failed)}")
+                                 f"{by_rank(failed.failures)}") from failed
         if manifest is not None:
             listed = frozenset([*manifest["files"], *manifest.get("late_files", ())])
             self._verified[ckpt_dir] = (manifest["save_id"], include, listed)
@@ -115,9 +115,11 @@ class Loader:
             self._replaced_seen = None
             raise
         seen, self._replaced_seen = self._replaced_seen, None
-        _, failed = self.exchange(action, seen[0] if seen else None)
-        if failed:
-            raise IntegrityError(f"{action} refused on every rank: on rank(s) {by_rank(failed)}")
+        _, failed = outcome(action, action, exchange=self.exchange,
+                            failure=Failure(IntegrityError.__name__, seen[0]) if seen else None)
+        if failed is not None:
+            raise IntegrityError(f"{action} refused on every rank: on rank(s) "
+                                 f"{by_rank(failed.failures)}") from failed
 
     def _verified_check(self, path: str) -> tuple[str, str] | None:
         """``(checkpoint directory, save id)`` of the check by :meth:`verify_all_ranks` that

@@ -12,8 +12,8 @@ with the save to the committer, which runs them in one commit (:mod:`.committer`
 
 ``begin`` is where the ranks meet: rank 0 decides alone, before any rank can write, whether the
 save is staged beside an existing checkpoint, and makes the directory it writes into; one
-exchange then gives every rank that decision and every rank's pending failure, so that all
-of them raise, or none.
+agreement (:func:`~..agreement.outcome`) then gives every rank that decision (rank 0's
+``(save id, staged)``) and every rank's pending failure, so that all of them raise, or none.
 """
 
 from __future__ import annotations
@@ -24,14 +24,14 @@ import time
 import uuid
 from typing import Callable, Iterable
 
+from ..agreement import KEY_DIFFERS, Exchange, by_rank, outcome
 from ..commit import (META_DIR, FinalizeStep, Pointer, check_checkpoint_dir, check_name,
                       make_checkpoint_dir, remove_stale_temporaries, staging_dir)
 from ..commit.finalize import declared_files
 from ..config import AsyncCheckpointConfig
-from ..errors import AsyncCheckpointError, CommitError, DurabilityError, describe
+from ..errors import AgreementError, AsyncCheckpointError, CommitError, DurabilityError, Failure, describe
 from ..storage import Storage
 from ..tiers.config import refuse_overlap
-from .collectives import ELSEWHERE, by_rank, only_durability
 from .committer import Committer
 from .failures import FailureLedger, reraise, this_save_failed, what_stays
 from .files import SaveFiles, missing_dirs
@@ -43,8 +43,9 @@ from .saves import Saves
 
 logger = logging.getLogger(__name__)
 
-_STAGED = "+staged"  # appended by rank 0 to the save id it sends when the save is staged
-_REFUSED = "refused: "  # rank 0's message in begin's exchange: the save directory is another job's
+REFUSED = "refused"
+"""The kind of rank 0's :class:`~..errors.Failure` in ``begin`` when it refuses the save
+directory (another job's), or could not prepare it: every rank raises it in rank 0's words."""
 
 
 def _holds_files(path: str) -> bool:
@@ -57,12 +58,10 @@ def _holds_files(path: str) -> bool:
         return True
 
 
-def _write_dir(ckpt_dir: str, save_id: str) -> tuple[str, str]:
-    """The save id without its staged mark, and the directory the save writes into: its
-    staging directory if rank 0 marked it staged (``ckpt_dir`` holds a checkpoint), else
-    ``ckpt_dir``."""
-    save_id, staged, _ = save_id.partition(_STAGED)
-    return save_id, staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
+def _write_dir(ckpt_dir: str, save_id: str, staged: bool) -> str:
+    """The directory the save writes into: its staging directory if rank 0 decided it is
+    staged (``ckpt_dir`` holds a checkpoint), else ``ckpt_dir``."""
+    return staging_dir(ckpt_dir, save_id) if staged else ckpt_dir
 
 
 def _remove_if_empty(storage: Storage, made: tuple[str, list[str]]) -> None:
@@ -79,12 +78,12 @@ def _remove_if_empty(storage: Storage, made: tuple[str, list[str]]) -> None:
 
 
 class Session:
-    """Opens and seals the saves of one rank. ``exchange``: the collective ``begin`` makes
-    (see :func:`~.collectives.exchange_across_ranks`); ``begun(handle)``: called by ``begin``
+    """Opens and seals the saves of one rank. ``exchange``: the transport of ``begin``'s
+    agreement (see :func:`~..agreement.exchange_across_ranks`); ``begun(handle)``: called by ``begin``
     once the save is open (the checkpointer's begin callbacks)."""
 
     def __init__(self, saves: Saves, storage: Storage, config: AsyncCheckpointConfig, *, rank: int,
-                 exchange: Callable[..., tuple[str, dict[int, str]]], ledger: FailureLedger,
+                 exchange: Exchange, ledger: FailureLedger,
                  claims: SaveDirClaims, retention: Retention, loader: Loader,
                  begun: Callable[[CheckpointHandle], None], files: SaveFiles, committer: Committer) -> None:
         self._saves, self._storage, self._config, self._rank = saves, storage, config, rank
@@ -118,12 +117,13 @@ class Session:
         save_dir = os.path.dirname(ckpt_dir)
         try:
             local, more = self._ledger.take()
-            save_id, made, refused = uuid.uuid4().hex[:16], None, None
+            opening, made, refused = (uuid.uuid4().hex[:16], False), None, None
             if self._rank == 0:
-                save_id, made, refused = self._prepare(ckpt_dir, save_id, local, pointer)
-            message = f"{_REFUSED}{refused}" if refused is not None else \
-                None if local is None else f"{type(local).__name__}: {local}"
-            save_id, failed = self.exchange(save_id, message, key=ckpt_dir)
+                opening, made, refused = self._prepare(ckpt_dir, opening[0], local, pointer)
+            failure = Failure(REFUSED, str(refused)) if refused is not None else \
+                None if local is None else Failure.of(local)
+            (save_id, staged), failed = outcome(f"begin({tag!r})", opening, local, failure=failure,
+                                                exchange=self.exchange, key=ckpt_dir)
             try:
                 self._raise_if_refused(ckpt_dir, local, more, refused, failed)
             except BaseException:
@@ -132,7 +132,7 @@ class Session:
                         self._claims.unclaim(save_dir)
                     _remove_if_empty(self._storage, made)
                 raise
-            save_id, write_dir = _write_dir(ckpt_dir, save_id)
+            write_dir = _write_dir(ckpt_dir, save_id, staged)
             handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
                                       finalize if self._rank == 0 else (), rotation=rotation)
             handle.times["called"] = called  # the save call: from here to end()
@@ -151,11 +151,12 @@ class Session:
 
     def _prepare(self, ckpt_dir: str, save_id: str, local: BaseException | None,
                  pointer: Pointer | None
-                 ) -> tuple[str, tuple[str, list[str]] | None, AsyncCheckpointError | None]:
+                 ) -> tuple[tuple[str, bool], tuple[str, list[str]] | None, AsyncCheckpointError | None]:
         """Rank 0, in ``begin`` before the exchange: claim the save directory, finish there
-        what a crash cut short, decide whether this save is staged (``save_id`` marked so) and,
-        unless an earlier failure (``local``) stops it, make the directory it writes into.
-        Returns the save id, what :meth:`_make_write_dir` made, and why the save is refused
+        what a crash cut short, decide whether this save is staged and, unless an earlier
+        failure (``local``) stops it, make the directory it writes into. Returns what every
+        rank is given (the save id, whether it is staged), what :meth:`_make_write_dir` made,
+        and why the save is refused
         (None: it is not). A failure is returned, not raised: the other ranks would wait in
         the exchange."""
         save_dir = os.path.dirname(ckpt_dir)
@@ -166,8 +167,9 @@ class Session:
                 self._claims.claim(save_dir)
             except AsyncCheckpointError as exc:
                 refused = exc
+        staged = False
         if refused is not None:
-            return save_id, made, refused
+            return (save_id, staged), made, refused
         # staged or not: decided by rank 0 alone, before any rank can write
         try:  # never raise before the exchange: the other ranks would wait in it
             try:
@@ -177,10 +179,9 @@ class Session:
             except OSError as exc:
                 logger.warning("async checkpoint: cleaning up %s failed: %s",
                                save_dir, exc)
-            if self._saves.busy(ckpt_dir) or _holds_files(ckpt_dir):
-                save_id += _STAGED
+            staged = self._saves.busy(ckpt_dir) or _holds_files(ckpt_dir)
             if local is None:  # before the exchange, so before another rank writes into it
-                made = self._make_write_dir(ckpt_dir, save_id)
+                made = self._make_write_dir(ckpt_dir, save_id, staged)
                 if made is not None and save_dir in made[1]:
                     try:  # the save directory is new: claimed as soon as it exists
                         self._claims.claim(save_dir)
@@ -194,33 +195,36 @@ class Session:
                 refused.__cause__ = exc
             else:  # an earlier save's failure goes first; this one is only logged
                 logger.warning("async checkpoint: preparing %s failed: %s", ckpt_dir, exc)
-        return save_id, made, refused
+        return (save_id, staged), made, refused
 
     def _raise_if_refused(self, ckpt_dir: str, local: BaseException | None, more: int,
-                          refused: AsyncCheckpointError | None, failed: dict[int, str]) -> None:
+                          refused: AsyncCheckpointError | None, failed: AgreementError | None) -> None:
         """After ``begin``'s exchange, on every rank: raise this rank's earlier failure
         (``local``, with ``more``), rank 0's refusal, or what other ranks reported (``failed``)."""
         if local is not None:  # taken above: raised first, or it would be lost
             raise reraise(local, more, self._ledger.save_dir_of(local))  # behind a refusal
         if refused is not None:
             raise refused
-        if failed.get(0, "").startswith(_REFUSED):  # rank 0's refusal, in its words
-            raise AsyncCheckpointError(f"rank 0: {failed[0][len(_REFUSED):]}")
-        elsewhere = {r: m for r, m in failed.items() if m.startswith(ELSEWHERE)}
+        if failed is None:
+            return
+        failures = failed.failures
+        if 0 in failures and failures[0].kind == REFUSED:  # rank 0's refusal, in its words
+            raise AsyncCheckpointError(f"rank 0: {failures[0].message}") from failed
+        elsewhere = {r: f.message for r, f in failures.items() if f.kind == KEY_DIFFERS}
         if elsewhere:  # a rank-specific tag, or a relative save_dir from another directory
             raise AsyncCheckpointError(
                 f"the ranks are not saving the same checkpoint (rank {self._rank}: "
-                f"{ckpt_dir!r}): rank(s) {by_rank(elsewhere)}; every rank must pass the "
-                "same save_dir and tag (nothing was written)")
-        if failed:
-            if only_durability(failed):
-                raise DurabilityError("a previous checkpoint's commit did not complete on "
-                                      "rank(s) " + by_rank(failed))
-            # this save's directory: the failed save was in it too, as a rule
-            raise CommitError("a previous checkpoint failed and was not committed ("
-                              f"{what_stays(os.path.dirname(ckpt_dir))}) on rank(s) " + by_rank(failed))
+                f"{ckpt_dir!r}): rank(s) " + "; ".join(f"{r}: {m}" for r, m in sorted(elsewhere.items()))
+                + "; every rank must pass the same save_dir and tag (nothing was written)") from failed
+        if failed.only_durability:
+            raise DurabilityError("a previous checkpoint's commit did not complete on "
+                                  "rank(s) " + by_rank(failures)) from failed
+        # this save's directory: the failed save was in it too, as a rule
+        raise CommitError("a previous checkpoint failed and was not committed ("
+                          f"{what_stays(os.path.dirname(ckpt_dir))}) on rank(s) {by_rank(failures)}") \
+            from failed
 
-    def _make_write_dir(self, ckpt_dir: str, save_id: str) -> tuple[str, list[str]] | None:
+    def _make_write_dir(self, ckpt_dir: str, save_id: str, staged: bool) -> tuple[str, list[str]] | None:
         """Rank 0, in ``begin`` before the exchange: the directory this save writes into, with
         this engine's marker, so that a crash leaves it partial (listed so, refused by loads,
         removed by retention), not a stranger's; and made before the exchange, because once
@@ -229,8 +233,7 @@ class Session:
         directories made for it that were not there (it, the save directory on a first save),
         deepest first, for :func:`_remove_if_empty`; None if it could not be made (logged: the
         writes into it fail too, and report it to all ranks)."""
-        save_id, write_dir = _write_dir(ckpt_dir, save_id)
-        staged = write_dir != ckpt_dir
+        write_dir = _write_dir(ckpt_dir, save_id, staged)
         created = missing_dirs(write_dir)
         try:
             if staged:  # a crash before its marker leaves a staging dir: swept anyway

@@ -37,6 +37,7 @@ import os
 import shutil
 from typing import Callable, Sequence
 
+from ..agreement import AgreementError, Exchange, alone, outcome
 from ..commit import LATE_FILES, MANIFEST, META_DIR, write_text_atomic
 from ..commit.verify import file_problem
 from ..errors import IntegrityError
@@ -48,20 +49,13 @@ from .remote import Remote, manifest_key
 
 logger = logging.getLogger(__name__)
 
-Exchange = Callable[[str, "str | None"], "tuple[str, dict[int, str]]"]
-"""A checkpointer's ``exchange(value, error)``: rank 0's value and every rank's error."""
-
-_CANNOT = f"{IntegrityError.__name__}: "
-"""How the error of an attempt that could not make a checkpoint whole begins."""
-
-
-def _alone(value: str, error: str | None) -> tuple[str, dict[int, str]]:
-    return value, ({0: error} if error else {})
+_CANNOT = IntegrityError.__name__
+"""The kind of a rank's failure when an attempt could not make a checkpoint whole."""
 
 
 def restore(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag: str | None = None,
             name_of: Callable[[str], str] = str, node: int | None = None, every_file: bool = False,
-            exchange: Exchange = _alone, chooses: bool = True, restores: bool = True) -> str | None:
+            exchange: Exchange = alone, chooses: bool = True, restores: bool = True) -> str | None:
     """Make the first tier (``save_dir``) hold a verified copy of the checkpoint to load (see
     the module's rules). ``pointer_name``: the framework's pointer file in ``save_dir``;
     ``name_of``: the checkpoint directory its text names (Megatron's tracker holds the
@@ -69,7 +63,8 @@ def restore(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag:
     which restores the files ``manifest["nodes"]`` places there, or with ``every_file`` every
     file of the checkpoint.
 
-    Collective with a checkpointer's ``exchange`` (every rank calls it): the rank that
+    Collective with a checkpointer's ``exchange`` (every rank calls it, each step agreed with
+    :func:`~..agreement.outcome`): the rank that
     ``chooses`` (global rank 0) proposes each checkpoint in turn, those that ``restores`` try
     to make it whole, and every rank raises alike if one failed otherwise than for want of a
     valid copy. Without it, this process alone does both. Returns the checkpoint's name (a tag
@@ -80,47 +75,50 @@ def restore(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag:
     skipped: list[str] = []
     cause: BaseException | None = None  # this rank's error of the last checkpoint passed over
     while True:
-        proposal, error, own = "", None, None
+        proposal, own = None, None  # None: no checkpoint (left) to propose
         if order is not None:
             try:
-                proposal = next(order, None) or ""
+                proposal = next(order, None)
             except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
-                error, own = f"{type(exc).__name__}: {exc}", exc
-        name, failed = exchange(proposal, error)
-        if failed:
+                own = exc
+        name, failed = outcome("restore", proposal, own, exchange=exchange)
+        if failed is not None:
             raise _raised(failed, own)
         if not name:
             if skipped:
                 raise IntegrityError("no committed checkpoint can be made whole from any tier: "
                                      + "; ".join(skipped)) from cause
             return None
-        error = own = None
+        own = None
         if restores:
             try:
                 _make_whole(save_dir, remotes, name, pointer_name=pointer_name, follow=tag is None,
                             name_of=name_of, node=node, every_file=every_file)
             except Exception as exc:  # noqa: BLE001 - raised below, on every rank alike
-                error, own = f"{type(exc).__name__}: {exc}", exc
-        _, failed = exchange("", error)
-        if not failed:
+                own = exc
+        _, failed = outcome(f"restore {name}", None, own, exchange=exchange)
+        if failed is None:
             if skipped and chooses:
                 logger.warning("async checkpoint: restore: loading %s; skipped the newer %s", name,
                                "; ".join(skipped))
             return name
-        if tag is not None or not all(m.startswith(_CANNOT) for m in failed.values()):
+        if tag is not None or not failed.only(_CANNOT):
             raise _raised(failed, own)
-        why = "; ".join(f"rank {r}: {m[len(_CANNOT):]}" for r, m in sorted(failed.items()))
+        why = "; ".join(f"rank {r}: {f.message}" for r, f in sorted(failed.failures.items()))
         skipped.append(f"{name} ({why})")
         cause = own
 
 
-def _raised(failed: dict[int, str], own: BaseException | None) -> BaseException:
-    """What a rank raises when ``failed`` (rank -> error) is not empty: its own exception, else
-    one naming the lowest rank that failed."""
+def _raised(failed: AgreementError, own: BaseException | None) -> BaseException:
+    """What a rank raises when a step of the restore failed on some rank: its own exception,
+    else one naming the lowest rank that failed."""
     if own is not None:
         return own
-    rank = min(failed)
-    return IntegrityError(f"restoring from the durable tiers failed on rank {rank}: {failed[rank]}")
+    rank = min(failed.failures)
+    error = IntegrityError(f"restoring from the durable tiers failed on rank {rank}: "
+                           f"{failed.failures[rank]}")
+    error.__cause__ = failed
+    return error
 
 
 def _source(save_dir: str, remotes: Sequence[Remote], name: str) -> tuple[dict, Remote | None] | None:

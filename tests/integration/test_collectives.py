@@ -1,11 +1,13 @@
-"""The engine's one collective per save, in real gloo process groups (3 ranks)."""
+"""Agreement across ranks (the engine's one collective per save, :func:`agree`), in real gloo
+process groups (3 ranks)."""
 
 import os
 
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deepspeed_async_ckpt.core import exchange_across_ranks
+from deepspeed_async_ckpt.agreement import KEY_DIFFERS, agree, exchange_across_ranks
+from deepspeed_async_ckpt.errors import AgreementError, Failure
 
 WORLD = 3
 
@@ -13,20 +15,46 @@ WORLD = 3
 def _rank(rank: int, init: str, out: str) -> None:
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=WORLD)
     got = []
+
+    def plain(exchanged):  # (value, {rank: (kind, message)}): comparable once read back
+        value, failures = exchanged
+        return value, {r: (f.kind, f.message) for r, f in failures.items()}
+
     # no error anywhere: everyone gets rank 0's value (each rank passes its own)
-    got.append(exchange_across_ranks(f"id-of-rank-{rank}", None))
-    # errors on ranks 1 and 2: every rank gets both messages, and still rank 0's value
-    got.append(exchange_across_ranks(f"id-{rank}", None if rank == 0 else f"E{rank}: disk full ü"))
+    got.append(plain(exchange_across_ranks(f"id-of-rank-{rank}", None)))
+    # errors on ranks 1 and 2: every rank gets both, and still rank 0's value
+    got.append(plain(exchange_across_ranks(f"id-{rank}", None if rank == 0 else
+                                           Failure(f"E{rank}", "disk full ü"))))
     # rank 0's value too long for the fixed-size message, and non-ASCII: the fallback path
-    got.append(exchange_across_ranks("é" * 40 + str(rank), None))
+    got.append(plain(exchange_across_ranks("é" * 40 + str(rank), None)))
     # an error on rank 0 alone
-    got.append(exchange_across_ranks("x", "E0" if rank == 0 else None))
-    # an empty value (errors only, as the Megatron adapter's finalize check)
-    got.append(exchange_across_ranks("", None))
+    got.append(plain(exchange_across_ranks("x", Failure("E0", "m") if rank == 0 else None)))
+    # no value (errors only, as the Megatron adapter's checks), and a typed one: a tuple
+    got.append(plain(exchange_across_ranks(None, None)))
+    got.append(plain(exchange_across_ranks((f"id{rank}", rank == 0), None)))
     # keys: all the same; rank 2's differs (and rank 1's error is kept as it is)
-    got.append(exchange_across_ranks("v", None, key="/ckpt/step9"))
-    got.append(exchange_across_ranks("v", "E1" if rank == 1 else None,
-                                     key="/ckpt/step9" if rank < 2 else "/other/step9"))
+    got.append(plain(exchange_across_ranks("v", None, key="/ckpt/step9")))
+    got.append(plain(exchange_across_ranks("v", Failure("E1", "m") if rank == 1 else None,
+                                           key="/ckpt/step9" if rank < 2 else "/other/step9")))
+    # rank 0's value cannot be pickled (a lock): every rank fails, none waits for rank 0
+    import threading
+
+    value, failures = exchange_across_ranks(threading.Lock() if rank == 0 else "x", None)
+    got.append((value, sorted(failures), failures[0].message.startswith("rank 0's value cannot be pickled")))
+    # agree: rank 0's result on every rank; one rank's exception raised on every rank, typed
+    got.append(agree("step", lambda: ("tag", rank, None)))
+
+    def part():
+        if rank == 2:
+            raise OSError(28, "No space left on device")
+        return rank
+
+    try:
+        agree("save", part)
+        got.append("agreed")
+    except AgreementError as exc:
+        got.append((exc.step, {r: (f.kind, f.message) for r, f in exc.failures.items()},
+                    type(exc.own).__name__, str(exc)))
     # begin() on ranks that save into different directories: an error on every rank at once
     from deepspeed_async_ckpt.core import AsyncCheckpointer
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
@@ -103,19 +131,25 @@ def test_exchange_gives_rank0_value_and_every_error_to_every_rank(tmp_path):
     mp.spawn(_rank, args=(init, str(tmp_path)), nprocs=WORLD, join=True)
     expected = [
         ("id-of-rank-0", {}),
-        ("id-0", {1: "E1: disk full ü", 2: "E2: disk full ü"}),
+        ("id-0", {1: ("E1", "disk full ü"), 2: ("E2", "disk full ü")}),
         ("é" * 40 + "0", {}),
-        ("x", {0: "E0"}),
-        ("", {}),
+        ("x", {0: ("E0", "m")}),
+        (None, {}),
+        (("id0", True), {}),
         ("v", {}),
-        ("v", {1: "E1", 2: "works in '/other/step9', rank 0 in '/ckpt/step9'"}),
+        ("v", {1: ("E1", "m"), 2: (KEY_DIFFERS, "works in '/other/step9', rank 0 in '/ckpt/step9'")}),
+        (None, [0], True),
+        ("tag", 0, None),
     ]
     for rank in range(WORLD):
         with open(tmp_path / f"rank{rank}.txt", encoding="utf-8") as f:
             got = eval(f.read())
-        assert got[-1] == "load_checkpoint refused on every rank: on rank(s) 1", f"rank {rank}"
+        assert got[-1] == "load_checkpoint refused on every rank: on rank(s) 1: IntegrityError", rank
         got.pop()
-        assert got[:-1] == expected, f"rank {rank}"
+        assert got[:-2] == expected, f"rank {rank}"
+        assert got[-2] == ("save", {2: ("OSError", "[Errno 28] No space left on device")},
+                           "OSError" if rank == 2 else "NoneType",
+                           "save failed on rank(s) 2: OSError: [Errno 28] No space left on device"), rank
         assert got[-1] == (
             f"the ranks are not saving the same checkpoint (rank {rank}: 'OUT/ckpt/step{9 if rank != 1 else 8}'): "
             "rank(s) 1: works in 'OUT/ckpt/step8', rank 0 in 'OUT/ckpt/step9'; every rank must "

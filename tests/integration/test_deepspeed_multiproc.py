@@ -611,7 +611,7 @@ def test_the_ranks_load_the_tag_rank_0_read_from_latest(tmp_path):
     makes every rank raise. A ZeRO-3 load without optimizer states checks the module's
     source on every rank alike."""
     from deepspeed_async_ckpt.integrations.deepspeed.loading import agreed_latest_tag, takes_module_from_latest
-    from deepspeed_async_ckpt.errors import CommitError
+    from deepspeed_async_ckpt.errors import CommitError, Failure
 
     class Checkpointer:
         def __init__(self, rank0_reads, failed=None):
@@ -622,21 +622,22 @@ def test_the_ranks_load_the_tag_rank_0_read_from_latest(tmp_path):
             return self.rank0_reads, self.failed
 
     # this rank sees no `latest` yet; rank 0 saw global_step4: every rank loads global_step4
-    ck = Checkpointer("+global_step4")
-    assert agreed_latest_tag(ck, str(tmp_path)) == "global_step4" and ck.sent == [("", None)]
+    ck = Checkpointer("global_step4")
+    assert agreed_latest_tag(ck, str(tmp_path)) == "global_step4" and ck.sent == [(None, None)]
     (tmp_path / "latest").write_text("global_step6\n")
-    ck = Checkpointer("")  # the other way round: rank 0 saw none, so no rank loads
-    assert agreed_latest_tag(ck, str(tmp_path)) is None and ck.sent == [("+global_step6", None)]
+    ck = Checkpointer(None)  # the other way round: rank 0 saw none, so no rank loads
+    assert agreed_latest_tag(ck, str(tmp_path)) is None and ck.sent == [("global_step6", None)]
     # an empty `latest` is not "no checkpoint" (a script would start over): every rank raises,
     # as DeepSpeed does (not loading nothing, silently)
     (tmp_path / "latest").write_text(" \n")
     with pytest.raises(CommitError, match="latest is empty"):
-        agreed_latest_tag(Checkpointer("+"), str(tmp_path))
+        agreed_latest_tag(Checkpointer(""), str(tmp_path))
     (tmp_path / "latest").write_bytes(b"\xff\xfe")
-    ck = Checkpointer("+global_step4", failed={1: "cannot read"})
-    with pytest.raises(CommitError, match="load_checkpoint refused on every rank"):
+    ck = Checkpointer("global_step4", failed={1: Failure("UnicodeDecodeError", "invalid start byte")})
+    with pytest.raises(CommitError, match=r"load_checkpoint refused on every rank: cannot read .*latest: "
+                                          r"invalid start byte \(rank\(s\) 1: UnicodeDecodeError"):
         agreed_latest_tag(ck, str(tmp_path))
-    assert ck.sent[0][1].startswith("cannot read")
+    assert ck.sent[0][1].kind == "UnicodeDecodeError"
     asked = {"load_dir": str(tmp_path), "tag": "global_step2", "load_optimizer_states": False}
     assert takes_module_from_latest(_Engine(3), asked)
     assert not takes_module_from_latest(_Engine(3), dict(asked, tag=None))

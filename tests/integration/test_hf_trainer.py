@@ -24,7 +24,7 @@ import transformers.trainer_utils as trainer_utils  # the test extra installs tr
 
 from deepspeed_async_ckpt import AsyncCheckpointConfig, AsyncCheckpointer, Pointer
 from deepspeed_async_ckpt.commit import MANIFEST, META_DIR
-from deepspeed_async_ckpt.errors import PersistError
+from deepspeed_async_ckpt.errors import Failure, PersistError
 from deepspeed_async_ckpt.integrations import activation
 from deepspeed_async_ckpt.integrations.hf_trainer import beside, in_flight, rotation, trainer_methods
 from launch import launch
@@ -442,12 +442,12 @@ def test_a_just_in_time_checkpoint_on_another_rank_waits_for_rank_0s_commit(tmp_
 
     activation.check_installed()
     action = "marking the just-in-time checkpoint complete"
-    report = {0: "PersistError: [Errno 28] No space left on device"} if rank0 == "failed" else {}
+    report = {0: Failure("PersistError", "[Errno 28] No space left on device")} if rank0 == "failed" else {}
     exchanged = []
 
     def exchange(value, error, key=""):
         exchanged.append((value, error))
-        return (value, report) if value == action else ("sid0001", {})
+        return (value, report) if value == action else (("sid0001", False), {})
 
     run = str(tmp_path)
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), rank=1, world_size=2,
@@ -482,7 +482,7 @@ def test_a_just_in_time_checkpoint_on_another_rank_waits_for_rank_0s_commit(tmp_
             with pytest.raises(PersistError, match="the push of a failed save"):
                 CheckpointManager(FakeTrainer()).execute_jit_checkpoint()
             assert os.path.exists(sentinel)
-            assert (action, "PersistError: the push of a failed save") in exchanged
+            assert (action, Failure("PersistError", "the push of a failed save")) in exchanged
         else:
             CheckpointManager(FakeTrainer()).execute_jit_checkpoint()
             assert not os.path.exists(sentinel)

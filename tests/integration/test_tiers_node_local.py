@@ -21,6 +21,7 @@ import torch
 from _compare import assert_same
 from conftest import REPO
 from deepspeed_async_ckpt.commit import Pointer, verify_checkpoint
+from deepspeed_async_ckpt.errors import Failure
 from deepspeed_async_ckpt.tiers.mirror import drain_checkpoint
 from deepspeed_async_ckpt.tiers.remote import PathRemote
 from deepspeed_async_ckpt.tiers.restore import restore
@@ -116,7 +117,7 @@ class _Rank0Proposes:
         self.errors.append(error)
         if len(self.errors) % 2:
             return self.names.pop(0), {}
-        return "", ({2: error} if error else {})
+        return None, ({2: error} if error else {})
 
 
 def test_nodes_load_the_newest_checkpoint_every_node_can_make_whole(tmp_path, monkeypatch):
@@ -140,7 +141,8 @@ def test_nodes_load_the_newest_checkpoint_every_node_can_make_whole(tmp_path, mo
         assert tiers.restore_all_ranks(fake, str(tmp_path / "node1"), pointer_name="latest") == "step1"
     finally:
         tiers.close()
-    assert fake.errors == [None, "IntegrityError: checkpoint step2: no tier holds its manifest", None, None]
+    assert fake.errors == [None, Failure("IntegrityError", "checkpoint step2: no tier holds its manifest"),
+                           None, None]
     assert sorted(os.listdir(tmp_path / "node1")) == [".async_ckpt.pointer.json", "latest", "step1"]
     assert (tmp_path / "node1" / "latest").read_text() == "step1"
     assert (node1 / "model.pt").read_bytes() == (node0 / "model.pt").read_bytes()  # the tier's copy

@@ -16,7 +16,8 @@ from deepspeed_async_ckpt.commit import KeepIf
 from deepspeed_async_ckpt.commit import META_DIR, Pointer, verify_checkpoint
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
-from deepspeed_async_ckpt.errors import AsyncCheckpointError, CommitError, IntegrityError, PersistError
+from deepspeed_async_ckpt.errors import (AsyncCheckpointError, CommitError, Failure, IntegrityError,
+                                         PersistError)
 
 from fakes import FailingAfter, FailingStorage, FullDisk, HeldWrites, RecordFailing, SmallFileFull
 from helpers import listing, make, sample_state, save_one, save_small
@@ -163,7 +164,7 @@ def test_a_durability_error_survives_the_ways_errors_travel(tmp_path):
 
 def test_error_on_one_rank_is_raised_on_every_rank_without_a_hang(tmp_path):
     """begin() shares pending errors through its one collective; a peer's failure raises here."""
-    peer_error = {1: "PersistError: writing x failed: [Errno 28] No space left on device"}
+    peer_error = {1: Failure("PersistError", "writing x failed: [Errno 28] No space left on device")}
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=0, world_size=2,
                            exchange=lambda value, err, key="": (value, dict(peer_error)))
     with pytest.raises(CommitError, match=r"rank\(s\) 1: PersistError.*No space"):
@@ -180,9 +181,10 @@ def test_failed_rank_writes_a_failure_record_so_rank0_aborts_at_once(tmp_path, m
     A sync rank that wrote nothing would leave rank 0 waiting ``commit_timeout_s`` for its
     record (a 4-rank Megatron save with one disk full would hang for 600 s)."""
     r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode), rank=1, world_size=2,
-                           storage=FailingStorage(budget=1000), exchange=lambda v, e, key="": ("same-id", {}))
+                           storage=FailingStorage(budget=1000),
+                           exchange=lambda v, e, key="": (("same-id", False), {}))
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, commit_timeout_s=300), rank=0, world_size=2,
-                           exchange=lambda v, e, key="": ("same-id", {}))
+                           exchange=lambda v, e, key="": (("same-id", False), {}))
     d = str(tmp_path / "t1")
     h0 = r0.begin(d, tag="t1", pointer=Pointer(str(tmp_path / "latest"), "t1"))
     r0.save({"module": {"w": torch.ones(10)}}, os.path.join(d, "rank0.pt"))
@@ -213,7 +215,7 @@ def test_a_rank_whose_record_fails_writes_a_failure_record_so_rank0_aborts_at_on
     """Rank 1's files are durable, then writing its record fails. It still writes a failure
     record: counted as persisted and silent, it would leave rank 0 waiting ``commit_timeout_s``
     and then blaming rank 1 for not finishing, without its error."""
-    same = lambda v, e, key="": ("same-id", {})  # noqa: E731
+    same = lambda v, e, key="": (("same-id", False), {})  # noqa: E731
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode, commit_timeout_s=300), rank=0,
                            world_size=2, exchange=same)
     r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode), rank=1, world_size=2,
@@ -246,7 +248,7 @@ def test_a_sync_end_raises_its_own_saves_failure_not_a_previous_ones(tmp_path):
     0's commit error naming it), not wrapped as "a previous checkpoint failed", which the
     next save's ``begin`` says of an async one. Sync DeepSpeed saves raise it from
     ``save_checkpoint`` on every rank (tests/integration/test_deepspeed_multiproc.py)."""
-    same = lambda v, e, key="": ("same-id", {})  # noqa: E731
+    same = lambda v, e, key="": (("same-id", False), {})  # noqa: E731
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync"), rank=0, world_size=2,
                            exchange=same)
     r1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync"), rank=1, world_size=2,

@@ -10,7 +10,8 @@ import torch
 from deepspeed_async_ckpt.commit import Pointer, verify_checkpoint
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
-from deepspeed_async_ckpt.errors import AsyncCheckpointError, CommitError, PersistError
+from deepspeed_async_ckpt.core.session import REFUSED
+from deepspeed_async_ckpt.errors import AsyncCheckpointError, CommitError, Failure, PersistError
 from deepspeed_async_ckpt.storage import LocalStorage
 
 from fakes import MakedirsRefused
@@ -118,7 +119,7 @@ def test_a_refused_save_leaves_what_was_there_and_removes_what_begin_made(tmp_pa
     """begin makes the directory before the ranks agree; if they then refuse the save (another
     rank's earlier save failed), what begin made goes again, and an empty directory the user
     made stays."""
-    refuse = lambda value, error, key="": (value, {1: "PersistError: disk full"})  # noqa: E731
+    refuse = lambda value, error, key="": (value, {1: Failure("PersistError", "disk full")})  # noqa: E731
     (tmp_path / "mine").mkdir()
     for name in ("mine", "fresh"):
         ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01),
@@ -132,7 +133,7 @@ def test_a_refused_save_leaves_what_was_there_and_removes_what_begin_made(tmp_pa
 def test_rank_0_refusing_a_save_directory_is_raised_by_every_rank_in_its_words(tmp_path):
     """The other ranks learn of rank 0's refusal (another job's save directory) through
     begin's exchange, and raise it as rank 0's, not as 'a previous checkpoint failed'."""
-    refusal = "refused: save directory 'x' is being saved into by another process (host h, pid 7)"
+    refusal = Failure(REFUSED, "save directory 'x' is being saved into by another process (host h, pid 7)")
     exchange = lambda value, error, key="": (value, {0: refusal})  # noqa: E731
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), rank=1,
                            world_size=2, exchange=exchange)
@@ -168,7 +169,7 @@ def test_a_storage_error_of_another_kind_before_the_exchange_reaches_every_rank(
     ck, sent = _object_store_checkpointer("makedirs")
     with pytest.raises(AsyncCheckpointError, match="503 Slow Down") as info:
         ck.begin(str(tmp_path / "s1"), tag="s1")
-    assert len(sent) == 1 and "503 Slow Down" in sent[0]
+    assert len(sent) == 1 and sent[0].kind == REFUSED and "503 Slow Down" in sent[0].message
     # this save's own preparation failed: not worded as an earlier save's failure (on any
     # rank), and the checkpoint it was for is named
     assert "previous checkpoint" not in str(info.value) and "s1" in str(info.value), info.value
@@ -189,7 +190,7 @@ def test_a_storage_error_before_the_exchange_does_not_hide_an_earlier_failure(tm
     ck._failures.record(PersistError("disk full on rank 0"))
     with pytest.raises(AsyncCheckpointError, match="disk full"):
         ck.begin(str(tmp_path / "s1"), tag="s1")
-    assert len(sent) == 1 and "disk full" in sent[0]
+    assert len(sent) == 1 and sent[0] == Failure("PersistError", "disk full on rank 0")
     ck.close()
 
 

@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+from deepspeed_async_ckpt.errors import Failure
 
 from helpers import make
 
@@ -118,12 +119,12 @@ def test_a_ctrl_c_in_a_sync_deepspeed_saves_end_still_joins_the_exchange(tmp_pat
     engine.save({"w": torch.ones(4)}, str(tmp_path / "t1" / "model.pt"))
     exchanged = []
     monkeypatch.setattr(deepspeed_engine, "exchange_across_ranks",
-                        lambda value, error, key="": (exchanged.append(error), ("", {}))[1])
+                        lambda value, error, key="": (exchanged.append(error), (None, {}))[1])
     monkeypatch.setattr(engine.checkpointer, "end",
                         lambda commit=True: (_ for _ in ()).throw(KeyboardInterrupt()))
     with pytest.raises(KeyboardInterrupt):
         engine.end_save(True)
-    assert exchanged == ["KeyboardInterrupt: KeyboardInterrupt"], exchanged
+    assert exchanged == [Failure("KeyboardInterrupt", "KeyboardInterrupt")], exchanged
     monkeypatch.undo()
     engine.checkpointer.end(commit=False)
     engine.cleanup()

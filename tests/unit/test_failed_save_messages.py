@@ -11,7 +11,7 @@ import torch
 from deepspeed_async_ckpt.commit import META_DIR, Pointer
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
-from deepspeed_async_ckpt.errors import AsyncCheckpointError, CommitError, PersistError
+from deepspeed_async_ckpt.errors import AsyncCheckpointError, CommitError, Failure, PersistError
 from deepspeed_async_ckpt.storage import LocalStorage
 
 INTACT = "the last committed one is intact"
@@ -105,7 +105,7 @@ def test_a_sync_save_failing_first_says_nothing_was_committed(tmp_path):
 def test_another_ranks_failure_reported_by_begin_says_nothing_was_committed(tmp_path):
     """Rank 0 of 2: rank 1's previous save failed, as the exchange of ``begin`` reports."""
     def exchange(value, error, key=""):
-        return value, {1: "PersistError: No space left on device"}
+        return value, {1: Failure("PersistError", "No space left on device")}
 
     ck = make(rank=0, world_size=2, exchange=exchange)
     root = str(tmp_path / "ckpt")
@@ -144,7 +144,8 @@ def test_a_sync_deepspeed_save_failing_on_another_rank_says_nothing_was_committe
     # this rank's part ends well; rank 1's write failed, so rank 0 never commits the save
     monkeypatch.setattr(engine.checkpointer, "end", lambda commit=True: end(commit=False))
     monkeypatch.setattr(deepspeed_engine, "exchange_across_ranks",
-                        lambda value, error, key="": ("", {1: "PersistError: No space left on device"}))
+                        lambda value, error, key="": (None, {1: Failure("PersistError",
+                                                                        "No space left on device")}))
     with pytest.raises(CommitError, match=rf"global_step1 was not committed \({nothing_yet(tmp_path)}\), "
                                           r"because of rank\(s\) 1"):
         engine.end_save(True)

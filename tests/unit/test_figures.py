@@ -24,7 +24,7 @@ NAMES = ["async-ckpt/save-call-ms", "async-ckpt/fence-wait-ms", "async-ckpt/byte
 def test_the_largest_save_call_over_the_ranks_reaches_the_manifest_and_the_commit_report(tmp_path, mode):
     """Rank 1's save call lasts 0.3 s longer than rank 0's: its record carries it, the manifest
     names rank 1 with it, and rank 0's commit report has it, though rank 0 never measured it."""
-    same = lambda v, e, key="": ("same-id", {})  # noqa: E731
+    same = lambda v, e, key="": (("same-id", False), {})  # noqa: E731
     infos = []
     r0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode=mode), rank=0, world_size=2,
                            exchange=same, on_commit=infos.append)

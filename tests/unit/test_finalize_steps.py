@@ -10,6 +10,7 @@ import errno
 import json
 import os
 import threading
+from typing import Any
 
 import pytest
 import torch
@@ -18,7 +19,7 @@ from deepspeed_async_ckpt.commit import (LATE_FILES, META_DIR, FinalizeContext, 
                                          RetentionPolicy, read_manifest, verify_checkpoint)
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
-from deepspeed_async_ckpt.errors import CommitError, IntegrityError
+from deepspeed_async_ckpt.errors import CommitError, Failure, IntegrityError
 from deepspeed_async_ckpt.storage import LocalStorage
 
 
@@ -153,7 +154,7 @@ class TwoRanks:
         self.slots: list = [None, None]
 
     def exchange(self, rank: int):
-        def exchange(value: str, error: str | None, key: str = "") -> tuple[str, dict[int, str]]:
+        def exchange(value: Any, error: Failure | None, key: str = "") -> tuple[Any, dict[int, Failure]]:
             self.slots[rank] = (value, error)
             self.barrier.wait()
             got = self.slots[0][0], {r: e for r, (_, e) in enumerate(self.slots) if e is not None}

@@ -217,7 +217,7 @@ def test_two_ranks_writing_one_file_whole_commit_only_if_they_wrote_the_same_byt
     on disk, would move ``latest`` to a checkpoint no load accepts (here the file on disk is
     rank 0's, the manifest would hold rank 1's checksum). The same bytes from both (replicas
     writing one file whole) commit."""
-    exchange = lambda value, error, key="": ("same-id", {})  # noqa: E731  (both ranks' begin)
+    exchange = lambda value, error, key="": (("same-id", False), {})  # noqa: E731  (both ranks' begin)
     rank0 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, commit_timeout_s=30), rank=0,
                               world_size=2, exchange=exchange)
     rank1 = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True), rank=1, world_size=2, exchange=exchange)

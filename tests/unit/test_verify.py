@@ -11,7 +11,8 @@ import xxhash
 from deepspeed_async_ckpt.commit import META_DIR, Pointer, read_manifest, verify_checkpoint
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
-from deepspeed_async_ckpt.errors import IntegrityError
+from deepspeed_async_ckpt.agreement import KEY_DIFFERS
+from deepspeed_async_ckpt.errors import Failure, IntegrityError
 
 from _compare import assert_same
 
@@ -90,7 +91,7 @@ def test_verify_all_ranks_always_reaches_the_exchange_and_load_then_skips_the_fi
         calls.clear()
         with pytest.raises(IntegrityError, match="refused on every rank.*model.pt.*cannot be read"):
             ck.verify_all_ranks(str(tmp_path / "t1"))
-        assert len(calls) == 1 and "model.pt" in calls[0]
+        assert len(calls) == 1 and calls[0].kind == "IntegrityError" and "model.pt" in calls[0].message
     finally:
         commit_module.hash_ranges = real_hash_ranges
     ck.close()
@@ -105,7 +106,8 @@ def test_a_rank_with_nothing_to_load_still_takes_part_in_the_check(tmp_path):
 
     def exchange(value, error, key=""):
         keys.append(key)
-        return value, ({1: f"in {str(tmp_path / 't1')!r}, rank 0 in ''"} if len(keys) > 1 else {})
+        return value, ({1: Failure(KEY_DIFFERS, f"works in {str(tmp_path / 't1')!r}, rank 0 in ''")}
+                       if len(keys) > 1 else {})
 
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), exchange=exchange)
     ck.verify_all_ranks(None, action="load_checkpoint")  # every rank found none: nothing happens

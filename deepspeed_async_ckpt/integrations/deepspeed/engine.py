@@ -32,11 +32,11 @@ import torch.distributed as dist
 from deepspeed.runtime.checkpoint_engine.checkpoint_engine import CheckpointCommitInfo, CheckpointEngine
 from deepspeed.utils import logger as ds_logger
 
-from ...core import AsyncCheckpointer, CommitInfo, by_rank, exchange_across_ranks, only_durability, what_stays
+from ...core import AsyncCheckpointer, CommitInfo, by_rank, exchange_across_ranks, outcome, what_stays
 from ...core.figures import CommitFigures
 from ...commit import Pointer, check_name
 from ...config import AsyncCheckpointConfig
-from ...errors import CommitError, DurabilityError, describe
+from ...errors import CommitError, DurabilityError
 from ...storage import DIRECT_ALIGN, aligned_size, temporary_path
 from ...tiers.config import without_credentials
 from .loading import POINTER_NAMES
@@ -234,18 +234,17 @@ class AsyncCheckpointEngine(CheckpointEngine):
             self.checkpointer.end(commit=held is None)  # a failed file: abandoned
         except BaseException as exc:  # Ctrl-C too: the other ranks are in the exchange
             error = error or exc
-        _, failed = exchange_across_ranks("", None if error is None else
-                                          f"{type(error).__name__}: {describe(error)}")
+        _, failed = outcome("save_checkpoint", None, error, exchange=exchange_across_ranks)
         if error is not None:
             raise error
-        if failed:  # end() put this save last in the history, raising or not
+        if failed is not None:  # end() put this save last in the history, raising or not
             handle = self.checkpointer.history[-1]
-            if only_durability(failed):
+            if failed.only_durability:
                 raise DurabilityError(f"checkpoint {handle.tag}'s commit did not complete, because of "
-                                      f"rank(s) {by_rank(failed)}")
+                                      f"rank(s) {by_rank(failed.failures)}") from failed
             raise CommitError(f"checkpoint {handle.tag} was not committed "
                               f"({what_stays(os.path.dirname(handle.ckpt_dir))}), because of rank(s) "
-                              f"{by_rank(failed)}")
+                              f"{by_rank(failed.failures)}") from failed
 
     def before_optimizer_step(self, ds_engine: Any = None) -> None:
         """The fence before DeepSpeed's optimizer step, which leaves frozen parameters alone:

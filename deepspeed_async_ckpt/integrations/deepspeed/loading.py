@@ -9,7 +9,7 @@ import logging
 import os
 from typing import Any, Callable
 
-from ...core import by_rank
+from ...core import by_rank, outcome
 from ...errors import CommitError
 
 logger = logging.getLogger(__name__)
@@ -46,22 +46,24 @@ def agreed_latest_tag(checkpointer: Any, load_dir: str, latest: str = "latest") 
     directory) makes every rank raise, as does an empty one: DeepSpeed raises there too, where
     "no checkpoint" would let a script start over from scratch."""
     path = os.path.join(load_dir, latest)
-    error = None
+    mine: str | None = None  # None: there is no such file
+    error: Exception | None = None
     try:
         with open(path, encoding="utf-8") as f:
-            mine = "+" + f.read().strip()  # "+": the file is there, "" : it is not
+            mine = f.read().strip()
     except FileNotFoundError:
-        mine = ""
+        pass
     except (OSError, ValueError) as exc:
-        mine, error = "", f"cannot read {path}: {exc}"
-    value, failed = checkpointer.exchange(mine, error)
-    if failed:
-        raise CommitError(f"load_checkpoint refused on every rank: {failed[min(failed)]} (rank(s) "
-                          f"{by_rank(failed)})")
-    if value == "+":
+        error = exc
+    value, failed = outcome("load_checkpoint", mine, error, exchange=checkpointer.exchange)
+    if failed is not None:
+        first = failed.failures[min(failed.failures)]
+        raise CommitError(f"load_checkpoint refused on every rank: cannot read {path}: {first.message} "
+                          f"(rank(s) {by_rank(failed.failures)})") from failed
+    if value == "":
         raise CommitError(f"load_checkpoint refused on every rank: {path} is empty (on rank 0): it "
                           "names no checkpoint")
-    return value[1:] or None
+    return value
 
 
 def takes_module_from_latest(ds_engine: Any, arguments: dict) -> bool:
