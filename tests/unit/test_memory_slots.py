@@ -71,14 +71,22 @@ def test_a_report_that_does_not_match_the_reservation_is_refused(table, files, m
     assert report(table, "s1", 0, {"a.pt": 10}).state == "copied"
 
 
-def test_keep_last_frees_older_committed_slots_and_their_segments(table):
-    for step in range(4):
+def test_keep_last_frees_older_committed_slots_and_the_next_save_reuses_their_segments(table):
+    first = [reserve(table, "s0", r, {f"r{r}.pt": 1000}).segment for r in (0, 1)]
+    for r in (0, 1):
+        report(table, "s0", r, {f"r{r}.pt": 1000})
+    table.commit(Commit("s0"))
+    for step in range(1, 4):
         save(table, f"s{step}")
     assert [s.name for s in table.slots] == ["s2", "s3"]
-    assert len(table.address.segments_on_node()) == 4  # two ranks' segments per slot
+    # keep_last slots plus one slot's worth of spares (the next save's), two ranks' segments each
+    assert len(table.address.segments_on_node()) == 6 and len(table.spares) == 2
+    assert first[0] in [p.segment for s in table.slots for p in s.parts.values()]  # s2 took s0's
     table.configure(keep_last=1, max_bytes=None)
-    assert [s.name for s in table.slots] == ["s3"] and len(table.address.segments_on_node()) == 2
-    assert table.newest().name == "s3"
+    assert [s.name for s in table.slots] == ["s3"] and table.newest().name == "s3"
+    assert len(table.spares) == 4 and table.held_bytes == 6 * 4096
+    reserve(table, "s4", 0, {"big.pt": 1 << 21}, (0,))  # fits no spare: the spares go, a new segment comes
+    assert table.spares == [] and len(table.address.segments_on_node()) == 3
 
 
 def test_a_reservation_over_max_gb_is_refused_naming_the_setting_and_the_bytes(table):
