@@ -40,6 +40,7 @@ from .slots import SlotTable
 
 log = logging.getLogger("deepspeed_async_ckpt.memory.keeper")
 
+_MAX_LINE = 16 << 20  # bytes of one request (a Reserve of many files is a few hundred bytes a file)
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
@@ -161,6 +162,9 @@ class Keeper:
             return self._close(fd)
         buf = self.conns[fd][1]
         buf += data
+        if len(buf) > _MAX_LINE and b"\n" not in buf:
+            log.warning("a client sent %d bytes without a line end: closed", len(buf))
+            return self._close(fd)
         while b"\n" in buf and fd in self.conns and not self.stopping:
             line, _, rest = bytes(buf).partition(b"\n")
             buf[:] = rest

@@ -8,6 +8,7 @@ import json
 import os
 import random
 import signal
+import socket
 import time
 
 import pytest
@@ -186,6 +187,24 @@ def test_ranks_racing_to_start_the_keeper_get_one(save_dir):
     with Ranks(*[lambda: KeeperClient.connect(save_dir, CONFIG).keeper_pid] * 3, barrier=True) as ranks:
         assert len(set(ranks.results)) == 1
         wait_for(lambda: keeper_pids(save_dir) == ranks.results[:1])  # the others exit once they lost the bind
+        with open(f"/proc/{ranks.results[0]}/maps", "rb") as maps:
+            assert b"libtorch" not in maps.read()  # the keeper stays small: no torch, no engine
+
+
+def test_a_request_the_keeper_does_not_understand_is_refused_and_it_serves_on(save_dir):
+    client = KeeperClient.connect(save_dir, CONFIG)
+    raw = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    raw.connect(KeeperAddress.of(save_dir).socket_name)
+    raw.sendall(b'{"type": "Launch"}\n{"type": "Welcome", "pid": 1, "log_path": "x"}\n')
+    replies = raw.makefile("rb")
+    first, second = replies.readline(), replies.readline()
+    assert b"Refused" in first and b"not a request the keeper understands" in first
+    assert b"Refused" in second
+    with pytest.raises((BrokenPipeError, ConnectionResetError)):  # a line without end, over the bound:
+        raw.sendall(b"x" * (64 << 20))                              # the keeper closes that connection
+    raw.close()
+    assert client.status().clients == 1
+    client.shutdown()
 
 
 def test_a_killed_keeper_is_seen_gone_and_the_next_one_removes_its_segments(save_dir):
