@@ -130,7 +130,8 @@ class KeeperClient:
             if isinstance(reply, Reserved):
                 return Reservation(self, request, reply)
             if not isinstance(reply, Busy):
-                raise KeeperError(f"memory keeper of {self.address.save_dir}: unexpected reply {reply!r} to {request!r}")
+                raise KeeperError(f"memory keeper of {self.address.save_dir}: unexpected reply {reply!r} "
+                                  f"to {request!r}")
             if time.monotonic() + pause > deadline:
                 raise KeeperError(f"memory keeper of {self.address.save_dir}: rank {rank} could not reserve "
                                   f"{name} (save {save_id}) in {wait_s:g} s: {reply.reason}")
@@ -204,6 +205,10 @@ class Reservation:
         self._mapping.close()
         r = self._request
         return self._client._call(Report(r.name, r.save_id, r.rank, ALGORITHM, tuple(digests)))
+
+    def close(self) -> None:
+        """Unmap the segment without reporting (a save that failed: :meth:`KeeperClient.abandon` it)."""
+        self._mapping.close()
 
 
 class MemoryCopy:

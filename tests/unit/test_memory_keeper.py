@@ -63,9 +63,11 @@ def wait_for(predicate, timeout_s=10.0):
 
 
 @pytest.fixture
-def save_dir(tmp_path):
-    """A save directory; its keepers are killed and their segments removed at teardown, and
-    the test fails if one had to be."""
+def save_dir(tmp_path, monkeypatch):
+    """A save directory; its keepers are killed and their segments removed at teardown. The
+    keepers' logs go to the test's own runtime directory."""
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(tmp_path / "run"))
+    (tmp_path / "run").mkdir()
     path = tmp_path / "ckpt"
     path.mkdir()
     yield str(path)
@@ -325,3 +327,17 @@ def test_the_keeper_exits_leaving_no_segment(save_dir, how):
         os.kill(pid, signal.SIGTERM)
     wait_for(lambda: not alive(pid))
     assert address.segments_on_node() == [] and KeeperClient.find(save_dir) is None
+
+
+def test_a_failed_save_is_not_committed_and_abandoning_it_frees_its_memory(save_dir):
+    client = KeeperClient.connect(save_dir, CONFIG)
+    res = client.reserve("step1", "sid1", 0, (0, 1), {"a.pt": MB})
+    res.write("a.pt", b"x" * 10)
+    with pytest.raises(KeeperError, match=r"step1 \(save sid1\) cannot be committed: ranks \[0, 1\] of the node"):
+        client.commit("step1", "sid1")
+    res.close()
+    client.abandon("step1", "sid1")
+    assert client.status().slots == () and KeeperAddress.of(save_dir).segments_on_node() == []
+    client.reserve("step2", "sid2", 0, (0,), {"a.pt": MB}, wait_s=0).report()
+    assert client.commit("step2").state == "committed" and client.newest().name == "step2"
+    client.shutdown()

@@ -24,8 +24,9 @@ def test_every_message_round_trips_as_its_own_type(message):
 
 
 @pytest.mark.parametrize("line", [b'{"type": "Launch"}', b'[1]', b'{"type": "Commit", "name": "g", "colour": 1}',
-                                  b'not json', b'{"type": "Commit"}', b'{"type": "Reserve", "name": "g", "save_id": "s", '
-                                  b'"rank": 0, "node_ranks": [0], "files": [1]}'])
+                                  b'not json', b'{"type": "Commit"}',
+                                  b'{"type": "Reserve", "name": "g", "save_id": "s", "rank": 0, "node_ranks": [0], '
+                                  b'"files": [1]}'])
 def test_unknown_messages_are_refused(line):
     with pytest.raises(ValueError):
         m.decode(line)

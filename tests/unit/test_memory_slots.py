@@ -25,8 +25,8 @@ def table(tmp_path):
 
 
 def reserve(t, name, rank, files, ranks=(0, 1), conn=None, save_id=None):
-    return t.reserve(rank if conn is None else conn,
-                     Reserve(name, save_id or f"id-{name}", rank, ranks, tuple(FileSpace(n, c) for n, c in files.items())))
+    spaces = tuple(FileSpace(n, c) for n, c in files.items())
+    return t.reserve(rank if conn is None else conn, Reserve(name, save_id or f"id-{name}", rank, ranks, spaces))
 
 
 def report(t, name, rank, files, save_id=None):
