@@ -9,6 +9,7 @@ import os
 import random
 import signal
 import socket
+import threading
 import time
 
 import pytest
@@ -341,3 +342,20 @@ def test_a_failed_save_is_not_committed_and_abandoning_it_frees_its_memory(save_
     client.reserve("step2", "sid2", 0, (0,), {"a.pt": MB}, wait_s=0).report()
     assert client.commit("step2").state == "committed" and client.newest().name == "step2"
     client.shutdown()
+
+
+def test_a_rank_connecting_while_the_keeper_exits_starts_the_next_one(save_dir):
+    first = KeeperClient.connect(save_dir, CONFIG)
+    pid = first.keeper_pid
+    first.close()
+    os.kill(pid, signal.SIGSTOP)
+    connected = []
+    rank = threading.Thread(target=lambda: connected.append(KeeperClient.connect(save_dir, CONFIG)))
+    rank.start()
+    time.sleep(0.3)  # its connection waits in the stopped keeper's backlog
+    os.kill(pid, signal.SIGTERM)
+    os.kill(pid, signal.SIGCONT)
+    rank.join(30)
+    assert connected and connected[0].keeper_pid != pid and not alive(pid)
+    assert keeper_pids(save_dir) == [connected[0].keeper_pid]
+    connected[0].shutdown()
