@@ -1,0 +1,257 @@
+"""A rank's side of the keeper: :class:`KeeperClient` finds (or starts) its save directory's
+keeper, reserves space for the rank's files of a save, and reads the newest committed slot
+back, verified.
+
+Which ranks make each call is in :mod:`.messages`. Writing a save::
+
+    client = KeeperClient.connect(save_dir, config)           # starts the keeper if none runs
+    res = client.reserve("global_step10", save_id, rank, node_ranks, {"model.pt": nbytes})
+    res.write("model.pt", data)                                # one memcpy into shared memory
+    res.report()                                               # sizes and checksums
+    client.commit("global_step10", save_id)                    # after the job's commit
+
+Reading it back after a restart::
+
+    copy = client.newest()                                     # None: no committed slot
+    data = copy.read(rank, "model.pt")                         # verified, or IntegrityError
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from typing import Mapping
+
+from ..errors import AsyncCheckpointError, IntegrityError
+from . import keeper
+from .address import KeeperAddress
+from .config import MemoryConfig
+from .messages import (Abandon, Busy, Commit, FileDigest, FileSpace, Hello, KeeperState, Newest, NoSlot, Refused,
+                       Report, Reserve, Reserved, Shutdown, SlotState, SlotView, Status, Welcome, decode, encode)
+from .segment import Mapping as SegmentMapping
+
+ALGORITHM = "xxh128"
+
+
+class KeeperError(AsyncCheckpointError):
+    """The keeper refused a request (memory bound, a slot not copied, ...): the message says why."""
+
+
+class KeeperUnavailable(KeeperError):
+    """No keeper runs for the save directory, or it went away during a request."""
+
+
+class KeeperClient:
+    """One connection to the keeper of a save directory (one per rank; not shared by threads)."""
+
+    def __init__(self, address: KeeperAddress, sock: socket.socket, welcome: Welcome) -> None:
+        self.address, self._sock = address, sock
+        self._reader = sock.makefile("rb")
+        self.keeper_pid, self.log_path = welcome.pid, welcome.log_path
+
+    @classmethod
+    def connect(cls, save_dir: str, config: MemoryConfig, *, start: bool = True,
+                timeout_s: float = 30.0) -> "KeeperClient":
+        """Connect to ``save_dir``'s keeper on this node, starting it first (``start``) if none
+        runs; the job's settings (``keep_last``, ``max_gb``, ``idle_timeout_s``) go to it.
+        :class:`KeeperUnavailable` if none runs and ``start`` is False."""
+        address = KeeperAddress.of(save_dir)
+        hello = Hello(os.getpid(), config.keep_last, config.max_bytes, config.idle_timeout_s)
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                return cls._open(address, hello, timeout_s)
+            except KeeperUnavailable:
+                # None listens, or one was exiting (idle) as we came: start one, once per pass.
+                if not start or time.monotonic() > deadline:
+                    raise
+            try:
+                keeper.start(save_dir, keep_last=config.keep_last, max_bytes=config.max_bytes,
+                             idle_timeout_s=config.idle_timeout_s, timeout_s=max(1.0, deadline - time.monotonic()))
+            except keeper.KeeperStartError as exc:
+                raise KeeperUnavailable(str(exc)) from exc
+
+    @classmethod
+    def find(cls, save_dir: str, config: MemoryConfig | None = None) -> "KeeperClient | None":
+        """The running keeper of ``save_dir``, or None (a restarting rank asks this: no keeper
+        means no memory copy, not an error)."""
+        try:
+            return cls.connect(save_dir, config or MemoryConfig(), start=False)
+        except KeeperUnavailable:
+            return None
+
+    @classmethod
+    def _open(cls, address: KeeperAddress, hello: Hello, timeout_s: float) -> "KeeperClient":
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(timeout_s)
+        try:
+            sock.connect(address.socket_name)
+        except (ConnectionRefusedError, FileNotFoundError) as exc:
+            sock.close()
+            raise KeeperUnavailable(f"no memory keeper runs for {address.save_dir} ({address.shown})") from exc
+        client = cls(address, sock, Welcome(0, address.log_path))
+        try:
+            welcome = client._call(hello)
+        except BaseException:
+            client.close()
+            raise
+        client.keeper_pid = welcome.pid
+        return client
+
+    def _call(self, request):
+        try:
+            self._sock.sendall(encode(request))
+            line = self._reader.readline()
+        except OSError as exc:
+            raise self._gone(exc) from exc
+        if not line:
+            raise self._gone(None)
+        reply = decode(line)
+        if isinstance(reply, Refused):
+            raise KeeperError(f"memory keeper of {self.address.save_dir}: {reply.reason}")
+        return reply
+
+    def _gone(self, exc: BaseException | None) -> KeeperUnavailable:
+        why = f"{type(exc).__name__}: {exc}" if exc else "connection closed"
+        return KeeperUnavailable(f"the memory keeper of {self.address.save_dir} ({self.address.shown}, pid "
+                                 f"{self.keeper_pid}) is gone ({why}); its log: {self.log_path}")
+
+    def reserve(self, name: str, save_id: str, rank: int, node_ranks: tuple[int, ...] | list[int],
+                files: Mapping[str, int], *, wait_s: float = 60.0) -> "Reservation":
+        """Space for this rank's ``files`` (name -> capacity in bytes) in the slot of save
+        ``name``/``save_id``. Waits up to ``wait_s`` while another save's slot is still being
+        written or waits for its commit; :class:`KeeperError` if it still is, or if the
+        memory bound refuses it."""
+        request = Reserve(name, save_id, rank, tuple(node_ranks), tuple(FileSpace(n, c) for n, c in files.items()))
+        deadline, pause = time.monotonic() + wait_s, 0.001
+        while True:
+            reply = self._call(request)
+            if isinstance(reply, Reserved):
+                return Reservation(self, request, reply)
+            if not isinstance(reply, Busy):
+                raise KeeperError(f"memory keeper of {self.address.save_dir}: unexpected reply {reply!r} "
+                                  f"to {request!r}")
+            if time.monotonic() + pause > deadline:
+                raise KeeperError(f"memory keeper of {self.address.save_dir}: rank {rank} could not reserve "
+                                  f"{name} (save {save_id}) in {wait_s:g} s: {reply.reason}")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+    def commit(self, name: str, save_id: str | None = None) -> SlotState:
+        """Mark the copied slot ``name`` committed (call after the job's commit across nodes):
+        the keeper's pointer names it and ``keep_last`` frees older ones."""
+        return self._call(Commit(name, save_id))
+
+    def abandon(self, name: str, save_id: str) -> None:
+        """Drop the uncommitted slot of a save that failed, freeing its memory."""
+        self._call(Abandon(name, save_id))
+
+    def newest(self) -> "MemoryCopy | None":
+        """The newest committed slot, or None when the keeper holds none."""
+        reply = self._call(Newest())
+        return None if isinstance(reply, NoSlot) else MemoryCopy(reply)
+
+    def status(self) -> KeeperState:
+        return self._call(Status())
+
+    def shutdown(self) -> None:
+        """End the keeper (the job's last save is on disk): it unlinks every segment and exits."""
+        self._call(Shutdown())
+        self.close()
+
+    def close(self) -> None:
+        self._reader.close()
+        self._sock.close()
+
+
+class Reservation:
+    """One rank's space in a slot, mapped writable: write the files, then :meth:`report`."""
+
+    def __init__(self, client: KeeperClient, request: Reserve, reply: Reserved) -> None:
+        self._client, self._request = client, request
+        self.segment = reply.segment
+        self.places = {p.name: p for p in reply.files}
+        self.sizes: dict[str, int] = {}
+        self._mapping = SegmentMapping(reply.segment, writable=True)
+
+    def buffer(self, file: str) -> memoryview:
+        """The file's space (its capacity), to write into in place; say its size at
+        :meth:`report`. Release the view before :meth:`report` (which unmaps the segment)."""
+        p = self.places[file]
+        return self._mapping.view[p.offset:p.offset + p.capacity]
+
+    def write(self, file: str, data) -> None:
+        """Copy ``data`` (any bytes-like object) into the file's space: one memcpy."""
+        view = memoryview(data).cast("B")
+        p = self.places[file]
+        if view.nbytes > p.capacity:
+            raise KeeperError(f"{file}: {view.nbytes} bytes do not fit the {p.capacity} reserved for it in "
+                              f"{self._request.name}")
+        self._mapping.view[p.offset:p.offset + view.nbytes] = view
+        self.sizes[file] = view.nbytes
+
+    def report(self, sizes: Mapping[str, int] | None = None) -> SlotState:
+        """Tell the keeper this rank's files are copied: their sizes (written ones, else
+        ``sizes``, else the capacity) and checksums, hashed here from the shared memory."""
+        from ..persist.checksum import new_hasher
+
+        digests = []
+        for name, p in self.places.items():
+            size = self.sizes.get(name, (sizes or {}).get(name, p.capacity))
+            hasher = new_hasher(ALGORITHM)
+            hasher.update(self._mapping.view[p.offset:p.offset + size])
+            digests.append(FileDigest(name, size, hasher.hexdigest()))
+        self._mapping.close()
+        r = self._request
+        return self._client._call(Report(r.name, r.save_id, r.rank, ALGORITHM, tuple(digests)))
+
+    def close(self) -> None:
+        """Unmap the segment without reporting (a save that failed: :meth:`KeeperClient.abandon` it)."""
+        self._mapping.close()
+
+
+class MemoryCopy:
+    """A committed slot as a reader sees it: every rank's files, each read verified."""
+
+    def __init__(self, view: SlotView) -> None:
+        self.name, self.save_id, self.algorithm = view.name, view.save_id, view.algorithm
+        self.ranks = {r.rank: r for r in view.ranks}
+        self._maps: dict[str, SegmentMapping] = {}
+
+    def files(self, rank: int) -> list[str]:
+        return [f.name for f in self.ranks[rank].files]
+
+    def read(self, rank: int, file: str) -> memoryview:
+        """Rank ``rank``'s ``file``, a read-only view of the keeper's memory, after its size and
+        checksum matched the rank's report; :class:`IntegrityError` naming the file and slot if
+        not, or if its segment is gone."""
+        from ..persist.checksum import new_hasher
+
+        part = self.ranks[rank]
+        stored = next((f for f in part.files if f.name == file), None)
+        where = f"{file} of rank {rank} in memory checkpoint {self.name} (save {self.save_id}, segment {part.segment})"
+        if stored is None:
+            raise IntegrityError(f"{where}: no such file in the slot")
+        try:
+            mapping = self._maps.get(part.segment) or SegmentMapping(part.segment, writable=False)
+        except OSError as exc:
+            raise IntegrityError(f"{where}: cannot be mapped ({exc})") from exc
+        self._maps[part.segment] = mapping
+        if stored.offset + stored.size > len(mapping.view):
+            raise IntegrityError(f"{where}: the segment has {len(mapping.view)} bytes, the file ends at "
+                                 f"{stored.offset + stored.size}")
+        data = mapping.view[stored.offset:stored.offset + stored.size]
+        hasher = new_hasher(self.algorithm)
+        hasher.update(data)
+        if hasher.hexdigest() != stored.checksum:
+            data.release()
+            raise IntegrityError(f"{where}: {self.algorithm} {hasher.hexdigest()} does not match the "
+                                 f"{stored.checksum} its rank reported: corrupted")
+        return data
+
+    def close(self) -> None:
+        """Unmap the segments (views from :meth:`read` must be released first)."""
+        for mapping in self._maps.values():
+            mapping.close()
+        self._maps.clear()

@@ -1,0 +1,81 @@
+"""Shared memory segments: files in ``/dev/shm`` that the keeper creates, sizes and unlinks,
+and ranks map to write or read a checkpoint's bytes in place.
+
+Not :class:`multiprocessing.shared_memory.SharedMemory`: before Python 3.13 it registers every
+segment it opens, created or attached, with multiprocessing's resource tracker, which unlinks
+them when the opening process exits, and these must outlive the ranks. The keeper creates
+every segment and is the only one that unlinks (:func:`unlink`); ranks only map them.
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+
+from .address import SHM_DIR
+
+PAGE = mmap.PAGESIZE
+
+
+def path_of(name: str) -> str:
+    return os.path.join(SHM_DIR, name)
+
+
+def create(name: str, nbytes: int) -> int:
+    """Make segment ``name`` of ``nbytes`` (rounded up to a page), its pages allocated now
+    (``posix_fallocate``), so a rank writing into it later can never fault on a full
+    ``/dev/shm`` (a ``SIGBUS`` that would kill the training process). Returns its size.
+    ``OSError(ENOSPC)`` when ``/dev/shm`` has no room; nothing is left behind then."""
+    size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    fd = os.open(path_of(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.posix_fallocate(fd, 0, size)
+    except BaseException:
+        os.close(fd)
+        unlink(name)
+        raise
+    os.close(fd)
+    return size
+
+
+def unlink(name: str) -> bool:
+    """Remove segment ``name`` (its memory goes once no process maps it); False if it was gone."""
+    try:
+        os.unlink(path_of(name))
+        return True
+    except FileNotFoundError:
+        return False
+
+
+def free_bytes() -> int:
+    """Bytes ``/dev/shm`` can still allocate."""
+    st = os.statvfs(SHM_DIR)
+    return st.f_bavail * st.f_frsize
+
+
+class Mapping:
+    """A segment mapped into this process, whole; ``view`` is its bytes."""
+
+    def __init__(self, name: str, *, writable: bool) -> None:
+        self.name = name
+        try:
+            fd = os.open(path_of(name), os.O_RDWR if writable else os.O_RDONLY)
+        except FileNotFoundError as exc:
+            raise FileNotFoundError(errno.ENOENT, f"shared memory segment {path_of(name)} is gone") from exc
+        try:
+            size = os.fstat(fd).st_size
+            # Populated at map time: one call maps every page instead of a fault per 4 KiB page
+            # during the copy (about 1.5x faster copies into 512 MiB on a 2-core VM).
+            self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
+                                  prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
+        finally:
+            os.close(fd)
+        self.view = memoryview(self._map)
+
+    def close(self) -> None:
+        """Unmap it. Views handed out must be released first (else ``BufferError``)."""
+        if self._map is not None:
+            self.view.release()
+            self._map.close()
+            self._map = None
