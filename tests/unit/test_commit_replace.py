@@ -293,7 +293,7 @@ def test_a_load_of_a_tag_saved_again_meanwhile_is_refused_not_mixed(tmp_path):
     # it in the framework's collectives) and the end of the load raises, on every rank.
     save_tag(trainer, 300)
     with pytest.raises(IntegrityError, match=r"load_checkpoint refused on every rank: on rank\(s\) 0: "
-                                             r"checkpoint .*last' was saved again"):
+                                             r"IntegrityError: checkpoint .*last' was saved again"):
         with loader.collective_load("load_checkpoint"):
             loaded = loader.load(os.path.join(d, "optim_states.pt"))
     assert loaded["step"] == 300

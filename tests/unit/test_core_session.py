@@ -293,7 +293,7 @@ def test_a_refused_saves_directories_are_removed_through_the_storage_and_a_refus
     from fakes import RemovalsRefused
 
     storage = RemovalsRefused()
-    refuse = lambda value, error, key="": (value, {1: "PersistError: disk full"})  # noqa: E731
+    refuse = lambda value, error, key="": (value, {1: Failure("PersistError", "disk full")})  # noqa: E731
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01), world_size=2,
                            storage=storage, exchange=refuse)
     with pytest.raises(CommitError, match="disk full"):
