@@ -48,6 +48,14 @@ def test_background_threads_run_ten_nice_levels_below_the_training_thread(tmp_pa
         ck.close()
 
 
+def _cmdline(pid: int) -> bytes:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read()
+    except OSError:  # ended meanwhile
+        return b""
+
+
 def test_the_persist_worker_process_runs_below_the_training_process(tmp_path):
     mine = os.getpriority(os.PRIO_PROCESS, 0)
     ck = _saved(tmp_path, persist_in="process")
@@ -56,8 +64,7 @@ def test_the_persist_worker_process_runs_below_the_training_process(tmp_path):
                     for c in open(f"/proc/self/task/{t}/children").read().split()}
         # this checkpointer's worker only: the suite's other children (a test's S3 server,
         # the warm fork server) keep their own priority
-        pids = {pid for pid in children
-                if b"deepspeed_async_ckpt.persist.worker" in open(f"/proc/{pid}/cmdline", "rb").read()}
+        pids = {pid for pid in children if b"deepspeed_async_ckpt.persist.worker" in _cmdline(pid)}
         assert pids, "no worker process"
         assert {os.getpriority(os.PRIO_PROCESS, pid) for pid in pids} == {min(19, mine + 10)}
     finally:
