@@ -285,9 +285,7 @@ class SaveFiles:
                 # queued fail, so that the writers already queued fail on them instead of
                 # waiting for them for good (and close() with them).
                 for item in unsubmitted:
-                    if not item._issued:
-                        item.error = item.error or exc
-                        item.cancel()
+                    item.fail(exc)
                 raise
 
     def hurry(self) -> None:
