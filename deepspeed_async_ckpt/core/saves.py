@@ -28,7 +28,7 @@ class Saves:
     def __init__(self) -> None:
         self.lock = threading.Lock()
         """Guards ``inflight`` and ``reporting`` here, and the lists of the collaborators
-        built with it (recorded failures and tracked writes, reports, retention futures)."""
+        built with it (reports, retention futures)."""
         self.dirs_lock = threading.Lock()
         """Retention against saves announcing their directories (``beginning``, the pointer
         each save directory names)."""
@@ -50,6 +50,15 @@ class Saves:
         steps, swap and pointer included, is done)."""
         with self.lock:
             return list(self.inflight)
+
+    def dirs_in_use(self) -> set[str]:
+        """The checkpoint directories of the open save and of those in flight. The open save
+        is read first, as retention's ``protected`` does: one sealed meanwhile is in flight."""
+        current = self.current
+        dirs = {h.ckpt_dir for h in self.pending()}
+        if current is not None:
+            dirs.add(current.ckpt_dir)
+        return dirs
 
     def busy(self, ckpt_dir: str) -> bool:
         return any(h.ckpt_dir == ckpt_dir for h in self.pending())
