@@ -166,7 +166,7 @@ class Committer:
                     logger.warning("async checkpoint: cannot sync directory %s (%s): the entries "
                                    "made in it are as durable as the filesystem makes them", parent, exc)
             handle.times["persisted"] = time.perf_counter()
-            handle._persisted.set()
+            handle.mark_persisted()
             cfg = self._config
             swap = handle.write_dir != handle.ckpt_dir
             node = self._node if self._exchange.node_local else None
@@ -211,8 +211,7 @@ class Committer:
             handle.finalize = ()  # run or not, never again: what the steps hold is freed
             self._saves.settle(handle)  # failed: never swapped in, its staging is abandoned
             self._written(handle)
-            handle._persisted.set()
-            handle._committed.set()
+            handle.mark_settled()
 
     def _tell_nodes_failed(self, handle: CheckpointHandle, message: str) -> None:
         """Rank 0, node-local storage: the save failed before its commit began; the other

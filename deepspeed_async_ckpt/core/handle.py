@@ -117,6 +117,15 @@ class CheckpointHandle:
             item.wait_copied()
         self.times.setdefault("staged", time.perf_counter())
 
+    def mark_persisted(self) -> None:
+        """This rank's files are durable (or the save failed): the committer calls it."""
+        self._persisted.set()
+
+    def mark_settled(self) -> None:
+        """The committer is done with the save, committed or failed: every wait returns."""
+        self._persisted.set()
+        self._committed.set()
+
     def wait_persisted(self, timeout: float | None = None) -> bool:
         return self._persisted.wait(timeout)
 
