@@ -14,8 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..commit import FinalizeStep, Pointer
-from ..persist import Share
-from ..snapshot import FilePlan, TensorItem
+from ..snapshot import TensorItem
 
 
 @dataclass(frozen=True)
@@ -74,13 +73,8 @@ class CheckpointHandle:
         checkpoint's, its marker, subdirectories of files; on rank 0 also the save directory,
         whoever made it): their entries are made durable before this rank's record, so that
         no crash after the commit takes them back."""
-        self.paths: set[str] = set()
-        """The files saved so far, by their path in the checkpoint (each may be saved once)."""
         self.items: list[TensorItem] = []
-        self.unsubmitted: list[TensorItem] = []
-        """Lazy items of an open save, queued for the copier when it is sealed."""
-        self.unwritten: list[tuple[str, list[FilePlan], list[str] | None, Share | None]] = []
-        """Files of an open save, handed to the writers when it is sealed."""
+        """This rank's tensor items of the save (:meth:`wait_staged` waits for their copies)."""
         self.files: list[Future] = []
         self.dependencies: list[Future] = []
         """Outside work this save waits for (:meth:`depends_on`)."""
