@@ -155,7 +155,7 @@ class SaveFiles:
                 for item in plan.items:
                     item.cancel()
             raise
-        handle.new_dirs += new_dirs
+        self._saves.job(handle).new_dirs += new_dirs
         staged = []  # this rank's items of each plan: all, or its share's
         for plan in plans:
             mine = plan.items if share is None else \
@@ -173,7 +173,7 @@ class SaveFiles:
             try:
                 record = self._persist.write(path, plans, part_names=names, share=share, stage=stage)
             except BaseException as exc:  # for rank 0's error, once the caller abandons the save
-                handle.failure = f"{type(exc).__name__}: {exc}"
+                self._saves.job(handle).failure = f"{type(exc).__name__}: {exc}"
                 raise
             done: Future = Future()
             done.set_result(record)

@@ -68,11 +68,6 @@ class CheckpointHandle:
         staging directory beside it that the commit swaps in (see :meth:`AsyncCheckpointer.begin`)."""
         self.finalize = finalize
         """Rank 0: the steps its commit runs after the manifest (see :mod:`..commit.finalize`)."""
-        self.new_dirs: list[str] = []
-        """Directories this rank made for the save (the save directory on a first save, the
-        checkpoint's, its marker, subdirectories of files; on rank 0 also the save directory,
-        whoever made it): their entries are made durable before this rank's record, so that
-        no crash after the commit takes them back."""
         self.items: list[TensorItem] = []
         """This rank's tensor items of the save (:meth:`wait_staged` waits for their copies)."""
         self.files: list[Future] = []
@@ -81,8 +76,6 @@ class CheckpointHandle:
         self.nbytes = 0
         self.error: BaseException | None = None
         self.abandoned = False
-        self.failure: str | None = None
-        """Why a sync save's file failed on this rank (rank 0's commit error quotes it)."""
         self.fence_wait_s = 0.0
         """Time the training loop spent blocked at fences waiting for this save's copies."""
         self.eager_wait_s = 0.0
