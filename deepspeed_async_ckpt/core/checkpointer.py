@@ -129,7 +129,7 @@ class AsyncCheckpointer:
         saves = self._saves = Saves()
         self.history = saves.history
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
-        self._failures = FailureLedger(saves.lock)
+        self._failures = FailureLedger()
         self._begin_callbacks: list[Callable[[CheckpointHandle], None]] = []
         self._retention = Retention(saves, self.storage, policy, step_of)
         self._reporter = Reporter(saves, world_size=world_size, released=self._retention.released,
@@ -154,7 +154,7 @@ class AsyncCheckpointer:
         self._forked = False
         """True in a child forked from the process that made this checkpointer (see
         :mod:`.lifecycle`): its threads do not run there."""
-        lifecycle.register(self)
+        lifecycle.register(self, self._at_exit)
 
     # ------------------------------------------------------------------ save path
 
@@ -463,7 +463,7 @@ class AsyncCheckpointer:
                                "directory stays locked until it ends with the process")
             else:  # released under a running commit, another job could sweep its directory
                 self._claims.release_all()
-            lifecycle.unregister(self)
+            lifecycle.unregister(self, self._at_exit)
             self._reporter.drain()
             if self.tiers is not None:  # every commit callback has queued its drain by now
                 self.tiers.close()
@@ -477,6 +477,14 @@ class AsyncCheckpointer:
     def closed(self) -> bool:
         """True once :meth:`close` began (or, in a forked child, was called)."""
         return self._saves.closed
+
+    def in_flight(self) -> list[CheckpointHandle]:
+        """Its saves sealed and not yet settled by the committer, oldest first."""
+        return self._saves.pending()
+
+    def dirs_in_use(self) -> set[str]:
+        """The checkpoint directories of its open save and of its saves in flight."""
+        return self._saves.dirs_in_use()
 
     @property
     def staged_bytes(self) -> int:
@@ -505,6 +513,11 @@ class AsyncCheckpointer:
         self._check_not_forked()
         if self._saves.closed:
             raise AsyncCheckpointError("the checkpointer is closed")
+
+    def forget_in_child(self) -> None:
+        """In a child forked from its process (:mod:`.lifecycle` calls it): its threads do
+        not run here, so it refuses every use."""
+        self._forked = True
 
     def _check_not_forked(self) -> None:
         if self._forked:

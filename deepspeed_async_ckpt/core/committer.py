@@ -150,7 +150,7 @@ class Committer:
             if first_error is not None:
                 raise first_error
             if handle.abandoned:  # the framework's save raised here: rank 0 must not wait for
-                why = handle.failure or "the save raised on this rank before it was sealed"
+                why = self._saves.job(handle).failure or "the save raised on this rank before it was sealed"
                 if self._rank != 0:  # this rank's record until commit_timeout_s
                     self._report_failure(handle, why)
                 elif self._exchange.node_local:  # nor the other nodes' leaders for rank 0's word
@@ -159,14 +159,14 @@ class Committer:
             # The entries of the directories made for it: files are synced in their own
             # directory as they are renamed into place, but a new directory's entry lies in its
             # parent (a first save's save directory, Trainer's checkpoint-N at every save).
-            for parent in dict.fromkeys(os.path.dirname(d) for d in handle.new_dirs):
+            for parent in dict.fromkeys(os.path.dirname(d) for d in self._saves.job(handle).new_dirs):
                 try:
                     self._storage.sync_dir(parent)
                 except PermissionError as exc:  # a directory this process may not read (not open)
                     logger.warning("async checkpoint: cannot sync directory %s (%s): the entries "
                                    "made in it are as durable as the filesystem makes them", parent, exc)
             handle.times["persisted"] = time.perf_counter()
-            handle._persisted.set()
+            handle.mark_persisted()
             cfg = self._config
             swap = handle.write_dir != handle.ckpt_dir
             node = self._node if self._exchange.node_local else None
@@ -211,8 +211,7 @@ class Committer:
             handle.finalize = ()  # run or not, never again: what the steps hold is freed
             self._saves.settle(handle)  # failed: never swapped in, its staging is abandoned
             self._written(handle)
-            handle._persisted.set()
-            handle._committed.set()
+            handle.mark_settled()
 
     def _tell_nodes_failed(self, handle: CheckpointHandle, message: str) -> None:
         """Rank 0, node-local storage: the save failed before its commit began; the other

@@ -81,12 +81,11 @@ class _Tracked:
 
 class FailureLedger:
     """The errors the background stages recorded and nobody raised yet, in order, and the
-    outside writes whose outcome is not taken yet.
+    outside writes whose outcome is not taken yet. Its own lock guards both lists; no lock
+    of another object is held while it is taken."""
 
-    ``lock`` is the checkpointer's lock (:class:`~.saves.Saves`); it guards both lists."""
-
-    def __init__(self, lock: threading.Lock) -> None:
-        self.lock = lock
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
         self.errors: list[BaseException] = []
         """Under ``lock``: recorded, not yet taken."""
         self._tracked: list[_Tracked] = []

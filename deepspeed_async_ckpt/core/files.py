@@ -16,7 +16,9 @@ import logging
 import os
 import threading
 import time
+import weakref
 from concurrent.futures import Executor, Future
+from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -56,6 +58,19 @@ def smallest_host_buffer_gb(nbytes: int) -> float:
     return gb
 
 
+@dataclass
+class _Listed:
+    """What one save has listed on this rank and not yet handed to the background: its
+    files and lazy copies, until the save is sealed (``end``, or a fence)."""
+
+    paths: set[str] = field(default_factory=set)
+    """The files saved so far, by their path in the checkpoint (each may be saved once)."""
+    copies: list[TensorItem] = field(default_factory=list)
+    """Lazy items, queued for the copier when the save is sealed."""
+    writes: list[tuple[str, list[FilePlan], list[str] | None, Share | None]] = field(default_factory=list)
+    """Files (path, plans, part names, share), handed to the writers when it is sealed."""
+
+
 class SaveFiles:
     """Adds files to the open save of one rank and hands them to the background.
 
@@ -78,6 +93,9 @@ class SaveFiles:
         """Held while an open save's files and lazy copies are listed (``save``) or handed to the
         writers and the copier (``end``, or a fence): a fence on another thread (an eval
         thread's :func:`fence_all`) may seal them while the training thread is still saving."""
+        self._listed: weakref.WeakKeyDictionary[CheckpointHandle, _Listed] = weakref.WeakKeyDictionary()
+        """Under ``_seal_lock``: what each save listed (see :class:`_Listed`), for as long as
+        its handle lives."""
         self._warned_replicas_differ = False
         self._warned_pool_too_small = False
         self._plans: collections.OrderedDict[tuple[str, int], PlanCache] = collections.OrderedDict()
@@ -100,10 +118,11 @@ class SaveFiles:
             # make a manifest that every reader refuses as damaged, once `latest` names it
             raise ValueError(f"save({path!r}): not a file inside the checkpoint directory "
                              f"{handle.ckpt_dir!r} (tag {handle.tag!r})")
-        if rel in handle.paths:  # async: two writers on one temporary name, and no commit
+        listed = self._listed_of(handle)
+        if rel in listed.paths:  # async: two writers on one temporary name, and no commit
             raise ValueError(f"save({path!r}): this file was already saved in checkpoint "
                              f"{handle.tag!r}: save each file of a checkpoint once")
-        handle.paths.add(rel)
+        listed.paths.add(rel)
         if handle.write_dir != handle.ckpt_dir:  # staged: the same name in the staging directory
             path = os.path.join(handle.write_dir, rel)
         plans, shared = [], False
@@ -131,12 +150,12 @@ class SaveFiles:
             # a failed makedirs must not leave the file's items listed and never issued
             # (handle.wait_staged() would never return), nor its path "already saved"
             if not shared:
-                handle.paths.discard(rel)
+                listed.paths.discard(rel)
             for plan in plans:
                 for item in plan.items:
                     item.cancel()
             raise
-        handle.new_dirs += new_dirs
+        self._saves.job(handle).new_dirs += new_dirs
         staged = []  # this rank's items of each plan: all, or its share's
         for plan in plans:
             mine = plan.items if share is None else \
@@ -154,7 +173,7 @@ class SaveFiles:
             try:
                 record = self._persist.write(path, plans, part_names=names, share=share, stage=stage)
             except BaseException as exc:  # for rank 0's error, once the caller abandons the save
-                handle.failure = f"{type(exc).__name__}: {exc}"
+                self._saves.job(handle).failure = f"{type(exc).__name__}: {exc}"
                 raise
             done: Future = Future()
             done.set_result(record)
@@ -171,8 +190,8 @@ class SaveFiles:
                 raise
             with self._seal_lock:  # the file and its copies together, or neither
                 for mine in staged:
-                    handle.unsubmitted.extend(i for i in mine if not i.eager)
-                handle.unwritten.append((path, plans, names, share))
+                    listed.copies.extend(i for i in mine if not i.eager)
+                listed.writes.append((path, plans, names, share))
         return [sum(i.nbytes for i in mine) for mine in staged]
 
     def _check_fits_pool(self, plans: list[FilePlan]) -> None:
@@ -258,6 +277,13 @@ class SaveFiles:
         return Share(index=replicas.rank if replicas.rank <= len(cuts) else -1, cuts=cuts,
                      tmp=temporary_path(path, save_id))
 
+    def _listed_of(self, handle: CheckpointHandle) -> _Listed:
+        with self._seal_lock:
+            listed = self._listed.get(handle)
+            if listed is None:
+                listed = self._listed[handle] = _Listed()
+            return listed
+
     def seal(self, handle: CheckpointHandle) -> None:
         """Hand ``handle``'s files to the writers and its lazy copies to the copier."""
         # A save's files go to the writers and its lazy copies to the copier together, when it
@@ -270,8 +296,11 @@ class SaveFiles:
         # what the other lists meanwhile (a writer waiting for copies never queued: a save
         # that never commits, and a ``wait`` that never returns).
         with self._seal_lock:
-            unwritten, handle.unwritten = handle.unwritten, []
-            unsubmitted, handle.unsubmitted = handle.unsubmitted, []
+            listed = self._listed.get(handle)
+            if listed is None:  # nothing saved in it on this rank
+                return
+            unwritten, listed.writes = listed.writes, []
+            unsubmitted, listed.copies = listed.copies, []
             try:
                 if unwritten:
                     self._persist.pace(handle, handle.times["begin"], handle.nbytes)
@@ -285,9 +314,7 @@ class SaveFiles:
                 # queued fail, so that the writers already queued fail on them instead of
                 # waiting for them for good (and close() with them).
                 for item in unsubmitted:
-                    if not item._issued:
-                        item.error = item.error or exc
-                        item.cancel()
+                    item.fail(exc)
                 raise
 
     def hurry(self) -> None:

@@ -14,8 +14,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 from ..commit import FinalizeStep, Pointer
-from ..persist import Share
-from ..snapshot import FilePlan, TensorItem
+from ..snapshot import TensorItem
 
 
 @dataclass(frozen=True)
@@ -69,26 +68,14 @@ class CheckpointHandle:
         staging directory beside it that the commit swaps in (see :meth:`AsyncCheckpointer.begin`)."""
         self.finalize = finalize
         """Rank 0: the steps its commit runs after the manifest (see :mod:`..commit.finalize`)."""
-        self.new_dirs: list[str] = []
-        """Directories this rank made for the save (the save directory on a first save, the
-        checkpoint's, its marker, subdirectories of files; on rank 0 also the save directory,
-        whoever made it): their entries are made durable before this rank's record, so that
-        no crash after the commit takes them back."""
-        self.paths: set[str] = set()
-        """The files saved so far, by their path in the checkpoint (each may be saved once)."""
         self.items: list[TensorItem] = []
-        self.unsubmitted: list[TensorItem] = []
-        """Lazy items of an open save, queued for the copier when it is sealed."""
-        self.unwritten: list[tuple[str, list[FilePlan], list[str] | None, Share | None]] = []
-        """Files of an open save, handed to the writers when it is sealed."""
+        """This rank's tensor items of the save (:meth:`wait_staged` waits for their copies)."""
         self.files: list[Future] = []
         self.dependencies: list[Future] = []
         """Outside work this save waits for (:meth:`depends_on`)."""
         self.nbytes = 0
         self.error: BaseException | None = None
         self.abandoned = False
-        self.failure: str | None = None
-        """Why a sync save's file failed on this rank (rank 0's commit error quotes it)."""
         self.fence_wait_s = 0.0
         """Time the training loop spent blocked at fences waiting for this save's copies."""
         self.eager_wait_s = 0.0
@@ -116,6 +103,15 @@ class CheckpointHandle:
         for item in self.items:
             item.wait_copied()
         self.times.setdefault("staged", time.perf_counter())
+
+    def mark_persisted(self) -> None:
+        """This rank's files are durable (or the save failed): the committer calls it."""
+        self._persisted.set()
+
+    def mark_settled(self) -> None:
+        """The committer is done with the save, committed or failed: every wait returns."""
+        self._persisted.set()
+        self._committed.set()
 
     def wait_persisted(self, timeout: float | None = None) -> bool:
         return self._persisted.wait(timeout)

@@ -70,15 +70,17 @@ def _run_exit_flushes() -> None:
             method()
 
 
-def register(checkpointer: AsyncCheckpointer) -> None:
-    """Count ``checkpointer`` among this process's open ones, and flush it at exit."""
-    flush_at_exit(checkpointer._at_exit)
+def register(checkpointer: AsyncCheckpointer, at_exit: Callable[[], None]) -> None:
+    """Count ``checkpointer`` among this process's open ones, and call its ``at_exit`` (its
+    flush) at exit."""
+    flush_at_exit(at_exit)
     _open_checkpointers.add(checkpointer)
 
 
-def unregister(checkpointer: AsyncCheckpointer) -> None:
-    """``checkpointer`` is closed: no exit flush, no longer listed."""
-    cancel_flush_at_exit(checkpointer._at_exit)
+def unregister(checkpointer: AsyncCheckpointer, at_exit: Callable[[], None]) -> None:
+    """``checkpointer`` is closed: no exit flush (the ``at_exit`` it registered), no longer
+    listed."""
+    cancel_flush_at_exit(at_exit)
     _open_checkpointers.discard(checkpointer)
 
 
@@ -90,7 +92,7 @@ def _forget_in_child() -> None:
     _exit_lock = threading.Lock()  # another thread of the parent may have held it at the fork
     _exit_flushes.clear()
     for ck in list(_open_checkpointers):
-        ck._forked = True
+        ck.forget_in_child()
         _open_checkpointers.discard(ck)  # fence_all() in the child skips them
     forget_claims_in_child()  # the parent's save-directory locks are the parent's
 
@@ -113,7 +115,7 @@ def fence_all() -> None:
 def saves_in_flight() -> list[CheckpointHandle]:
     """The saves of this process's open checkpointers that are sealed (``end``) and not yet
     committed or failed (or, on rank 0, not yet swapped in)."""
-    return [h for c in list(_open_checkpointers) if not c.closed for h in c._saves.pending()]
+    return [h for c in list(_open_checkpointers) if not c.closed for h in c.in_flight()]
 
 
 def open_checkpointers() -> list[AsyncCheckpointer]:
@@ -129,10 +131,7 @@ def saving_dirs() -> set[str]:
     for checkpointer in list(_open_checkpointers):
         if checkpointer.closed:
             continue
-        current = checkpointer._saves.current  # before pending(), as in retention's protected()
-        dirs.update(h.ckpt_dir for h in checkpointer._saves.pending())
-        if current is not None:
-            dirs.add(current.ckpt_dir)
+        dirs.update(checkpointer.dirs_in_use())
     return {os.path.realpath(d) for d in dirs}
 
 

@@ -12,6 +12,8 @@ from __future__ import annotations
 import collections
 import threading
 import time
+import weakref
+from dataclasses import dataclass, field
 
 from ..errors import CommitError
 from .handle import CheckpointHandle
@@ -22,13 +24,27 @@ def time_left(deadline: float | None) -> float | None:
     return None if deadline is None else max(0.0, deadline - time.monotonic())
 
 
+@dataclass
+class SaveJob:
+    """What the pipeline keeps of one save beside its handle, for the committer (callers never
+    see it): :meth:`Saves.job` gives it to the session, the save files and the committer."""
+
+    new_dirs: list[str] = field(default_factory=list)
+    """Directories this rank made for the save (the save directory on a first save, the
+    checkpoint's, its marker, subdirectories of files; on rank 0 also the save directory,
+    whoever made it): their entries are made durable before this rank's record, so that
+    no crash after the commit takes them back."""
+    failure: str | None = None
+    """Why a sync save's file failed on this rank (rank 0's commit error quotes it)."""
+
+
 class Saves:
     """What is being saved, as every thread of one checkpointer sees it."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
         """Guards ``inflight`` and ``reporting`` here, and the lists of the collaborators
-        built with it (recorded failures and tracked writes, reports, retention futures)."""
+        built with it (reports, retention futures)."""
         self.dirs_lock = threading.Lock()
         """Retention against saves announcing their directories (``beginning``, the pointer
         each save directory names)."""
@@ -44,12 +60,31 @@ class Saves:
         self.closed = False
         self.history: collections.deque[CheckpointHandle] = collections.deque(maxlen=64)
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
+        self._jobs: weakref.WeakKeyDictionary[CheckpointHandle, SaveJob] = weakref.WeakKeyDictionary()
+        """Under ``lock``: each save's :class:`SaveJob`, for as long as its handle lives."""
+
+    def job(self, handle: CheckpointHandle) -> SaveJob:
+        """``handle``'s job (made at the first call). Not called with ``lock`` held."""
+        with self.lock:
+            job = self._jobs.get(handle)
+            if job is None:
+                job = self._jobs[handle] = SaveJob()
+            return job
 
     def pending(self) -> list[CheckpointHandle]:
         """Saves whose directories are in use: those in flight (until their commit, finalize
         steps, swap and pointer included, is done)."""
         with self.lock:
             return list(self.inflight)
+
+    def dirs_in_use(self) -> set[str]:
+        """The checkpoint directories of the open save and of those in flight. The open save
+        is read first, as retention's ``protected`` does: one sealed meanwhile is in flight."""
+        current = self.current
+        dirs = {h.ckpt_dir for h in self.pending()}
+        if current is not None:
+            dirs.add(current.ckpt_dir)
+        return dirs
 
     def busy(self, ckpt_dir: str) -> bool:
         return any(h.ckpt_dir == ckpt_dir for h in self.pending())

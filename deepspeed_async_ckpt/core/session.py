@@ -140,10 +140,10 @@ class Session:
             self._begun(handle)  # the begin callbacks: what it depends on
             if self._rank == 0:  # and the marker's entry (made under another name, renamed), and
                 # the save directory's, which Trainer makes for each checkpoint-N: the pointer in it
-                handle.new_dirs += [*(made[1] if made else ()), os.path.join(write_dir, META_DIR),
+                saves.job(handle).new_dirs += [*(made[1] if made else ()), os.path.join(write_dir, META_DIR),
                                     save_dir]
             elif self._committer.leads_node:  # its node's copy (node-local storage): the same
-                handle.new_dirs += self._committer.mark_node_copy(write_dir)
+                saves.job(handle).new_dirs += self._committer.mark_node_copy(write_dir)
         finally:
             with saves.dirs_lock:
                 saves.beginning = None

@@ -2,8 +2,10 @@
 host buffer, and on to the writer.
 
 The planner makes one per record (:func:`~.planner.plan_file`), the stager copies it
-(:class:`~.stager.Stager`, which also keeps the item's underscore-named bookkeeping: issued,
-claimed, its save), the persist stage waits for its host copy and releases it to the pool.
+(:class:`~.stager.Stager`, through the item's methods: :meth:`TensorItem.queue_with`,
+:meth:`~TensorItem.claim`, :meth:`~TensorItem.take_buffer`, :meth:`~TensorItem.record_event`,
+:meth:`~TensorItem.mark_issued`, :meth:`~TensorItem.fail`), the persist stage waits for its
+host copy and releases it to the pool.
 An item refuses to copy a source that was changed, freed or resized after the save planned it.
 """
 
@@ -93,20 +95,70 @@ class TensorItem:
                 "of after the save. Code that changes weights or optimizer state outside the "
                 "optimizer step must call deepspeed_async_ckpt.fence_all() first")
 
-    def _set_issued(self) -> None:
+    @property
+    def issued(self) -> bool:
+        """Whether the copy was issued (or failed, or will never happen)."""
+        return self._issued
+
+    @property
+    def job(self) -> object:
+        """What the item was queued with (:meth:`queue_with`): its save's items."""
+        return self._job
+
+    @property
+    def storage(self) -> tuple[int, int] | None:
+        """``(data_ptr, nbytes)`` of the source's storage when the save planned it."""
+        return self._storage
+
+    @property
+    def cuda_event(self) -> Any:
+        """The CUDA event that completes the copy on the copy stream; None without one."""
+        return self._cuda_event
+
+    def queue_with(self, job: object) -> None:
+        """The item is queued for the background copier as part of ``job``."""
+        self._job = job
+
+    def claim(self) -> bool:
+        """Take the item to copy it (the copier, or a fence helping); False if another thread
+        took it first. Called under the stager's lock, which makes the test and set one step."""
+        if self._claimed:
+            return False
+        self._claimed = True
+        return True
+
+    def take_buffer(self, host: torch.Tensor, pool: HostBufferPool | None) -> None:
+        """The item's host buffer, from ``pool`` (None: a buffer of its own), which
+        :meth:`release` gives back."""
+        self.host, self._pool = host, pool
+
+    def record_event(self, event: Any) -> None:
+        """The copy was issued on a CUDA stream; ``event`` completes it."""
+        self._cuda_event = event
+
+    def mark_issued(self) -> None:
         """The copy was issued (or failed, or will never happen)."""
         if not self._issued:
             self._issued = True
             self._latch.release()
 
-    def _wait_issued(self) -> None:
+    def fail(self, exc: BaseException) -> None:
+        """The item will not be copied: record ``exc`` (unless an error is recorded already),
+        drop the source and count it as issued. No effect once it was issued."""
+        if not self._issued:
+            self.error = self.error or exc
+            self.src = None
+            self.mark_issued()
+
+    def wait_issued(self) -> None:
+        """Block until the copy was issued (not until it has finished: :meth:`wait_copied`)."""
         if not self._issued:
             with self._latch:
                 pass
 
     def wait_copied(self) -> None:
         """Block until the host copy has finished or failed (never raises)."""
-        self._wait_issued()
+        self.wait_issued()
         if self._cuda_event is not None:
             self._cuda_event.synchronize()
 
@@ -122,7 +174,7 @@ class TensorItem:
         as done, so :meth:`release` does not wait for it. No effect once it was staged."""
         if not self._issued:
             self.src = None
-            self._set_issued()
+            self.mark_issued()
 
     def release(self) -> None:
         """Return the host buffer to the pool (after it was written, or on failure)."""

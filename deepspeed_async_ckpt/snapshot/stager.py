@@ -90,12 +90,10 @@ class Stager:
             failed = job in self._failed_jobs
         if failed:
             for item in items:
-                item.error = SnapshotError("not copied: an earlier record of its save failed to stage")
-                item.src = None
-                item._set_issued()
+                item.fail(SnapshotError("not copied: an earlier record of its save failed to stage"))
             return
         for item in items:
-            item._job = job
+            item.queue_with(job)
         with self._lock:
             self._pending.extend(items)
             self._queued_bytes += sum(aligned_size(item.nbytes) for item in items)
@@ -113,7 +111,7 @@ class Stager:
                 raise SnapshotError(f"staging {item.what} failed: {describe(exc)}") from exc
             item.src = None
             self._count(item.nbytes)
-            item._set_issued()
+            item.mark_issued()
 
     def stage(self, item: TensorItem, ready: Any = None, expected_bytes: int = 0) -> None:
         """Copy one item into a pool buffer; with CUDA the copy is only issued here.
@@ -128,7 +126,7 @@ class Stager:
         """Give ``item`` its pool buffer, unless it has one. Returns False, having taken
         nothing, if ``wait`` is false and the pool has no room now. A failure (a tensor larger
         than the pool) is recorded on the item, which then counts as issued."""
-        if item.host is not None or item._issued:
+        if item.host is not None or item.issued:
             return True
         try:
             if item.nbytes:
@@ -137,14 +135,11 @@ class Stager:
                 buf = self.pool.acquire(item.nbytes, item.what, expected, wait=wait)
                 if buf is None:
                     return False
-                item._pool = self.pool
+                item.take_buffer(buf, self.pool)
             else:
-                buf = torch.empty(0, dtype=torch.uint8)
-            item.host = buf
+                item.take_buffer(torch.empty(0, dtype=torch.uint8), None)
         except BaseException as exc:  # surfaced by wait_staged / fence
-            item.error = exc
-            item.src = None
-            item._set_issued()
+            item.fail(exc)
             if not isinstance(exc, Exception):  # Ctrl-C on the training thread: still Ctrl-C
                 raise
         return True
@@ -153,7 +148,7 @@ class Stager:
         """Copy ``item``'s source into its buffer (with CUDA: issue the copy on the copy
         stream), then mark it issued."""
         try:
-            if item._issued:  # its buffer could not be had: the error is on the item
+            if item.issued:  # its buffer could not be had: the error is on the item
                 return
             src = item.src
             if item.nbytes:
@@ -167,7 +162,7 @@ class Stager:
                         src.record_stream(self._copy_stream)
                         event = torch.cuda.Event()
                         event.record(self._copy_stream)
-                    item._cuda_event = event
+                    item.record_event(event)
                 else:
                     dst.copy_(src)
                     item.check_unchanged(src)  # not even while it was being copied
@@ -178,7 +173,7 @@ class Stager:
                 raise
         finally:
             item.src = None
-            item._set_issued()
+            item.mark_issued()
 
     def fence(self, unchanged: Callable[[], Iterable[torch.Tensor]] | None = None) -> None:
         """Block until every queued copy is issued; with CUDA, make the current stream wait for
@@ -204,33 +199,33 @@ class Stager:
         at = 0  # items before it in the queue are left to the copier (their sources unchanged)
         while True:
             with self._lock:
-                while at < len(self._pending) and skip and not self._pending[at]._issued \
-                        and self._pending[at]._storage in skip:
+                while at < len(self._pending) and skip and not self._pending[at].issued \
+                        and self._pending[at].storage in skip:
                     at += 1
                 if at >= len(self._pending):
                     return
                 item = self._pending[at]
-            if not item._issued and self._copy_one_from_the_back(skip):
+            if not item.issued and self._copy_one_from_the_back(skip):
                 continue
-            item._wait_issued()
+            item.wait_issued()
             with self._lock:  # done with it, failed or not: an error is raised once
                 if at < len(self._pending) and self._pending[at] is item:
                     del self._pending[at]
                 if item.error is not None:  # and once per save: the rest of it failed with it
-                    self._pending = collections.deque(i for i in self._pending if i._job is not item._job)
-                    self._failed_jobs.add(item._job)
+                    self._pending = collections.deque(i for i in self._pending if i.job is not item.job)
+                    self._failed_jobs.add(item.job)
                 at = 0  # another thread's fence may have taken items meanwhile: look again
             if item.error is not None:
                 raise SnapshotError(f"staging {item.what} failed: {describe(item.error)}") from item.error
-            if item._cuda_event is not None:
-                torch.cuda.current_stream().wait_event(item._cuda_event)
+            if item.cuda_event is not None:
+                torch.cuda.current_stream().wait_event(item.cuda_event)
 
     def forget_issued(self) -> None:
         """Drop the queued items already copied or failed, once their saves are over (the
         checkpointer's ``wait``): a loop that never fences does not keep them for good, and a
         later fence does not raise again a staging error the save's failure reported."""
         with self._lock:
-            self._pending = collections.deque(item for item in self._pending if not item._issued)
+            self._pending = collections.deque(item for item in self._pending if not item.issued)
 
     def _copy_one_from_the_back(self, skip: set = frozenset()) -> bool:
         """Copy the last queued item from host memory that has its buffer and that no thread
@@ -243,8 +238,8 @@ class Stager:
                     self._prepared.wait()
                 while self._helpable:
                     item = self._helpable.pop()
-                    if not item._claimed and not item._issued and item._storage not in skip:
-                        item._claimed, claimed = True, item
+                    if not item.issued and item.storage not in skip and item.claim():
+                        claimed = item
                         break
                 else:
                     return False
@@ -253,10 +248,8 @@ class Stager:
             # Cut short (Ctrl-C) between the claim and _copy's own handling: the copier skips a
             # claimed item, so it must end issued here, failed, or its writer and the next
             # fence wait for it for good.
-            if claimed is not None and not claimed._issued:
-                claimed.error = claimed.error or exc
-                claimed.src = None
-                claimed._set_issued()
+            if claimed is not None:
+                claimed.fail(exc)
             raise
         self.fence_copied_bytes += claimed.nbytes
         return True
@@ -289,7 +282,7 @@ class Stager:
                 self._prepared.notify_all()
             for item in items:
                 with self._lock:
-                    mine, item._claimed = not item._claimed, True
+                    mine = item.claim()
                 if mine:
                     self.stage(item, ready)
                 with self._lock:

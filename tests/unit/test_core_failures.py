@@ -294,14 +294,14 @@ def test_a_sync_end_raises_its_failure_even_when_another_threads_wait_took_it(tm
 
     handle = ck.begin(os.path.join(root, "t1"), tag="t1", pointer=Pointer(os.path.join(root, "latest"), "t1"))
     ck.save(sample_state(), os.path.join(root, "t1", "model.pt"))
-    real_set = handle._committed.set
+    real_settle = handle.mark_settled
 
     def committed_then_the_other_thread_waits():  # it takes the error before end() looks
-        real_set()
+        real_settle()
         threading.Thread(target=wait_for_it).start()
         taken.wait(10)
 
-    handle._committed.set = committed_then_the_other_thread_waits
+    handle.mark_settled = committed_then_the_other_thread_waits
     with pytest.raises(PersistError, match="No space left") as info:
         ck.end()
     assert "t1" in str(info.value)

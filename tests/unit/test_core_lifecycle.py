@@ -31,7 +31,7 @@ def test_background_threads_start_only_when_the_save_is_sealed(tmp_path):
     time.sleep(0.3)  # ample time for a writer thread to open its temporary file
     assert not [p.name for p in d.iterdir() if p.name.startswith("model.pt")]
     handle = ck._saves.current
-    assert not any(i._issued for i in handle.items if not i.eager)  # no lazy copy yet
+    assert not any(i.issued for i in handle.items if not i.eager)  # no lazy copy yet
     ck.end()
     ck.wait()
     assert (d / "model.pt").exists() and (tmp_path / "latest").read_text() == "t1"

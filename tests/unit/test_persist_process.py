@@ -199,7 +199,7 @@ def test_background_persistence_lets_the_training_thread_have_the_gil_in_short_s
             plan = plan_file(state, set(), what="gil.pt")
             for item, t in zip(plan.items, state.values()):
                 item.host = t.view(-1).view(torch.uint8)
-                item._set_issued()
+                item.mark_issued()
             write_file(LocalStorage(), str(tmp_path / "gil.pt"), [plan], "xxh128")
 
         thread_gap = min(_max_gap_while(persist_in_thread)[0] for _ in range(2))

@@ -415,7 +415,7 @@ def test_a_ctrl_c_between_the_fences_claim_and_its_copy_fails_the_save_not_the_n
     ck.end()
     with pytest.raises(KeyboardInterrupt):
         ck.fence()
-    assert hits and hits[0]._issued
+    assert hits and hits[0].issued
     slow.set()
     with pytest.raises(SnapshotError, match="KeyboardInterrupt"):
         ck.fence()
@@ -550,3 +550,19 @@ def test_a_frozen_tensor_changed_before_its_copy_still_fails_the_save(tmp_path, 
         ck.wait()
     assert not (tmp_path / "latest").exists()  # not committed
     ck.close()
+
+
+def test_an_item_is_claimed_once_and_keeps_its_first_failure():
+    """The copier and a helping fence take an item through ``claim``: only one of them gets
+    it. A failure recorded first (the copy's own) is the one reported, not a later one."""
+    from deepspeed_async_ckpt.snapshot import TensorItem
+
+    item = TensorItem("k", torch.zeros(4), 16, eager=False, what="a record")
+    assert item.claim() and not item.claim()
+    first = RuntimeError("the copy's own failure")
+    item.fail(first)
+    item.fail(KeyboardInterrupt())
+    item.wait_issued()  # returns: a failed item counts as issued
+    assert item.issued and item.error is first and item.src is None
+    with pytest.raises(SnapshotError, match="a record.*the copy's own failure"):
+        item.wait_staged()
