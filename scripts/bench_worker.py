@@ -10,7 +10,7 @@ see the same weights, the same memory and the same step time:
 3. per engine: a cadence (the engine's first checkpoints, one-time costs included): K steps
    without a checkpoint, ``--saves`` checkpoints every K steps as a training loop makes them,
    drained, and K steps more, every step timed (the lost time of each save, see
-   ``lost_time.py``); then ``--repeats`` times a paired baseline window of K steps and the
+   ``bench.lost_time``); then ``--repeats`` times a paired baseline window of K steps and the
    timed window: ``save_checkpoint`` followed by K training steps, drained;
 4. DeepSpeed's decoupled writer engine, which is chosen at ``initialize``: tiny engines with
    writer configs from DeepSpeed's default up record why each fails; the first that completes
@@ -42,8 +42,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ds_train import batch, build_model  # noqa: E402  (the README's training loop's model)
+from ds_train import batch, build_model  # noqa: E402  (the README's training loop's model, this file's directory)
 
 now = time.perf_counter
 
@@ -361,7 +360,7 @@ def cadence(trainer: Trainer, adapter: Adapter, save_dir: str, k: int, saves: in
     """``saves`` checkpoints every ``k`` steps, as a training loop makes them, between two
     windows of ``k`` steps with no checkpoint in flight (before the engine's first save, and
     after its last one completed): the step times a lost-time figure is computed from
-    (``lost_time.py``). Per save: the save call, the fence wait inside the next step, the
+    (``bench.lost_time``). Per save: the save call, the fence wait inside the next step, the
     steps until the next save, and this process's CPU seconds and page faults over them."""
     before = trainer.window(k)
     records, token = [], None
@@ -402,8 +401,7 @@ def run_engine(trainer: Trainer, adapter: Adapter, root: str, k: int, rank: int,
         clean(save_dir, rank)
         for i in range(repeats):
             # The overhead's reference: K steps without a checkpoint right before the timed
-            # window (this VM's step time drifts by several percent over a run; adjacent
-            # windows agree better).
+            # window (the step time drifts over a run; adjacent windows agree better).
             base = trainer.window(k)
             timed = one_checkpoint(trainer, adapter, save_dir, f"timed{i}", k, rank)
             res["runs"].append({"paired_baseline": base, "timed": timed})

@@ -3,7 +3,8 @@
 Run one process per rank (``scripts/launch.py`` or ``deepspeed``/``torchrun``); on CPU set
 ``DS_ACCELERATOR=cpu``. The checkpoint engine is chosen by the DeepSpeed config alone: with the
 ``"async_checkpoint"`` key this package's engine runs, without it DeepSpeed's
-``TorchCheckpointEngine`` does. No code here refers to this package.
+``TorchCheckpointEngine`` does. No code here refers to this package's engine (the flags' types
+are its launcher's).
 
 Writes one JSON line per event to ``--log`` (step losses, per-checkpoint blocking time), so
 tests and the demo can compare runs.
@@ -21,7 +22,8 @@ import time
 import torch
 import torch.nn as nn
 
-from launch import NON_NEGATIVE, POSITIVE, _seconds  # scripts/, this file's directory
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+from deepspeed_async_ckpt.tools.launch import NON_NEGATIVE, POSITIVE, _seconds  # noqa: E402
 
 
 def build_model(hidden: int, layers: int, pipeline_stages: int = 0):
