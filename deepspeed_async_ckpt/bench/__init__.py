@@ -8,8 +8,11 @@
   figures from its ranks' records, the targets it is held to, its tables and its chart;
 - :mod:`.engines`, :mod:`.sizing`: the engines and settings compared, layers for a size;
 - :mod:`.gpu_report`, :mod:`.machine`: the NVML report, what machine a run used;
-- :mod:`.logs`: the closing lines of a device check's logs.
+- :mod:`.logs`: the closing lines of a device check's logs;
+- :mod:`.adapters`, :mod:`.usage`: how a benchmark rank saves with each engine (these two import
+  torch), what it used.
 
 The runnable benchmarks are ``scripts/bench_*.py``; their numbers are in ``docs/benchmarks.md``.
-Nothing here imports torch, matplotlib or transformers at import time.
+Importing the package imports none of them; only :mod:`.adapters` and :mod:`.usage` import torch
+at import time, and nothing imports matplotlib or transformers before it draws or trains.
 """
