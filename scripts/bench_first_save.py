@@ -53,7 +53,7 @@ def main(argv=None) -> int:
 
     from deepspeed_async_ckpt.bench.sizing import layers_for
     from bench_worker import ds_config
-    from ds_train import batch, build_model
+    from deepspeed_async_ckpt.bench.model import batch, build_model
     from deepspeed_async_ckpt.bench.lost_time import baseline_step, lost_time, summary
     from deepspeed_async_ckpt.integrations.activation import install
 

@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import deepspeed_async_ckpt
-    from ds_train import build_model
+    from deepspeed_async_ckpt.bench.model import build_model
 
     deepspeed_async_ckpt.install()
     deepspeed.init_distributed(dist_backend="gloo")

@@ -44,7 +44,7 @@ import torch.nn as nn
 from deepspeed_async_ckpt.bench.adapters import (Adapter, AsyncAdapter, DCPAdapter, DecoupledAdapter,  # noqa: E402
                                                  DeepSpeedAdapter, use_checkpoint_engine)
 from deepspeed_async_ckpt.bench.usage import dir_bytes, tensor_bytes, usage, usage_delta  # noqa: E402
-from ds_train import batch, build_model  # noqa: E402  (the README's training loop's model, this file's directory)
+from deepspeed_async_ckpt.bench.model import batch, build_model  # noqa: E402
 
 now = time.perf_counter
 

@@ -23,26 +23,8 @@ import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+from deepspeed_async_ckpt.bench.model import batch, build_model  # noqa: E402
 from deepspeed_async_ckpt.tools.launch import NON_NEGATIVE, POSITIVE, _seconds  # noqa: E402
-
-
-def build_model(hidden: int, layers: int, pipeline_stages: int = 0):
-    blocks = []
-    for _ in range(layers):
-        blocks += [nn.Linear(hidden, hidden), nn.GELU(), nn.LayerNorm(hidden)]
-    blocks.append(nn.Linear(hidden, 1))
-    if pipeline_stages:
-        from deepspeed.pipe import PipelineModule
-
-        return PipelineModule(layers=blocks, num_stages=pipeline_stages, loss_fn=nn.MSELoss())
-    return nn.Sequential(*blocks)
-
-
-def batch(step: int, rank: int, micro: int, hidden: int, dtype: torch.dtype):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(micro, hidden, generator=g)
-    y = x.sum(dim=1, keepdim=True).tanh()
-    return x.to(dtype), y.to(dtype)
 
 
 def _fence_wait_s(engine) -> float:

@@ -9,10 +9,10 @@
 - :mod:`.engines`, :mod:`.sizing`: the engines and settings compared, layers for a size;
 - :mod:`.gpu_report`, :mod:`.machine`: the NVML report, what machine a run used;
 - :mod:`.logs`: the closing lines of a device check's logs;
-- :mod:`.adapters`, :mod:`.usage`: how a benchmark rank saves with each engine (these two import
-  torch), what it used.
+- :mod:`.adapters`, :mod:`.usage`, :mod:`.model`: how a benchmark rank saves with each engine,
+  what it used, the model it trains (these three import torch).
 
 The runnable benchmarks are ``scripts/bench_*.py``; their numbers are in ``docs/benchmarks.md``.
-Importing the package imports none of them; only :mod:`.adapters` and :mod:`.usage` import torch
-at import time, and nothing imports matplotlib or transformers before it draws or trains.
+Importing this package imports none of its modules; of those, only :mod:`.adapters`, :mod:`.usage`
+and :mod:`.model` import torch when imported, and matplotlib is imported only to draw.
 """
