@@ -1,5 +1,5 @@
 """The first save of a process against the later ones: training time lost per checkpoint
-(``lost_time.py``) when the first save comes right after the first optimizer step, as a job
+(``bench.lost_time``) when the first save comes right after the first optimizer step, as a job
 that checkpoints early (or resumes and saves at once) makes it.
 
 One process, DeepSpeed on CPU (gloo, one rank, one compute thread), this package's engine with
@@ -27,7 +27,7 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
+sys.path.insert(0, REPO)  # this checkout's package, before an installed one
 
 
 def main(argv=None) -> int:
@@ -51,10 +51,10 @@ def main(argv=None) -> int:
     import torch.nn as nn
     from deepspeed.utils import logger as ds_logger
 
-    from bench_checkpoint import layers_for
+    from deepspeed_async_ckpt.bench.sizing import layers_for
     from bench_worker import ds_config
-    from ds_train import batch, build_model
-    from lost_time import baseline_step, lost_time, summary
+    from deepspeed_async_ckpt.bench.model import batch, build_model
+    from deepspeed_async_ckpt.bench.lost_time import baseline_step, lost_time, summary
     from deepspeed_async_ckpt.integrations.activation import install
 
     torch.set_num_threads(1)

@@ -33,7 +33,7 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package, before an installed one
 import bench_standin  # noqa: E402
 from bench_standin import Adapter, ENGINES, run_engine, table  # noqa: E402
 
@@ -185,7 +185,7 @@ def main(argv=None) -> int:
     engines = [e for e in args.engines.split(",") if e]
     if any(e not in LABELS for e in engines):
         p.error(f"--engines: choose from {sorted(LABELS)}")
-    from launch import scratch_dir
+    from deepspeed_async_ckpt.tools.launch import scratch_dir
 
     root = scratch_dir(args.work_dir)
     t0 = now()

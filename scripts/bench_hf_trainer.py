@@ -29,8 +29,8 @@ import tempfile
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-from launch import free_port  # noqa: E402
+sys.path.insert(0, REPO)  # this checkout's package, before an installed one
+from deepspeed_async_ckpt.tools.launch import free_port  # noqa: E402
 
 ENGINES = {"torch": "DeepSpeed TorchCheckpointEngine", "async": "this engine (async)"}
 

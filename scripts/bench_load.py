@@ -33,8 +33,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
 
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    from launch import free_port, scratch_dir  # a fixed port failed when another run held it
+    sys.path.insert(0, REPO)  # this checkout's package, before an installed one
+    from deepspeed_async_ckpt.tools.launch import free_port, scratch_dir  # a fixed port failed when another run held it
 
     for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
                        ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
@@ -43,7 +43,7 @@ def main(argv: list[str] | None = None) -> int:
     import torch
 
     import deepspeed_async_ckpt
-    from ds_train import build_model
+    from deepspeed_async_ckpt.bench.model import build_model
 
     deepspeed_async_ckpt.install()
     deepspeed.init_distributed(dist_backend="gloo")

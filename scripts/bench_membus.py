@@ -9,7 +9,7 @@ spare core, does what a save does to host memory, with no disk and no engine:
 - ``copy+xxh128``: the same, then hashes the buffer with xxh128 (the default checksum).
 
 Reported per variant: the extra time of the K steps after each start against the median of
-steps with nothing running (the lost-time accounting of ``scripts/lost_time.py``, without a save
+steps with nothing running (the lost-time accounting of ``deepspeed_async_ckpt.bench.lost_time``, without a save
 call), median and worst over the rounds. If it is of the size of the engine's lost time, the
 loss is memory traffic, which no scheduling of the disk writes removes.
 
@@ -27,7 +27,7 @@ import time
 import torch
 import xxhash
 
-from lost_time import baseline_step, lost_time, summary as lost_summary  # this file's directory
+from deepspeed_async_ckpt.bench.lost_time import baseline_step, lost_time, summary as lost_summary
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ Beside each event (``thread_probe``): every thread's CPU seconds, run-queue wait
 (the persist worker's too), the training thread's split of each step into on-CPU,
 waiting-for-a-core and asleep (GIL or fence), the fence's waits, the process's page faults
 and resident memory, the machine's page cache and dirty bytes. ``--thread-steps`` also
-samples every thread after every step (off by default: it costs about 1 ms between steps).
+samples every thread after every step (off by default: it costs time between steps).
 
     PYTHONPATH=. python scripts/bench_standin.py --out bench_out/standin.json   # ~6 min, 2 idle cores
 
@@ -46,9 +46,9 @@ import sys
 import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, HERE)
-import lost_time  # noqa: E402
-import thread_probe  # noqa: E402
+sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package, before an installed one
+from deepspeed_async_ckpt.bench import lost_time  # noqa: E402
+from deepspeed_async_ckpt.bench import thread_probe  # noqa: E402
 
 now = time.perf_counter
 ENGINES = {"torch": "DS TorchCheckpointEngine", "threads": "this engine (threads)",
@@ -315,7 +315,7 @@ def main(argv=None) -> int:
     bad = [e for e in engines if e not in ENGINES]
     if bad:
         p.error(f"--engines: unknown {bad}; choose from {sorted(ENGINES)}")
-    from launch import scratch_dir
+    from deepspeed_async_ckpt.tools.launch import scratch_dir
 
     root = scratch_dir(args.work_dir)
     t_start = now()

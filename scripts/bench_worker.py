@@ -10,7 +10,7 @@ see the same weights, the same memory and the same step time:
 3. per engine: a cadence (the engine's first checkpoints, one-time costs included): K steps
    without a checkpoint, ``--saves`` checkpoints every K steps as a training loop makes them,
    drained, and K steps more, every step timed (the lost time of each save, see
-   ``lost_time.py``); then ``--repeats`` times a paired baseline window of K steps and the
+   ``bench.lost_time``); then ``--repeats`` times a paired baseline window of K steps and the
    timed window: ``save_checkpoint`` followed by K training steps, drained;
 4. DeepSpeed's decoupled writer engine, which is chosen at ``initialize``: tiny engines with
    writer configs from DeepSpeed's default up record why each fails; the first that completes
@@ -29,7 +29,6 @@ import gc
 import json
 import logging
 import os
-import resource
 import shutil
 import statistics
 import sys
@@ -42,47 +41,12 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ds_train import batch, build_model  # noqa: E402  (the README's training loop's model)
+from deepspeed_async_ckpt.bench.adapters import (Adapter, AsyncAdapter, DCPAdapter, DecoupledAdapter,  # noqa: E402
+                                                 DeepSpeedAdapter, use_checkpoint_engine)
+from deepspeed_async_ckpt.bench.usage import dir_bytes, tensor_bytes, usage, usage_delta  # noqa: E402
+from deepspeed_async_ckpt.bench.model import batch, build_model  # noqa: E402
 
 now = time.perf_counter
-
-
-def usage() -> dict:
-    """CPU seconds and page faults of this process, all threads (copier and writers included)."""
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return {"user_s": ru.ru_utime, "sys_s": ru.ru_stime, "minflt": ru.ru_minflt, "majflt": ru.ru_majflt}
-
-
-def usage_delta(a: dict, b: dict) -> dict:
-    return {k: b[k] - a[k] for k in a}
-
-
-def tensor_bytes(obj: Any) -> int:
-    """Bytes of every tensor reachable through dicts, lists and tuples (each counted once)."""
-    seen, total, stack = set(), 0, [obj]
-    while stack:
-        o = stack.pop()
-        if isinstance(o, torch.Tensor):
-            if id(o) not in seen:
-                seen.add(id(o))
-                total += o.numel() * o.element_size()
-        elif isinstance(o, dict):
-            stack.extend(o.values())
-        elif isinstance(o, (list, tuple)):
-            stack.extend(o)
-    return total
-
-
-def dir_bytes(path: str) -> int:
-    total = 0
-    for root, _, files in os.walk(path):
-        for name in files:
-            try:
-                total += os.path.getsize(os.path.join(root, name))
-            except OSError:
-                pass
-    return total
 
 
 def ds_config(batch_size: int, zero_stage: int, extra: dict | None = None) -> dict:
@@ -155,177 +119,6 @@ class Trainer:
 
 
 # --------------------------------------------------------------------------- engines
-class Adapter:
-    """How the benchmark saves, and learns when the save is durable, for one engine."""
-
-    name = ""
-    durable = True  # fsyncs before it reports completion
-    note = ""
-
-    def save(self, save_dir: str, tag: str) -> Any: ...
-
-    def drain(self, token: Any) -> float:
-        """Block until the save is complete; return the perf_counter time it completed."""
-
-    def forget(self) -> None:
-        """Drop what earlier saves left for :meth:`drain` (after a cadence drained its last)."""
-
-    def close(self) -> None: ...
-
-    def stats(self, token: Any) -> dict:
-        return {}
-
-
-def use_checkpoint_engine(ds_engine, ckpt_engine) -> None:
-    """Swap engines as ``deepspeed.initialize`` would have built them (which replicas save the
-    model states follows the engine): see the plugin's ``use_checkpoint_engine``."""
-    from deepspeed_async_ckpt.integrations.deepspeed.patches import use_checkpoint_engine as use
-
-    use(ds_engine, ckpt_engine)
-
-
-class DeepSpeedAdapter(Adapter):
-    """Any DeepSpeed ``CheckpointEngine``, saved through ``engine.save_checkpoint``."""
-
-    def __init__(self, name: str, trainer: Trainer, ckpt_engine, *, durable: bool, note: str = "") -> None:
-        self.name, self.trainer, self.ckpt_engine = name, trainer, ckpt_engine
-        self.durable, self.note = durable, note
-        use_checkpoint_engine(trainer.engine, ckpt_engine)
-
-    def save(self, save_dir: str, tag: str) -> Any:
-        self.trainer.engine.save_checkpoint(save_dir, tag=tag)
-        return now()
-
-    def drain(self, token: Any) -> float:
-        return token  # torch.save has returned: in the page cache, not fsynced
-
-    def close(self) -> None:
-        pass
-
-
-class AsyncAdapter(DeepSpeedAdapter):
-    """This package's engine, async or sync mode. Completion = the commit of ``latest``."""
-
-    def __init__(self, name: str, trainer: Trainer, ckpt_engine) -> None:
-        mode = ckpt_engine.checkpointer.config.mode
-        super().__init__(name, trainer, ckpt_engine, durable=ckpt_engine.checkpointer.config.fsync,
-                         note=f"mode={mode}")
-        ck = ckpt_engine.checkpointer
-        ck.fence = trainer.timed(ck.fence)  # the wait at the optimizer step
-
-    def save(self, save_dir: str, tag: str) -> Any:
-        ck = self.ckpt_engine.checkpointer
-        t0 = now()
-        self.trainer.engine.save_checkpoint(save_dir, tag=tag)
-        handle = ck.history[-1]
-        box: dict = {"handle": handle, "t0": t0}
-
-        def watch() -> None:  # blocks on events only: no CPU taken from training
-            handle.wait_staged()
-            box["staged"] = now()
-
-        box["watcher"] = threading.Thread(target=watch, daemon=True)
-        box["watcher"].start()
-        return box
-
-    def drain(self, token: Any) -> float:
-        ck = self.ckpt_engine.checkpointer
-        ck.wait()
-        token["watcher"].join()
-        return token["handle"].times["committed"]
-
-    def stats(self, token: Any) -> dict:
-        h = token["handle"]
-        base = token["t0"]
-        times = {k: round(v - base, 6) for k, v in h.times.items()}
-        times["staged"] = round(token["staged"] - base, 6)
-        pool = self.ckpt_engine.checkpointer.pool
-        return {"engine_times_s": times, "staged_bytes": h.nbytes,
-                "pool_peak_bytes": pool.peak_bytes, "pool_allocations": pool.allocations}
-
-    def close(self) -> None:
-        self.ckpt_engine.cleanup()
-
-
-class DCPAdapter(Adapter):
-    """``torch.distributed.checkpoint.async_save`` of the same model and optimizer tensors."""
-
-    name = "dcp_async"
-
-    def __init__(self, trainer: Trainer, pg, partitioned: bool) -> None:
-        import torch.distributed.checkpoint as dcp
-
-        self.dcp, self.trainer, self.pg, self.partitioned = dcp, trainer, pg, partitioned
-        # Pinned staging needs a CUDA build (this package's pool pins under the same condition).
-        self.pinned = torch.cuda.is_available()
-        self.stager = None
-        if self.pinned:
-            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
-
-            self.stager = DefaultStager(StagingOptions(use_pinned_memory=True, use_shared_memory=False,
-                                                       use_async_staging=True, use_non_blocking_copy=True))
-            self.note = "pinned staging (DefaultStager), thread writer, sync_files=True"
-        else:
-            self.note = ("CPU-only torch: no pinned memory, so DCP's default staging (a blocking "
-                         "copy to new CPU tensors) and its thread writer, sync_files=True")
-
-    def state_dict(self) -> dict:
-        eng = self.trainer.engine
-        # Replicated state gets the same key on every rank (DCP writes it once); ZeRO optimizer
-        # partitions differ per rank, so they get per-rank keys (else DCP dedupes them).
-        optim_key = f"optim_rank{dist.get_rank()}" if self.partitioned else "optim"
-        return {"model": eng.module.state_dict(), optim_key: eng.optimizer.state_dict()}
-
-    def save(self, save_dir: str, tag: str) -> Any:
-        path = os.path.join(save_dir, tag)
-        box: dict = {}
-        result = self.dcp.async_save(self.state_dict(), checkpoint_id=path, process_group=self.pg,
-                                     async_stager=self.stager)
-        upload = getattr(result, "upload_completion", result)
-        staging = getattr(result, "staging_completion", None)
-        if staging is not None:
-            self.trainer.pre_step = staging.result  # params must not change before staging ends
-        upload.add_done_callback(lambda _: box.setdefault("done", now()))
-        box["future"] = upload
-        return box
-
-    def drain(self, token: Any) -> float:
-        token["future"].result()
-        return token["done"]
-
-    def close(self) -> None:
-        if self.stager is not None:
-            self.stager.close()
-
-
-class DecoupledAdapter(DeepSpeedAdapter):
-    """DeepSpeed's ``DecoupledCheckpointEngine``: a writer subprocess; the commit (which waits
-    for the subprocess to finish writing) runs at the next ``engine.step()``."""
-
-    def __init__(self, trainer: Trainer, ckpt_engine, writer_type: str) -> None:
-        super().__init__("ds_decoupled", trainer, ckpt_engine, durable=False,
-                         note=f"writer type={writer_type} (no fsync); commit waits at the next step")
-        ce = self.ckpt_engine
-        self.committed_at: list[float] = []
-        orig_commit = ce.commit
-
-        def commit(info):
-            try:
-                return orig_commit(info)
-            finally:
-                self.committed_at.append(now())
-
-        ce.commit = trainer.timed(commit)
-
-    def drain(self, token: Any) -> float:
-        if not self.committed_at:  # no step ran since the save
-            self.trainer.engine._commit_decoupled_checkpoint()
-        return self.committed_at.pop()
-
-    def forget(self) -> None:
-        self.committed_at.clear()
-
-
 # --------------------------------------------------------------------------- measurement
 def one_checkpoint(trainer: Trainer, adapter: Adapter, save_dir: str, tag: str, steps: int,
                    rank: int) -> dict:
@@ -361,7 +154,7 @@ def cadence(trainer: Trainer, adapter: Adapter, save_dir: str, k: int, saves: in
     """``saves`` checkpoints every ``k`` steps, as a training loop makes them, between two
     windows of ``k`` steps with no checkpoint in flight (before the engine's first save, and
     after its last one completed): the step times a lost-time figure is computed from
-    (``lost_time.py``). Per save: the save call, the fence wait inside the next step, the
+    (``bench.lost_time``). Per save: the save call, the fence wait inside the next step, the
     steps until the next save, and this process's CPU seconds and page faults over them."""
     before = trainer.window(k)
     records, token = [], None
@@ -402,8 +195,7 @@ def run_engine(trainer: Trainer, adapter: Adapter, root: str, k: int, rank: int,
         clean(save_dir, rank)
         for i in range(repeats):
             # The overhead's reference: K steps without a checkpoint right before the timed
-            # window (this VM's step time drifts by several percent over a run; adjacent
-            # windows agree better).
+            # window (the step time drifts over a run; adjacent windows agree better).
             base = trainer.window(k)
             timed = one_checkpoint(trainer, adapter, save_dir, f"timed{i}", k, rank)
             res["runs"].append({"paired_baseline": base, "timed": timed})

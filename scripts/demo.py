@@ -22,9 +22,9 @@ import sys
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-sys.path.insert(0, HERE)
-from launch import POSITIVE, _seconds, launch, scratch_dir  # noqa: E402
-from lost_time import baseline_step, lost_time, ratio, summary  # noqa: E402
+sys.path.insert(0, REPO)  # this checkout's package, before an installed one
+from deepspeed_async_ckpt.tools.launch import POSITIVE, _seconds, launch, scratch_dir  # noqa: E402
+from deepspeed_async_ckpt.bench.lost_time import lost_times, ratio, summary  # noqa: E402
 
 
 def run(tag, workdir, extra, nproc=2, expect_kill=False, save_dir=None):
@@ -54,26 +54,6 @@ def run(tag, workdir, extra, nproc=2, expect_kill=False, save_dir=None):
 
 def stalls(events):
     return {e["step"]: e["stall_s"] for e in events if e["event"] == "checkpoint" and e["rank"] == 0}
-
-
-def lost_times(events, save_every):
-    """Training time each save of one run cost on rank 0 (``lost_time.py``), by the step it
-    was made after: its call plus the extra time of the ``save_every`` steps up to the next
-    save. Baseline: the median step before the run's first save, its first step left out
-    (start-up). Saves without ``save_every`` steps after them (the last, a killed one) are
-    left out."""
-    steps = {e["step"]: e["step_s"] for e in events if e["event"] == "step" and e["rank"] == 0}
-    saves = {e["step"]: e["save_s"] for e in events if e["event"] == "checkpoint" and e["rank"] == 0}
-    if not steps or not saves:
-        return {}
-    first_step, first_save = min(steps), min(saves)
-    base = baseline_step(s for n, s in steps.items() if first_step < n <= first_save)
-    out = {}
-    for at, save_s in saves.items():
-        after = [steps.get(at + j) for j in range(1, save_every + 1)]
-        if None not in after:
-            out[at] = lost_time(save_s, after, base)
-    return out
 
 
 def main() -> int:

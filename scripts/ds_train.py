@@ -3,7 +3,8 @@
 Run one process per rank (``scripts/launch.py`` or ``deepspeed``/``torchrun``); on CPU set
 ``DS_ACCELERATOR=cpu``. The checkpoint engine is chosen by the DeepSpeed config alone: with the
 ``"async_checkpoint"`` key this package's engine runs, without it DeepSpeed's
-``TorchCheckpointEngine`` does. No code here refers to this package.
+``TorchCheckpointEngine`` does. No code here refers to this package's engine (the flags' types
+are its launcher's).
 
 Writes one JSON line per event to ``--log`` (step losses, per-checkpoint blocking time), so
 tests and the demo can compare runs.
@@ -21,26 +22,9 @@ import time
 import torch
 import torch.nn as nn
 
-from launch import NON_NEGATIVE, POSITIVE, _seconds  # scripts/, this file's directory
-
-
-def build_model(hidden: int, layers: int, pipeline_stages: int = 0):
-    blocks = []
-    for _ in range(layers):
-        blocks += [nn.Linear(hidden, hidden), nn.GELU(), nn.LayerNorm(hidden)]
-    blocks.append(nn.Linear(hidden, 1))
-    if pipeline_stages:
-        from deepspeed.pipe import PipelineModule
-
-        return PipelineModule(layers=blocks, num_stages=pipeline_stages, loss_fn=nn.MSELoss())
-    return nn.Sequential(*blocks)
-
-
-def batch(step: int, rank: int, micro: int, hidden: int, dtype: torch.dtype):
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    x = torch.randn(micro, hidden, generator=g)
-    y = x.sum(dim=1, keepdim=True).tanh()
-    return x.to(dtype), y.to(dtype)
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
+from deepspeed_async_ckpt.bench.model import batch, build_model  # noqa: E402
+from deepspeed_async_ckpt.tools.launch import NON_NEGATIVE, POSITIVE, _seconds  # noqa: E402
 
 
 def _fence_wait_s(engine) -> float:

@@ -43,7 +43,6 @@ import argparse
 import glob
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -53,8 +52,9 @@ import time
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 WHEELS = os.path.join(REPO, ".whl")
-sys.path.insert(0, HERE)
-from launch import scratch_dir  # noqa: E402
+sys.path.insert(0, REPO)  # this checkout's package, before an installed one
+from deepspeed_async_ckpt.bench.logs import pytest_summary, tail_line  # noqa: E402
+from deepspeed_async_ckpt.tools.launch import scratch_dir  # noqa: E402
 
 DEVICE_PYTHON = "3.12"
 """The lent machines' Python (docs: the device tool's KINDS.md): binary wheels are for it."""
@@ -130,32 +130,6 @@ def step(name: str, cmd: list[str], env: dict, out: str, timeout: float, deadlin
     print(f"{name:<11} {'ok' if code == 0 else 'FAILED (' + str(code) + ')':<14} "
           f"{result['seconds']:>6.1f} s  {log}", flush=True)
     return result
-
-
-PYTEST_SUMMARY = re.compile(r"^=*\s*\d+ (passed|failed|errors?|skipped|deselected)\b.* in [\d.]+s")
-"""pytest's closing line: ``=== 10 passed, 246 deselected in 8.87s ===`` with ``-v``, and
-without the rules with ``-q`` (the host tests' run prints it so)."""
-
-
-def pytest_summary(path: str) -> str | None:
-    """The last closing line of the pytest run logged in ``path``, stripped."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [ln.strip() for ln in f if PYTEST_SUMMARY.match(ln.strip())]
-    except OSError:
-        return None
-    return lines[-1] if lines else None
-
-
-def tail_line(path: str, startswith: str) -> str | None:
-    """The last line of ``path`` that starts with ``startswith`` (pytest's and the demo's
-    closing lines), stripped."""
-    try:
-        with open(path, encoding="utf-8", errors="replace") as f:
-            lines = [ln.strip() for ln in f if ln.strip().startswith(startswith)]
-    except OSError:
-        return None
-    return lines[-1] if lines else None
 
 
 def run(out: str, wheel_dir: str, quick: bool = False, budget_s: float = 420) -> int:

@@ -39,13 +39,12 @@ import torch.distributed as dist
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
-for _path in (REPO, HERE):
-    if _path not in sys.path:
-        sys.path.insert(0, _path)
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)  # this checkout's package, before an installed one
 
 from deepspeed_async_ckpt.commit import verify_file  # noqa: E402
 from deepspeed_async_ckpt.errors import IntegrityError  # noqa: E402
-from launch import NON_NEGATIVE, POSITIVE  # noqa: E402
+from deepspeed_async_ckpt.tools.launch import NON_NEGATIVE, POSITIVE  # noqa: E402
 from megatron_adapter import compat  # noqa: E402
 from megatron_adapter.arguments import add_arguments, config_from_args  # noqa: E402
 from megatron_adapter.checkpointer import (  # noqa: E402

@@ -7,15 +7,14 @@ TESTS = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(TESTS)
 sys.path.insert(0, TESTS)  # helpers, fakes, _compare...: shared by tests/unit and tests/integration
 sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
 from helpers import held_copier  # noqa: E402,F401  (a fixture: every test may ask for it)
-import warm_start  # noqa: E402
+from deepspeed_async_ckpt.tools import warm_start  # noqa: E402
 
 # Ranks started by scripts/launch.py (here and in the scripts the tests run) fork from an
 # interpreter that imported these once, instead of each importing them again: a few CPU-seconds
-# per rank, most of the suite's time on a small CPU host (scripts/warm_start.py). Not with
-# NCCL: those ranks pick their accelerator at import. Set it empty to start ranks fresh.
+# per rank, most of the suite's time on a small CPU host (deepspeed_async_ckpt.tools.warm_start).
+# Not with NCCL: those ranks pick their accelerator at import. Set it empty to start ranks fresh.
 if os.environ.get("ASYNC_CKPT_TEST_BACKEND", "gloo") == "gloo":
     os.environ.setdefault(warm_start.PRELOAD, "torch,deepspeed,megatron.core")
 

@@ -87,12 +87,12 @@ def run_script(script: str, env: dict, *args: str, timeout: float = 120):
 
 def run_rank_script(script: str, args, env: dict, timeout: float = 120):
     """Run the rank script ``script`` with ``args`` as ``python script args`` would, forked from the
-    warm interpreter where ``env`` asks for one (``scripts/warm_start.py``); its completed
+    warm interpreter where ``env`` asks for one (``deepspeed_async_ckpt.tools.warm_start``); its completed
     process, stdout and stderr as text."""
     import subprocess
     import tempfile
 
-    import warm_start
+    from deepspeed_async_ckpt.tools import warm_start
 
     args = [str(a) for a in args]
     with tempfile.TemporaryFile() as out, tempfile.TemporaryFile() as err:

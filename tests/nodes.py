@@ -14,8 +14,8 @@ import torch
 
 from _compare import assert_same
 
-import warm_start
-from launch import free_port
+from deepspeed_async_ckpt.tools import warm_start
+from deepspeed_async_ckpt.tools.launch import free_port
 
 ON_NODE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "integration", "workers", "on_node.py")
 

@@ -188,25 +188,19 @@ def test_gpu_check_runs_every_step_and_says_what_it_measured(tmp_path, repo_env)
     ("Timeout\n", None),
 ])
 def test_gpu_check_finds_pytests_closing_line_with_or_without_rules(tmp_path, log, expected):
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    try:
-        import gpu_check
-    finally:
-        sys.path.remove(os.path.join(REPO, "scripts"))
+    from deepspeed_async_ckpt.bench import logs
+
     path = tmp_path / "x.log"
     path.write_text(log)
-    assert gpu_check.pytest_summary(str(path)) == expected
+    assert logs.pytest_summary(str(path)) == expected
 
 
 def test_standin_benchmark_reports_every_engine_ab(tmp_path, repo_env):
     """``scripts/bench_standin.py`` at its smallest: per engine, real and sham events in ABBA
     order, every step kept, each event's loss as ``lost_time.event_loss`` counts it, the A/B
     and A/A figures, the threads beside training; the table names every engine."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    try:
-        import lost_time
-    finally:
-        sys.path.remove(os.path.join(REPO, "scripts"))
+    from deepspeed_async_ckpt.bench import lost_time
+
     out = tmp_path / "standin.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "scripts", "bench_standin.py"), "--gb", "0.002",
                            "--step-ms", "2", "--interval", "8", "--base", "4", "--events", "4",

@@ -27,7 +27,7 @@ import torch
 
 from _compare import assert_same
 from conftest import REPO
-from launch import spawn, stop
+from deepspeed_async_ckpt.tools.launch import spawn, stop
 
 from deepspeed_async_ckpt.commit import LOCK_FILE, REMOVING_PREFIX, verify_checkpoint
 

@@ -12,7 +12,7 @@ from conftest import REPO
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.errors import IntegrityError
-from launch import launch
+from deepspeed_async_ckpt.tools.launch import launch
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "ds_refusals.py")
 

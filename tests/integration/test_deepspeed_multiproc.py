@@ -17,7 +17,7 @@ import torch
 
 from _compare import assert_same
 from conftest import REPO
-from launch import launch
+from deepspeed_async_ckpt.tools.launch import launch
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "ds_worker.py")
 

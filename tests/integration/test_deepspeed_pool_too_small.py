@@ -10,7 +10,7 @@ import os
 import pytest
 
 from conftest import REPO
-from launch import launch
+from deepspeed_async_ckpt.tools.launch import launch
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "ds_refusals.py")
 

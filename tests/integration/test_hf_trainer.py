@@ -27,7 +27,7 @@ from deepspeed_async_ckpt.commit import MANIFEST, META_DIR
 from deepspeed_async_ckpt.errors import Failure, PersistError
 from deepspeed_async_ckpt.integrations import activation
 from deepspeed_async_ckpt.integrations.hf_trainer import beside, in_flight, rotation, trainer_methods
-from launch import launch
+from deepspeed_async_ckpt.tools.launch import launch
 
 from conftest import REPO  # noqa: E402
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "hf_worker.py")

@@ -12,9 +12,8 @@ import sys
 import pytest
 
 from conftest import REPO  # noqa: E402
-sys.path.insert(0, os.path.join(REPO, "scripts"))
 
-import launch  # noqa: E402
+from deepspeed_async_ckpt.tools import launch  # noqa: E402
 
 
 def test_free_port_is_bindable_and_below_the_ephemeral_range():

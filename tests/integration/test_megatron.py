@@ -30,8 +30,7 @@ CONFIG = os.path.join(REPO, "configs", "megatron_async.json")
 NPROC = 4
 
 pytest.importorskip("megatron.core")
-sys.path.insert(0, os.path.join(REPO, "scripts"))
-from launch import launch  # noqa: E402
+from deepspeed_async_ckpt.tools.launch import launch  # noqa: E402
 
 from deepspeed_async_ckpt.commit import LOCK_FILE, META_DIR, read_manifest  # noqa: E402
 from deepspeed_async_ckpt.errors import IntegrityError  # noqa: E402
@@ -491,7 +490,7 @@ def test_a_bf16_resume_without_the_optimizer_steps_from_the_loaded_weights(tmp_p
     copy those back, and training go on from near-random weights, 0.07 from the loaded ones
     after one step of lr 0.01). One Adam step from fresh moments moves each weight by about
     lr."""
-    from launch import free_port
+    from deepspeed_async_ckpt.tools.launch import free_port
 
     bf16 = [*TINY_GPT, "--bf16", "--lr-decay-style", "constant"]
     first, second = tmp_path / "first", tmp_path / "second"

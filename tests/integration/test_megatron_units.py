@@ -148,8 +148,7 @@ def test_megatron_lm_routes_only_saves_the_engine_can_honour(monkeypatch):
 def _run_one_rank(worker: str) -> dict:
     """Run ``tests/workers/<worker>`` as one gloo rank in a process of its own; its last line
     of output is JSON."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    from launch import free_port
+    from deepspeed_async_ckpt.tools.launch import free_port
 
     out = run_rank_script(os.path.join(REPO, "tests", "integration", "workers", worker), [free_port()],
                           dict(os.environ, PYTHONPATH=REPO))
@@ -160,8 +159,7 @@ def _run_one_rank(worker: str) -> dict:
 def _run_two_ranks(worker: str, tmp_path, timeout: float = 120) -> list[dict]:
     """Run ``tests/workers/<worker> <tmp_path>`` as two gloo ranks (``scripts/launch.py``);
     each must exit 0 and leave ``rank<N>.json``, returned in rank order."""
-    sys.path.insert(0, os.path.join(REPO, "scripts"))
-    from launch import launch
+    from deepspeed_async_ckpt.tools.launch import launch
 
     env = dict(os.environ, PYTHONPATH=REPO, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
     codes = launch(os.path.join(REPO, "tests", "integration", "workers", worker), [str(tmp_path)], 2, timeout=timeout, env=env)

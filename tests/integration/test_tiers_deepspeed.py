@@ -12,7 +12,7 @@ import torch
 
 from _compare import assert_same
 from conftest import REPO
-from launch import launch
+from deepspeed_async_ckpt.tools.launch import launch
 from s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "tiers_ds_worker.py")

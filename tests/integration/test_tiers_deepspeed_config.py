@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import REPO
-from launch import launch
+from deepspeed_async_ckpt.tools.launch import launch
 from s3server import s3, s3_server  # noqa: F401  (fixtures)
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "tiers_config_ds_worker.py")

@@ -1,16 +1,14 @@
-"""The lost-time arithmetic of the benchmark and the demo (``scripts/lost_time.py``), on
-synthetic step times: what a save costs training is its call plus the extra time of every step
-until the next save, against the median step with no checkpoint in flight."""
+"""The lost-time arithmetic of the benchmark and the demo (``deepspeed_async_ckpt.bench.lost_time``
+and ``.figures``), on synthetic step times: what a save costs training is its call plus the extra
+time of every step until the next save, against the median step with no checkpoint in flight."""
 
 
 import statistics
 
 import pytest
 
-from conftest import REPO  # noqa: F401 (puts scripts/ on sys.path)
-import bench_checkpoint  # noqa: E402
-import demo  # noqa: E402
-from lost_time import baseline_step, lost_time, ratio, summary  # noqa: E402
+from deepspeed_async_ckpt.bench.figures import lost_figures
+from deepspeed_async_ckpt.bench.lost_time import baseline_step, lost_time, lost_times, ratio, summary
 
 
 def test_lost_time_is_the_call_plus_every_slower_step_until_the_next_save():
@@ -50,7 +48,7 @@ def test_benchmark_takes_each_save_from_its_slowest_rank_against_that_ranks_base
     r0 = _cadence([0.1] * 3, [0.1] * 3, [(0.01, 0.0, [0.12, 0.1, 0.1]), (0.01, 0.0, [0.1, 0.1, 0.1])])
     r1 = _cadence([0.2] * 3, [0.2] * 3, [(0.01, 0.0, [0.2, 0.2, 0.2]), (0.02, 0.0, [0.25, 0.2, 0.2])])
     r1["cadence"]["saves"][-1]["tail_s"] = 0.03
-    lost = bench_checkpoint.lost_figures([r0, r1])
+    lost = lost_figures([r0, r1])
     assert lost["per_save_s"] == pytest.approx([0.03, 0.10])
     assert lost["median_s"] == pytest.approx(0.065) and lost["worst_s"] == pytest.approx(0.10)
     assert lost["baseline_step_s"] == 0.2
@@ -64,13 +62,13 @@ def test_demo_counts_the_steps_up_to_the_next_save_against_the_steps_before_the_
     events += [{"event": "checkpoint", "rank": 0, "step": 4, "save_s": 0.01},
                {"event": "checkpoint", "rank": 0, "step": 8, "save_s": 0.02}]
     # baseline: steps 2-4 (0.1); save at 4: steps 5-8; the save at 8 lacks step 11 and 12
-    assert demo.lost_times(events, 4) == {4: pytest.approx(0.01 + 0.02 + 0.05)}
+    assert lost_times(events, 4) == {4: pytest.approx(0.01 + 0.02 + 0.05)}
 
 
 # --------------------------------------------------------------------------- the A/B figure
 import random  # noqa: E402
 
-from lost_time import ab_summary, abba, difference, event_loss, split_aa, t975  # noqa: E402
+from deepspeed_async_ckpt.bench.lost_time import ab_summary, abba, difference, event_loss, split_aa, t975  # noqa: E402
 
 
 def _run(events: int, loss_s: float, *, drift_per_step: float = 0.0, noise: float = 0.0,

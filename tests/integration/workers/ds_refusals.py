@@ -23,7 +23,7 @@ from ds_worker import ds_config, error_of, read_latest, save_committed  # noqa: 
 
 def init(args, config, hidden):
     import deepspeed
-    from ds_train import build_model
+    from deepspeed_async_ckpt.bench.model import build_model
 
     deepspeed.init_distributed(dist_backend="gloo")
     torch.manual_seed(1234)
@@ -33,7 +33,7 @@ def init(args, config, hidden):
 
 
 def train(engine, args, steps, start=0):
-    from ds_train import batch
+    from deepspeed_async_ckpt.bench.model import batch
 
     rank = torch.distributed.get_rank()
     for step in range(start, start + steps):

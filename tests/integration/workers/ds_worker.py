@@ -37,9 +37,8 @@ import sys
 import torch
 import torch.nn as nn
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "..", "scripts"))
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))  # tests/
-from ds_train import batch, build_model  # noqa: E402
+from deepspeed_async_ckpt.bench.model import batch, build_model  # noqa: E402
 
 HIDDEN, LAYERS = 64, 3
 #: `make test-gpu` sets nccl: the same tests on every visible GPU.

@@ -14,7 +14,7 @@ makes the next save wait or overlap it; ``tail_s`` counts such a wait, where mea
 Seconds throughout.
 
 That baseline drifts, between processes and over minutes, by more than a checkpoint costs a
-well-behaved engine (on a GPU about 15 ms a step, so ±1.5 s over 100 steps). The A/B figure
+well-behaved engine (docs/benchmarks.md has the figures). The A/B figure
 (:func:`ab_summary`, used by ``bench_standin.py`` and ``gpu_check.py``) resolves far less:
 
 - events every I steps, in ABBA order (:func:`abba`): R S S R R S S R ..., "R" a real save and
@@ -150,4 +150,24 @@ def ab_summary(labels: Sequence[str], losses: Sequence[float], interval_s: float
         d = out["real_minus_sham"]
         out["fraction_of_interval"] = None if d["diff_s"] is None else d["diff_s"] / interval_s
         out["fraction_of_interval_hi"] = None if d["hi_s"] is None else d["hi_s"] / interval_s
+    return out
+
+
+def lost_times(events, save_every):
+    """Training time each save of one run cost on rank 0 (:func:`lost_time`), by the step it
+    was made after: its call plus the extra time of the ``save_every`` steps up to the next
+    save. Baseline: the median step before the run's first save, its first step left out
+    (start-up). Saves without ``save_every`` steps after them (the last, a killed one) are
+    left out."""
+    steps = {e["step"]: e["step_s"] for e in events if e["event"] == "step" and e["rank"] == 0}
+    saves = {e["step"]: e["save_s"] for e in events if e["event"] == "checkpoint" and e["rank"] == 0}
+    if not steps or not saves:
+        return {}
+    first_step, first_save = min(steps), min(saves)
+    base = baseline_step(s for n, s in steps.items() if first_step < n <= first_save)
+    out = {}
+    for at, save_s in saves.items():
+        after = [steps.get(at + j) for j in range(1, save_every + 1)]
+        if None not in after:
+            out[at] = lost_time(save_s, after, base)
     return out

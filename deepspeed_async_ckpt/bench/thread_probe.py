@@ -5,8 +5,8 @@ For every thread of this process (and of its child processes: the persist worker
 nanoseconds runnable but waiting for one, times scheduled in) and ``status`` (voluntary
 context switches: each one a sleep, so the next scheduling is a wake-up). Threads are named by
 their Python name where this interpreter knows the native id, else by the kernel's ``comm``
-(a child's threads prefixed ``worker:``). Reading it costs about 20-50 us a thread, so the
-benchmarks read it between steps, never inside a timed one.
+(a child's threads prefixed ``worker:``). Reading it costs tens of microseconds a thread
+(docs/benchmarks.md), so the benchmarks read it between steps, never inside a timed one.
 
 The training thread's own split of a step (:func:`own_times`): wall = on CPU + runnable but
 waiting for a core + asleep. With a core to spare, asleep in a step that does no I/O is a wait

@@ -105,7 +105,8 @@ class Rank:
 
 def _ensure_server(env: dict) -> None:
     """Start the fork server, at the first call, in ``env``: its sys.path from ``PYTHONPATH``
-    (the working tree's code, as the ranks import it) and this directory (for :func:`_run`).
+    (the working tree's code, as the ranks import it) and the directory holding this package (for
+    :func:`_run`).
     Later starts reach it through multiprocessing itself."""
     from multiprocessing import forkserver
 
@@ -114,7 +115,7 @@ def _ensure_server(env: dict) -> None:
         if _started:
             return
         _context.set_forkserver_preload(preloads(env))
-        here = os.path.dirname(os.path.abspath(__file__))
+        here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
         server_env = dict(env, PYTHONPATH=os.pathsep.join(p for p in (env.get("PYTHONPATH"), here) if p))
         for key in ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
             server_env.pop(key, None)

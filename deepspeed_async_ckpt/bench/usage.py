@@ -1,0 +1,48 @@
+"""What a benchmark rank used: CPU time and page faults, and how many bytes a state or a directory
+holds."""
+
+from __future__ import annotations
+
+import os
+import resource
+from typing import Any
+
+import torch
+
+
+
+def usage() -> dict:
+    """CPU seconds and page faults of this process, all threads (copier and writers included)."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return {"user_s": ru.ru_utime, "sys_s": ru.ru_stime, "minflt": ru.ru_minflt, "majflt": ru.ru_majflt}
+
+
+def usage_delta(a: dict, b: dict) -> dict:
+    return {k: b[k] - a[k] for k in a}
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes of every tensor reachable through dicts, lists and tuples (each counted once)."""
+    seen, total, stack = set(), 0, [obj]
+    while stack:
+        o = stack.pop()
+        if isinstance(o, torch.Tensor):
+            if id(o) not in seen:
+                seen.add(id(o))
+                total += o.numel() * o.element_size()
+        elif isinstance(o, dict):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple)):
+            stack.extend(o)
+    return total
+
+
+def dir_bytes(path: str) -> int:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.path.getsize(os.path.join(root, name))
+            except OSError:
+                pass
+    return total
