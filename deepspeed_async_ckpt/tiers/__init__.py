@@ -3,7 +3,7 @@ directory (the first tier: node-local NVMe, say) to a shared path or an object s
 restored from there before a load.
 
 - :mod:`.config`: the schema of ``async_checkpoint.tiers``
-- :mod:`.remote`: the :class:`Remote` protocol, :class:`PathRemote`, the tier's key names;
+- :mod:`.keys`: the tier's key names; :mod:`.remote`: the :class:`Remote` protocol, :class:`PathRemote`;
   :mod:`.s3`: :class:`S3Remote` (boto3)
 - :mod:`.mirror`: copying one checkpoint to one tier in commit order; the tier's retention
 - :mod:`.drain`: the :class:`Drainer` thread and its backlog rule

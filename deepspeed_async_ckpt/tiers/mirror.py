@@ -31,7 +31,8 @@ from ..commit.policy import CheckpointInfo
 from ..commit.retention import step_in_name
 from ..errors import IntegrityError
 from ..progress import track
-from .remote import POINTER_KEY, Remote, manifest_key, marker_key
+from .keys import POINTER_KEY, manifest_key, marker_key
+from .remote import Remote
 
 logger = logging.getLogger(__name__)
 

@@ -17,21 +17,9 @@ import os
 import shutil
 from typing import Protocol, runtime_checkable
 
-from ..commit import MANIFEST, META_DIR
 from ..errors import ConfigError
 from .config import TierConfig
-
-POINTER_KEY = f"{META_DIR}/pointer.json"
-"""The tier's pointer: ``{"checkpoint": name, "save_id": ..., "pointer": [file name, text]}``."""
-
-
-def manifest_key(name: str) -> str:
-    return f"{name}/{META_DIR}/{MANIFEST}"
-
-
-def marker_key(name: str, node: int) -> str:
-    """Written by each node once its files of checkpoint ``name`` are uploaded."""
-    return f"{name}/{META_DIR}/drained.{node}.json"
+from .keys import manifest_key
 
 
 @runtime_checkable

@@ -45,7 +45,8 @@ from ..progress import track
 from ..storage import LocalStorage, temporary_path
 from .choose import choices, local_manifest, read_local_pointer, record_pointer, tier_manifest
 from .mirror import files_of_node, read_tier_manifest
-from .remote import Remote, manifest_key
+from .keys import manifest_key
+from .remote import Remote
 
 logger = logging.getLogger(__name__)
 

@@ -21,7 +21,7 @@ import threading
 from concurrent.futures import Future
 
 from .config import TierConfig
-from .remote import manifest_key
+from .keys import manifest_key
 
 _MiB = 1024 * 1024
 

@@ -14,7 +14,8 @@ import torch
 
 from deepspeed_async_ckpt.commit import Pointer
 from deepspeed_async_ckpt.tiers.mirror import drain_checkpoint
-from deepspeed_async_ckpt.tiers.remote import POINTER_KEY, PathRemote, manifest_key
+from deepspeed_async_ckpt.tiers.keys import POINTER_KEY, manifest_key
+from deepspeed_async_ckpt.tiers.remote import PathRemote
 
 from fakes import GatedRemote
 from helpers import eventually, make, save_small
