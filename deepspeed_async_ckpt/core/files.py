@@ -155,7 +155,8 @@ class SaveFiles:
                 for item in plan.items:
                     item.cancel()
             raise
-        self._saves.job(handle).new_dirs += new_dirs
+        job = self._saves.job(handle)
+        job.new_dirs += new_dirs
         staged = []  # this rank's items of each plan: all, or its share's
         for plan in plans:
             mine = plan.items if share is None else \
@@ -163,8 +164,8 @@ class SaveFiles:
             if share is not None:
                 for item in set(plan.items).difference(mine):
                     item.cancel()  # another rank's: never staged here
-            handle.items.extend(mine)
-            handle.nbytes += sum(i.nbytes for i in mine)
+            job.items.extend(mine)
+            job.nbytes += sum(i.nbytes for i in mine)
             staged.append(mine)
         if not self._config.is_async:
             largest = max((i.nbytes for mine in staged for i in mine), default=0)
@@ -173,11 +174,11 @@ class SaveFiles:
             try:
                 record = self._persist.write(path, plans, part_names=names, share=share, stage=stage)
             except BaseException as exc:  # for rank 0's error, once the caller abandons the save
-                self._saves.job(handle).failure = f"{type(exc).__name__}: {exc}"
+                job.failure = f"{type(exc).__name__}: {exc}"
                 raise
             done: Future = Future()
             done.set_result(record)
-            handle.files.append(done)
+            job.files.append(done)
         else:
             self._eager_room(handle, sum(i.nbytes for mine in staged for i in mine if i.eager))
             try:
@@ -241,7 +242,7 @@ class SaveFiles:
                 self._eager_cond.wait(0.5)  # notified as saves are written; polled in case
             self._eager_held[handle] = self._eager_held.get(handle, 0) + nbytes
         if start is not None:
-            handle.eager_wait_s += time.perf_counter() - start
+            self._saves.job(handle).eager_wait_s += time.perf_counter() - start
 
     def eager_written(self, handle: CheckpointHandle) -> None:
         with self._eager_cond:
@@ -305,7 +306,7 @@ class SaveFiles:
                 if unwritten:
                     self._persist.pace(handle, handle.times["begin"], handle.nbytes)
                 for path, plans, names, share in unwritten:
-                    handle.files.append(self._persist.submit(path, plans, part_names=names, share=share))
+                    self._saves.job(handle).files.append(self._persist.submit(path, plans, part_names=names, share=share))
                 if unsubmitted:
                     self._warn_if_pool_too_small(unsubmitted)
                     self.stager.submit(unsubmitted, job=handle)
