@@ -16,7 +16,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from ..commit import FinalizeStep
-from ..snapshot import TensorItem
+from ..persist import Share
+from ..snapshot import FilePlan, TensorItem
 
 if TYPE_CHECKING:
     from .handle import CommitInfo
@@ -55,3 +56,11 @@ class SaveJob:
     no crash after the commit takes them back."""
     failure: str | None = None
     """Why a sync save's file failed on this rank (rank 0's commit error quotes it)."""
+    # What the save has listed on this rank and not yet handed to the background, until it
+    # is sealed (``end``, or a fence): under the seal lock of :class:`~.files.SaveFiles`.
+    paths: set[str] = field(default_factory=set)
+    """The files saved so far, by their path in the checkpoint (each may be saved once)."""
+    copies: list[TensorItem] = field(default_factory=list)
+    """Lazy items, queued for the copier when the save is sealed."""
+    writes: list[tuple[str, list[FilePlan], list[str] | None, Share | None]] = field(default_factory=list)
+    """Files (path, plans, part names, share), handed to the writers when it is sealed."""
