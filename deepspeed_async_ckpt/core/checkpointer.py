@@ -240,7 +240,7 @@ class AsyncCheckpointer:
             self._files.seal(current)
         self._files.stager.fence(unchanged)
         if self.history:
-            self.history[-1].fence_wait_s += time.perf_counter() - t0
+            self._saves.job(self.history[-1]).fence_wait_s += time.perf_counter() - t0
 
     def reserve(self, nbytes: int) -> threading.Thread | None:
         """Prepare the host pool for saves of about ``nbytes`` on this rank: allocate it and

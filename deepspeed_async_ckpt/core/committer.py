@@ -131,6 +131,7 @@ class Committer:
             self.commit_one(handle)
 
     def commit_one(self, handle: CheckpointHandle) -> None:
+        job = self._saves.job(handle)
         recorded = False  # this rank's record is written: rank 0 takes it from there
         committing = False
         try:
@@ -150,7 +151,7 @@ class Committer:
             if first_error is not None:
                 raise first_error
             if handle.abandoned:  # the framework's save raised here: rank 0 must not wait for
-                why = self._saves.job(handle).failure or "the save raised on this rank before it was sealed"
+                why = job.failure or "the save raised on this rank before it was sealed"
                 if self._rank != 0:  # this rank's record until commit_timeout_s
                     self._report_failure(handle, why)
                 elif self._exchange.node_local:  # nor the other nodes' leaders for rank 0's word
@@ -159,13 +160,13 @@ class Committer:
             # The entries of the directories made for it: files are synced in their own
             # directory as they are renamed into place, but a new directory's entry lies in its
             # parent (a first save's save directory, Trainer's checkpoint-N at every save).
-            for parent in dict.fromkeys(os.path.dirname(d) for d in self._saves.job(handle).new_dirs):
+            for parent in dict.fromkeys(os.path.dirname(d) for d in job.new_dirs):
                 try:
                     self._storage.sync_dir(parent)
                 except PermissionError as exc:  # a directory this process may not read (not open)
                     logger.warning("async checkpoint: cannot sync directory %s (%s): the entries "
                                    "made in it are as durable as the filesystem makes them", parent, exc)
-            handle.times["persisted"] = time.perf_counter()
+            job.times["persisted"] = time.perf_counter()
             handle.mark_persisted()
             cfg = self._config
             swap = handle.write_dir != handle.ckpt_dir
@@ -188,7 +189,7 @@ class Committer:
                     timeout_s=LEADER_WAIT_FACTOR * cfg.commit_timeout_s, poll_delay=poll_delay)
                 commit_on_node(self._storage, handle.write_dir, manifest, pointer=handle.pointer,
                                replaces=handle.ckpt_dir if swap else None, late=late)
-            handle.times["committed"] = time.perf_counter()
+            job.times["committed"] = time.perf_counter()
             if manifest is not None and handle.pointer is not None:
                 self._retention.pointer_moved(handle)
             if manifest is not None:
@@ -198,7 +199,7 @@ class Committer:
             if manifest is not None and handle.pointer is not None and self._retention.policy is not None:
                 self._retention.retire_older_later(handle)
         except BaseException as exc:
-            handle.error = exc
+            job.error = exc
             if isinstance(exc, DurabilityError) and exc.pointer_moved and handle.pointer is not None:
                 self._retention.pointer_moved(handle)  # it names this one now: retention must keep it
             self._ledger.record(exc, os.path.dirname(handle.ckpt_dir))
@@ -208,7 +209,7 @@ class Committer:
             elif not recorded:  # this rank's own part failed (its files, or its record): tell rank 0
                 self._report_failure(handle, f"{type(exc).__name__}: {exc}")
         finally:
-            handle.finalize = ()  # run or not, never again: what the steps hold is freed
+            job.finalize = ()  # run or not, never again: what the steps hold is freed
             self._saves.settle(handle)  # failed: never swapped in, its staging is abandoned
             self._written(handle)
             handle.mark_settled()

@@ -16,9 +16,7 @@ import logging
 import os
 import threading
 import time
-import weakref
 from concurrent.futures import Executor, Future
-from dataclasses import dataclass, field
 from typing import Any, Iterable
 
 import torch
@@ -33,6 +31,7 @@ from ..snapshot import (FilePlan, HostBufferPool, PlanCache, Stager, TensorItem,
 from ..storage import Storage, aligned_size, temporary_path
 from .collectives import Replicas, layout_digest
 from .handle import CheckpointHandle
+from .job import SaveJob
 from .saves import Saves
 
 logger = logging.getLogger(__name__)
@@ -58,19 +57,6 @@ def smallest_host_buffer_gb(nbytes: int) -> float:
     return gb
 
 
-@dataclass
-class _Listed:
-    """What one save has listed on this rank and not yet handed to the background: its
-    files and lazy copies, until the save is sealed (``end``, or a fence)."""
-
-    paths: set[str] = field(default_factory=set)
-    """The files saved so far, by their path in the checkpoint (each may be saved once)."""
-    copies: list[TensorItem] = field(default_factory=list)
-    """Lazy items, queued for the copier when the save is sealed."""
-    writes: list[tuple[str, list[FilePlan], list[str] | None, Share | None]] = field(default_factory=list)
-    """Files (path, plans, part names, share), handed to the writers when it is sealed."""
-
-
 class SaveFiles:
     """Adds files to the open save of one rank and hands them to the background.
 
@@ -93,9 +79,6 @@ class SaveFiles:
         """Held while an open save's files and lazy copies are listed (``save``) or handed to the
         writers and the copier (``end``, or a fence): a fence on another thread (an eval
         thread's :func:`fence_all`) may seal them while the training thread is still saving."""
-        self._listed: weakref.WeakKeyDictionary[CheckpointHandle, _Listed] = weakref.WeakKeyDictionary()
-        """Under ``_seal_lock``: what each save listed (see :class:`_Listed`), for as long as
-        its handle lives."""
         self._warned_replicas_differ = False
         self._warned_pool_too_small = False
         self._plans: collections.OrderedDict[tuple[str, int], PlanCache] = collections.OrderedDict()
@@ -155,7 +138,8 @@ class SaveFiles:
                 for item in plan.items:
                     item.cancel()
             raise
-        self._saves.job(handle).new_dirs += new_dirs
+        job = self._saves.job(handle)
+        job.new_dirs += new_dirs
         staged = []  # this rank's items of each plan: all, or its share's
         for plan in plans:
             mine = plan.items if share is None else \
@@ -163,8 +147,8 @@ class SaveFiles:
             if share is not None:
                 for item in set(plan.items).difference(mine):
                     item.cancel()  # another rank's: never staged here
-            handle.items.extend(mine)
-            handle.nbytes += sum(i.nbytes for i in mine)
+            job.items.extend(mine)
+            job.nbytes += sum(i.nbytes for i in mine)
             staged.append(mine)
         if not self._config.is_async:
             largest = max((i.nbytes for mine in staged for i in mine), default=0)
@@ -173,11 +157,11 @@ class SaveFiles:
             try:
                 record = self._persist.write(path, plans, part_names=names, share=share, stage=stage)
             except BaseException as exc:  # for rank 0's error, once the caller abandons the save
-                self._saves.job(handle).failure = f"{type(exc).__name__}: {exc}"
+                job.failure = f"{type(exc).__name__}: {exc}"
                 raise
             done: Future = Future()
             done.set_result(record)
-            handle.files.append(done)
+            job.files.append(done)
         else:
             self._eager_room(handle, sum(i.nbytes for mine in staged for i in mine if i.eager))
             try:
@@ -241,7 +225,7 @@ class SaveFiles:
                 self._eager_cond.wait(0.5)  # notified as saves are written; polled in case
             self._eager_held[handle] = self._eager_held.get(handle, 0) + nbytes
         if start is not None:
-            handle.eager_wait_s += time.perf_counter() - start
+            self._saves.job(handle).eager_wait_s += time.perf_counter() - start
 
     def eager_written(self, handle: CheckpointHandle) -> None:
         with self._eager_cond:
@@ -277,12 +261,10 @@ class SaveFiles:
         return Share(index=replicas.rank if replicas.rank <= len(cuts) else -1, cuts=cuts,
                      tmp=temporary_path(path, save_id))
 
-    def _listed_of(self, handle: CheckpointHandle) -> _Listed:
-        with self._seal_lock:
-            listed = self._listed.get(handle)
-            if listed is None:
-                listed = self._listed[handle] = _Listed()
-            return listed
+    def _listed_of(self, handle: CheckpointHandle) -> SaveJob:
+        """``handle``'s job, whose ``paths``, ``copies`` and ``writes`` are listed here, under
+        the seal lock."""
+        return self._saves.job(handle)
 
     def seal(self, handle: CheckpointHandle) -> None:
         """Hand ``handle``'s files to the writers and its lazy copies to the copier."""
@@ -296,16 +278,14 @@ class SaveFiles:
         # what the other lists meanwhile (a writer waiting for copies never queued: a save
         # that never commits, and a ``wait`` that never returns).
         with self._seal_lock:
-            listed = self._listed.get(handle)
-            if listed is None:  # nothing saved in it on this rank
-                return
+            listed = self._saves.job(handle)
             unwritten, listed.writes = listed.writes, []
             unsubmitted, listed.copies = listed.copies, []
             try:
                 if unwritten:
                     self._persist.pace(handle, handle.times["begin"], handle.nbytes)
                 for path, plans, names, share in unwritten:
-                    handle.files.append(self._persist.submit(path, plans, part_names=names, share=share))
+                    listed.files.append(self._persist.submit(path, plans, part_names=names, share=share))
                 if unsubmitted:
                     self._warn_if_pool_too_small(unsubmitted)
                     self.stager.submit(unsubmitted, job=handle)

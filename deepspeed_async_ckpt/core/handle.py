@@ -1,9 +1,10 @@
 """A save's handle: what one rank knows of one checkpoint, and the named points to wait at.
 
 Made by :meth:`AsyncCheckpointer.begin <.checkpointer.AsyncCheckpointer.begin>` on the training
-thread of every rank; filled in by the training thread (``save``, ``end``), the writers and the
-copier (its files and copies) and the committer thread (its outcome, then ``persisted`` and
-``committed`` set). A caller waits on it from any thread.
+thread of every rank. It is a read-only view of the save's :class:`~.job.SaveJob`, which the
+training thread (``save``, ``end``), the writers and the copier (its files and copies) and the
+committer thread (its outcome, then ``persisted`` and ``committed`` set) fill in. A caller
+waits on it from any thread.
 """
 
 from __future__ import annotations
@@ -12,9 +13,10 @@ import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass
+from types import MappingProxyType
 
-from ..commit import FinalizeStep, Pointer
-from ..snapshot import TensorItem
+from ..commit import Pointer
+from .job import SaveJob
 
 
 @dataclass(frozen=True)
@@ -58,37 +60,49 @@ class CheckpointHandle:
     """
 
     def __init__(self, ckpt_dir: str, tag: str, save_id: str, pointer: Pointer | None,
-                 write_dir: str | None = None, finalize: tuple[FinalizeStep, ...] = (),
+                 write_dir: str | None = None, job: SaveJob | None = None,
                  rotation: bool = True) -> None:
-        self.ckpt_dir, self.tag, self.save_id, self.pointer = ckpt_dir, tag, save_id, pointer
-        self.rotation = rotation
-        """False for a save that moves no pointer: retention neither counts nor removes it."""
-        self.write_dir = write_dir or ckpt_dir
-        """Where this save's files go: ``ckpt_dir``, or, when that already held files, a
-        staging directory beside it that the commit swaps in (see :meth:`AsyncCheckpointer.begin`)."""
-        self.finalize = finalize
-        """Rank 0: the steps its commit runs after the manifest (see :mod:`..commit.finalize`)."""
-        self.items: list[TensorItem] = []
-        """This rank's tensor items of the save (:meth:`wait_staged` waits for their copies)."""
-        self.files: list[Future] = []
-        self.dependencies: list[Future] = []
-        """Outside work this save waits for (:meth:`depends_on`)."""
-        self.nbytes = 0
-        self.error: BaseException | None = None
-        self.abandoned = False
-        self.fence_wait_s = 0.0
-        """Time the training loop spent blocked at fences waiting for this save's copies."""
-        self.eager_wait_s = 0.0
-        """Time its ``save`` calls waited for earlier saves' eager copies to be written (their
-        backpressure: see ``SaveFiles._eager_room`` in :mod:`.files`)."""
-        self.retired: list[str] = []
-        """Older checkpoints that retention (the checkpointer's policy) removed after this one
-        committed (filled in the background, after the commit: see :meth:`AsyncCheckpointer.wait`)."""
-        self.times: dict[str, float] = {"begin": time.perf_counter()}
-        self.commit_info: CommitInfo | None = None
-        """Rank 0, once committed: what the commit wrote (see :class:`CommitInfo`)."""
+        self._ckpt_dir, self._tag, self._save_id, self._pointer = ckpt_dir, tag, save_id, pointer
+        self._rotation = rotation
+        self._write_dir = write_dir or ckpt_dir
+        self._job = job if job is not None else SaveJob()
         self._persisted = threading.Event()
         self._committed = threading.Event()
+
+    # What the save is: fixed at ``begin``.
+    ckpt_dir = property(lambda self: self._ckpt_dir)
+    tag = property(lambda self: self._tag)
+    save_id = property(lambda self: self._save_id)
+    pointer = property(lambda self: self._pointer)
+    rotation = property(lambda self: self._rotation,
+                        doc="False for a save that moves no pointer: retention neither counts nor removes it.")
+    write_dir = property(lambda self: self._write_dir,
+                         doc="""Where this save's files go: ``ckpt_dir``, or, when that already held files, a
+        staging directory beside it that the commit swaps in (see :meth:`AsyncCheckpointer.begin`).""")
+
+    # What the pipeline has done of it so far: read from its job, which only the core writes.
+    items = property(lambda self: tuple(self._job.items),
+                     doc="This rank's tensor items of the save (:meth:`wait_staged` waits for their copies).")
+    files = property(lambda self: tuple(self._job.files), doc="This rank's file writes, one future each.")
+    dependencies = property(lambda self: tuple(self._job.dependencies),
+                            doc="Outside work this save waits for (:meth:`depends_on`).")
+    nbytes = property(lambda self: self._job.nbytes)
+    error = property(lambda self: self._job.error)
+    abandoned = property(lambda self: self._job.abandoned)
+    finalize = property(lambda self: self._job.finalize,
+                        doc="Rank 0: the steps its commit runs after the manifest (see :mod:`..commit.finalize`).")
+    fence_wait_s = property(lambda self: self._job.fence_wait_s,
+                            doc="Time the training loop spent blocked at fences waiting for this save's copies.")
+    eager_wait_s = property(lambda self: self._job.eager_wait_s,
+                            doc="""Time its ``save`` calls waited for earlier saves' eager copies to be written (their
+        backpressure: see ``SaveFiles._eager_room`` in :mod:`.files`).""")
+    retired = property(lambda self: list(self._job.retired),
+                       doc="""Older checkpoints that retention (the checkpointer's policy) removed after this one
+        committed (filled in the background, after the commit: see :meth:`AsyncCheckpointer.wait`).""")
+    times = property(lambda self: MappingProxyType(self._job.times),
+                     doc="``time.perf_counter()`` at the save's named points: begin, called, end, staged, persisted, committed.")
+    commit_info = property(lambda self: self._job.commit_info,
+                           doc="Rank 0, once committed: what the commit wrote (see :class:`CommitInfo`).")
 
     def depends_on(self, future: Future) -> None:
         """This rank's part of the save is persisted only once ``future`` is done, and fails
@@ -97,12 +111,12 @@ class CheckpointHandle:
         callback of :meth:`AsyncCheckpointer.add_begin_callback
         <.checkpointer.AsyncCheckpointer.add_begin_callback>`, which also makes the failure of
         a write from :meth:`~.checkpointer.AsyncCheckpointer.submit_write` this save's alone."""
-        self.dependencies.append(future)
+        self._job.dependencies.append(future)
 
     def wait_staged(self) -> None:
-        for item in self.items:
+        for item in self._job.items:
             item.wait_copied()
-        self.times.setdefault("staged", time.perf_counter())
+        self._job.times.setdefault("staged", time.perf_counter())
 
     def mark_persisted(self) -> None:
         """This rank's files are durable (or the save failed): the committer calls it."""

@@ -105,7 +105,7 @@ class Reporter:
                               world_size=self._world_size,
                               seconds=handle.times["committed"] - handle.times["begin"],
                               save_id=handle.save_id, **slowest)
-            handle.commit_info = info
+            self._saves.job(handle).commit_info = info
             logger.info("async checkpoint: %s", info)
             for fn in list(self.callbacks):
                 self.report(fn, info, about=handle.ckpt_dir)

@@ -86,17 +86,17 @@ class Retention:
                 {d for d in (saves.beginning, current and current.ckpt_dir, handle.ckpt_dir) if d}
 
         try:
-            handle.retired = retire_checkpoints(
+            retired = self._saves.job(handle).retired = retire_checkpoints(
                 self._storage, os.path.dirname(handle.ckpt_dir), policy=policy,
                 protected=protected, lock=saves.dirs_lock, step_of=self._step_of,
                 committed_now=os.path.basename(handle.ckpt_dir))
-            if handle.retired:
+            if retired:
                 logger.info("async checkpoint: %s committed; removed older checkpoint(s) %s",
-                            handle.ckpt_dir, ", ".join(handle.retired))
+                            handle.ckpt_dir, ", ".join(retired))
         except OSError as exc:
             logger.warning("async checkpoint: %s is committed, but removing older checkpoints "
                            "(%r) failed: %s", handle.ckpt_dir, policy, exc)
-        return handle.retired
+        return list(self._saves.job(handle).retired)
 
     def pointer_moved(self, handle: CheckpointHandle) -> None:
         """Rank 0: the pointer of ``handle``'s save directory now names it. Retention never

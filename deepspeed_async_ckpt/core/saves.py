@@ -13,29 +13,15 @@ import collections
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field
 
 from ..errors import CommitError
 from .handle import CheckpointHandle
+from .job import SaveJob
 
 
 def time_left(deadline: float | None) -> float | None:
     """Seconds left until ``deadline`` (``time.monotonic``; None: no limit), at least 0."""
     return None if deadline is None else max(0.0, deadline - time.monotonic())
-
-
-@dataclass
-class SaveJob:
-    """What the pipeline keeps of one save beside its handle, for the committer (callers never
-    see it): :meth:`Saves.job` gives it to the session, the save files and the committer."""
-
-    new_dirs: list[str] = field(default_factory=list)
-    """Directories this rank made for the save (the save directory on a first save, the
-    checkpoint's, its marker, subdirectories of files; on rank 0 also the save directory,
-    whoever made it): their entries are made durable before this rank's record, so that
-    no crash after the commit takes them back."""
-    failure: str | None = None
-    """Why a sync save's file failed on this rank (rank 0's commit error quotes it)."""
 
 
 class Saves:
@@ -63,8 +49,14 @@ class Saves:
         self._jobs: weakref.WeakKeyDictionary[CheckpointHandle, SaveJob] = weakref.WeakKeyDictionary()
         """Under ``lock``: each save's :class:`SaveJob`, for as long as its handle lives."""
 
+    def track(self, handle: CheckpointHandle, job: SaveJob) -> None:
+        """``handle`` is the view of ``job``: :meth:`job` gives it from now on."""
+        with self.lock:
+            self._jobs[handle] = job
+
     def job(self, handle: CheckpointHandle) -> SaveJob:
-        """``handle``'s job (made at the first call). Not called with ``lock`` held."""
+        """``handle``'s job (for a handle this checkpointer did not begin, one made at the
+        first call, which its handle does not show). Not called with ``lock`` held."""
         with self.lock:
             job = self._jobs.get(handle)
             if job is None:

@@ -36,6 +36,7 @@ from .committer import Committer
 from .failures import FailureLedger, reraise, this_save_failed, what_stays
 from .files import SaveFiles, missing_dirs
 from .handle import CheckpointHandle
+from .job import SaveJob
 from .lifecycle import SaveDirClaims
 from .loader import Loader
 from .retention import Retention
@@ -133,17 +134,18 @@ class Session:
                     _remove_if_empty(self._storage, made)
                 raise
             write_dir = _write_dir(ckpt_dir, save_id, staged)
-            handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir,
-                                      finalize if self._rank == 0 else (), rotation=rotation)
-            handle.times["called"] = called  # the save call: from here to end()
+            job = SaveJob(finalize=finalize if self._rank == 0 else ())
+            job.times["called"] = called  # the save call: from here to end()
+            handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir, job,
+                                      rotation=rotation)
+            saves.track(handle, job)
             saves.current = handle
             self._begun(handle)  # the begin callbacks: what it depends on
             if self._rank == 0:  # and the marker's entry (made under another name, renamed), and
                 # the save directory's, which Trainer makes for each checkpoint-N: the pointer in it
-                saves.job(handle).new_dirs += [*(made[1] if made else ()), os.path.join(write_dir, META_DIR),
-                                    save_dir]
+                job.new_dirs += [*(made[1] if made else ()), os.path.join(write_dir, META_DIR), save_dir]
             elif self._committer.leads_node:  # its node's copy (node-local storage): the same
-                saves.job(handle).new_dirs += self._committer.mark_node_copy(write_dir)
+                job.new_dirs += self._committer.mark_node_copy(write_dir)
         finally:
             with saves.dirs_lock:
                 saves.beginning = None
@@ -261,8 +263,9 @@ class Session:
             saves.current = None
             raise AsyncCheckpointError(f"checkpoint {handle.tag!r} was not committed: the checkpointer "
                                        "was closed while it was being saved")
-        handle.abandoned = not commit
-        handle.times["end"] = time.perf_counter()
+        job = saves.job(handle)
+        job.abandoned = not commit
+        job.times["end"] = time.perf_counter()
         saves.history.append(handle)
         if self._config.is_async:
             try:
@@ -271,7 +274,7 @@ class Session:
                 saves.current = None  # only now: retention sees its directory as in use throughout
                 self._files.seal(handle)
             except BaseException:  # cut short (Ctrl-C, a SIGTERM handler's exit): never committed,
-                handle.abandoned = True  # and the committer still settles what was handed over
+                job.abandoned = True  # and the committer still settles what was handed over
                 saves.current = None
                 raise
             finally:

@@ -305,3 +305,27 @@ def test_a_refused_saves_directories_are_removed_through_the_storage_and_a_refus
         ck.begin(str(tmp_path / "t2"), tag="t2")
     ck.close()
     assert listing(tmp_path) == ["t1"]
+
+
+def test_the_handle_is_a_read_only_view_of_the_save_the_pipeline_fills_in(tmp_path):
+    """A caller reads a save's files, items, bytes, timings and outcome on its handle and can
+    set none of them: only the pipeline writes the save in flight."""
+    ck = make()
+    handle = save_one(ck, str(tmp_path), sample_state())
+    ck.wait()
+    ck.close()
+    assert handle.committed and handle.error is None and not handle.abandoned
+    assert len(handle.files) == 1 and handle.nbytes == sum(i.nbytes for i in handle.items) > 0
+    assert handle.commit_info is not None and handle.commit_info.tag == "t1"
+    assert handle.times["begin"] <= handle.times["end"] <= handle.times["committed"]
+    assert handle.write_dir == handle.ckpt_dir == str(tmp_path / "t1")
+    for name, value in [("files", []), ("items", []), ("nbytes", 0), ("error", None),
+                        ("abandoned", True), ("commit_info", None), ("retired", []),
+                        ("finalize", ()), ("fence_wait_s", 0.0), ("eager_wait_s", 0.0),
+                        ("write_dir", "elsewhere"), ("dependencies", [])]:
+        with pytest.raises(AttributeError):
+            setattr(handle, name, value)
+    with pytest.raises(TypeError):
+        handle.times["committed"] = 0.0
+    with pytest.raises(AttributeError):
+        handle.files.append(None)
