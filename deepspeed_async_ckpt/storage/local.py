@@ -15,7 +15,7 @@ import sys
 from typing import BinaryIO
 
 from .direct import DIRECT_ALIGN, O_DIRECT, REFUSES_DIRECT, DirectFile
-from .files import WholeFile, WriteBehindFile, can_write_behind
+from .buffered import WholeFile, WriteBehindFile, can_write_behind
 
 
 def _direct_file(fd: int, path: str, start: int = 0) -> DirectFile:
