@@ -35,7 +35,7 @@ from .layout import (LATE_FILES, LOCK_FILE, MANIFEST, MAX_NAME_BYTES, META_DIR, 
                      make_checkpoint_dir, staging_dir)
 from .manifest import is_finalized, read_manifest, record_late_files
 from .policy import CheckpointInfo, KeepAny, KeepEvery, KeepIf, KeepLast, RetentionPolicy
-from .protocol import commit, commit_on_node, poll_delay
+from .sequence import commit, commit_on_node, poll_delay
 from .records import RecordExchange, write_rank_failure, write_rank_record
 from .replace import finish_replacements, remove_stale_temporaries, remove_trash, replace_checkpoint
 from .retire import (abandoned_checkpoints, committed_checkpoints, linked_checkpoints,

@@ -2,7 +2,7 @@
 
 Every rank (writer or not) writes ``.async_ckpt/rank_NNNNN.<save_id>.json`` once all of its
 files for a save are durable (:func:`write_rank_record`), or ``rank_NNNNN.<save_id>.failed``
-if its part failed (:func:`write_rank_failure`). Rank 0's commit (:func:`.protocol.commit`)
+if its part failed (:func:`write_rank_failure`). Rank 0's commit (:func:`.sequence.commit`)
 waits for them and reads them back (:class:`DirectoryExchange`). Records are exchanged through
 the checkpoint directory itself (which rank 0 must see, as DeepSpeed's own ``latest`` already
 assumes), so no collective ever runs on a background thread. Where the ranks share no
@@ -157,7 +157,7 @@ class RecordExchange(Protocol):
     Call order, per save, with the ranks that make each call:
 
     - (every rank) :meth:`publish` its record once its files are durable, or :meth:`fail`;
-    - (rank 0, :func:`.protocol.commit`) :meth:`look` until every record is there; on a
+    - (rank 0, :func:`.sequence.commit`) :meth:`look` until every record is there; on a
       failure :meth:`reason`, on a timeout :meth:`missing`; then :meth:`read`, or
       :meth:`discard` if the wait ended in an error;
     - (rank 0, once the pointer moved or the commit failed) :meth:`tell_nodes` or

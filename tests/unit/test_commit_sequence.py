@@ -1,4 +1,4 @@
-"""The commit protocol (``deepspeed_async_ckpt.commit.protocol``): rank records, the
+"""The commit sequence (``deepspeed_async_ckpt.commit.sequence``): rank records, the
 manifest, the pointer, in durable order; waiting for every rank; failures after the
 manifest named for what they leave."""
 
@@ -341,7 +341,7 @@ def test_commit_comes_within_a_sixteenth_of_the_wait_after_the_last_record(tmp_p
         time = staticmethod(time.time)
 
     clock, d = Clock(), str(tmp_path / "t1")
-    monkeypatch.setattr(commit_mod.protocol, "time", clock)
+    monkeypatch.setattr(commit_mod.sequence, "time", clock)
     seen = {}
 
     class LateRank(LocalStorage):
