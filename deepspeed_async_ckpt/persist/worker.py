@@ -67,7 +67,10 @@ class _Record:
             release()
 
 
-class _Worker:
+class _WriteLoop:
+    """The worker process's side: reads the messages the training process sends, maps its
+    blocks and writes the files it is asked to."""
+
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._send_lock = threading.Lock()
@@ -157,7 +160,7 @@ def main(argv: list[str]) -> None:
     # flush still needs this worker), so the worker ignores it and ends with Stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     lower_this_process()  # below the training process, as its background threads are
-    _Worker(Connection(int(argv[1]))).run()
+    _WriteLoop(Connection(int(argv[1]))).run()
 
 
 if __name__ == "__main__":
