@@ -111,7 +111,7 @@ class LocalStorage:
         if self.fsync and durable:
             _fsync_dir(os.path.dirname(os.path.abspath(dst)))
 
-    def exchange(self, a: str, b: str) -> bool:
+    def swap(self, a: str, b: str) -> bool:
         if _renameat2 is None:
             return False
         if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE):

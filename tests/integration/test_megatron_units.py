@@ -708,8 +708,8 @@ def test_a_megatron_finalization_failing_after_the_checkpoint_is_in_place_says_s
     class Failing(LocalStorage):
         failing = None
 
-        def exchange(self, a, b):
-            return False if self.failing == "two_renames" else super().exchange(a, b)
+        def swap(self, a, b):
+            return False if self.failing == "two_renames" else super().swap(a, b)
 
         def replace(self, src, dst, *, durable=True):
             if self.failing == "two_renames" and os.path.basename(src).startswith(".async_ckpt_staging."):
