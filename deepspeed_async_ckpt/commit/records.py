@@ -18,7 +18,7 @@ import os
 from typing import Iterable, Protocol, runtime_checkable
 
 from ..errors import CommitError
-from ..persist import FileRecord
+from ..persist import FileEntry
 from ..storage import Storage
 from .atomic import write_text_atomic
 from .layout import META_DIR
@@ -43,7 +43,7 @@ def write_rank_failure(storage: Storage, ckpt_dir: str, *, rank: int, save_id: s
 
 
 def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: str,
-                      checksum: str, files: Iterable[FileRecord]) -> None:
+                      checksum: str, files: Iterable[FileEntry]) -> None:
     """Called by every rank (writer or not) once all of its files for this save are durable.
 
     The record is published (written whole, then renamed into place) but not fsynced: rank 0
@@ -59,7 +59,7 @@ TIMINGS = ("save_call_s", "fence_wait_s", "persisted_s")
 
 
 def rank_record(ckpt_dir: str, *, rank: int, save_id: str, checksum: str,
-                files: Iterable[FileRecord], node: int | None = None,
+                files: Iterable[FileEntry], node: int | None = None,
                 timings: dict[str, float] | None = None) -> dict:
     """Rank ``rank``'s record of its durable files for save ``save_id``: each file's path
     within ``ckpt_dir``, size and checksum (or its segments). ``node``: the node it ran on,

@@ -47,7 +47,7 @@ from .messages import (Archive, FileWritten, ForgetBlock, MapBlock, RecordBytes,
                        RecordStaged, Released, Stop, ToWorker, UseStorage, WriteFile)
 from .pacing import PacedWrites, WritePacer
 from .shares import Share
-from .writer import FileRecord
+from .writer import FileEntry
 
 logger = logging.getLogger(__name__)
 
@@ -225,7 +225,7 @@ class _WorkerProcess:
                 if msg.error is not None:
                     entry.result.set_exception(msg.error)
                 else:
-                    entry.result.set_result(msg.record)
+                    entry.result.set_result(msg.entry)
         try:
             code = self.process.wait(timeout=_STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -269,13 +269,13 @@ class ProcessWriter(PacedWrites):
 
     def submit(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
                share: Share | None = None) -> Future:
-        """Write the file in the background; the future holds its :class:`FileRecord`."""
+        """Write the file in the background; the future holds its :class:`FileEntry`."""
         return self._threads.submit(self.write, path, plans, part_names=part_names, share=share,
                                     pace=self.take())
 
     def write(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
               share: Share | None = None, stage: Callable[[TensorItem], None] | None = None,
-              pace: Callable[[int], None] | None = None) -> FileRecord:
+              pace: Callable[[int], None] | None = None) -> FileEntry:
         """Write the file and return its record, handing each record to the worker as it is
         staged (``stage``, when given, stages it first: the synchronous mode; ``pace``, when
         given, is called with its size first, see :meth:`~.pacing.Schedule.take`). Every

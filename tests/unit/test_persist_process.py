@@ -275,7 +275,7 @@ def test_the_worker_writes_a_file_from_typed_messages_and_answers_with_typed_mes
     done = conn.sent[-1]
     assert isinstance(done, messages.FileWritten) and done.error is None
     data = open(path, "rb").read()
-    assert (done.record.path, done.record.nbytes, done.record.checksum) == \
+    assert (done.entry.path, done.entry.nbytes, done.entry.checksum) == \
         (path, len(data), xxhash.xxh3_128_hexdigest(data))
     for cls in vars(messages).values():
         if isinstance(cls, type) and cls.__module__ == messages.__name__:
