@@ -38,6 +38,7 @@ import os
 import pickle
 import re
 import time
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Sequence
 
@@ -154,7 +155,7 @@ class MegatronCheckpointer:
         # marker files to every node); else rank 0 alone, as megatron-core does.
         self._writes_common = self.rank == 0 or (
             config.node_local and self.rank == node_leader(self.rank, self.world_size))
-        self.engine = AsyncCheckpointer(
+        self.checkpointer = AsyncCheckpointer(
             config, rank=self.rank, world_size=self.world_size, storage=storage,
             on_commit=None if on_saved is None else (lambda info: on_saved(int(info.tag), info)),
             retention=retention_policy(config.keep_last, retain_interval), step_of=iteration_of)
@@ -184,7 +185,7 @@ class MegatronCheckpointer:
         t0 = time.perf_counter()
         error: BaseException | None = None
         try:  # before megatron's collectives below, which a rank raising it would never join
-            self.engine.raise_background_error()
+            self.checkpointer.raise_background_error()
         except BaseException as exc:
             error = exc
         _agree(error)
@@ -210,24 +211,25 @@ class MegatronCheckpointer:
         # Rank 0's commit writes the markers (only the index travels with the save: the jobs
         # hold the tensors, freed once staged), then swaps a re-saved iteration in, then moves
         # the tracker, whose text is the iteration.
-        self.engine.begin(ckpt_dir, tag=str(iteration), pointer=Pointer(tracker_path(save_dir), str(iteration)),
-                          finalize=[torch_dist.Markers(plan.index)] if self.rank == 0 else ())
+        self.checkpointer.begin(ckpt_dir, tag=str(iteration),
+                                pointer=Pointer(tracker_path(save_dir), str(iteration)),
+                                finalize=[torch_dist.Markers(plan.index)] if self.rank == 0 else ())
         try:
             if self._writes_common:
-                staged = self.engine.save(common, os.path.join(ckpt_dir, torch_dist.COMMON_FILE),
-                                          eager_keys=tuple(common))
+                staged = self.checkpointer.save(common, os.path.join(ckpt_dir, torch_dist.COMMON_FILE),
+                                                eager_keys=tuple(common))
                 record.files.append({"path": torch_dist.COMMON_FILE, "part": None, "key": "common",
                                      "offset": None, "bytes": staged})
             for relpath, jobs in plan.files().items():
-                staged = self.engine.save_packed(os.path.join(ckpt_dir, relpath),
-                                                 [(job.part, job.data) for job in jobs],
-                                                 eager_tensors=buffers)
+                staged = self.checkpointer.save_packed(os.path.join(ckpt_dir, relpath),
+                                                       [(job.part, job.data) for job in jobs],
+                                                       eager_tensors=buffers)
                 record.files += [{"path": relpath, "part": job.part, "key": job.key,
                                   "offset": job.offset, "bytes": n} for job, n in zip(jobs, staged)]
         except BaseException as exc:
             error = exc
         try:  # sync mode: persisted, committed, finalized and the tracker moved here
-            record.handle = self.engine.end(commit=error is None)
+            record.handle = self.checkpointer.end(commit=error is None)
         except BaseException as exc:
             error = error or exc
         del plan
@@ -257,7 +259,7 @@ class MegatronCheckpointer:
             if isinstance(obj, ShardedObject) and is_writer(obj):
                 staged += [x for x in tree_leaves(obj.data) if isinstance(x, torch.Tensor)]
         nbytes = sum(aligned_size(t.numel() * t.element_size()) for t in staged if t is not None)
-        self.engine.reserve(nbytes)
+        self.checkpointer.reserve(nbytes)
         return nbytes
 
     def _preprocess_and_elect(self, state_dict: dict, validate_access_integrity: bool,
@@ -316,7 +318,7 @@ class MegatronCheckpointer:
 
     def fence(self) -> None:
         """Call right before ``optimizer.step()``: waits only for copies still outstanding."""
-        self.engine.fence()
+        self.checkpointer.fence()
 
     def wait(self, timeout: float | None = None, *, recover: str | None = None) -> None:
         """Collective: block until every save so far is committed and the tracker moved; raise
@@ -325,9 +327,9 @@ class MegatronCheckpointer:
         ``recover``: a re-saved iteration between its two renames)."""
         error = None
         try:
-            self.engine.wait(timeout)  # retention queued by the commits included
+            self.checkpointer.wait(timeout)  # retention queued by the commits included
             if recover is not None and self.rank == 0:
-                self.engine.recover(recover, sweep=False)
+                self.checkpointer.recover(recover, sweep=False)
         except BaseException as exc:
             error = exc
         _agree(error)
@@ -343,10 +345,10 @@ class MegatronCheckpointer:
         rank wrote once (replicated across TP), on any node.
         A tier that is, contains or lies inside ``save_dir`` raises ConfigError first."""
         refuse_overlap(self.config.tiers, save_dir)
-        tiers = self.engine.tiers
+        tiers = self.checkpointer.tiers
         if tiers is not None:
             tiers.restore_all_ranks(
-                self.engine, save_dir, pointer_name=TRACKER_FILE, every_file=True,
+                self.checkpointer, save_dir, pointer_name=TRACKER_FILE, every_file=True,
                 tag=None if iteration is None else os.path.basename(checkpoint_dir(save_dir, iteration)),
                 name_of=lambda text: f"iter_{int(text):07d}" if text.isdigit() else text)
 
@@ -373,12 +375,20 @@ class MegatronCheckpointer:
         interpreter exit the engine flushes itself (not collectively)."""
         error = None
         try:
-            self.engine.close()
+            self.checkpointer.close()
         except BaseException as exc:
             error = exc
         _agree(error)
 
     @property
+    def engine(self) -> AsyncCheckpointer:
+        """Deprecated name of :attr:`checkpointer`, the :class:`AsyncCheckpointer` this adapter
+        drives (the name DeepSpeed's ``AsyncCheckpointEngine`` gives it too)."""
+        warnings.warn("MegatronCheckpointer.engine is deprecated: use .checkpointer",
+                      DeprecationWarning, stacklevel=2)
+        return self.checkpointer
+
+    @property
     def staged_bytes(self) -> int:
         """Bytes this rank copied to host so far."""
-        return self.engine.staged_bytes
+        return self.checkpointer.staged_bytes

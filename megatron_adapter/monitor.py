@@ -49,4 +49,5 @@ def attach_figures(engine: Any, *, tensorboard: Any = None, wandb: Any = None,
     writers = [w for w in (tensorboard, wandb) if w is not None]
     if not writers:
         return None
-    return CommitFigures(write_to(writers), step_of=lambda handle: int(handle.tag)).attach(engine.engine)
+    figures = CommitFigures(write_to(writers), step_of=lambda handle: int(handle.tag))
+    return figures.attach(engine.checkpointer)

@@ -67,7 +67,7 @@ CUDA_TESTS = ("tests/unit/test_cuda.py",)
 """The ``gpu``-marked tests (each skips with its reason where no GPU is visible)."""
 HOST_TESTS = tuple(f"tests/unit/test_{name}.py" for name in (
     "checkpointer_roundtrip", "snapshot_stager", "snapshot_pool", "storage_direct", "storage_local",
-    "persist", "commit_protocol", "commit_replace", "retention", "verify", "cli_verify_list",
+    "persist", "commit_sequence", "commit_replace", "retention", "verify", "cli_verify_list",
     "core_lifecycle", "core_failures", "core_session", "deepspeed_engine", "pacing"))
 """The core's unit tests on host tensors, run again with CUDA present (the pool pinned, a copy
 stream running)."""

@@ -54,7 +54,7 @@ class FailingStorage(LocalStorage):
 class NoExchangeStorage(FailingStorage):
     """A filesystem without ``renameat2(RENAME_EXCHANGE)`` (NFS, say): two renames instead."""
 
-    def exchange(self, a, b):
+    def swap(self, a, b):
         return False
 
 
@@ -104,7 +104,7 @@ class NoExchangeFailingRename(LocalStorage):
         super().__init__(fsync=True)
         self.fail = False
 
-    def exchange(self, a, b):
+    def swap(self, a, b):
         return False
 
     def replace(self, src, dst, *, durable=True):

@@ -105,7 +105,7 @@ def storage_bandwidth(work_dir: str, nbytes: int, reps: int = 3) -> dict:
     if fio:
         return _fio_bandwidth(fio, work_dir, nbytes, reps)
     from deepspeed_async_ckpt.storage import DirectFile, LocalStorage, WriteBehindFile, host_buffer
-    from deepspeed_async_ckpt.storage.files import _sync_file_range
+    from deepspeed_async_ckpt.storage.buffered import _sync_file_range
 
     # page-aligned and in huge pages, as the engine's pool: direct writes from 4 KiB pages
     # are split into smaller block requests, which cost a disk bandwidth (docs/benchmarks.md)

@@ -21,7 +21,7 @@ save meets them:
 - :mod:`.finalize`: a framework's finalize steps, run by the commit (rank 0)
 - :mod:`.manifest`: reading and checking a manifest; late files (any rank)
 - :mod:`.replace`: re-saving a checkpoint in place, and recovering from a crash (rank 0)
-- :mod:`.policy`, :mod:`.retention`: which old checkpoints to remove, and removing them (rank 0)
+- :mod:`.policy`, :mod:`.retire`: which old checkpoints to remove, and removing them (rank 0)
 - :mod:`.verify`: checking files against the manifest before a load (every rank)
 """
 
@@ -35,11 +35,11 @@ from .layout import (LATE_FILES, LOCK_FILE, MANIFEST, MAX_NAME_BYTES, META_DIR, 
                      make_checkpoint_dir, staging_dir)
 from .manifest import is_finalized, read_manifest, record_late_files
 from .policy import CheckpointInfo, KeepAny, KeepEvery, KeepIf, KeepLast, RetentionPolicy
-from .protocol import commit, commit_on_node, poll_delay
+from .sequence import commit, commit_on_node, poll_delay
 from .records import RecordExchange, write_rank_failure, write_rank_record
 from .replace import finish_replacements, remove_stale_temporaries, remove_trash, replace_checkpoint
-from .retention import (abandoned_checkpoints, committed_checkpoints, linked_checkpoints,
-                        retire_checkpoints, scan_checkpoints)
+from .retire import (abandoned_checkpoints, committed_checkpoints, linked_checkpoints,
+                     retire_checkpoints, scan_checkpoints)
 from .verify import verify_checkpoint, verify_file
 
 __all__ = [

@@ -18,7 +18,7 @@ Rank 0 polls the one counter (``add(key, 0)``): the world size means every recor
 more means a rank failed (the commit stops at once, as with a failure record). It reads the
 records in one ``multi_get``, deletes them, commits, and sets each other node's ``commit``
 key; the leader of that node (its lowest rank, :func:`.nodes.node_leader`) polls it, deletes
-it, and commits the same checkpoint on its node (:func:`.protocol.commit_on_node`). A rank
+it, and commits the same checkpoint on its node (:func:`.sequence.commit_on_node`). A rank
 polls with short requests, never a blocking ``wait``, which would hold the store's client
 for its whole duration.
 """

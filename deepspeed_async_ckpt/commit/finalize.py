@@ -5,7 +5,7 @@ nvidia-resiliency-ext's ``AsyncRequest.finalize_fns`` are "called synchronously 
 is done on all ranks". Megatron's marker files (``.metadata``, ``metadata.json``) are one.
 
 Call order, rank 0 only, on its committer thread (a sync save: on the training thread, inside
-``end``), as one commit (:func:`.protocol.commit`)::
+``end``), as one commit (:func:`.sequence.commit`)::
 
     manifest written (it lists every step's ``files`` as late files)
     step(ctx) for each step, in order        # ctx.write_file(...) for each file it declared

@@ -2,7 +2,7 @@
 
 ``<checkpoint>/.async_ckpt/manifest.json`` lists every file of a committed checkpoint with its
 size and checksum (or the checksums of its segments). Rank 0's commit writes it
-(:func:`.protocol.commit`) after :func:`manifest_problem` found nothing a reader would refuse;
+(:func:`.sequence.commit`) after :func:`manifest_problem` found nothing a reader would refuse;
 any rank reads it with :func:`read_manifest` before a load, and retention and the command line
 read it to tell committed checkpoints from the rest.
 
@@ -27,7 +27,7 @@ from ..storage import Storage
 from .atomic import write_text_atomic
 from .layout import FORMAT, FORMAT_NAME, FORMAT_VERSION, LATE_FILES, MANIFEST, META_DIR
 
-#: What every committed manifest holds (see :func:`.protocol.commit`), and of which type.
+#: What every committed manifest holds (see :func:`.sequence.commit`), and of which type.
 MANIFEST_FIELDS = {"format": str, "tag": str, "save_id": str, "world_size": int, "checksum": str,
                    "committed_at": (int, float), "files": dict}
 

@@ -1,6 +1,6 @@
 """Retention policies: which committed checkpoints to keep, as small composable types.
 
-Retention (:func:`.retention.retire_checkpoints`, rank 0 only) lists the checkpoints of a save
+Retention (:func:`.retire.retire_checkpoints`, rank 0 only) lists the checkpoints of a save
 directory as :class:`CheckpointInfo` values, the committed ones newest first, then those that
 can never be loaded, and asks a policy which to keep; it removes the rest. A policy only
 states a preference: what a pointer or a symbolic link names, and the directory of a save still

@@ -2,7 +2,7 @@
 
 Every rank (writer or not) writes ``.async_ckpt/rank_NNNNN.<save_id>.json`` once all of its
 files for a save are durable (:func:`write_rank_record`), or ``rank_NNNNN.<save_id>.failed``
-if its part failed (:func:`write_rank_failure`). Rank 0's commit (:func:`.protocol.commit`)
+if its part failed (:func:`write_rank_failure`). Rank 0's commit (:func:`.sequence.commit`)
 waits for them and reads them back (:class:`DirectoryExchange`). Records are exchanged through
 the checkpoint directory itself (which rank 0 must see, as DeepSpeed's own ``latest`` already
 assumes), so no collective ever runs on a background thread. Where the ranks share no
@@ -18,7 +18,7 @@ import os
 from typing import Iterable, Protocol, runtime_checkable
 
 from ..errors import CommitError
-from ..persist import FileRecord
+from ..persist import FileEntry
 from ..storage import Storage
 from .atomic import write_text_atomic
 from .layout import META_DIR
@@ -43,7 +43,7 @@ def write_rank_failure(storage: Storage, ckpt_dir: str, *, rank: int, save_id: s
 
 
 def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: str,
-                      checksum: str, files: Iterable[FileRecord]) -> None:
+                      checksum: str, files: Iterable[FileEntry]) -> None:
     """Called by every rank (writer or not) once all of its files for this save are durable.
 
     The record is published (written whole, then renamed into place) but not fsynced: rank 0
@@ -59,7 +59,7 @@ TIMINGS = ("save_call_s", "fence_wait_s", "persisted_s")
 
 
 def rank_record(ckpt_dir: str, *, rank: int, save_id: str, checksum: str,
-                files: Iterable[FileRecord], node: int | None = None,
+                files: Iterable[FileEntry], node: int | None = None,
                 timings: dict[str, float] | None = None) -> dict:
     """Rank ``rank``'s record of its durable files for save ``save_id``: each file's path
     within ``ckpt_dir``, size and checksum (or its segments). ``node``: the node it ran on,
@@ -157,7 +157,7 @@ class RecordExchange(Protocol):
     Call order, per save, with the ranks that make each call:
 
     - (every rank) :meth:`publish` its record once its files are durable, or :meth:`fail`;
-    - (rank 0, :func:`.protocol.commit`) :meth:`look` until every record is there; on a
+    - (rank 0, :func:`.sequence.commit`) :meth:`look` until every record is there; on a
       failure :meth:`reason`, on a timeout :meth:`missing`; then :meth:`read`, or
       :meth:`discard` if the wait ended in an error;
     - (rank 0, once the pointer moved or the commit failed) :meth:`tell_nodes` or

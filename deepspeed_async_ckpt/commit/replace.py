@@ -31,7 +31,7 @@ def replace_checkpoint(storage: Storage, staged: str, target: str, *, save_id: s
     put there, another rank count's files) is linked into ``staged``, so the result is what
     writing over ``target`` in place would have left, as DeepSpeed's own engine does. Then one
     ``renameat2(RENAME_EXCHANGE)`` swaps the two (fsynced) and the old one is renamed to
-    :func:`.layout.replaced_trash`. Where the filesystem cannot exchange (NFS, say), ``target``
+    :func:`.layout.replaced_trash`. Where the filesystem cannot swap (NFS, say), ``target``
     is renamed to the trash and ``staged`` to ``target``: a crash between the two leaves
     ``target`` missing and ``staged`` committed, which :func:`finish_replacements` renames
     into place (before a load, and before the next save)."""
@@ -41,7 +41,7 @@ def replace_checkpoint(storage: Storage, staged: str, target: str, *, save_id: s
     if os.path.isdir(target):
         _carry_over(storage, target, staged, top=True)
     trash = replaced_trash(target, save_id)
-    if storage.exchange(staged, target):
+    if storage.swap(staged, target):
         storage.replace(staged, trash, durable=False)  # if lost: a stale staging dir, swept
         return
     try:
@@ -76,7 +76,7 @@ def carry_over_listed(storage: Storage, old: str, new: str, files: dict[str, dic
 def _carry_over(storage: Storage, old: str, new: str, *, top: bool, rel: str = "") -> list[str]:
     """Link into ``new`` what ``old`` holds and ``new`` lacks (files the training script put
     into the checkpoint's directory: a tokenizer, a config; another rank count's files),
-    durably: once the exchange is durable, the old directory is deleted. This engine's own
+    durably: once the swap is durable, the old directory is deleted. This engine's own
     temporary files are left out. Returns the paths linked, relative to the top ``new``."""
     changed, linked = False, []
     for entry in os.scandir(old):

@@ -43,7 +43,7 @@ import torch
 
 from ..agreement import Exchange, by_rank, exchange_across_ranks, outcome, without_key
 from ..commit import FinalizeStep, Pointer, RetentionPolicy
-from ..commit.retention import step_in_name
+from ..commit.retire import step_in_name
 from ..config import AsyncCheckpointConfig
 from ..errors import AsyncCheckpointError, CommitError, DurabilityError, Failure
 from ..persist import check_torch_writer

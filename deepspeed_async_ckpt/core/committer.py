@@ -40,7 +40,7 @@ from ..commit.nodes import default_store, node_leader, node_of
 from ..commit.records import DirectoryExchange, rank_record
 from ..config import AsyncCheckpointConfig
 from ..errors import ConfigError, DurabilityError
-from ..persist import FileRecord
+from ..persist import FileEntry as FileRecord
 from ..qos import lower_this_thread
 from ..storage import Storage
 from .failures import FailureLedger

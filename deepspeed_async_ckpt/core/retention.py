@@ -20,7 +20,7 @@ from typing import Any, Callable
 
 from ..commit import (REMOVING_PREFIX, KeepLast, RetentionPolicy, finish_replacements, remove_trash,
                       retire_checkpoints)
-from ..commit.retention import step_in_name
+from ..commit.retire import step_in_name
 from ..errors import AsyncCheckpointError
 from ..qos import lower_this_thread
 from ..storage import Storage

@@ -7,7 +7,7 @@ Files stay ``torch.load``-compatible: DeepSpeed's ``zero_to_fp32.py`` and ``ds_t
 read them unchanged. Each is written under a temporary name, checksummed while the bytes go
 out, fsynced, then renamed.
 
-- :mod:`.writer`: :func:`write_file`, one file to storage, and its :class:`FileRecord`;
+- :mod:`.writer`: :func:`write_file`, one file to storage, and its :class:`FileEntry`;
   :class:`FileWriter`, how the core hands files over; :class:`ThreadWriter` runs
   :func:`write_file` on the writer threads.
 - :mod:`.pacing`: a save's writes spread over the save interval (config ``pace_writes``).
@@ -27,12 +27,12 @@ from .checksum import HASHERS, hash_ranges, new_hasher
 from .safetensors import SAFETENSORS_DTYPES, safetensors_writable, write_safetensors
 from .shares import Share, split_items
 from .process import ProcessWriter
-from .writer import FileRecord, FileWriter, ThreadWriter, write_file
+from .writer import FileEntry, FileWriter, ThreadWriter, write_file
 
 __all__ = [
     "HASHERS",
     "SAFETENSORS_DTYPES",
-    "FileRecord",
+    "FileEntry",
     "FileWriter",
     "ProcessWriter",
     "Share",

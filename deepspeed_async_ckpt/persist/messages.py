@@ -22,7 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .shares import Share
-from .writer import FileRecord
+from .writer import FileEntry
 
 
 @dataclass(frozen=True)
@@ -113,10 +113,10 @@ class Released:
 
 @dataclass(frozen=True)
 class FileWritten:
-    """From the worker: file ``file`` is written (``record``) or failed (``error``, picklable)."""
+    """From the worker: file ``file`` is written (``entry``) or failed (``error``, picklable)."""
 
     file: int
-    record: FileRecord | None
+    entry: FileEntry | None
     error: BaseException | None
 
 

@@ -47,7 +47,7 @@ from .messages import (Archive, FileWritten, ForgetBlock, MapBlock, RecordBytes,
                        RecordStaged, Released, Stop, ToWorker, UseStorage, WriteFile)
 from .pacing import PacedWrites, WritePacer
 from .shares import Share
-from .writer import FileRecord
+from .writer import FileEntry
 
 logger = logging.getLogger(__name__)
 
@@ -100,8 +100,9 @@ class _File:
             self.release(k)
 
 
-class _Worker:
-    """One worker process, its connection, and the thread that reads its answers."""
+class _WorkerProcess:
+    """The training process's side of one worker process: the process, its connection, and the
+    thread that reads its answers."""
 
     def __init__(self, storage: bytes, pool: HostBufferPool) -> None:
         self._pool = pool
@@ -224,7 +225,7 @@ class _Worker:
                 if msg.error is not None:
                     entry.result.set_exception(msg.error)
                 else:
-                    entry.result.set_result(msg.record)
+                    entry.result.set_result(msg.entry)
         try:
             code = self.process.wait(timeout=_STOP_TIMEOUT_S)
         except subprocess.TimeoutExpired:
@@ -262,18 +263,19 @@ class ProcessWriter(PacedWrites):
         self._pool, self._threads = pool, threads
         self._checksum, self._zip_crc32 = checksum, zip_crc32
         self._lock = threading.Lock()
-        self._worker: _Worker | None = _Worker(self._storage, pool)  # ready by the first save
+        # started now, so it is ready by the first save
+        self._worker: _WorkerProcess | None = _WorkerProcess(self._storage, pool)
         pool.on_block_freed.append(self._forget)
 
     def submit(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
                share: Share | None = None) -> Future:
-        """Write the file in the background; the future holds its :class:`FileRecord`."""
+        """Write the file in the background; the future holds its :class:`FileEntry`."""
         return self._threads.submit(self.write, path, plans, part_names=part_names, share=share,
                                     pace=self.take())
 
     def write(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
               share: Share | None = None, stage: Callable[[TensorItem], None] | None = None,
-              pace: Callable[[int], None] | None = None) -> FileRecord:
+              pace: Callable[[int], None] | None = None) -> FileEntry:
         """Write the file and return its record, handing each record to the worker as it is
         staged (``stage``, when given, stages it first: the synchronous mode; ``pace``, when
         given, is called with its size first, see :meth:`~.pacing.Schedule.take`). Every
@@ -313,13 +315,13 @@ class ProcessWriter(PacedWrites):
                 else:
                     items[k].release()
 
-    def _current(self) -> _Worker:
+    def _current(self) -> _WorkerProcess:
         with self._lock:
             if self._worker is None:
                 raise AsyncCheckpointError("the persist worker process was stopped (the checkpointer is closed)")
             if self._worker.death is not None:
                 logger.warning("async checkpoint: %s; starting a new one", self._worker.death)
-                old, self._worker = self._worker, _Worker(self._storage, self._pool)
+                old, self._worker = self._worker, _WorkerProcess(self._storage, self._pool)
                 old.stop()
             return self._worker
 

@@ -6,7 +6,7 @@ Started by :class:`~.process.ProcessWriter` as ``python -m deepspeed_async_ckpt.
 FD``, ``FD`` being its end of a socket pair, over which both sides send the messages of
 :mod:`.messages`: the storage first, pool blocks to map and forget, files to write and, as
 each record is staged, where its host copy lies; it answers when a record's buffer may be
-reused and when a file is written (a :class:`~.writer.FileRecord`) or failed. Each file is
+reused and when a file is written (a :class:`~.writer.FileEntry`) or failed. Each file is
 written on a thread of its own by :func:`~.writer.write_file`, the function the writer threads
 run, so both write the same bytes. The worker exits at once when the training process goes
 away: nothing it writes then would be committed.
@@ -67,7 +67,10 @@ class _Record:
             release()
 
 
-class _Worker:
+class _WriteLoop:
+    """The worker process's side: reads the messages the training process sends, maps its
+    blocks and writes the files it is asked to."""
+
     def __init__(self, conn: Connection) -> None:
         self._conn = conn
         self._send_lock = threading.Lock()
@@ -138,10 +141,10 @@ class _Worker:
         return lambda: self.send(Released(fid, k))
 
     def _write(self, msg: WriteFile, plans: list[FilePlan]) -> None:
-        record, error = None, None
+        entry, error = None, None
         try:
-            record = write_file(self._storage, msg.path, plans, msg.checksum, part_names=msg.part_names,
-                                zip_crc32=msg.zip_crc32, share=msg.share)
+            entry = write_file(self._storage, msg.path, plans, msg.checksum, part_names=msg.part_names,
+                               zip_crc32=msg.zip_crc32, share=msg.share)
         except BaseException as exc:
             error = exc
             try:
@@ -149,7 +152,7 @@ class _Worker:
             except Exception:
                 error = PersistError(f"writing {msg.path} failed: {describe(exc)}")
         self._files.pop(msg.file, None)
-        self.send(FileWritten(msg.file, record, error))
+        self.send(FileWritten(msg.file, entry, error))
 
 
 def main(argv: list[str]) -> None:
@@ -157,7 +160,7 @@ def main(argv: list[str]) -> None:
     # flush still needs this worker), so the worker ignores it and ends with Stop.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     lower_this_process()  # below the training process, as its background threads are
-    _Worker(Connection(int(argv[1]))).run()
+    _WriteLoop(Connection(int(argv[1]))).run()
 
 
 if __name__ == "__main__":

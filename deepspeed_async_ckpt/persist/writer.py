@@ -1,5 +1,5 @@
 """:func:`write_file`: one checkpoint file from its plans' host copies to storage, and the
-:class:`FileRecord` the manifest keeps of it.
+:class:`FileEntry` the manifest keeps of it.
 
 A file is written under a temporary name, checksummed while the bytes go out, fsynced, then
 renamed: a crash never leaves a half-written file under the final name. It holds one
@@ -25,8 +25,8 @@ from .shares import Share
 
 
 @dataclass(frozen=True)
-class FileRecord:
-    """What the manifest says about one persisted file."""
+class FileEntry:
+    """One persisted file as the manifest lists it (an entry of a rank's record's ``files``)."""
 
     path: str
     nbytes: int
@@ -48,7 +48,7 @@ class FileRecord:
 def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum: str, *,
                part_names: Sequence[str] | None = None, zip_crc32: bool = False,
                stage: Callable[[TensorItem], None] | None = None,
-               share: Share | None = None, pace: Callable[[int], None] | None = None) -> FileRecord:
+               share: Share | None = None, pace: Callable[[int], None] | None = None) -> FileEntry:
     """Write ``plans`` to ``path``, one ``torch.save`` archive each, waiting for each record's
     host copy as it goes.
 
@@ -113,13 +113,13 @@ def write_file(storage: Storage, path: str, plans: Sequence[FilePlan], checksum:
             if sink.nbytes != size:
                 raise PersistError(f"writing {path}: share {share.index} laid the file out as "
                                    f"{sink.nbytes} bytes, its layout pass as {size}")
-            return FileRecord(path=path, nbytes=size, checksum=sink.hasher.hexdigest(),
-                              segment=(window[0], window[1] - window[0]), tmp=tmp)
+            return FileEntry(path=path, nbytes=size, checksum=sink.hasher.hexdigest(),
+                             segment=(window[0], window[1] - window[0]), tmp=tmp)
         storage.replace(tmp, path)
         if part_names is not None:
-            return FileRecord(path=path, nbytes=sink.nbytes, checksum="",
-                              parts=dict(zip(part_names, spans)), part_checksums=tuple(sums))
-        return FileRecord(path=path, nbytes=sink.nbytes, checksum=sink.hasher.hexdigest())
+            return FileEntry(path=path, nbytes=sink.nbytes, checksum="",
+                             parts=dict(zip(part_names, spans)), part_checksums=tuple(sums))
+        return FileEntry(path=path, nbytes=sink.nbytes, checksum=sink.hasher.hexdigest())
     except BaseException as exc:
         for item in pending:
             if stage is not None:
@@ -173,10 +173,10 @@ class FileWriter(Protocol):
     def submit(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
                share: Share | None = None) -> Future:
         """Write the file in the background (paced, see :meth:`pace`); the future holds its
-        :class:`FileRecord`, or the error."""
+        :class:`FileEntry`, or the error."""
 
     def write(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
-              share: Share | None = None, stage: Callable[[TensorItem], None] | None = None) -> FileRecord:
+              share: Share | None = None, stage: Callable[[TensorItem], None] | None = None) -> FileEntry:
         """Write the file now and return its record; ``stage``, when given, stages each record
         first (the synchronous mode)."""
 
@@ -202,7 +202,7 @@ class ThreadWriter(PacedWrites):
                                     pace=self.take())
 
     def write(self, path: str, plans: Sequence[FilePlan], *, part_names: Sequence[str] | None = None,
-              share: Share | None = None, stage: Callable[[TensorItem], None] | None = None) -> FileRecord:
+              share: Share | None = None, stage: Callable[[TensorItem], None] | None = None) -> FileEntry:
         return write_file(self._storage, path, plans, self._checksum, part_names=part_names,
                           zip_crc32=self._zip_crc32, stage=stage, share=share)
 

@@ -12,7 +12,7 @@
 
 from .direct import (DIRECT_ALIGN, DirectFile, aligned_size, buffer_address, host_buffer,
                      shared_host_buffer)
-from .files import WholeFile, WriteBehindFile
+from .buffered import WholeFile, WriteBehindFile
 from .local import LocalStorage
 from .protocol import Storage, is_temporary, temporary_path
 

@@ -15,7 +15,7 @@ import sys
 from typing import BinaryIO
 
 from .direct import DIRECT_ALIGN, O_DIRECT, REFUSES_DIRECT, DirectFile
-from .files import WholeFile, WriteBehindFile, can_write_behind
+from .buffered import WholeFile, WriteBehindFile, can_write_behind
 
 
 def _direct_file(fd: int, path: str, start: int = 0) -> DirectFile:
@@ -111,7 +111,7 @@ class LocalStorage:
         if self.fsync and durable:
             _fsync_dir(os.path.dirname(os.path.abspath(dst)))
 
-    def exchange(self, a: str, b: str) -> bool:
+    def swap(self, a: str, b: str) -> bool:
         if _renameat2 is None:
             return False
         if _renameat2(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE):

@@ -6,7 +6,7 @@ or refused saves are written against for every write, rename, link, removal and 
 save directory's lock file, :mod:`..commit.claims`, is a ``flock`` on a local file);
 :class:`~.local.LocalStorage` is the default implementation. It is a POSIX filesystem's
 (local, or a shared mount every rank sees): the commit's atomicity rests on its renames, the
-exchange of two directories, hard links and directory fsyncs, which an object store has
+swap of two directories, hard links and directory fsyncs, which an object store has
 none of. Copies to object stores are the durable tiers' (:class:`~..tiers.remote.Remote`).
 Reads (manifests, records, listings of a save directory, the files a load verifies) are plain
 file reads, as ``torch.load`` and DeepSpeed's own loaders read the same files. Tests inject
@@ -58,7 +58,7 @@ class Storage(Protocol):
         """Atomically rename ``src`` to ``dst`` and (unless ``durable=False``: others need only
         see it) make the rename durable."""
 
-    def exchange(self, a: str, b: str) -> bool:
+    def swap(self, a: str, b: str) -> bool:
         """Atomically swap directories ``a`` and ``b`` and make it durable; False (nothing
         done) where the filesystem cannot (then two renames do it, see
         :func:`~.commit.replace_checkpoint`)."""

@@ -28,7 +28,7 @@ from ..commit import LATE_FILES, MANIFEST, META_DIR, KeepLast, Pointer, read_man
     verify_file
 from ..commit.manifest import files_on_node
 from ..commit.policy import CheckpointInfo
-from ..commit.retention import step_in_name
+from ..commit.retire import step_in_name
 from ..errors import IntegrityError
 from ..progress import track
 from .keys import POINTER_KEY, manifest_key, marker_key

@@ -18,6 +18,7 @@ from deepspeed_async_ckpt.storage import LocalStorage  # noqa: E402
 from megatron_adapter import torch_dist  # noqa: E402
 from megatron_adapter.arguments import add_arguments, config_from_args  # noqa: E402
 from megatron_adapter.checkpointer import (  # noqa: E402
+    MegatronCheckpointer,
     checkpoint_dir,
     read_tracker,
     tracker_path,
@@ -100,6 +101,17 @@ def test_a_tier_that_is_contains_or_lies_inside_save_or_load_is_refused_before_t
     args = parse("--async-ckpt-config", str(path))
     args.save = args.load = str(save)
     assert config_from_args(args).tiers[0].url == str(tmp_path / "tier")
+
+
+def test_a_megatron_checkpointers_engine_is_a_deprecated_name_of_its_checkpointer():
+    """``MegatronCheckpointer.checkpointer`` is the ``AsyncCheckpointer`` it drives, as on
+    DeepSpeed's engine; ``.engine`` still returns it, with a DeprecationWarning."""
+    import types
+
+    ck = object()
+    holder = types.SimpleNamespace(checkpointer=ck)
+    with pytest.warns(DeprecationWarning, match=r"MegatronCheckpointer\.engine is deprecated: use \.checkpointer"):
+        assert MegatronCheckpointer.engine.fget(holder) is ck
 
 
 def test_writer_modes():
@@ -593,7 +605,7 @@ def test_megatron_lm_hook_writes_each_commits_figures_through_megatron_lms_write
         if not writers:
             mt.get_tensorboard_writer = mt.get_wandb_writer = lambda: None
         ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
-        engine = types.SimpleNamespace(rank=0, engine=ck)
+        engine = types.SimpleNamespace(rank=0, checkpointer=ck)
         megatron_lm._attach_figures(engine, argparse.Namespace(tensorboard_dir=None, wandb_project=None))
         d = str(tmp_path / f"{writers}" / "iter_0000050")
         ck.begin(d, tag="50", pointer=Pointer(str(tmp_path / f"{writers}" / "tracker"), "50"))
@@ -708,8 +720,8 @@ def test_a_megatron_finalization_failing_after_the_checkpoint_is_in_place_says_s
     class Failing(LocalStorage):
         failing = None
 
-        def exchange(self, a, b):
-            return False if self.failing == "two_renames" else super().exchange(a, b)
+        def swap(self, a, b):
+            return False if self.failing == "two_renames" else super().swap(a, b)
 
         def replace(self, src, dst, *, durable=True):
             if self.failing == "two_renames" and os.path.basename(src).startswith(".async_ckpt_staging."):

@@ -75,9 +75,9 @@ def test_files_carried_over_into_a_resave_are_durable_before_the_swap(tmp_path):
             log.append(("sync_dir", os.path.relpath(path, root)))
             super().sync_dir(path)
 
-        def exchange(self, a, b):
-            log.append(("exchange",))
-            return super().exchange(a, b)
+        def swap(self, a, b):
+            log.append(("swap",))
+            return super().swap(a, b)
 
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01),
                            storage=Recording(budget=10**9))
@@ -94,7 +94,7 @@ def test_files_carried_over_into_a_resave_are_durable_before_the_swap(tmp_path):
     links = [e for e in log if e[0] == "link"]
     assert sorted(links) == [("link", os.path.join(staged, "extra", "notes.txt")),
                              ("link", os.path.join(staged, "tokenizer.json"))]
-    swap = log.index(("exchange",))
+    swap = log.index(("swap",))
     synced = [e[1] for e in log[:swap] if e[0] == "sync_dir"]
     assert os.path.join(staged, "extra") in synced and staged in synced
     assert all(log.index(link) < swap for link in links)

@@ -51,10 +51,10 @@ class Recording(LocalStorage):
         super().replace(src, dst, durable=durable)
         self.events.append(("replace", os.path.basename(dst)))
 
-    def exchange(self, a, b):
-        swapped = super().exchange(a, b)
+    def swap(self, a, b):
+        swapped = super().swap(a, b)
         if swapped:
-            self.events.append(("exchange", os.path.basename(b)))
+            self.events.append(("swap", os.path.basename(b)))
         return swapped
 
 
@@ -92,7 +92,7 @@ def test_the_commit_runs_manifest_then_steps_then_swap_then_pointer_then_retenti
                       ("step", ("marker.json",)), ("replace", "marker.json"),
                       ("step", ("sub/extra.txt",)), ("replace", "extra.txt"),
                       ("replace", LATE_FILES),
-                      ("exchange", "t"),
+                      ("swap", "t"),
                       ("replace", "latest"),
                       ("retention", ("t",))], events
     ctx = second.seen[-1]

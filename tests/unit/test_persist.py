@@ -188,7 +188,7 @@ def test_split_items_balances_contiguous_runs_and_never_cuts_at_empty_records():
 
 def test_commit_refuses_a_file_whose_shares_leave_a_gap_and_keeps_the_pointer(tmp_path):
     from deepspeed_async_ckpt.commit import commit, write_rank_record
-    from deepspeed_async_ckpt.persist import FileRecord
+    from deepspeed_async_ckpt.persist import FileEntry
 
     storage = LocalStorage()
     d = str(tmp_path / "t2")
@@ -199,7 +199,7 @@ def test_commit_refuses_a_file_whose_shares_leave_a_gap_and_keeps_the_pointer(tm
     # ranks 0 and 2 wrote their shares; rank 1's share (bytes 4096-8192) is not in its record
     shares = {0: (0, 4096), 1: None, 2: (8192, 100)}
     for rank, segment in shares.items():
-        files = [] if segment is None else [FileRecord(path, 8292, "ab", segment=segment, tmp=tmp)]
+        files = [] if segment is None else [FileEntry(path, 8292, "ab", segment=segment, tmp=tmp)]
         write_rank_record(storage, d, rank=rank, save_id="s", checksum="xxh128", files=files)
     with pytest.raises(CommitError, match=r"model.pt has no share for bytes 4096-8192"):
         commit(storage, d, tag="t2", save_id="s", world_size=3, checksum="xxh128", timeout_s=5,

@@ -101,7 +101,7 @@ def test_a_killed_worker_fails_its_save_naming_the_signal_and_the_next_save_gets
         ck.wait()
         first = ck._files._persist._worker.process
 
-        real_staged = process_module._Worker.staged
+        real_staged = process_module._WorkerProcess.staged
         killed = []
 
         def staged_after_a_kill(self, fid, k, host):  # the worker dies holding a file
@@ -111,7 +111,7 @@ def test_a_killed_worker_fails_its_save_naming_the_signal_and_the_next_save_gets
                 self.process.wait()
             return real_staged(self, fid, k, host)
 
-        monkeypatch.setattr(process_module._Worker, "staged", staged_after_a_kill)
+        monkeypatch.setattr(process_module._WorkerProcess, "staged", staged_after_a_kill)
         _save(ck, root, "t2", seed=1)
         with pytest.raises(AsyncCheckpointError, match=r"killed by signal SIGKILL"):
             ck.wait()
@@ -119,7 +119,7 @@ def test_a_killed_worker_fails_its_save_naming_the_signal_and_the_next_save_gets
         assert open(os.path.join(root, "latest")).read().strip() == "t1"  # still committed
         assert not ck.pool._live  # the dead worker's buffers came back to the pool
 
-        monkeypatch.setattr(process_module._Worker, "staged", real_staged)
+        monkeypatch.setattr(process_module._WorkerProcess, "staged", real_staged)
         d = _save(ck, root, "t3", seed=1)
         ck.wait()
         assert ck._files._persist._worker.process.pid != first.pid
@@ -256,7 +256,7 @@ def test_the_worker_writes_a_file_from_typed_messages_and_answers_with_typed_mes
     import xxhash
 
     from deepspeed_async_ckpt.persist import messages
-    from deepspeed_async_ckpt.persist.worker import _Worker
+    from deepspeed_async_ckpt.persist.worker import _WriteLoop
 
     state = {"a": torch.arange(6, dtype=torch.float32), "b": torch.ones(3, dtype=torch.int64)}
     plan = plan_file(state, set(), what="model.pt")
@@ -267,7 +267,7 @@ def test_the_worker_writes_a_file_from_typed_messages_and_answers_with_typed_mes
     for k, tensor in enumerate(state.values()):
         script += [messages.RecordBytes(0, k), tensor.numpy().tobytes()]
     conn = _ScriptedConnection(script + [messages.Stop()])
-    _Worker(conn).run()
+    _WriteLoop(conn).run()
     loaded = torch.load(path)
     assert sorted(loaded) == ["a", "b"] and all(torch.equal(loaded[k], state[k]) for k in state)
     released = [m for m in conn.sent if isinstance(m, messages.Released)]
@@ -275,10 +275,10 @@ def test_the_worker_writes_a_file_from_typed_messages_and_answers_with_typed_mes
     done = conn.sent[-1]
     assert isinstance(done, messages.FileWritten) and done.error is None
     data = open(path, "rb").read()
-    assert (done.record.path, done.record.nbytes, done.record.checksum) == \
+    assert (done.entry.path, done.entry.nbytes, done.entry.checksum) == \
         (path, len(data), xxhash.xxh3_128_hexdigest(data))
     for cls in vars(messages).values():
         if isinstance(cls, type) and cls.__module__ == messages.__name__:
             assert dataclasses.is_dataclass(cls) and cls.__dataclass_params__.frozen, cls
     with pytest.raises(TypeError, match=r"was sent \('stop',\), not a message of"):
-        _Worker(_ScriptedConnection([("stop",)])).run()
+        _WriteLoop(_ScriptedConnection([("stop",)])).run()

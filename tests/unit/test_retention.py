@@ -96,7 +96,7 @@ def test_keep_last_never_removes_the_checkpoint_the_pointer_names_after_the_cloc
     import deepspeed_async_ckpt.commit as commit_mod
 
     clock = {"t": 1_000_000.0}
-    monkeypatch.setattr(commit_mod.protocol, "time", types.SimpleNamespace(
+    monkeypatch.setattr(commit_mod.sequence, "time", types.SimpleNamespace(
         time=lambda: clock["t"], monotonic=time.monotonic, sleep=time.sleep, perf_counter=time.perf_counter))
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=1))
     root = str(tmp_path)

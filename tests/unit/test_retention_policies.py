@@ -10,7 +10,7 @@ import pytest
 from deepspeed_async_ckpt.commit import (META_DIR, CheckpointInfo, KeepAny, KeepEvery, KeepIf, KeepLast,
                                          RetentionPolicy, retire_checkpoints)
 from deepspeed_async_ckpt.commit.layout import FORMAT, MANIFEST
-from deepspeed_async_ckpt.commit.retention import step_in_name
+from deepspeed_async_ckpt.commit.retire import step_in_name
 from deepspeed_async_ckpt.storage import LocalStorage
 
 

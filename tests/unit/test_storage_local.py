@@ -8,7 +8,7 @@ from deepspeed_async_ckpt.storage import LocalStorage
 
 
 def test_write_behind_file_writes_every_byte(tmp_path):
-    from deepspeed_async_ckpt.storage.files import WriteBehindFile, _sync_file_range
+    from deepspeed_async_ckpt.storage.buffered import WriteBehindFile, _sync_file_range
 
     if _sync_file_range is None:
         pytest.skip("sync_file_range is Linux-only; LocalStorage writes plainly elsewhere")

@@ -265,8 +265,8 @@ def run_save(r: Rank, out: str, steps: int, interop: bool) -> None:
         if name != "replica":  # the lazy copies take their pool buffers after save returns
             record.handle.wait_staged()
         records[name] = {"files": record.files, "ckpt_dir": record.ckpt_dir, "reserved": reserved,
-                         "pool_allocations": ckpt.engine.pool.allocations,
-                         "pooled_bytes": ckpt.engine.pooled_bytes}
+                         "pool_allocations": ckpt.checkpointer.pool.allocations,
+                         "pooled_bytes": ckpt.checkpointer.pooled_bytes}
     # The next optimizer step changes every weight: the async checkpoints must not see it.
     # With the tiny pool, a rank that writes more than the pool holds is still copying now.
     records["replica"]["outstanding_at_step"] = not handles["replica"].wait_persisted(0)

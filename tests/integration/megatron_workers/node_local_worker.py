@@ -52,7 +52,7 @@ def main() -> int:
         r.dump(a.out, "reference")
         ckpt.save(r.state(), a.ckpt, r.iteration, content_metadata=r.metadata)
         r.train_step([ckpt])  # the async copies must come before this step changes the weights
-        tiers = ckpt.engine.tiers
+        tiers = ckpt.checkpointer.tiers
         ckpt.close()
         if tiers is not None:
             with open(os.path.join(a.out, f"drained.rank{r.rank}.json"), "w", encoding="utf-8") as f:

@@ -68,7 +68,7 @@ def save(ck: AsyncCheckpointer, root: str, tag: str, step: int) -> None:
 
 
 class NoExchange(LocalStorage):
-    def exchange(self, a: str, b: str) -> bool:
+    def swap(self, a: str, b: str) -> bool:
         return False
 
 

@@ -7,7 +7,7 @@ Every rank writes its record once its files are durable (:mod:`.records`); rank 
 and only then replaces the pointer (DeepSpeed's ``latest``, Megatron's
 ``latest_checkpointed_iteration.txt``) by write-to-temp, fsync, rename. A crash at any moment
 therefore leaves the pointer on the previous, complete checkpoint. Retention runs after the
-pointer moved (:mod:`.retention`).
+pointer moved (:mod:`.retire`).
 
 The records reach rank 0 through the checkpoint directory (:class:`.records.DirectoryExchange`)
 or, where each node has a directory of its own (node-local storage), through the process
@@ -60,7 +60,7 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
     a step fails, the checkpoint stays where it was written, unfinalized (it never verifies),
     and the pointer where it was. ``rotation=False``: a save that moves no pointer (DeepSpeed's
     ``save_latest=False``), which retention must leave alone (see
-    :func:`.retention.retire_checkpoints`).
+    :func:`.retire.retire_checkpoints`).
 
     ``exchange``: how the records arrive (:class:`.records.DirectoryExchange` by default); a
     node-local one (:class:`.exchange.StoreExchange`) also hears the outcome, for the other

@@ -1,4 +1,4 @@
-"""Retention: finding this engine's checkpoints in a save directory, and retiring old ones.
+"""Retiring: finding this engine's checkpoints in a save directory, and retiring old ones.
 
 :func:`scan_checkpoints` sorts the directories of a save directory into committed checkpoints
 and those that can never be loaded; the command line and the Hugging Face callback read it

@@ -1,4 +1,4 @@
-"""The commit protocol (``deepspeed_async_ckpt.commit.protocol``): rank records, the
+"""The commit sequence (``deepspeed_async_ckpt.commit.sequence``): rank records, the
 manifest, the pointer, in durable order; waiting for every rank; failures after the
 manifest named for what they leave."""
 
@@ -341,7 +341,7 @@ def test_commit_comes_within_a_sixteenth_of_the_wait_after_the_last_record(tmp_p
         time = staticmethod(time.time)
 
     clock, d = Clock(), str(tmp_path / "t1")
-    monkeypatch.setattr(commit_mod.protocol, "time", clock)
+    monkeypatch.setattr(commit_mod.sequence, "time", clock)
     seen = {}
 
     class LateRank(LocalStorage):
@@ -525,7 +525,7 @@ def test_the_commit_runs_on_any_record_exchange_and_tells_it_the_outcome(tmp_pat
     commit a checkpoint, and the exchange hears the outcome (committed, or why not)."""
     from deepspeed_async_ckpt.commit import commit
     from deepspeed_async_ckpt.commit.records import rank_record
-    from deepspeed_async_ckpt.persist import FileRecord
+    from deepspeed_async_ckpt.persist import FileEntry
     from fakes import MemoryExchange
 
     d = str(tmp_path / "t")
@@ -535,7 +535,7 @@ def test_the_commit_runs_on_any_record_exchange_and_tells_it_the_outcome(tmp_pat
         with open(os.path.join(d, f"r{r}.pt"), "wb") as f:
             f.write(b"x" * (r + 1))
         exchange.publish(d, rank_record(d, rank=r, save_id="s1", checksum="xxh128", files=[
-            FileRecord(path=os.path.join(d, f"r{r}.pt"), nbytes=r + 1, checksum=f"{r:032x}")]))
+            FileEntry(path=os.path.join(d, f"r{r}.pt"), nbytes=r + 1, checksum=f"{r:032x}")]))
     manifest = commit(LocalStorage(), d, tag="t", save_id="s1", world_size=2, checksum="xxh128",
                       timeout_s=5, pointer=Pointer(str(tmp_path / "latest"), "t"), exchange=exchange)
     assert sorted(manifest["files"]) == ["r0.pt", "r1.pt"] and (tmp_path / "latest").read_text() == "t"
