@@ -40,7 +40,7 @@ from ..commit.nodes import default_store, node_leader, node_of
 from ..commit.records import DirectoryExchange, rank_record
 from ..config import AsyncCheckpointConfig
 from ..errors import ConfigError, DurabilityError
-from ..persist import FileEntry as FileRecord
+from ..persist import FileEntry
 from ..qos import lower_this_thread
 from ..storage import Storage
 from .failures import FailureLedger
@@ -135,11 +135,11 @@ class Committer:
         recorded = False  # this rank's record is written: rank 0 takes it from there
         committing = False
         try:
-            records: list[FileRecord] = []
+            entries: list[FileEntry] = []
             first_error: BaseException | None = None
             for fut in handle.files:  # wait for all, so no writer still runs after a failure
                 try:
-                    records.append(fut.result())
+                    entries.append(fut.result())
                 except BaseException as exc:
                     first_error = first_error or exc
             for fut in handle.dependencies:  # outside work (depends_on): done before the commit
@@ -173,7 +173,7 @@ class Committer:
             node = self._node if self._exchange.node_local else None
             self._exchange.publish(handle.write_dir, rank_record(
                 handle.write_dir, rank=self._rank, save_id=handle.save_id, checksum=cfg.checksum,
-                files=records, node=node, timings=_timings(handle, cfg.is_async)))
+                files=entries, node=node, timings=_timings(handle, cfg.is_async)))
             recorded = True
             manifest = None
             if self._rank == 0:
@@ -202,7 +202,7 @@ class Committer:
             job.error = exc
             if isinstance(exc, DurabilityError) and exc.pointer_moved and handle.pointer is not None:
                 self._retention.pointer_moved(handle)  # it names this one now: retention must keep it
-            self._ledger.record(exc, os.path.dirname(handle.ckpt_dir))
+            self._ledger.note(exc, os.path.dirname(handle.ckpt_dir))
             if self._rank == 0 and self._exchange.node_local:  # rank 0 waits for nobody's word:
                 if not committing:  # the other nodes' leaders wait for its
                     self._tell_nodes_failed(handle, f"{type(exc).__name__}: {exc}")

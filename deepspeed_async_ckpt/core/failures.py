@@ -125,7 +125,7 @@ class FailureLedger:
             except FutureTimeout:
                 raise AsyncCheckpointError(f"writing {path} did not finish within {timeout} s") from None
 
-    def record(self, exc: BaseException, save_dir: str | None = None) -> None:
+    def note(self, exc: BaseException, save_dir: str | None = None) -> None:
         """Record ``exc``, the failure of a save into ``save_dir`` (None: not a save's)."""
         with self.lock:
             self.errors.append(exc)

@@ -187,7 +187,7 @@ def test_a_storage_error_before_the_exchange_does_not_hide_an_earlier_failure(tm
     storage error while preparing the new save (here listing the save directory, to clean
     up) is only logged then (it replaced the failure)."""
     ck, sent = _object_store_checkpointer("listdir")
-    ck._failures.record(PersistError("disk full on rank 0"))
+    ck._failures.note(PersistError("disk full on rank 0"))
     with pytest.raises(AsyncCheckpointError, match="disk full"):
         ck.begin(str(tmp_path / "s1"), tag="s1")
     assert len(sent) == 1 and sent[0] == Failure("PersistError", "disk full on rank 0")
