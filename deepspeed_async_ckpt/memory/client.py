@@ -138,10 +138,11 @@ class KeeperClient:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
-    def commit(self, name: str, save_id: str | None = None) -> SlotState:
-        """Mark the copied slot ``name`` committed (call after the job's commit across nodes):
-        the keeper's pointer names it and ``keep_last`` frees older ones."""
-        return self._call(Commit(name, save_id))
+    def commit(self, name: str, save_id: str | None = None, manifest: dict | None = None) -> SlotState:
+        """Mark the copied slot ``name`` committed (call after the job's commit across nodes),
+        keeping ``manifest`` (the checkpoint's, as JSON) with it: the keeper's pointer names it
+        and ``keep_last`` frees older ones."""
+        return self._call(Commit(name, save_id, manifest))
 
     def abandon(self, name: str, save_id: str) -> None:
         """Drop the uncommitted slot of a save that failed, freeing its memory."""
@@ -216,6 +217,8 @@ class MemoryCopy:
 
     def __init__(self, view: SlotView) -> None:
         self.name, self.save_id, self.algorithm = view.name, view.save_id, view.algorithm
+        self.manifest = view.manifest
+        """The checkpoint's manifest given at the commit (None if the commit gave none)."""
         self.ranks = {r.rank: r for r in view.ranks}
         self._maps: dict[str, SegmentMapping] = {}
 

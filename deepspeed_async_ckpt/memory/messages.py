@@ -8,8 +8,9 @@ Call order (which ranks make each call, on every node):
 2. (every rank of the node, per save) :class:`Reserve` its files' space in the save's slot,
    write the bytes into the segment, then :class:`Report` their sizes and checksums. The
    slot is *copied* once every rank in ``node_ranks`` reported.
-3. (any rank, once every node has its slot copied: the job's global commit) :class:`Commit`:
-   the keeper's pointer names the slot; older committed slots beyond ``keep_last`` are freed.
+3. (any rank, once every node has its slot copied: the job's global commit) :class:`Commit`,
+   with the checkpoint's manifest: the keeper's pointer names the slot; older committed slots
+   beyond ``keep_last`` are freed.
    :class:`Abandon` drops a save that failed instead.
 4. (a restarting rank) :class:`Newest`: the newest committed slot, each rank's files in it.
 5. (the job's end, its last save persisted) :class:`Shutdown`.
@@ -96,6 +97,9 @@ class Report:
 class Commit:
     name: str
     save_id: str | None = None
+    manifest: dict | None = None
+    """The checkpoint's manifest (``manifest.json`` as the job's commit wrote or would write
+    it), kept with the slot so a restore can put the checkpoint on disk whole."""
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,7 @@ class SlotView:
     save_id: str
     algorithm: str
     ranks: tuple[RankFiles, ...]
+    manifest: dict | None = None
 
 
 @dataclass(frozen=True)

@@ -58,6 +58,7 @@ class Slot:
     state: str = OPEN
     algorithm: str = ""
     committed_seq: int = 0
+    manifest: dict | None = None
     stakes: set[int] = field(default_factory=set)
     """Connections that reserved in this slot and are still open."""
 
@@ -204,6 +205,7 @@ class SlotTable:
                            "of the node have not copied their files")
         if slot.state == COPIED:
             slot.state, slot.committed_seq = COMMITTED, next(self._commits)
+            slot.manifest = req.manifest
             log.info("%s (save %s) committed", slot.name, slot.save_id)
             self._retire()
         return slot.describe()
@@ -225,7 +227,7 @@ class SlotTable:
             StoredFile(d.name, place.offset, d.size, d.checksum)
             for place in p.places for d in p.digests if d.name == place.name))
             for r, p in sorted(s.parts.items()))
-        return SlotView(s.name, s.save_id, s.algorithm, ranks)
+        return SlotView(s.name, s.save_id, s.algorithm, ranks, s.manifest)
 
     def state(self, clients: int) -> KeeperState:
         return KeeperState(self.pid, self.held_bytes, self.max_bytes, self.keep_last, clients,

@@ -10,10 +10,12 @@ from deepspeed_async_ckpt.memory import messages as m
     m.Hello(12, 2, None, 900.0),
     m.Reserve("global_step10", "s1", 1, (0, 1), (m.FileSpace("a.pt", 10), m.FileSpace("b.pt", 0))),
     m.Report("global_step10", "s1", 1, "xxh128", (m.FileDigest("a.pt", 9, "ab"),)),
-    m.Commit("global_step10"), m.Commit("global_step10", "s1"), m.Abandon("x", "s"),
+    m.Commit("global_step10"), m.Commit("global_step10", "s1"),
+    m.Commit("global_step10", "s1", {"save_id": "s1", "files": {"a.pt": {"nbytes": 9}}}), m.Abandon("x", "s"),
     m.Newest(), m.Status(), m.Shutdown(), m.Done(), m.NoSlot(),
     m.Reserved("dsack.0.x.1.0", (m.FilePlace("a.pt", 0, 10),)),
     m.SlotView("g", "s", "xxh128", (m.RankFiles(0, "seg", (m.StoredFile("a.pt", 4096, 3, "cd"),)),)),
+    m.SlotView("g", "s", "xxh128", (), {"save_id": "s"}),
     m.KeeperState(5, 100, None, 2, 1, (m.SlotState("g", "s", "open", (1,)),)),
     m.Busy("why"), m.Refused("why"), m.Welcome(3, "/tmp/log"),
 ])

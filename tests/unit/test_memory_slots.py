@@ -53,9 +53,10 @@ def test_a_slot_is_copied_only_when_every_rank_of_the_node_reported_and_committe
     assert isinstance(table.newest(), NoSlot)
     assert report(table, "s1", 1, {"c.pt": 10}).state == "copied"
     assert isinstance(table.newest(), NoSlot)  # copied on this node is not committed
-    assert table.commit(Commit("s1", "id-s1")).state == "committed"
+    assert table.commit(Commit("s1", "id-s1", {"save_id": "id-s1"})).state == "committed"
     view = table.newest()
     assert isinstance(view, SlotView) and (view.name, view.save_id, view.algorithm) == ("s1", "id-s1", "xxh128")
+    assert view.manifest == {"save_id": "id-s1"}  # the checkpoint's manifest comes back with it
     assert [(f.name, f.offset, f.size, f.checksum) for f in view.ranks[0].files] == [
         ("a.pt", 0, 4000, "sum-a.pt"), ("b.pt", 8192, 10, "sum-b.pt")]
 
