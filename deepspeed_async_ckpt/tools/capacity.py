@@ -17,9 +17,10 @@ from .formulas import (PCIE_D2H_GBPS, SECONDS_PER_DAY, TARGETS, busiest_node_byt
                        cluster_mttf_s, estimate_params, interval_for_k_s, lazy_stall_s,
                        max_cost_for_overhead_s, nodes_for, required_gbps, schedule, transfer_time_s,
                        write_time_s, writing_gpu_count)
+from .memory_plan import MemoryPlan, plan_memory
 from .plan_inputs import ModelShape, PlanInputError, PlanInputs
 
-__all__ = ["ModelShape", "Plan", "PlanInputError", "PlanInputs", "make_plan"]
+__all__ = ["MemoryPlan", "ModelShape", "Plan", "PlanInputError", "PlanInputs", "make_plan"]
 
 
 # --------------------------------------------------------------------------
@@ -84,12 +85,15 @@ class Plan:
     sync_interval_s: float
     sync_lost_fraction: float
     lazy_host_buffer_bytes_per_node: float  # pinned staging on the busiest node
+    memory: Optional[MemoryPlan] = None  # the memory tier (formula 11), with ``inputs.memory``
     warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
         """JSON-ready dict (nested inputs included, tuples become lists)."""
         d = asdict(self)
         d["warnings"] = list(self.warnings)
+        if self.memory is not None:  # the async_checkpoint.memory object it suggests
+            d["memory"]["config"] = self.memory.config()
         return d
 
 
@@ -184,6 +188,24 @@ def make_plan(inputs: PlanInputs) -> Plan:
     elif i.target_checkpoints_per_failure is not None:
         target_met = write_s <= interval
 
+    # Memory tier (11)
+    memory = None
+    if i.memory:
+        memory, notes = plan_memory(
+            weights_bytes=weights, master_and_moments_bytes=master + moments, gpus=total_gpus,
+            gpus_per_node=i.gpus_per_node, model_parallel=i.tp * i.pp, copy_s=lazy_copy, lazy_stall_s=lazy,
+            stall_s=cost, write_s=write_s, mttf_s=mttf, restart_s=i.restart_s, step_time_s=i.step_time_s,
+            survives=i.memory_survives_fraction, keep_last=i.memory_keep_last, memory_save_s=i.memory_save_s,
+            disk_save_s=i.disk_save_s, memory_restart_s=i.memory_restart_s)
+        warnings += notes
+        if i.host_memory_gb_per_node is not None:
+            need = memory.host_bytes_per_node + per_node  # the keeper's slots and the pinned pool
+            if need > i.host_memory_gb_per_node * 1e9:
+                warnings.append(f"the memory tier needs {need / 1e9:.4g} GB of host memory per node "
+                                f"({i.memory_keep_last} + 1 checkpoints of {memory.node_bytes / 1e9:.4g} GB and "
+                                f"{per_node / 1e9:.4g} GB of pinned staging), more than --host-memory-gb "
+                                f"{i.host_memory_gb_per_node:g}: lower --memory-keep-last")
+
     return Plan(
         inputs=i,
         params=params,
@@ -234,5 +256,6 @@ def make_plan(inputs: PlanInputs) -> Plan:
         sync_interval_s=sync_interval,
         sync_lost_fraction=sync_lost,
         lazy_host_buffer_bytes_per_node=per_node,
+        memory=memory,
         warnings=tuple(warnings),
     )

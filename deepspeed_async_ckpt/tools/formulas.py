@@ -89,6 +89,30 @@ GPUs, n GPUs per node.
     write, giving the storage bandwidth per (4), and for lazy mode the D2H
     bandwidth bytes_per_writing_gpu / (C + step_time).
     "k per failure": tau = M/k.
+
+11. Memory tier (:func:`memory_node_bytes`, :func:`memory_lost_fraction`;
+    applied in :mod:`.memory_plan`).  A fraction s of failures kills the
+    processes and leaves the node (a software bug, an NCCL timeout, a network
+    fault): the restart reads the node keeper's host memory.  The rest (a
+    faulty GPU, a host fault: the node leaves the job) falls back to disk.
+    Every save goes to memory at cost C_m (the save call and the lazy copy,
+    formula 6); every k-th also to disk, from host memory, at the disk cost C
+    of formula 6 on top (an upper bound: no second device copy is made).
+    Each interval is Young/Daly with its own cost and the failures that fall
+    back to it::
+
+        tau_m = sqrt(2 C_m M / s)        floored at the copy time and a step
+        tau_d = sqrt(2 C M / (1 - s))    floored at the write time (8)
+        k = max(1, round(tau_d / tau_m)), disk interval k * tau_m
+        lost = C_m/tau_m + C/(k tau_m) + s tau_m/(2M) + (1-s) k tau_m/(2M)
+               + (s R_m + (1-s) R)/M
+
+    R_m is the restart from memory (no storage read; R by default).  Work
+    lost per failure: s (tau_m/2 + R_m) + (1-s) (k tau_m/2 + R), against
+    tau/2 + R without the tier, tau = sqrt(2 C M) at the same C.  Host memory per node: (keep_last + 1) checkpoints of
+    what its n GPUs read back, the optimizer state sharded over all G GPUs
+    and one copy of each of the TP*PP weight shards on the node:
+    n (master + moments)/G + min(n, TP*PP) weights/(TP*PP).
 """
 
 from __future__ import annotations
@@ -211,6 +235,25 @@ def max_cost_for_overhead_s(target_fraction: float, mttf_s: float, restart_s: fl
     """Formula 10: largest C with sqrt(2C/M) + R/M <= target; 0 if R alone exceeds it."""
     headroom = target_fraction - restart_s / mttf_s
     return headroom * headroom * mttf_s / 2.0 if headroom > 0 else 0.0
+
+
+def memory_node_bytes(weights: float, master_and_moments: float, gpus: int, gpus_per_node: int,
+                      model_parallel: int) -> float:
+    """Formula 11: bytes of one checkpoint a node's keeper holds."""
+    n = min(gpus_per_node, gpus)
+    return n * master_and_moments / gpus + min(n, model_parallel) * weights / model_parallel
+
+
+def memory_lost_fraction(memory_cost_s: float, disk_cost_s: float, memory_interval_s: float,
+                         persist_every: int, mttf_s: float, survives: float, restart_s: float = 0.0,
+                         memory_restart_s: Optional[float] = None) -> float:
+    """Formula 11: the lost fraction with every save in memory and every k-th on disk."""
+    disk_interval = persist_every * memory_interval_s
+    r_m = restart_s if memory_restart_s is None else memory_restart_s
+    return (memory_cost_s / memory_interval_s + disk_cost_s / disk_interval
+            + survives * memory_interval_s / (2.0 * mttf_s)
+            + (1.0 - survives) * disk_interval / (2.0 * mttf_s)
+            + (survives * r_m + (1.0 - survives) * restart_s) / mttf_s)
 
 
 def schedule(cost_s: float, mttf_s: float, write_s: float, restart_s: float = 0.0):

@@ -100,6 +100,26 @@ def add_parser(sub) -> None:
     st.add_argument("--step-time", type=float, metavar="S",
                     help="training step time; the lazy copy overlaps the next forward/backward")
 
+    mem = p.add_argument_group("memory tier (async_checkpoint.memory: every save in host memory, "
+                               "every persist_every-th also on disk)")
+    mem.add_argument("--memory", action="store_true",
+                     help="plan the memory tier: two intervals, persist_every, work lost per failure "
+                          "with and without it")
+    mem.add_argument("--memory-survives", type=float, default=0.3, metavar="FRACTION",
+                     help="share of failures that leave the node's host memory to restart from "
+                          "(default 0.3, from Llama 3's interruptions: docs/planning.md)")
+    mem.add_argument("--memory-keep-last", type=int, default=2, metavar="N",
+                     help="memory checkpoints each node's keeper holds (default 2)")
+    mem.add_argument("--memory-save-s", type=float, metavar="S",
+                     help="training time a memory save costs (default: the lazy stall + 0.05 s of save call)")
+    mem.add_argument("--disk-save-s", type=float, metavar="S",
+                     help="training time a disk save costs, counted whole (the lost time per checkpoint "
+                          "scripts/bench_gpu_lost.py measures; default: the --mode stall + 0.05 s)")
+    mem.add_argument("--memory-restart-s", type=float, metavar="S",
+                     help="time lost per failure restarting from memory (no storage read; default --restart-s)")
+    mem.add_argument("--host-memory-gb", type=float, metavar="GB",
+                     help="host memory per node: warn when the keeper and the pinned pool need more")
+
     p.add_argument("--json", action="store_true", help="print the plan as JSON")
     p.set_defaults(func=run)
 
@@ -192,6 +212,9 @@ _FIELD_FLAGS = {
     "restart_s": "--restart-s", "target_checkpoint_time_s": "--target-time",
     "target_overhead_fraction": "--target-overhead", "target_checkpoints_per_failure": "--target-k",
     "mode": "--mode", "d2h_gbps": "--d2h-gbps", "pcie_gen": "--pcie-gen", "step_time_s": "--step-time",
+    "memory_survives_fraction": "--memory-survives", "memory_keep_last": "--memory-keep-last",
+    "memory_save_s": "--memory-save-s", "disk_save_s": "--disk-save-s",
+    "memory_restart_s": "--memory-restart-s", "host_memory_gb_per_node": "--host-memory-gb",
 }
 
 
@@ -244,6 +267,10 @@ def inputs_from_args(args: argparse.Namespace) -> PlanInputs:
         target_checkpoint_time_s=args.target_time, target_overhead_fraction=overhead,
         target_checkpoints_per_failure=args.target_k,
         mode=args.mode, d2h_gbps=args.d2h_gbps, pcie_gen=args.pcie_gen, step_time_s=args.step_time,
+        memory=args.memory, memory_survives_fraction=args.memory_survives,
+        memory_keep_last=args.memory_keep_last, memory_save_s=args.memory_save_s,
+        disk_save_s=args.disk_save_s, memory_restart_s=args.memory_restart_s,
+        host_memory_gb_per_node=args.host_memory_gb,
     )
 
 

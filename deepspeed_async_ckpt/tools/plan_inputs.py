@@ -161,6 +161,14 @@ class PlanInputs:
     d2h_gbps: Optional[float] = None  # None -> PCIE_D2H_GBPS[pcie_gen]
     pcie_gen: int = DEFAULT_PCIE_GEN
     step_time_s: Optional[float] = None
+    # memory tier (formula 11): planned when ``memory`` is true
+    memory: bool = False
+    memory_survives_fraction: float = 0.3
+    memory_keep_last: int = 2
+    memory_save_s: Optional[float] = None  # None -> the lazy stall + the save call
+    disk_save_s: Optional[float] = None  # None -> the mode's stall + the save call
+    memory_restart_s: Optional[float] = None  # None -> restart_s
+    host_memory_gb_per_node: Optional[float] = None
 
     def __post_init__(self):
         if (self.params is None) == (self.shape is None):
@@ -215,4 +223,18 @@ class PlanInputs:
             if 0 < self.step_time_s < 1e-6:  # the steps per interval would overflow
                 raise PlanInputError("step_time_s", "step_time_s must be 0 (unknown) or at least 1e-06 s, "
                                                     f"got {_show(self.step_time_s)}")
+        if not isinstance(self.memory, bool):
+            raise PlanInputError("memory", f"memory must be True or False, got {self.memory!r}")
+        s = self.memory_survives_fraction
+        if not _is_real(s) or not 0 < s < 1:
+            raise PlanInputError("memory_survives_fraction", "memory_survives_fraction must be in (0, 1): the "
+                                 f"share of failures that leave the node's memory, got {_show(s)}")
+        _check_int("memory_keep_last", self.memory_keep_last)
+        for name in ("memory_save_s", "disk_save_s"):
+            if getattr(self, name) is not None:
+                _check_positive(name, getattr(self, name), 1e-6)
+        if self.memory_restart_s is not None:
+            _check_non_negative("memory_restart_s", self.memory_restart_s)
+        if self.host_memory_gb_per_node is not None:
+            _check_positive("host_memory_gb_per_node", self.host_memory_gb_per_node, MIN_GBPS, MAX_GBPS)
 

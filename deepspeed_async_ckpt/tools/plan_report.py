@@ -5,6 +5,7 @@ significant figures.
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Optional
 
@@ -147,7 +148,33 @@ def _sections(plan: Plan):
     ]
     out = [("Size", size), ("Writers", writers), ("Bandwidth", bandwidth),
            ("Failures & interval", failures), ("Stall", stall)]
+    if plan.memory is not None:
+        out.append(("Memory tier", _memory_rows(plan)))
+        out.append(("Suggested config", [("async_checkpoint.memory", json.dumps(plan.memory.config()))]))
     return out
+
+
+def _memory_rows(plan: Plan):
+    m, i = plan.memory, plan.inputs
+    steps = f" ({m.memory_interval_steps} steps)" if m.memory_interval_steps is not None else ""
+    return [
+        ("", "with memory tier", "disk only"),
+        ("failures served from memory", f"{fmt_pct(m.survives_fraction)} (--memory-survives)", "-"),
+        ("memory save cost C_m", fmt_duration(m.memory_save_s), "-"),
+        ("disk save cost C", fmt_duration(m.disk_save_s), fmt_duration(m.disk_save_s)),
+        ("restart", f"{fmt_duration(m.memory_restart_s)} from memory, {fmt_duration(i.restart_s)} from disk",
+         fmt_duration(i.restart_s)),
+        ("memory interval", f"{fmt_duration(m.memory_interval_s)}{steps}", "-"),
+        ("disk interval", f"{fmt_duration(m.disk_interval_s)} (persist_every {m.persist_every})",
+         fmt_duration(m.interval_without_s)),
+        ("work lost per failure", fmt_duration(m.lost_per_failure_s), fmt_duration(m.lost_per_failure_without_s)),
+        ("lost per day (rework + restarts)",
+         f"{fmt_duration(m.lost_per_day_s)} ({_num(m.failures_per_day)} failures)",
+         fmt_duration(m.lost_per_day_without_s)),
+        ("lost total", fmt_pct(m.lost_fraction), fmt_pct(m.lost_fraction_without)),
+        ("host memory per node", f"{fmt_bytes(m.host_bytes_per_node)} ({i.memory_keep_last} + 1 x "
+                                 f"{fmt_bytes(m.node_bytes)})", "-"),
+    ]
 
 
 def format_plan(plan: Plan) -> str:
