@@ -59,9 +59,10 @@ def corrupt_in_memory(client: KeeperClient, rel: str) -> None:
     raise KeyError(rel)
 
 
-def restore_dirs() -> list[str]:
-    """The restore directories in /dev/shm, of any save directory."""
-    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(RESTORE_PREFIX))
+def restore_dirs(save_dir: str) -> list[str]:
+    """The restore directories of ``save_dir``'s loads in /dev/shm."""
+    prefix = f"{RESTORE_PREFIX}{KeeperAddress.of(save_dir).key}."
+    return sorted(n for n in os.listdir(SHM_DIR) if n.startswith(prefix))
 
 
 def keeper_pids(save_dir: str) -> list[int]:

@@ -75,14 +75,14 @@ def test_resume_from_the_keepers_newer_checkpoint_bitwise(job):
     assert_loaded(out, 3)
     assert (out / "loaded_path_rank0.txt").read_text().startswith(str(out / "ckpt" / "global_step3"))
     assert sorted(os.listdir(out / "ckpt")) == listing and (out / "ckpt" / "latest").read_text() == "global_step2"
-    assert restore_dirs() == [] and not any(fallback_lines(log) for log in logs)
+    assert restore_dirs(str(out / "ckpt")) == [] and not any(fallback_lines(log) for log in logs)
 
 
 def test_an_explicit_tag_loads_the_memory_checkpoint(job):
     out, _, env = job
     resume(out, env, "--tag", "global_step3")
     assert_loaded(out, 3)
-    assert restore_dirs() == []
+    assert restore_dirs(str(out / "ckpt")) == []
 
 
 def test_a_killed_keeper_resumes_from_disk_in_one_line(job):
@@ -92,7 +92,7 @@ def test_a_killed_keeper_resumes_from_disk_in_one_line(job):
     assert_loaded(out, 2)
     lines = fallback_lines(logs[0])
     assert len(lines) == 1 and "no memory keeper runs for" in lines[0], logs[0]
-    assert fallback_lines(logs[1]) == [] and restore_dirs() == []
+    assert fallback_lines(logs[1]) == [] and restore_dirs(str(out / "ckpt")) == []
 
 
 def test_a_corrupted_byte_in_memory_resumes_from_disk_naming_the_file(job):
@@ -103,4 +103,4 @@ def test_a_corrupted_byte_in_memory_resumes_from_disk_naming_the_file(job):
     assert_loaded(out, 2)
     lines = fallback_lines(logs[0])
     assert len(lines) == 1 and f"{rel} of rank 1 in memory checkpoint global_step3" in lines[0], logs[0]
-    assert restore_dirs() == []
+    assert restore_dirs(str(out / "ckpt")) == []
