@@ -85,16 +85,30 @@ def restore_dir(save_dir: str, save_id: str) -> str:
     return os.path.join(SHM_DIR, f"{RESTORE_PREFIX}{KeeperAddress.of(save_dir).key}.{safe}")
 
 
+_SERVING: set[str] = set()
+"""The restore directories of this process's loads in progress (:func:`laid_out`)."""
+
+
 class MemoryRestore:
     """A memory checkpoint laid out for a load: ``load_dir/name`` is the checkpoint."""
 
     def __init__(self, load_dir: str, name: str, save_id: str, owns: bool) -> None:
         self.load_dir, self.name, self.save_id, self._owns = load_dir, name, save_id, owns
+        _SERVING.add(load_dir)
 
     def close(self) -> None:
         """Remove the directory (the node's leader; call once every rank of the node loaded)."""
+        _SERVING.discard(self.load_dir)
         if self._owns:
             shutil.rmtree(self.load_dir, ignore_errors=True)
+
+
+def laid_out(path: str) -> bool:
+    """Whether ``path`` is a file of a memory checkpoint this process is loading: its bytes were
+    verified against the keeper's checksums as they were laid out, and the framework's load may
+    map it (``torch.load(mmap=True)``: tmpfs pages, no second copy, no second hash)."""
+    path = os.path.abspath(path)
+    return any(path.startswith(d + os.sep) for d in _SERVING)
 
 
 def restore_from_memory(save_dir: str, memory: Any, *, rank: int, world_size: int, pointer_name: str,
@@ -136,7 +150,7 @@ def restore_from_memory(save_dir: str, memory: Any, *, rank: int, world_size: in
         if rank == 0:
             first = min(failed.failures)
             logger.warning("async checkpoint: not loading %s from the memory tier (rank %d: %s): loading "
-                           "from the checkpoint directory", name, first, failed.failures[first].message)
+                           "from the checkpoint directory", name, first, failed.failures[first])
         return None
     if rank == 0:
         logger.info("async checkpoint: loading %s (save %s) from the memory tier", name, save_id)

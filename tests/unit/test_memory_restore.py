@@ -12,7 +12,7 @@ import torch
 
 from _memory import CONFIG, corrupt_in_memory, fill_keeper, kill_keepers, restore_dirs
 from deepspeed_async_ckpt.commit.verify import verify_checkpoint
-from deepspeed_async_ckpt.memory.restore import Held, memory_is_newer, restore_from_memory
+from deepspeed_async_ckpt.memory.restore import Held, laid_out, memory_is_newer, restore_from_memory
 from deepspeed_async_ckpt.tiers.choose import newest_committed
 from helpers import make, save_small
 
@@ -89,8 +89,9 @@ def test_a_newer_memory_checkpoint_is_laid_out_bytewise_and_removed_after(save_d
     verify_checkpoint(ckpt)  # the disk manifest's checksums, over the laid-out copy
     assert torch.load(os.path.join(ckpt, "model.pt"))["w"].shape == (16,)
     assert sorted(os.listdir(save_dir)) == sorted(before)  # the save directory untouched
+    assert laid_out(os.path.join(ckpt, "model.pt")) and not laid_out(os.path.join(save_dir, "step1", "model.pt"))
     memory.close()
-    assert restore_dirs() == []
+    assert restore_dirs(save_dir) == [] and not laid_out(os.path.join(ckpt, "model.pt"))
 
 
 def test_memory_older_than_disk_is_not_taken(save_dir, caplog):
@@ -128,7 +129,7 @@ def test_a_corrupted_copy_falls_back_naming_the_file_and_leaves_no_directory(sav
     lines = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(lines) == 1 and "not loading step2 from the memory tier" in lines[0]
     assert "model.pt of rank 0 in memory checkpoint step2" in lines[0] and "corrupted" in lines[0]
-    assert restore_dirs() == []
+    assert restore_dirs(save_dir) == []
 
 
 def test_a_file_the_node_lacks_falls_back_naming_it(save_dir, caplog):
@@ -137,7 +138,7 @@ def test_a_file_the_node_lacks_falls_back_naming_it(save_dir, caplog):
     with caplog.at_level(logging.WARNING):
         memory = restore(save_dir, required=lambda manifest, node: [*manifest["files"], "extra.pt"])
     assert memory is None and "keeper lacks extra.pt of step2" in caplog.text
-    assert restore_dirs() == []
+    assert restore_dirs(save_dir) == []
 
 
 def test_a_directory_a_killed_load_left_is_removed_by_the_next(save_dir):
@@ -149,4 +150,4 @@ def test_a_directory_a_killed_load_left_is_removed_by_the_next(save_dir):
     memory = restore(save_dir, tag="step2")
     assert not os.path.exists(stale)
     memory.close()
-    assert restore_dirs() == []
+    assert restore_dirs(save_dir) == []

@@ -186,14 +186,14 @@ def install(on_engine_built: Callable[[], None] = lambda: None,
                                "optimizer files of %s (the checkpoint `latest` names), the other "
                                "states from %s", arguments["tag"], module_source,
                                checkpoint_to_load(arguments))
-            # Every file the load reads checked once, across the ranks; with verify_on_load off,
-            # none, but the checkpoint still must be committed (on every rank together: one
+            # Every file the load reads checked once, across the ranks (from memory: checked as
+            # it was laid out); with verify_on_load off, none, but the checkpoint still must be committed (on every rank together: one
             # rank failing alone inside DeepSpeed's load leaves the others in its collectives)
             verify = engine.checkpointer.config.verify_on_load
             ckpt_dir = checkpoint_to_load(arguments, latest)  # the tag is given now, or no load_dir
             engine.checkpointer.verify_all_ranks(
                 ckpt_dir, action="load_checkpoint",
-                include=files_read_by_load(self, arguments) if verify else no_file)
+                include=files_read_by_load(self, arguments) if verify and memory is None else no_file)
             if not from_latest and takes_module_from_latest(self, arguments):
                 # and the optimizer files the module comes from; on every rank alike (None:
                 # none to check there, or not readable), so that none is left in the exchange
