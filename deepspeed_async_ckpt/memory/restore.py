@@ -160,13 +160,15 @@ def restore_from_memory(save_dir: str, memory: Any, *, rank: int, world_size: in
 def _propose(save_dir: str, memory: Any, tag: str | None, on_disk: Callable[[], tuple[float, str] | None]
              ) -> tuple[tuple[str, str] | None, str | None, int]:
     """Rank 0: ((name, save id) to load from memory or None, why not, the level to log it at).
-    A keeper that is gone is a warning; a disk checkpoint newer than memory's, or a keeper with
-    nothing committed yet, is how things are between jobs."""
+    A keeper that is gone is a warning (where the disk holds a checkpoint: a job's first start
+    has no keeper either); a disk checkpoint newer than memory's, or a keeper with nothing
+    committed yet, is how things are between jobs."""
     from .client import KeeperClient
 
     client = KeeperClient.find(save_dir, memory)
-    if client is None:
-        return None, f"no memory keeper runs for {os.path.realpath(save_dir)} on rank 0's node", logging.WARNING
+    if client is None:  # a job's first start has none either: nothing on disk, nothing lost
+        level = logging.INFO if on_disk() is None else logging.WARNING
+        return None, f"no memory keeper runs for {os.path.realpath(save_dir)} on rank 0's node", level
     try:
         copy = client.newest()
     finally:

@@ -119,6 +119,13 @@ def test_a_killed_keeper_falls_back_in_one_line(save_dir, caplog):
     assert len(lines) == 1 and "no memory keeper runs for" in lines[0] and "checkpoint directory" in lines[0]
 
 
+def test_a_first_start_without_keeper_or_checkpoint_says_so_below_warning(tmp_path, caplog):
+    with caplog.at_level(logging.INFO, "deepspeed_async_ckpt.memory.restore"):
+        assert restore(str(tmp_path / "fresh")) is None
+    assert [r.levelno for r in caplog.records] == [logging.INFO]
+    assert "no memory keeper runs for" in caplog.text
+
+
 def test_a_corrupted_copy_falls_back_naming_the_file_and_leaves_no_directory(save_dir, caplog):
     client = fill_keeper(save_dir, os.path.join(save_dir, "step2"))
     corrupt_in_memory(client, "model.pt")
