@@ -26,13 +26,18 @@ def owner(rel: str, ranks) -> int:
     return rank if rank in ranks else ranks[0]
 
 
-def fill_keeper(save_dir: str, ckpt_dir: str, ranks=(0,), config: MemoryConfig = CONFIG) -> KeeperClient:
+def fill_keeper(save_dir: str, ckpt_dir: str, ranks=(0,), config: MemoryConfig = CONFIG,
+                late=()) -> KeeperClient:
     """Copy the committed ``ckpt_dir`` (of ``save_dir``) into ``save_dir``'s keeper, started if
-    none runs, and commit it there with its manifest; the client, connected."""
+    none runs, and commit it there with its manifest; the client, connected. ``late``: files
+    of ``ckpt_dir`` copied too and listed as the manifest's ``late_files`` (written after the
+    commit, as megatron-core's markers are)."""
     manifest = read_manifest(ckpt_dir)
+    if late:
+        manifest = dict(manifest, late_files=sorted(late))
     name = os.path.basename(ckpt_dir)
     client = KeeperClient.connect(save_dir, config)
-    parts = {r: [rel for rel in manifest["files"] if owner(rel, ranks) == r] for r in ranks}
+    parts = {r: [rel for rel in [*manifest["files"], *late] if owner(rel, ranks) == r] for r in ranks}
     for rank, files in parts.items():
         sizes = {rel: os.path.getsize(os.path.join(ckpt_dir, rel)) for rel in files}
         res = client.reserve(name, manifest["save_id"], rank, tuple(ranks), sizes)

@@ -114,13 +114,15 @@ def laid_out(path: str) -> bool:
 def restore_from_memory(save_dir: str, memory: Any, *, rank: int, world_size: int, pointer_name: str,
                         tag: str | None = None, on_disk: Callable[[], tuple[float, str] | None] = lambda: None,
                         required: Callable[[dict, int], Sequence[str]] | None = None,
+                        pointer_text: Callable[[str], str] = str,
                         exchange: Exchange = alone) -> MemoryRestore | None:
     """Collective (every rank): lay the keeper's checkpoint out for the load, where it is the
     one to load and every node can make it whole (see the module's rules); None: load from the
     checkpoint directory and the tiers as without the memory tier. ``memory``: the job's
     :class:`.config.MemoryConfig`; ``on_disk``: rank 0's (commit time, name) of the checkpoint
     the other tiers would give; ``required(manifest, node)``: the files a node's ranks read
-    (default: the node's share of the manifest's files, see :func:`required_files`)."""
+    (default: the node's share of the manifest's files, see :func:`required_files`);
+    ``pointer_text``: the pointer's text naming a checkpoint (Megatron's tracker: the iteration)."""
     proposal, reason, level = None, None, logging.WARNING
     if rank == 0:
         try:
@@ -140,7 +142,8 @@ def restore_from_memory(save_dir: str, memory: Any, *, rank: int, world_size: in
     own: BaseException | None = None
     if leads:
         try:
-            _lay_out(save_dir, memory, name, save_id, path, node, pointer_name, required or required_files)
+            _lay_out(save_dir, memory, name, save_id, path, node, (pointer_name, pointer_text(name)),
+                     required or required_files)
         except Exception as exc:  # noqa: BLE001 - shared below: every rank falls back alike
             own = exc
     _, failed = outcome("restore from memory", None, own, exchange=exchange)
@@ -184,16 +187,20 @@ def _propose(save_dir: str, memory: Any, tag: str | None, on_disk: Callable[[], 
 def required_files(manifest: dict, node: int) -> list[str]:
     """The files a node's ranks read: those the manifest places on the node (a node-local
     first tier), else every file (DeepSpeed's ZeRO-1/2 ranks read every rank's optimizer
-    file). Late files (``zero_to_fp32.py``) are not: no load reads them."""
+    file). Late files are not (DeepSpeed's ``zero_to_fp32.py``: no load reads it); those the
+    keeper holds are laid out too, and recorded (megatron-core's ``.metadata``,
+    ``metadata.json``, which Megatron's loads read: its ``required`` lists them)."""
     from ..tiers.mirror import files_of_node
 
     return files_of_node(manifest, node)
 
 
-def _lay_out(save_dir: str, memory: Any, name: str, save_id: str, path: str, node: int, pointer_name: str,
-             required: Callable[[dict, int], Sequence[str]]) -> None:
+def _lay_out(save_dir: str, memory: Any, name: str, save_id: str, path: str, node: int,
+             pointer: tuple[str, str], required: Callable[[dict, int], Sequence[str]]) -> None:
     """A node's leader: the slot ``name``/``save_id`` of its keeper written under ``path``."""
+    from ..commit.manifest import record_late_files
     from ..errors import IntegrityError
+    from ..storage import LocalStorage
     from .client import KeeperClient
 
     address = KeeperAddress.of(save_dir)
@@ -210,12 +217,15 @@ def _lay_out(save_dir: str, memory: Any, name: str, save_id: str, path: str, nod
     if copy is None or (copy.name, copy.save_id) != (name, save_id):
         held = "none" if copy is None else f"{copy.name} (save {copy.save_id})"
         raise IntegrityError(f"node {node}'s keeper holds {held}, not {name} (save {save_id})")
-    where = {f.name: r for r, part in sorted(copy.ranks.items()) for f in part.files}
+    where = {f.name: (r, f.size) for r, part in sorted(copy.ranks.items()) for f in part.files}
     files = list(required(copy.manifest, node))
     missing = [f for f in files if f not in where]
     if missing:
         raise IntegrityError(f"node {node}'s keeper lacks {', '.join(missing)} of {name}")
-    total = sum(copy.manifest["files"][f]["bytes"] for f in files)
+    # the late files the keeper holds too (megatron-core's markers), recorded again below
+    late = [f for f in copy.manifest.get("late_files", ()) if f in where]
+    files += [f for f in late if f not in files]
+    total = sum(where[f][1] for f in files)
     shutil.rmtree(path, ignore_errors=True)
     try:
         free = shutil.disk_usage(SHM_DIR).free
@@ -225,18 +235,21 @@ def _lay_out(save_dir: str, memory: Any, name: str, save_id: str, path: str, nod
         for rel in files:
             target = os.path.join(ckpt, rel)
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            data = copy.read(where[rel], rel)
+            data = copy.read(where[rel][0], rel)
             try:
                 with open(target, "wb") as f:
                     f.write(data)
             finally:
                 data.release()
-        manifest = {k: v for k, v in copy.manifest.items() if k != "late_files"}
+        manifest = dict(copy.manifest, late_files=late) if late else \
+            {k: v for k, v in copy.manifest.items() if k != "late_files"}
         os.makedirs(os.path.join(ckpt, META_DIR), exist_ok=True)
         with open(os.path.join(ckpt, META_DIR, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f)
-        with open(os.path.join(path, pointer_name), "w", encoding="utf-8") as f:
-            f.write(name)
+        if late:  # hashed from the bytes the keeper verified: the load's check covers them
+            record_late_files(LocalStorage(fsync=False, direct_io=False), ckpt)
+        with open(os.path.join(path, pointer[0]), "w", encoding="utf-8") as f:
+            f.write(pointer[1])
     except BaseException:
         shutil.rmtree(path, ignore_errors=True)
         raise

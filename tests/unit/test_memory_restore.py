@@ -94,6 +94,17 @@ def test_a_newer_memory_checkpoint_is_laid_out_bytewise_and_removed_after(save_d
     assert restore_dirs(save_dir) == [] and not laid_out(os.path.join(ckpt, "model.pt"))
 
 
+def test_late_files_the_keeper_holds_are_laid_out_and_recorded(save_dir):
+    with open(os.path.join(save_dir, "step2", "metadata.json"), "w") as f:
+        f.write('{"sharded_backend": "torch_dist"}')
+    fill_keeper(save_dir, os.path.join(save_dir, "step2"), late=["metadata.json"]).close()
+    memory = restore(save_dir)
+    ckpt = os.path.join(memory.load_dir, "step2")
+    assert open(os.path.join(ckpt, "metadata.json")).read() == '{"sharded_backend": "torch_dist"}'
+    verify_checkpoint(ckpt)  # the late files' record made from the keeper's verified bytes
+    memory.close()
+
+
 def test_memory_older_than_disk_is_not_taken(save_dir, caplog):
     fill_keeper(save_dir, os.path.join(save_dir, "step1")).close()
     with caplog.at_level(logging.INFO, "deepspeed_async_ckpt.memory.restore"):
