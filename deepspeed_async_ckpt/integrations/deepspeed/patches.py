@@ -187,8 +187,9 @@ def install(on_engine_built: Callable[[], None] = lambda: None,
                                "states from %s", arguments["tag"], module_source,
                                checkpoint_to_load(arguments))
             # Every file the load reads checked once, across the ranks (from memory: checked as
-            # it was laid out); with verify_on_load off, none, but the checkpoint still must be committed (on every rank together: one
-            # rank failing alone inside DeepSpeed's load leaves the others in its collectives)
+            # it was laid out); with verify_on_load off, none, but the checkpoint still must be
+            # committed (on every rank together: one rank failing alone inside DeepSpeed's load
+            # leaves the others in its collectives)
             verify = engine.checkpointer.config.verify_on_load
             ckpt_dir = checkpoint_to_load(arguments, latest)  # the tag is given now, or no load_dir
             engine.checkpointer.verify_all_ranks(
