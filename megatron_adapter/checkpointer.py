@@ -352,6 +352,29 @@ class MegatronCheckpointer:
                 tag=None if iteration is None else os.path.basename(checkpoint_dir(save_dir, iteration)),
                 name_of=lambda text: f"iter_{int(text):07d}" if text.isdigit() else text)
 
+    def restore_from_memory(self, save_dir: str, iteration: int | None = None) -> Any:
+        """Collective, before a load from ``save_dir``: with the memory tier on, the keeper's
+        checkpoint laid out on tmpfs where it is newer than what ``save_dir`` and the tiers
+        hold (or is the ``iteration`` asked for) and every node can make it whole, with a
+        tracker naming it: a :class:`~deepspeed_async_ckpt.memory.restore.MemoryRestore`
+        whose ``load_dir`` the load then reads (every file, on every node: a rank also reads
+        tensors another rank wrote); None: load as without it."""
+        memory = getattr(self.config, "memory", None)
+        if memory is None or not memory.enabled:
+            return None
+        from deepspeed_async_ckpt.memory.restore import restore_from_memory
+        from deepspeed_async_ckpt.tiers.choose import newest_committed
+
+        tiers = self.checkpointer.tiers
+        remotes = tiers.remotes if tiers is not None else []
+        name_of = lambda text: f"iter_{int(text):07d}" if text.isdigit() else text  # noqa: E731
+        return restore_from_memory(
+            save_dir, memory, rank=self.rank, world_size=self.world_size, pointer_name=TRACKER_FILE,
+            tag=None if iteration is None else os.path.basename(checkpoint_dir(save_dir, iteration)),
+            on_disk=lambda: newest_committed(save_dir, remotes, pointer_name=TRACKER_FILE, name_of=name_of),
+            required=lambda manifest, node: sorted([*manifest["files"], *manifest.get("late_files", ())]),
+            pointer_text=lambda name: str(iteration_of(name)), exchange=self.checkpointer.exchange)
+
     def load(self, sharded_state_dict: dict, ckpt_dir: str, **load_kwargs: Any) -> dict:
         """``megatron.core.dist_checkpointing.load`` (collective), after pending saves landed
         and, for a checkpoint this engine wrote, after every file was checked against its

@@ -244,44 +244,69 @@ def skipped_by_load(arguments: Any) -> tuple[str, ...]:
 def load_checkpoint(*args, **kwargs):
     """Megatron-LM's ``load_checkpoint``, after pending saves landed and the checkpoint the
     tracker (or ``--ckpt-step``) names was checked against its manifest (what the load reads
-    of it: :func:`skipped_by_load`)."""
-    import torch.distributed as dist
+    of it: :func:`skipped_by_load`). With the memory tier on, the keeper's checkpoint where
+    it is the newest, from a tmpfs copy (``--load`` pointed there for the load and put back:
+    see :mod:`deepspeed_async_ckpt.memory.restore`)."""
     from megatron.training import get_args
 
     margs = get_args()
     engine = _engine(margs)
-    if engine is not None:
-        load_arg = inspect.signature(_ORIGINALS["load"]).bind(*args, **kwargs).arguments.get("load_arg", "load")
-        load_dir = getattr(margs, load_arg, None)
-        engine.wait(recover=load_dir)
+    if engine is None:
+        return _ORIGINALS["load"](*args, **kwargs)
+    load_arg = inspect.signature(_ORIGINALS["load"]).bind(*args, **kwargs).arguments.get("load_arg", "load")
+    load_dir = getattr(margs, load_arg, None)
+    engine.wait(recover=load_dir)
+    memory = engine.restore_from_memory(load_dir, getattr(margs, "ckpt_step", None)) if load_dir else None
+    if memory is None:
         if load_dir:  # a node whose disk is empty: from the durable tiers
             engine.restore(load_dir, getattr(margs, "ckpt_step", None))
-        skip = skipped_by_load(margs)
-        pretrained = getattr(margs, "pretrained_checkpoint", None)
-        if pretrained is not None and not (load_dir and os.path.isfile(tracker_path(load_dir))):
-            # As Megatron-LM's load_checkpoint: it then finetunes from --pretrained-checkpoint
-            load_dir, skip = pretrained, ("optimizer", "rng_state")
-        try:
-            iteration = getattr(margs, "ckpt_step", None) or (read_tracker(load_dir) if load_dir else None)
-        except IntegrityError:  # "release": not a checkpoint this engine writes
-            iteration = None
-        ckpt_dir = None if iteration is None or not load_dir else checkpoint_dir(load_dir, iteration)
-        # Only this engine's checkpoints: Megatron-LM reads any other format (legacy torch,
-        # torch_dcp, megatron-core's own torch_dist) itself, whatever --ckpt-format says.
-        ours = ckpt_dir if ckpt_dir is not None and os.path.isdir(os.path.join(ckpt_dir, META_DIR)) else None
-        if engine.config.verify_on_load:
-            # Each rank read the tracker itself: the check is collective, so every rank must
-            # agree on what it checks first, nothing included (a rank that read the tracker
-            # just before a commit skipped the check, and the others waited in it for good)
-            _, failed = outcome("load_checkpoint", None, exchange=exchange_across_ranks,
-                                key=os.path.abspath(ours) if ours else "")
-            if failed is not None:
-                raise IntegrityError("load_checkpoint refused on every rank: the ranks read different "
-                                     f"checkpoints from the tracker (rank(s) {by_rank(failed.failures)}); "
-                                     "a save moved it meanwhile: load again") from failed
-            if ours is not None:
-                verify_checkpoint_dir(ours, rank=dist.get_rank(), world_size=dist.get_world_size(),
-                                      skip=skip)
+        return _checked_load(margs, engine, load_dir, args, kwargs)
+    # Megatron-LM reads the directory its argument names: the keeper's tmpfs copy, for this load
+    setattr(margs, load_arg, memory.load_dir)
+    try:
+        result = _checked_load(margs, engine, memory.load_dir, args, kwargs)
+    except BaseException:
+        memory.close()
+        raise
+    finally:
+        setattr(margs, load_arg, load_dir)
+    try:
+        outcome("load_checkpoint", None, exchange=engine.checkpointer.exchange)  # every rank read it
+    finally:
+        memory.close()
+    return result
+
+
+def _checked_load(margs: Any, engine: MegatronCheckpointer, load_dir: str | None, args: tuple, kwargs: dict) -> Any:
+    """Megatron-LM's load from ``load_dir`` after the checkpoint it will read was checked."""
+    import torch.distributed as dist
+
+    skip = skipped_by_load(margs)
+    pretrained = getattr(margs, "pretrained_checkpoint", None)
+    if pretrained is not None and not (load_dir and os.path.isfile(tracker_path(load_dir))):
+        # As Megatron-LM's load_checkpoint: it then finetunes from --pretrained-checkpoint
+        load_dir, skip = pretrained, ("optimizer", "rng_state")
+    try:
+        iteration = getattr(margs, "ckpt_step", None) or (read_tracker(load_dir) if load_dir else None)
+    except IntegrityError:  # "release": not a checkpoint this engine writes
+        iteration = None
+    ckpt_dir = None if iteration is None or not load_dir else checkpoint_dir(load_dir, iteration)
+    # Only this engine's checkpoints: Megatron-LM reads any other format (legacy torch,
+    # torch_dcp, megatron-core's own torch_dist) itself, whatever --ckpt-format says.
+    ours = ckpt_dir if ckpt_dir is not None and os.path.isdir(os.path.join(ckpt_dir, META_DIR)) else None
+    if engine.config.verify_on_load:
+        # Each rank read the tracker itself: the check is collective, so every rank must
+        # agree on what it checks first, nothing included (a rank that read the tracker
+        # just before a commit skipped the check, and the others waited in it for good)
+        _, failed = outcome("load_checkpoint", None, exchange=exchange_across_ranks,
+                            key=os.path.abspath(ours) if ours else "")
+        if failed is not None:
+            raise IntegrityError("load_checkpoint refused on every rank: the ranks read different "
+                                 f"checkpoints from the tracker (rank(s) {by_rank(failed.failures)}); "
+                                 "a save moved it meanwhile: load again") from failed
+        if ours is not None:
+            verify_checkpoint_dir(ours, rank=dist.get_rank(), world_size=dist.get_world_size(),
+                                  skip=skip)
     return _ORIGINALS["load"](*args, **kwargs)
 
 

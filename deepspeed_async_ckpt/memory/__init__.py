@@ -9,6 +9,7 @@ training process) and a restart reads it back verified. Not yet wired into saves
 - :mod:`.slots`: the keeper's slots and their rules (copied, committed, ``keep_last``, ``max_gb``)
 - :mod:`.keeper`: the process, how it is started, its serving loop and lifecycle
 - :mod:`.client`: :class:`KeeperClient`, a rank's side
+- :mod:`.restore`: a load's restore from memory (which checkpoint, laid out on tmpfs)
 
 Importing this package is cheap; the keeper process imports neither torch nor the engine.
 """

@@ -110,6 +110,14 @@ def choices(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str, tag:
         yield name
 
 
+def newest_committed(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str,
+                     name_of: Callable[[str], str] = str) -> tuple[float, str] | None:
+    """Rank 0: (commit time, name) of the checkpoint a load without a tag takes from the first
+    tier and the tiers (the first of :func:`choices`), or None where none is committed: what
+    the memory tier's newest is compared with (:mod:`..memory.restore`)."""
+    return _preferred(save_dir, remotes, pointer_name=pointer_name, name_of=name_of)
+
+
 def _preferred(save_dir: str, remotes: Sequence[Remote], *, pointer_name: str,
                name_of: Callable[[str], str]) -> tuple[float, str] | None:
     """The first checkpoint to try, with its commit time: the pointer's as a user left it, else

@@ -757,3 +757,15 @@ def test_a_megatron_finalization_failing_after_the_checkpoint_is_in_place_says_s
     assert read_tracker(root) == iteration
     assert torch.load(os.path.join(checkpoint_dir(root, iteration), "common.pt"), weights_only=False)["steps"] == 9
     ck.close()
+
+
+def test_megatron_lm_hook_loads_the_keepers_newer_checkpoint_then_disk_once_it_is_gone():
+    """With the memory tier on, the keeper holding iter_0000002 and the save directory only
+    iter_0000001: Megatron-LM's load reads --load pointed at the keeper's tmpfs copy (its
+    tracker naming 2, the bytes saved), --load is put back and no copy stays; with the keeper
+    killed, it reads iteration 1 from --load. Run with stand-ins for megatron.training."""
+    result = _run_one_rank("megatron_lm_stub_memory.py")
+    memory, killed = result["memory"], result["killed"]
+    assert memory["dir"].startswith("/dev/shm/dsack-load.") and memory["tracker"] == "2" and memory["same_bytes"]
+    assert memory["load_after"] == result["load_dir"] and memory["left"] == []
+    assert killed["dir"] == result["load_dir"] and killed["tracker"] == "1" and killed["left"] == []

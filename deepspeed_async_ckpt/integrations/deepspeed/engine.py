@@ -37,6 +37,7 @@ from ...core.figures import CommitFigures
 from ...commit import Pointer, check_name
 from ...config import AsyncCheckpointConfig
 from ...errors import CommitError, DurabilityError
+from ...memory.restore import laid_out
 from ...storage import DIRECT_ALIGN, aligned_size, temporary_path
 from ...tiers.config import without_credentials
 from .loading import POINTER_NAMES
@@ -173,6 +174,8 @@ class AsyncCheckpointEngine(CheckpointEngine):
         return self.split or dp_rank == 0
 
     def load(self, path: str, map_location: Any = None) -> Any:
+        if laid_out(path):  # a tmpfs copy of the keeper's, verified as it was laid out
+            return torch.load(path, map_location=map_location, weights_only=False, mmap=True)
         return self.checkpointer.load(path, map_location=map_location)
 
     def commit(self, info: CheckpointCommitInfo) -> bool:

@@ -142,3 +142,41 @@ def restore_from_tiers(checkpointer: Any, arguments: dict, latest: str = "latest
 def no_file(rel: str) -> bool:
     """``include`` for a check of the manifest alone (``verify_on_load`` off)."""
     return False
+
+
+def restore_from_memory(checkpointer: Any, arguments: dict, latest: str = "latest") -> Any:
+    """Collective, before the load reads ``load_dir``: with the memory tier on, the keeper's
+    checkpoint laid out on tmpfs where it is newer than what ``load_dir`` and the tiers hold
+    (or is the tag asked for) and every node can make it whole: a
+    :class:`~...memory.restore.MemoryRestore` whose ``load_dir`` and ``name`` the load then
+    takes; None: load as without it (see :mod:`...memory.restore`)."""
+    memory = getattr(checkpointer.config, "memory", None)
+    load_dir = arguments.get("load_dir")
+    if memory is None or not memory.enabled or load_dir is None:
+        return None
+    from ...memory.restore import restore_from_memory as restore
+    from ...tiers.choose import newest_committed
+
+    tiers = getattr(checkpointer, "tiers", None)
+    remotes = tiers.remotes if tiers is not None else []
+    tag = arguments.get("tag")
+    return restore(load_dir, memory, rank=checkpointer.rank, world_size=checkpointer.world_size,
+                   pointer_name=latest, tag=None if tag is None else str(tag),
+                   on_disk=lambda: newest_committed(load_dir, remotes, pointer_name=latest),
+                   exchange=checkpointer.exchange)
+
+
+def finish_memory_load(checkpointer: Any, memory: Any, result: Any, load_dir: str) -> Any:
+    """Collective, after every rank's load from ``memory`` returned: its directory removed
+    (once every rank of the node read it) and ``load_checkpoint``'s path given as the
+    checkpoint's in ``load_dir`` (the tmpfs copy is gone)."""
+    try:
+        outcome("load_checkpoint", None, exchange=checkpointer.exchange)
+    finally:
+        memory.close()
+    if isinstance(result, tuple) and result and isinstance(result[0], str):
+        path = result[0]
+        if path.startswith(memory.load_dir + os.sep):
+            path = os.path.join(load_dir, os.path.relpath(path, memory.load_dir))
+        result = (path, *result[1:])
+    return result

@@ -18,8 +18,9 @@ against DeepSpeed 0.19.8's sources:
   failed copy of ``zero_to_fp32.py``, until DeepSpeed's closing barrier, then shares the
   outcome so that every rank raises or returns committed); ``load_checkpoint`` first waits
   for pending saves on every rank and, if a save failed on any rank, refuses on every rank
-  (rather than leaving the other ranks hanging in DeepSpeed's load collectives), then checks
-  the files the load reads (:mod:`.loading`).
+  (rather than leaving the other ranks hanging in DeepSpeed's load collectives), then, with
+  the memory tier on, loads the keeper's checkpoint from a tmpfs copy where it is the newest
+  (:mod:`...memory.restore`), and checks the files the load reads (:mod:`.loading`).
 - DeepSpeed's in-place weight edits outside the optimizer step fence first
   (:mod:`.weight_editors`); ``save_16bit_model``, which calls the engine outside
   ``save_checkpoint``, has its file written before it returns.
@@ -40,8 +41,9 @@ from ...config import CONFIG_KEY, AsyncCheckpointConfig
 from ...errors import ConfigError
 from ...tiers.config import refuse_overlap, without_credentials
 from .engine import AsyncCheckpointEngine
-from .loading import (agreed_latest_tag, checkpoint_to_load, files_read_by_load, is_optimizer_file, no_file,
-                      restore_from_tiers, takes_module_from_latest, zero3_module_source)
+from .loading import (agreed_latest_tag, checkpoint_to_load, files_read_by_load, finish_memory_load,
+                      is_optimizer_file, no_file, restore_from_memory, restore_from_tiers,
+                      takes_module_from_latest, zero3_module_source)
 from .weight_editors import unpatch_weight_editors
 
 logger = logging.getLogger(__name__)
@@ -145,8 +147,18 @@ def install(on_engine_built: Callable[[], None] = lambda: None,
                                                recover=arguments.get("load_dir"))
             universal = getattr(self, "load_universal_checkpoint", lambda: False)()
             latest = "latest_universal" if universal else "latest"
-            restore_from_tiers(engine.checkpointer, arguments, latest, node_local=engine._node_local)
-            if arguments.get("tag") is None and arguments.get("load_dir") is not None:
+            # the keeper's checkpoint, where newer than the directory's and the tiers' newest
+            memory = None if universal else restore_from_memory(engine.checkpointer, arguments, latest)
+            if memory is not None:  # loaded from its tmpfs copy: the save directory stays as it is
+                load_dir = arguments["load_dir"]
+                bound = load_sig.bind(self, *args, **kwargs)
+                from_latest = bound.arguments.get("tag") is None
+                bound.arguments.update(load_dir=memory.load_dir, tag=memory.name)
+                args, kwargs = bound.args[1:], bound.kwargs
+                arguments = bound.arguments
+            else:
+                restore_from_tiers(engine.checkpointer, arguments, latest, node_local=engine._node_local)
+            if memory is None and arguments.get("tag") is None and arguments.get("load_dir") is not None:
                 # One read of `latest` for every rank, rank 0's, passed to DeepSpeed as the tag:
                 # each rank reading it (and DeepSpeed again) could disagree when another job
                 # writes its first `latest` meanwhile, and the ranks then part ways in
@@ -165,7 +177,7 @@ def install(on_engine_built: Callable[[], None] = lambda: None,
                 args, kwargs = bound.args[1:], bound.kwargs
                 arguments = bound.arguments
                 from_latest = True
-            else:
+            elif memory is None:
                 from_latest = False
             module_source = zero3_module_source(self, arguments) if not from_latest else None
             if module_source is not None and engine.checkpointer.rank == 0:
@@ -174,14 +186,15 @@ def install(on_engine_built: Callable[[], None] = lambda: None,
                                "optimizer files of %s (the checkpoint `latest` names), the other "
                                "states from %s", arguments["tag"], module_source,
                                checkpoint_to_load(arguments))
-            # Every file the load reads checked once, across the ranks; with verify_on_load off,
-            # none, but the checkpoint still must be committed (on every rank together: one
-            # rank failing alone inside DeepSpeed's load leaves the others in its collectives)
+            # Every file the load reads checked once, across the ranks (from memory: checked as
+            # it was laid out); with verify_on_load off, none, but the checkpoint still must be
+            # committed (on every rank together: one rank failing alone inside DeepSpeed's load
+            # leaves the others in its collectives)
             verify = engine.checkpointer.config.verify_on_load
             ckpt_dir = checkpoint_to_load(arguments, latest)  # the tag is given now, or no load_dir
             engine.checkpointer.verify_all_ranks(
                 ckpt_dir, action="load_checkpoint",
-                include=files_read_by_load(self, arguments) if verify else no_file)
+                include=files_read_by_load(self, arguments) if verify and memory is None else no_file)
             if not from_latest and takes_module_from_latest(self, arguments):
                 # and the optimizer files the module comes from; on every rank alike (None:
                 # none to check there, or not readable), so that none is left in the exchange
@@ -189,8 +202,14 @@ def install(on_engine_built: Callable[[], None] = lambda: None,
                     module_source, action="load_checkpoint",
                     include=is_optimizer_file if verify else no_file)
             # a checkpoint saved again under it mid-load: every rank raises at the end, together
-            with engine.checkpointer.collective_load("load_checkpoint"):
-                return _ORIGINALS["load"](self, *args, **kwargs)
+            try:
+                with engine.checkpointer.collective_load("load_checkpoint"):
+                    result = _ORIGINALS["load"](self, *args, **kwargs)
+            except BaseException:
+                if memory is not None:
+                    memory.close()
+                raise
+            return result if memory is None else finish_memory_load(engine.checkpointer, memory, result, load_dir)
         return _ORIGINALS["load"](self, *args, **kwargs)
 
     recovery = getattr(engine_cls, "_copy_recovery_script", None)

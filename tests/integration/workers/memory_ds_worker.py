@@ -1,0 +1,69 @@
+"""A DeepSpeed rank for the memory tier's load test: ``save`` trains and saves three
+checkpoints into the checkpoint directory, dumping the state after each
+(``saved_rank<r>_step<n>.pt``); ``resume`` loads from the same save directory with the memory
+tier on and dumps the state it loaded (``loaded_rank<r>.pt``) and the path it was given."""
+
+import argparse
+import logging
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from ds_worker import init, train  # noqa: E402
+
+
+def config():
+    return {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "Adam", "params": {"lr": 0.01, "torch_adam": True}},
+        "zero_optimization": {"stage": 1},
+        "async_checkpoint": {"enabled": True, "host_buffer_gb": 0.05, "keep_last": 3},
+    }
+
+
+def state_of(engine):
+    return {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+            "global_steps": engine.global_steps}
+
+
+def with_memory_tier(engine) -> None:
+    """The memory tier on for this rank's loads (the config's ``memory`` field)."""
+    from deepspeed_async_ckpt.memory.config import MemoryConfig
+
+    cfg = engine.checkpoint_engine.checkpointer.config
+    if not getattr(getattr(cfg, "memory", None), "enabled", False):
+        object.__setattr__(cfg, "memory", MemoryConfig(enabled=True, idle_timeout_s=120))
+
+
+def main():
+    logging.basicConfig(level=logging.WARNING)
+    p = argparse.ArgumentParser()
+    p.add_argument("phase", choices=["save", "resume"])
+    p.add_argument("--out", required=True)
+    p.add_argument("--tag", default=None)
+    args = p.parse_args()
+    args.zero_stage, args.pipeline_stages, args.tied, args.offload = 1, 0, 0, 0
+    engine = init(args, config())
+    rank = torch.distributed.get_rank()
+    save_dir = os.path.join(args.out, "ckpt")
+    if args.phase == "save":
+        for step in range(3):
+            train(engine, args, 1, start=step)
+            engine.save_checkpoint(save_dir)
+            torch.save(state_of(engine), os.path.join(args.out, f"saved_rank{rank}_step{step + 1}.pt"))
+    else:
+        with_memory_tier(engine)
+        path, _ = engine.load_checkpoint(save_dir, tag=args.tag)
+        assert path is not None, "nothing loaded"
+        torch.save(state_of(engine), os.path.join(args.out, f"loaded_rank{rank}.pt"))
+        with open(os.path.join(args.out, f"loaded_path_rank{rank}.txt"), "w") as f:
+            f.write(path)
+    engine.checkpoint_engine.cleanup()
+    engine.destroy()
+
+
+if __name__ == "__main__":
+    main()
