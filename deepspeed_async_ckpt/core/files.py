@@ -73,8 +73,7 @@ class SaveFiles:
         self._persist: FileWriter
         if memory is not None:  # the memory tier (a MemorySaves): every file into the keeper's slot
             from ..memory.saver import MemoryWriter
-            self._persist = MemoryWriter(storage, writers, memory, checksum=config.checksum,
-                                         zip_crc32=config.zip_crc32)
+            self._persist = MemoryWriter(storage, memory, checksum=config.checksum, zip_crc32=config.zip_crc32)
         elif config.persist_in == "process":
             self._persist = ProcessWriter(storage, pool, writers, **persist)
         else:

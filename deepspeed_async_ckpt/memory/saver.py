@@ -11,12 +11,13 @@ Call order (one rank)::
 
     (training thread) pace(save, ...); submit(path, plans) per file   # at each seal
     (training thread) end(save) -> Future                             # the save has no more files
-    (a writer thread) reserve every file in the slot, write each, report their sizes
+    (its copy thread) reserve every file in the slot, write each, report their sizes
 
 The keeper takes one reservation per rank and slot, with every file's size: sizes come from
 the archives' layout (:func:`~..persist.archive.layout`), and the reservation, which waits
-while the previous save's slot awaits its commit, runs on the writer thread, never on the
-training thread. A rank with no file still reserves (nothing) and reports: the slot is copied
+while the previous save's slot awaits its commit, runs on the writer's own thread, never on
+the training thread. That one thread takes the saves in order: a later save's reservation
+taken first would wait for a commit that waits for the earlier save's copy. A rank with no file still reserves (nothing) and reports: the slot is copied
 once every rank of the node has.
 """
 
@@ -24,13 +25,13 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-from concurrent.futures import Executor, Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, Callable, Sequence
 
 from ..errors import PersistError
 from ..persist import FileEntry, write_file
 from ..persist.archive import layout
+from ..qos import lower_this_thread
 from ..snapshot import FilePlan, TensorItem
 from ..storage import DIRECT_ALIGN, Storage
 
@@ -127,14 +128,14 @@ class MemoryWriter:
     persists, to ``storage`` as it does. Its writes are not paced: a memory copy is quick, and
     a persist save is the one a restart falls back to."""
 
-    def __init__(self, storage: Storage, threads: Executor, memory: Any, *, checksum: str,
-                 zip_crc32: bool) -> None:
-        self._storage, self._threads, self._memory = storage, threads, memory
+    def __init__(self, storage: Storage, memory: Any, *, checksum: str, zip_crc32: bool) -> None:
+        self._storage, self._memory = storage, memory
         self._checksum, self._zip_crc32 = checksum, zip_crc32
         self._save: Any = None
-        self._one_save = threading.Lock()
-        """One save copies at a time, on one connection: the next one's reservation waits for
-        the previous slot's commit anyway (the keeper holds one slot being written)."""
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="async-ckpt-memory", initializer=lower_this_thread)
+        """One save copies at a time, in the order they were sealed, on one connection: the
+        next one's reservation waits for the previous slot's commit anyway (the keeper holds
+        one slot being written)."""
         self._files: dict[Any, list[tuple[str, Sequence[FilePlan], Sequence[str] | None, Future]]] = {}
 
     def pace(self, save: Any, begun_at: float, nbytes: int) -> None:
@@ -156,13 +157,9 @@ class MemoryWriter:
         """``save`` has no more files on this rank: copy them all, in one reservation, on a
         writer thread. The future fails if any file did (each file's own future says which)."""
         files = self._files.pop(save, [])
-        return self._threads.submit(self._write, save, files)
+        return self._thread.submit(self._write, save, files)
 
     def _write(self, save: Any, files: list) -> None:
-        with self._one_save:
-            self._write_one(save, files)
-
-    def _write_one(self, save: Any, files: list) -> None:
         memory = self._memory
         names = {path: os.path.relpath(path, save.write_dir) for path, *_ in files}
         error: BaseException | None = None
@@ -200,4 +197,4 @@ class MemoryWriter:
         raise PersistError("the memory tier saves in async mode only")  # refused by the config
 
     def close(self) -> None:
-        pass
+        self._thread.shutdown(wait=True)

@@ -111,3 +111,22 @@ def test_every_persist_every_th_save_goes_to_disk_and_the_keeper_ends_with_the_j
 def _Bytes(view):
     import io
     return io.BytesIO(bytes(view))
+
+
+def test_a_save_the_keeper_refuses_fails_naming_max_gb_and_leaves_nothing_held(save_dir):
+    config = AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, memory={
+        "enabled": True, "persist_every": 1, "max_gb": 16 / 2**20, "idle_timeout_s": 60})  # 16 KiB
+    ck = AsyncCheckpointer(config)
+    try:
+        tag = "global_step1"
+        ck.begin(os.path.join(save_dir, tag), tag=tag, pointer=Pointer(os.path.join(save_dir, "latest"), tag))
+        ck.save(_state(1), os.path.join(save_dir, tag, "model.pt"))
+        ck.end()
+        with pytest.raises(Exception, match="async_checkpoint.memory.max_gb"):
+            ck.wait()  # a background failure: raised at the next wait or begin
+        assert not os.path.exists(os.path.join(save_dir, "latest"))  # never committed
+        keeper = KeeperClient.find(save_dir)
+        assert keeper.newest() is None and keeper.status().slots == ()  # nothing held
+        keeper.close()
+    finally:
+        ck.close()
