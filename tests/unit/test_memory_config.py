@@ -68,3 +68,22 @@ def test_memory_off_leaves_sync_mode_and_the_worker_process_alone():
     cfg = AsyncCheckpointConfig.from_dict({"memory": {"persist_every": 2}, "mode": "sync",
                                            "persist_in": "process"})
     assert not cfg.memory.enabled
+
+
+def test_megatron_refuses_the_memory_tier_by_its_key():
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from megatron_adapter.checkpointer import MegatronCheckpointer
+
+    with pytest.raises(ConfigError, match="async_checkpoint.memory.enabled: the memory tier saves DeepSpeed"):
+        MegatronCheckpointer(AsyncCheckpointConfig(enabled=True, memory={"enabled": True}))
+
+
+def test_the_memory_tier_refuses_ranks_on_several_nodes_by_its_key(monkeypatch):
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from deepspeed_async_ckpt.core import AsyncCheckpointer
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"async_checkpoint.memory.enabled: the memory tier serves one node.*"
+                                          r"these 4 ranks span 2 \(2 per node\)"):
+        AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, memory={"enabled": True}),
+                          rank=0, world_size=4)
