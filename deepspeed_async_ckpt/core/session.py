@@ -149,7 +149,7 @@ class Session:
             if self._memory is not None:
                 self._memory.counted(only)
             self._begun(handle)  # the begin callbacks: what it depends on
-            if only:
+            if only:  # made nothing on disk
                 pass
             elif self._rank == 0:  # and the marker's entry (made under another name, renamed), and
                 # the save directory's, which Trainer makes for each checkpoint-N: the pointer in it
