@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any, Mapping
 
 from .errors import ConfigError, refuse_unknown_keys
+from .memory.config import MemoryConfig, parse_memory
 from .tiers.config import TierConfig, parse_tiers
 
 #: The DeepSpeed config key this package reads.
@@ -110,6 +111,12 @@ class AsyncCheckpointConfig:
     drain there in the background; a load restores from them what the checkpoint directory
     lacks. See ``docs/tiers.md``."""
 
+    memory: MemoryConfig = MemoryConfig()
+    """The memory tier (:class:`~.memory.config.MemoryConfig`): every save commits first in
+    the host memory of the node's keeper process, which outlives the training processes, and
+    every ``persist_every``-th is also written to the checkpoint directory. Async mode, the
+    writer threads (``persist_in: "thread"``) and one node. See ``docs/tiers.md``."""
+
     pace_writes: bool = False
     """Async mode: spread each save's background writes (and their checksums) over the first
     half of the time until the next save is due, from the interval between the last two
@@ -119,6 +126,7 @@ class AsyncCheckpointConfig:
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "tiers", parse_tiers(self.tiers))
+        object.__setattr__(self, "memory", parse_memory(self.memory))
         _check_type("enabled", self.enabled, bool)
         _check_choice("mode", self.mode, MODES)
         _check_choice("checksum", self.checksum, CHECKSUMS)
@@ -146,6 +154,21 @@ class AsyncCheckpointConfig:
                 or not 1 <= self.writer_threads <= 64:
             raise ConfigError(f"{CONFIG_KEY}.writer_threads must be an integer in [1, 64], "
                               f"got {self.writer_threads!r}")
+        if self.memory.enabled:
+            self._check_memory()
+
+    def _check_memory(self) -> None:
+        """Refuse what the memory tier cannot serve, naming both keys."""
+        key = f"{CONFIG_KEY}.memory.enabled"
+        if self.mode != "async":  # a memory save's writes and its commit run in the background
+            raise ConfigError(f"{key} needs {CONFIG_KEY}.mode \"async\", got {self.mode!r}: a sync save "
+                              "waits for its disk write, which the memory tier is there to skip")
+        if self.persist_in != "thread":  # the worker process cannot reach the keeper's slot
+            raise ConfigError(f"{key} needs {CONFIG_KEY}.persist_in \"thread\", got {self.persist_in!r}: "
+                              "the files are copied into the keeper's memory by the writer threads")
+        if self.node_local:
+            raise ConfigError(f"{key} with {CONFIG_KEY}.node_local: the memory tier serves one node "
+                              "(a checkpoint directory shared by the ranks); turn one of them off")
 
     @property
     def host_buffer_bytes(self) -> int:

@@ -59,6 +59,7 @@ from .files import SaveFiles
 from .handle import CheckpointHandle, CommitInfo
 from .lifecycle import SaveDirClaims
 from .loader import Loader
+from .memory_saves import MemorySaves
 from .reports import Reporter
 from .retention import Retention, policy_of
 from .saves import Saves
@@ -126,6 +127,8 @@ class AsyncCheckpointer:
                                    shared=config.persist_in == "process")
         self._writers = ThreadPoolExecutor(config.writer_threads, thread_name_prefix="async-ckpt-writer",
                                            initializer=lower_this_thread)
+        self._memory = MemorySaves(config.memory, rank=rank, world_size=world_size,
+                                   commit_timeout_s=config.commit_timeout_s) if config.memory.enabled else None
         saves = self._saves = Saves()
         self.history = saves.history
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
@@ -135,17 +138,18 @@ class AsyncCheckpointer:
         self._reporter = Reporter(saves, world_size=world_size, released=self._retention.released,
                                   callbacks=[on_commit] if on_commit else [])
         self._files = SaveFiles(saves, self.storage, config, rank=rank, pool=self.pool,
-                                stager=Stager(self.pool, use_cuda), writers=self._writers)
+                                stager=Stager(self.pool, use_cuda), writers=self._writers, memory=self._memory)
         self._committer = Committer(saves, self.storage, config, rank=rank, world_size=world_size,
                                     ledger=self._failures, retention=self._retention,
-                                    reporter=self._reporter, written=self._files.eager_written)
+                                    reporter=self._reporter, written=self._files.eager_written,
+                                    memory=self._memory)
         self._loader = Loader(rank=rank, world_size=world_size, exchange=self._exchange,
                               verify_on_load=config.verify_on_load)
         self._claims = SaveDirClaims(saves, self._background_busy)
         self._session = Session(saves, self.storage, config, rank=rank, exchange=self._exchange,
                                 ledger=self._failures, claims=self._claims, retention=self._retention,
                                 loader=self._loader, begun=self._begun, files=self._files,
-                                committer=self._committer)
+                                committer=self._committer, memory=self._memory)
         self.tiers = DurableTiers.attach(self, self._reporter.hold, remotes) if remotes else None
         """The durable tiers checkpoints drain to (config ``tiers``), or None."""
         self._pid = os.getpid()
@@ -458,6 +462,9 @@ class AsyncCheckpointer:
             self._files.close()
             self._retention.shutdown()
             self._files.stager.close()
+            if self._memory is not None:  # after the last commit: the keeper ends if it persisted
+                last = self.history[-1] if self.history else None
+                self._memory.close(persisted=last is not None and last.committed and not last.memory_only)
             if self._committer.thread.is_alive():  # close interrupted (Ctrl-C), a commit still running:
                 logger.warning("async checkpoint: closed while a commit still runs; the save "
                                "directory stays locked until it ends with the process")
@@ -467,6 +474,13 @@ class AsyncCheckpointer:
             self._reporter.drain()
             if self.tiers is not None:  # every commit callback has queued its drain by now
                 self.tiers.close()
+
+    @property
+    def memory_only(self) -> bool:
+        """True while the open save stays in the memory keeper only (the memory tier): an
+        adapter then makes nothing of it on disk (a directory, a file of its own)."""
+        current = self._saves.current
+        return current is not None and current.memory_only
 
     @property
     def is_open(self) -> bool:

@@ -40,12 +40,14 @@ from ..commit.nodes import default_store, node_leader, node_of
 from ..commit.records import DirectoryExchange, rank_record
 from ..config import AsyncCheckpointConfig
 from ..errors import ConfigError, DurabilityError
+from ..memory.client import KeeperError
 from ..persist import FileEntry
 from ..qos import lower_this_thread
 from ..storage import Storage
 from .failures import FailureLedger
 from .files import missing_dirs
 from .handle import CheckpointHandle
+from .memory_saves import ManifestOnly, MemorySaves
 from .reports import Reporter
 from .retention import Retention
 from .saves import Saves
@@ -73,8 +75,9 @@ class Committer:
 
     def __init__(self, saves: Saves, storage: Storage, config: AsyncCheckpointConfig, *, rank: int,
                  world_size: int, ledger: FailureLedger, retention: Retention, reporter: Reporter,
-                 written: Callable[[CheckpointHandle], None]) -> None:
+                 written: Callable[[CheckpointHandle], None], memory: MemorySaves | None = None) -> None:
         self._saves, self._storage, self._config = saves, storage, config
+        self._memory = memory
         self._rank, self._world_size = rank, world_size
         self._ledger, self._retention, self._reporter = ledger, retention, reporter
         self._written = written
@@ -132,6 +135,8 @@ class Committer:
 
     def commit_one(self, handle: CheckpointHandle) -> None:
         job = self._saves.job(handle)
+        # a memory-only save's records go through the store: nothing in the checkpoint directory
+        exchange = self._memory.exchange if job.memory_only and self._memory is not None else self._exchange
         recorded = False  # this rank's record is written: rank 0 takes it from there
         committing = False
         try:
@@ -152,8 +157,10 @@ class Committer:
                 raise first_error
             if handle.abandoned:  # the framework's save raised here: rank 0 must not wait for
                 why = job.failure or "the save raised on this rank before it was sealed"
+                if self._memory is not None:
+                    self._memory.abandon(handle)
                 if self._rank != 0:  # this rank's record until commit_timeout_s
-                    self._report_failure(handle, why)
+                    self._report_failure(handle, why, exchange)
                 elif self._exchange.node_local:  # nor the other nodes' leaders for rank 0's word
                     self._tell_nodes_failed(handle, why)
                 return
@@ -171,18 +178,21 @@ class Committer:
             cfg = self._config
             swap = handle.write_dir != handle.ckpt_dir
             node = self._node if self._exchange.node_local else None
-            self._exchange.publish(handle.write_dir, rank_record(
+            exchange.publish(handle.write_dir, rank_record(
                 handle.write_dir, rank=self._rank, save_id=handle.save_id, checksum=cfg.checksum,
                 files=entries, node=node, timings=_timings(handle, cfg.is_async)))
             recorded = True
             manifest = None
             if self._rank == 0:
                 committing = True  # from here on, commit() tells the other nodes how it ended
-                manifest = commit(self._storage, handle.write_dir, tag=handle.tag, save_id=handle.save_id,
+                manifest = commit(ManifestOnly() if job.memory_only else self._storage, handle.write_dir,
+                                  tag=handle.tag, save_id=handle.save_id,
                                   world_size=self._world_size, checksum=cfg.checksum,
                                   timeout_s=cfg.commit_timeout_s, pointer=handle.pointer,
                                   replaces=handle.ckpt_dir if swap else None, finalize=handle.finalize,
-                                  rotation=handle.rotation, exchange=self._exchange)
+                                  rotation=handle.rotation, exchange=exchange)
+                if self._memory is not None:
+                    self._commit_slot(handle, manifest)
             elif self._leads_node:
                 manifest, late = self._exchange.await_commit(
                     handle.write_dir, tag=handle.tag, save_id=handle.save_id, node=self._node,
@@ -200,6 +210,8 @@ class Committer:
                 self._retention.retire_older_later(handle)
         except BaseException as exc:
             job.error = exc
+            if self._memory is not None and "memory_committed" not in job.times:
+                self._memory.abandon(handle)
             if isinstance(exc, DurabilityError) and exc.pointer_moved and handle.pointer is not None:
                 self._retention.pointer_moved(handle)  # it names this one now: retention must keep it
             self._ledger.note(exc, os.path.dirname(handle.ckpt_dir))
@@ -207,7 +219,7 @@ class Committer:
                 if not committing:  # the other nodes' leaders wait for its
                     self._tell_nodes_failed(handle, f"{type(exc).__name__}: {exc}")
             elif not recorded:  # this rank's own part failed (its files, or its record): tell rank 0
-                self._report_failure(handle, f"{type(exc).__name__}: {exc}")
+                self._report_failure(handle, f"{type(exc).__name__}: {exc}", exchange)
         finally:
             job.finalize = ()  # run or not, never again: what the steps hold is freed
             self._saves.settle(handle)  # failed: never swapped in, its staging is abandoned
@@ -222,9 +234,25 @@ class Committer:
         except (OSError, RuntimeError):  # the store gone (DistStoreError): they then time out
             pass
 
-    def _report_failure(self, handle: CheckpointHandle, message: str) -> None:
+    def _commit_slot(self, handle: CheckpointHandle, manifest: dict) -> None:
+        """Rank 0, once the job committed ``handle``: its slot in the keeper, with the manifest.
+        A persist save is committed on disk already: a keeper that fails it is logged (the
+        memory tier then lacks this save), a memory-only save fails with it."""
+        job = self._saves.job(handle)
         try:
-            self._exchange.fail(handle.write_dir, rank=self._rank, save_id=handle.save_id,
+            self._memory.commit_slot(handle, manifest)
+        except (KeeperError, OSError) as exc:
+            if job.memory_only:
+                raise
+            logger.warning("async checkpoint: %s is committed on disk but not in the memory keeper: %s",
+                           handle.tag, exc)
+            self._memory.abandon(handle)
+            return
+        job.times["memory_committed"] = time.perf_counter()
+
+    def _report_failure(self, handle: CheckpointHandle, message: str, exchange=None) -> None:
+        try:
+            (exchange or self._exchange).fail(handle.write_dir, rank=self._rank, save_id=handle.save_id,
                                 message=message)
         except (OSError, RuntimeError):  # a full disk, the store gone (DistStoreError)
             pass  # rank 0 then times out after commit_timeout_s

@@ -19,6 +19,10 @@ Names, at the step the save was made at (DeepSpeed's global step, Megatron's ite
 ``async-ckpt/bytes``              bytes in the checkpoint (its manifest's files)
 ``async-ckpt/persisted-s``        from the save's begin to every rank's files persisted (s)
 ``async-ckpt/committed-s``        from the save's begin to the commit: the pointer moved (s)
+``async-ckpt/memory-committed-s`` with the memory tier: from the save's begin to its slot
+                                  committed in the node's keeper (s)
+``async-ckpt/memory-only``        with the memory tier: 1 for a save in the keeper's memory
+                                  only, 0 for one also on disk
 ``async-ckpt/tier<i>/drained-s``  from the save's begin to the checkpoint committed on durable
                                   tier ``i`` (``tiers[i]``), written when that drain ends (s)
 ``async-ckpt/tier<i>/behind``     at this commit: checkpoints committed before it that tier
@@ -50,7 +54,16 @@ def commit_events(info: CommitInfo, step: int) -> list[Event]:
             (f"{PREFIX}fence-wait-ms", round(info.fence_wait_s * 1e3, 3), step),
             (f"{PREFIX}bytes", info.bytes, step),
             (f"{PREFIX}persisted-s", round(info.persisted_s, 6), step),
-            (f"{PREFIX}committed-s", round(info.seconds, 6), step)]
+            (f"{PREFIX}committed-s", round(info.seconds, 6), step)] + memory_events(info, step)
+
+
+def memory_events(info: CommitInfo, step: int) -> list[Event]:
+    """With the memory tier: when the save's slot committed, and whether it is in memory only."""
+    seconds = getattr(info, "memory_committed_s", None)
+    if seconds is None:
+        return []
+    return [(f"{PREFIX}memory-committed-s", round(seconds, 6), step),
+            (f"{PREFIX}memory-only", int(info.memory_only), step)]
 
 
 def tier_name(index: int, figure: str) -> str:

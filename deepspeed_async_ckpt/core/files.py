@@ -65,13 +65,19 @@ class SaveFiles:
     process (``"process"``); ``rank``: for the log."""
 
     def __init__(self, saves: Saves, storage: Storage, config: AsyncCheckpointConfig, *, rank: int,
-                 pool: HostBufferPool, stager: Stager, writers: Executor) -> None:
+                 pool: HostBufferPool, stager: Stager, writers: Executor, memory: Any = None) -> None:
         self._saves, self._storage, self._config, self._rank = saves, storage, config, rank
         self._pool, self.stager = pool, stager
         persist = dict(checksum=config.checksum, zip_crc32=config.zip_crc32,
                        pacer=WritePacer() if config.pace_writes and config.is_async else None)
-        self._persist: FileWriter = ProcessWriter(storage, pool, writers, **persist) \
-            if config.persist_in == "process" else ThreadWriter(storage, writers, **persist)
+        self._persist: FileWriter
+        if memory is not None:  # the memory tier (a MemorySaves): every file into the keeper's slot
+            from ..memory.saver import MemoryWriter
+            self._persist = MemoryWriter(storage, memory, checksum=config.checksum, zip_crc32=config.zip_crc32)
+        elif config.persist_in == "process":
+            self._persist = ProcessWriter(storage, pool, writers, **persist)
+        else:
+            self._persist = ThreadWriter(storage, writers, **persist)
         self._eager_held: dict[CheckpointHandle, int] = {}
         """Bytes of each save's eager copies (outside the pool) until its files are written."""
         self._eager_cond = threading.Condition()
@@ -127,8 +133,9 @@ class SaveFiles:
                     for item in plans[0].items:  # the other replicas write it
                         item.cancel()
                     return [0]
-            new_dirs = missing_dirs(os.path.dirname(path))
-            self._storage.makedirs(os.path.dirname(path))
+            new_dirs = [] if handle.memory_only else missing_dirs(os.path.dirname(path))
+            if not handle.memory_only:  # in the keeper's memory only: no directory on disk
+                self._storage.makedirs(os.path.dirname(path))
         except BaseException:
             # a failed makedirs must not leave the file's items listed and never issued
             # (handle.wait_staged() would never return), nor its path "already saved"
@@ -266,8 +273,10 @@ class SaveFiles:
         the seal lock."""
         return self._saves.job(handle)
 
-    def seal(self, handle: CheckpointHandle) -> None:
-        """Hand ``handle``'s files to the writers and its lazy copies to the copier."""
+    def seal(self, handle: CheckpointHandle, *, last: bool = False) -> None:
+        """Hand ``handle``'s files to the writers and its lazy copies to the copier; ``last``:
+        the save is sealed for good (``end``), which a writer that takes a save's files
+        together (the memory tier's) is told."""
         # A save's files go to the writers and its lazy copies to the copier together, when it
         # is sealed: the pool can size one block for all of them (nothing can change the
         # tensors before the next fence anyway), and no background thread competes with the
@@ -289,6 +298,9 @@ class SaveFiles:
                 if unsubmitted:
                     self._warn_if_pool_too_small(unsubmitted)
                     self.stager.submit(unsubmitted, job=handle)
+                end = getattr(self._persist, "end", None) if last else None
+                if end is not None:  # its copy into the keeper's slot: before the save's record
+                    listed.dependencies.append(end(handle))
             except BaseException as exc:
                 # Cut short (a Ctrl-C while a writer thread starts): copies that may never be
                 # queued fail, so that the writers already queued fail on them instead of

@@ -43,10 +43,15 @@ class CommitInfo:
     save's copies (the fences before its record: by then its copies are done)."""
     persisted_s: float = 0.0
     """The largest over the ranks of the time from ``begin`` to the rank's files persisted."""
+    memory_committed_s: float | None = None
+    """With the memory tier: from ``begin`` to the keeper's slot committed (None without)."""
+    memory_only: bool = False
+    """With the memory tier: the save is in the keeper's memory only, not on disk."""
 
     def __str__(self) -> str:
         rate = self.bytes / self.seconds / 1e9 if self.seconds > 0 else float("inf")
-        return (f"checkpoint {self.tag} committed: {self.ckpt_dir}, {self.files} file(s), "
+        where = "in the memory keeper only" if self.memory_only else self.ckpt_dir
+        return (f"checkpoint {self.tag} committed: {where}, {self.files} file(s), "
                 f"{self.bytes / 1e9:.3g} GB from {self.world_size} rank(s), {self.seconds:.2f} s "
                 f"after the save began ({rate:.3g} GB/s)")
 
@@ -79,6 +84,9 @@ class CheckpointHandle:
     write_dir = property(lambda self: self._write_dir,
                          doc="""Where this save's files go: ``ckpt_dir``, or, when that already held files, a
         staging directory beside it that the commit swaps in (see :meth:`AsyncCheckpointer.begin`).""")
+
+    memory_only = property(lambda self: self._job.memory_only,
+                           doc="True for a save that stays in the keeper's memory only (the memory tier).")
 
     # What the pipeline has done of it so far: read from its job, which only the core writes.
     items = property(lambda self: tuple(self._job.items),

@@ -54,6 +54,9 @@ class SaveJob:
     checkpoint's, its marker, subdirectories of files; on rank 0 also the save directory,
     whoever made it): their entries are made durable before this rank's record, so that
     no crash after the commit takes them back."""
+    memory_only: bool = False
+    """A save to the keeper's memory only (the memory tier): nothing of it touches the
+    checkpoint directory, its records go through the process group's store, no pointer moves."""
     failure: str | None = None
     """Why a sync save's file failed on this rank (rank 0's commit error quotes it)."""
     # What the save has listed on this rank and not yet handed to the background, until it

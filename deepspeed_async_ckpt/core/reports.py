@@ -16,6 +16,7 @@ from typing import Any, Callable
 from ..commit.records import TIMINGS
 from ..qos import lower_this_thread
 from .handle import CheckpointHandle, CommitInfo
+from .memory_saves import memory_committed_s
 from .saves import Saves
 
 logger = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class Reporter:
                               bytes=sum(e["bytes"] for e in manifest["files"].values()),
                               world_size=self._world_size,
                               seconds=handle.times["committed"] - handle.times["begin"],
-                              save_id=handle.save_id, **slowest)
+                              save_id=handle.save_id, **slowest, **memory_figures(self._saves.job(handle)))
             self._saves.job(handle).commit_info = info
             logger.info("async checkpoint: %s", info)
             for fn in list(self.callbacks):
@@ -112,3 +113,9 @@ class Reporter:
         except Exception as exc:  # noqa: BLE001 - a report, not part of the commit
             logger.warning("async checkpoint: reporting the commit of %s failed (it is committed): "
                            "%s", handle.tag, exc)
+
+
+def memory_figures(job: Any) -> dict[str, Any]:
+    """A save's memory tier figures for its :class:`CommitInfo` (none without the tier)."""
+    seconds = memory_committed_s(job.times)
+    return {} if seconds is None else {"memory_committed_s": seconds, "memory_only": job.memory_only}

@@ -39,6 +39,7 @@ from .handle import CheckpointHandle
 from .job import SaveJob
 from .lifecycle import SaveDirClaims
 from .loader import Loader
+from .memory_saves import MemorySaves
 from .retention import Retention
 from .saves import Saves
 
@@ -86,8 +87,10 @@ class Session:
     def __init__(self, saves: Saves, storage: Storage, config: AsyncCheckpointConfig, *, rank: int,
                  exchange: Exchange, ledger: FailureLedger,
                  claims: SaveDirClaims, retention: Retention, loader: Loader,
-                 begun: Callable[[CheckpointHandle], None], files: SaveFiles, committer: Committer) -> None:
+                 begun: Callable[[CheckpointHandle], None], files: SaveFiles, committer: Committer,
+                 memory: MemorySaves | None = None) -> None:
         self._saves, self._storage, self._config, self._rank = saves, storage, config, rank
+        self._memory = memory
         self.exchange = exchange
         self._ledger, self._claims, self._retention = ledger, claims, retention
         self._loader, self._begun, self._files, self._committer = loader, begun, files, committer
@@ -116,10 +119,13 @@ class Session:
             saves.beginning = ckpt_dir  # retention leaves it alone (see retire_older)
         made: tuple[str, list[str]] | None = None
         save_dir = os.path.dirname(ckpt_dir)
+        only = self._memory is not None and self._memory.next_only()
+        if only:  # nothing of it reaches the checkpoint directory: no pointer, no finalize step
+            pointer, finalize = None, ()
         try:
             local, more = self._ledger.take()
             opening, made, refused = (uuid.uuid4().hex[:16], False), None, None
-            if self._rank == 0:
+            if self._rank == 0 and not only:
                 opening, made, refused = self._prepare(ckpt_dir, opening[0], local, pointer)
             failure = Failure(REFUSED, str(refused)) if refused is not None else \
                 None if local is None else Failure.of(local)
@@ -134,14 +140,18 @@ class Session:
                     _remove_if_empty(self._storage, made)
                 raise
             write_dir = _write_dir(ckpt_dir, save_id, staged)
-            job = SaveJob(finalize=finalize if self._rank == 0 else ())
+            job = SaveJob(finalize=finalize if self._rank == 0 else (), memory_only=only)
             job.times["called"] = called  # the save call: from here to end()
             handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir, job,
                                       rotation=rotation)
             saves.track(handle, job)
             saves.current = handle
+            if self._memory is not None:
+                self._memory.counted(only)
             self._begun(handle)  # the begin callbacks: what it depends on
-            if self._rank == 0:  # and the marker's entry (made under another name, renamed), and
+            if only:  # made nothing on disk
+                pass
+            elif self._rank == 0:  # and the marker's entry (made under another name, renamed), and
                 # the save directory's, which Trainer makes for each checkpoint-N: the pointer in it
                 job.new_dirs += [*(made[1] if made else ()), os.path.join(write_dir, META_DIR), save_dir]
             elif self._committer.leads_node:  # its node's copy (node-local storage): the same
@@ -272,7 +282,7 @@ class Session:
                 with saves.lock:
                     saves.inflight.append(handle)
                 saves.current = None  # only now: retention sees its directory as in use throughout
-                self._files.seal(handle)
+                self._files.seal(handle, last=True)
             except BaseException:  # cut short (Ctrl-C, a SIGTERM handler's exit): never committed,
                 job.abandoned = True  # and the committer still settles what was handed over
                 saves.current = None

@@ -1,6 +1,6 @@
 """The memory tier's keeper: a process per node and save directory that owns shared memory
 in which ranks copy their checkpoint files, so the copy outlives the ranks (a crash of every
-training process) and a restart reads it back verified. Not yet wired into saves and loads.
+training process) and a restart reads it back verified. Saves reach it through :mod:`.saver`.
 
 - :mod:`.config`: :class:`MemoryConfig`, the schema of ``async_checkpoint.memory``
 - :mod:`.address`: the socket, segment and log names derived from the save directory
@@ -9,6 +9,7 @@ training process) and a restart reads it back verified. Not yet wired into saves
 - :mod:`.slots`: the keeper's slots and their rules (copied, committed, ``keep_last``, ``max_gb``)
 - :mod:`.keeper`: the process, how it is started, its serving loop and lifecycle
 - :mod:`.client`: :class:`KeeperClient`, a rank's side
+- :mod:`.saver`: :class:`~.saver.MemoryWriter`, the writer that copies a save's files into its slot
 - :mod:`.restore`: a load's restore from memory (which checkpoint, laid out on tmpfs)
 
 Importing this package is cheap; the keeper process imports neither torch nor the engine.

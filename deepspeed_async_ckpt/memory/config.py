@@ -33,7 +33,8 @@ class MemoryConfig:
 
     persist_every: int = 10
     """Every N-th save is also written to the checkpoint directory (and drained to the durable
-    tiers), from the keeper's memory; the others stay in memory only."""
+    tiers), from the same host copies as the memory copy (never a second device-to-host copy);
+    the others stay in memory only. Save 0 of a run, and every N-th after it, persists."""
 
     keep_last: int = 2
     """Committed memory checkpoints the keeper keeps (the newest); one more may be being

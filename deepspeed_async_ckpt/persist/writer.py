@@ -161,7 +161,10 @@ class FileWriter(Protocol):
     Call order, on each rank that writes: (training thread, async mode) :meth:`pace` with a
     save's bytes, then :meth:`submit` per file of that save; (training thread, sync mode)
     :meth:`write` per file instead; (any thread) :meth:`hurry` when someone waits for the
-    saves; (the checkpointer's ``close``) :meth:`close` once, after the last file."""
+    saves; (the checkpointer's ``close``) :meth:`close` once, after the last file. A writer
+    that takes each save's files together (:class:`~..memory.saver.MemoryWriter`) also has
+    ``end(save) -> Future``, called once the save is sealed for good; the save waits for it
+    before its record."""
 
     def pace(self, save: Any, begun_at: float, nbytes: int) -> None:
         """The files :meth:`submit` is handed next are the save ``save``'s (begun at

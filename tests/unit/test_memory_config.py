@@ -34,3 +34,56 @@ def test_memory_block_parses_into_a_frozen_config():
     assert MemoryConfig().max_bytes is None
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.keep_last = 3
+
+
+def test_async_checkpoint_block_parses_memory_once_into_its_config():
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+
+    cfg = AsyncCheckpointConfig.from_dict({"memory": {"enabled": True, "persist_every": 3}})
+    assert cfg.memory == MemoryConfig(enabled=True, persist_every=3)
+    assert AsyncCheckpointConfig().memory == MemoryConfig()  # off unless asked
+    assert dataclasses.replace(cfg).memory is cfg.memory
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"memory": {"keep_last": 0}}, "async_checkpoint.memory.keep_last must be an integer >= 1"),
+    ({"memory": {"enabled": True}, "mode": "sync"},
+     "async_checkpoint.memory.enabled needs async_checkpoint.mode \"async\", got 'sync'"),
+    ({"memory": {"enabled": True}, "persist_in": "process"},
+     "async_checkpoint.memory.enabled needs async_checkpoint.persist_in \"thread\", got 'process'"),
+    ({"memory": {"enabled": True}, "node_local": True},
+     "async_checkpoint.memory.enabled with async_checkpoint.node_local"),
+])
+def test_memory_combinations_that_cannot_work_are_refused_naming_the_keys(raw, message):
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+
+    with pytest.raises(ConfigError) as err:
+        AsyncCheckpointConfig.from_dict(raw)
+    assert message in str(err.value)
+
+
+def test_memory_off_leaves_sync_mode_and_the_worker_process_alone():
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+
+    cfg = AsyncCheckpointConfig.from_dict({"memory": {"persist_every": 2}, "mode": "sync",
+                                           "persist_in": "process"})
+    assert not cfg.memory.enabled
+
+
+def test_megatron_refuses_the_memory_tier_by_its_key():
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from megatron_adapter.checkpointer import MegatronCheckpointer
+
+    with pytest.raises(ConfigError, match="async_checkpoint.memory.enabled: the memory tier saves DeepSpeed"):
+        MegatronCheckpointer(AsyncCheckpointConfig(enabled=True, memory={"enabled": True}))
+
+
+def test_the_memory_tier_refuses_ranks_on_several_nodes_by_its_key(monkeypatch):
+    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
+    from deepspeed_async_ckpt.core import AsyncCheckpointer
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match=r"async_checkpoint.memory.enabled: the memory tier serves one node.*"
+                                          r"these 4 ranks span 2 \(2 per node\)"):
+        AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, memory={"enabled": True}),
+                          rank=0, world_size=4)

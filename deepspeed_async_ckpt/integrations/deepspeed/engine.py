@@ -82,8 +82,10 @@ class AsyncCheckpointEngine(CheckpointEngine):
         patch_weight_editors()
         # Every data-parallel replica saves the model-states file and writes a share of it
         # (ZeRO-3 has one model-states file per rank; MoE's expert files follow other rules;
-        # node-local storage gives each node its own copy). Unknown stage: not split.
+        # node-local storage gives each node its own copy; the memory tier's keeper holds
+        # what its node's ranks load, whole). Unknown stage: not split.
         self.split = (async_config.split_replicated_files and not async_config.zip_crc32
+                      and not async_config.memory.enabled
                       and zero_stage is not None and int(zero_stage) < 3 and not has_moe_layers
                       and not self._node_local)
         self._ds_engine: Any = None  # the DeepSpeedEngine saving now (begin_save .. end_save)
@@ -169,6 +171,12 @@ class AsyncCheckpointEngine(CheckpointEngine):
             with contextlib.suppress(OSError):
                 os.unlink(tmp)
             raise
+
+    def makedirs(self, path: str, exist_ok: bool = False) -> None:
+        # a save to the memory keeper only makes nothing on disk: not its checkpoint directory
+        if self.checkpointer.memory_only and _inside(path, self.checkpointer.dirs_in_use()):
+            return
+        os.makedirs(path, exist_ok=exist_ok)
 
     def is_data_parallel_writer(self, dp_rank: int) -> bool:
         return self.split or dp_rank == 0
@@ -357,3 +365,9 @@ def _state_to_come(opt: torch.optim.Optimizer, group: dict, p: torch.Tensor) -> 
     if group.get("momentum") or "alpha" in group:
         return [one]
     return []
+
+
+def _inside(path: str, dirs: set[str]) -> bool:
+    """Whether ``path`` is one of ``dirs`` or lies in one."""
+    path = os.path.abspath(path)
+    return any(path == d or path.startswith(d.rstrip(os.sep) + os.sep) for d in dirs)

@@ -220,10 +220,12 @@ def install(on_engine_built: Callable[[], None] = lambda: None,
         def _copy_recovery_script(self, *args, **kwargs):
             # rank 0 alone copies zero_to_fp32.py into the checkpoint: a failure there (the
             # disk that just failed our writes) must not leave the others in the barrier
+            engine = getattr(self, "checkpoint_engine", None)
+            if isinstance(engine, AsyncCheckpointEngine) and engine.checkpointer.memory_only:
+                return None  # a save to the memory keeper only: nothing of it on disk
             try:
                 return recovery(self, *args, **kwargs)
             except Exception as exc:
-                engine = getattr(self, "checkpoint_engine", None)
                 if not (isinstance(engine, AsyncCheckpointEngine) and engine.hold(exc)):
                     raise
 

@@ -29,15 +29,6 @@ def state_of(engine):
             "global_steps": engine.global_steps}
 
 
-def with_memory_tier(engine) -> None:
-    """The memory tier on for this rank's loads (the config's ``memory`` field)."""
-    from deepspeed_async_ckpt.memory.config import MemoryConfig
-
-    cfg = engine.checkpoint_engine.checkpointer.config
-    if not getattr(getattr(cfg, "memory", None), "enabled", False):
-        object.__setattr__(cfg, "memory", MemoryConfig(enabled=True, idle_timeout_s=120))
-
-
 def main():
     logging.basicConfig(level=logging.WARNING)
     p = argparse.ArgumentParser()
@@ -46,7 +37,10 @@ def main():
     p.add_argument("--tag", default=None)
     args = p.parse_args()
     args.zero_stage, args.pipeline_stages, args.tied, args.offload = 1, 0, 0, 0
-    engine = init(args, config())
+    cfg = config()
+    if args.phase == "resume":  # the memory tier on for the restart's load
+        cfg["async_checkpoint"]["memory"] = {"enabled": True, "idle_timeout_s": 120}
+    engine = init(args, cfg)
     rank = torch.distributed.get_rank()
     save_dir = os.path.join(args.out, "ckpt")
     if args.phase == "save":
@@ -55,7 +49,6 @@ def main():
             engine.save_checkpoint(save_dir)
             torch.save(state_of(engine), os.path.join(args.out, f"saved_rank{rank}_step{step + 1}.pt"))
     else:
-        with_memory_tier(engine)
         path, _ = engine.load_checkpoint(save_dir, tag=args.tag)
         assert path is not None, "nothing loaded"
         torch.save(state_of(engine), os.path.join(args.out, f"loaded_rank{rank}.pt"))
