@@ -49,7 +49,7 @@ from deepspeed_async_ckpt.commit.nodes import node_leader
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import (AsyncCheckpointer, CheckpointHandle, CommitInfo, by_rank,
                                        exchange_across_ranks, outcome)
-from deepspeed_async_ckpt.errors import CommitError, ConfigError, IntegrityError
+from deepspeed_async_ckpt.errors import CommitError, IntegrityError
 from deepspeed_async_ckpt.storage import Storage, aligned_size
 from deepspeed_async_ckpt.tiers.config import refuse_overlap
 
@@ -144,9 +144,6 @@ class MegatronCheckpointer:
         if retain_interval is not None and (isinstance(retain_interval, bool)
                                             or not isinstance(retain_interval, int) or retain_interval < 1):
             raise ValueError(f"--save-retain-interval must be a positive integer, got {retain_interval!r}")
-        if config.memory.enabled:  # its markers, tracker and common.pt are not wired to the keeper yet
-            raise ConfigError("async_checkpoint.memory.enabled: the memory tier saves DeepSpeed checkpoints "
-                              "for now; turn it off for Megatron")
         self.config = config
         self.retain_interval = retain_interval
         self.on_saved = on_saved

@@ -23,6 +23,7 @@ import os
 
 from ..errors import IntegrityError
 from ..persist import HASHERS, hash_ranges
+from ..persist.checksum import new_hasher
 from ..storage import Storage
 from .atomic import write_text_atomic
 from .layout import FORMAT, FORMAT_NAME, FORMAT_VERSION, LATE_FILES, MANIFEST, META_DIR
@@ -147,17 +148,29 @@ def is_committed(ckpt_dir: str) -> bool:
     return True
 
 
-def record_late_files(storage: Storage, ckpt_dir: str) -> None:
+def record_late_files(storage: Storage, ckpt_dir: str, manifest: dict | None = None) -> None:
     """Rank 0, once the files its manifest lists under ``late_files`` are written (what an
     adapter writes after the commit, from what the commit recorded: megatron-core's
     ``.metadata`` and ``metadata.json``): record their sizes and checksums, durably, so that
     verification covers them as it covers the rest. Until then, the checkpoint does not
-    verify ("committed but never finalized")."""
-    manifest = read_manifest(ckpt_dir)
+    verify ("committed but never finalized").
+
+    A storage that keeps what it is given instead of writing it (a memory-only save's: its
+    ``held(path)`` returns the bytes) is read back through it, ``manifest`` then being the
+    committed one."""
+    manifest = manifest if manifest is not None else read_manifest(ckpt_dir)
     algorithm = manifest["checksum"]
+    held = getattr(storage, "held", None)
     files = {}
     for rel in manifest.get("late_files", ()):
-        ((size, digest),) = hash_ranges(os.path.join(ckpt_dir, rel), algorithm, [(0, None)])
+        path = os.path.join(ckpt_dir, rel)
+        if held is not None:
+            data = held(path)
+            hasher = new_hasher(algorithm)
+            hasher.update(data)
+            files[rel] = {"bytes": len(data), algorithm: hasher.hexdigest()}
+            continue
+        ((size, digest),) = hash_ranges(path, algorithm, [(0, None)])
         files[rel] = {"bytes": size, algorithm: digest}
     write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, LATE_FILES),
                       json.dumps(files, indent=1, sort_keys=True))

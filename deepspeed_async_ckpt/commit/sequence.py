@@ -183,7 +183,7 @@ def _finalize(steps: Sequence[FinalizeStep], ctx: FinalizeContext) -> None:
             step(ctx)
         if ctx.files:
             what = "recording the files its finalize steps wrote failed"
-            record_late_files(ctx.storage, ctx.write_dir)
+            record_late_files(ctx.storage, ctx.write_dir, ctx.manifest)
     except Exception as exc:
         raise CommitError(f"checkpoint {ctx.ckpt_dir!r} (tag {ctx.tag}) not committed: its files "
                           f"are persisted, but {what} ({type(exc).__name__}: {exc}); the pointer "

@@ -60,6 +60,15 @@ class ManifestOnly:
     def replace(self, src: str, dst: str, *, durable: bool = True) -> None:
         self.files[dst] = self.files.pop(src)
 
+    def held(self, path: str) -> bytes:
+        """What was written to ``path`` (the commit records its finalize steps' files from it)."""
+        return self.files[path]
+
+    def late_files(self, ckpt_dir: str, manifest: dict) -> dict[str, bytes]:
+        """The files the finalize steps wrote (the manifest's ``late_files``), by path in the
+        checkpoint: they go to the keeper with the slot's commit."""
+        return {rel: self.files[os.path.join(ckpt_dir, rel)] for rel in manifest.get("late_files", ())}
+
     def remove_tree(self, path: str) -> None:
         self.files.pop(path, None)
 
@@ -124,9 +133,10 @@ class MemorySaves:
         reservation.report(sizes)
 
     # committer thread -----------------------------------------------------------------
-    def commit_slot(self, save: Any, manifest: dict) -> None:
-        """Rank 0, once the job committed ``save``: the slot, with its manifest."""
-        self._client(save, "commit").commit(save.tag, save.save_id, manifest=manifest)
+    def commit_slot(self, save: Any, manifest: dict, late: Mapping[str, bytes] | None = None) -> None:
+        """Rank 0, once the job committed ``save``: the slot, with its manifest and the files
+        its finalize steps wrote (``late``: path in the checkpoint -> bytes)."""
+        self._client(save, "commit").commit(save.tag, save.save_id, manifest=manifest, late=late)
 
     def abandon(self, save: Any) -> None:
         """The save failed: free its slot (whatever was copied of it). Never raises."""

@@ -120,8 +120,8 @@ class Session:
         made: tuple[str, list[str]] | None = None
         save_dir = os.path.dirname(ckpt_dir)
         only = self._memory is not None and self._memory.next_only()
-        if only:  # nothing of it reaches the checkpoint directory: no pointer, no finalize step
-            pointer, finalize = None, ()
+        if only:  # nothing of it reaches the checkpoint directory: no pointer (its finalize steps
+            pointer = None  # write into the commit's memory, and their files go to the keeper)
         try:
             local, more = self._ledger.take()
             opening, made, refused = (uuid.uuid4().hex[:16], False), None, None

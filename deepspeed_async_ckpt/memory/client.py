@@ -18,6 +18,7 @@ Reading it back after a restart::
 
 from __future__ import annotations
 
+import base64
 import os
 import socket
 import time
@@ -27,7 +28,7 @@ from ..errors import AsyncCheckpointError, IntegrityError
 from . import keeper
 from .address import KeeperAddress
 from .config import MemoryConfig
-from .messages import (Abandon, Busy, Commit, FileDigest, FileSpace, Hello, KeeperState, Newest, NoSlot, Refused,
+from .messages import (Abandon, Busy, Commit, FileDigest, FileSpace, Hello, InlineFile, KeeperState, Newest, NoSlot, Refused,
                        Report, Reserve, Reserved, Shutdown, SlotState, SlotView, Status, Welcome, decode, encode)
 from .segment import Mapping as SegmentMapping
 
@@ -138,11 +139,14 @@ class KeeperClient:
             time.sleep(pause)
             pause = min(pause * 2, 0.05)
 
-    def commit(self, name: str, save_id: str | None = None, manifest: dict | None = None) -> SlotState:
+    def commit(self, name: str, save_id: str | None = None, manifest: dict | None = None,
+               late: Mapping[str, bytes] | None = None) -> SlotState:
         """Mark the copied slot ``name`` committed (call after the job's commit across nodes),
-        keeping ``manifest`` (the checkpoint's, as JSON) with it: the keeper's pointer names it
-        and ``keep_last`` frees older ones."""
-        return self._call(Commit(name, save_id, manifest))
+        keeping ``manifest`` (the checkpoint's, as JSON) and ``late`` (the small files its
+        finalize steps wrote: path in the checkpoint -> bytes) with it: the keeper's pointer
+        names it and ``keep_last`` frees older ones."""
+        inline = tuple(InlineFile(n, base64.b64encode(bytes(d)).decode("ascii")) for n, d in (late or {}).items())
+        return self._call(Commit(name, save_id, manifest, inline))
 
     def abandon(self, name: str, save_id: str) -> None:
         """Drop the uncommitted slot of a save that failed, freeing its memory."""
@@ -219,6 +223,8 @@ class MemoryCopy:
         self.name, self.save_id, self.algorithm = view.name, view.save_id, view.algorithm
         self.manifest = view.manifest
         """The checkpoint's manifest given at the commit (None if the commit gave none)."""
+        self.late = {f.name: base64.b64decode(f.data) for f in view.late}
+        """The files its finalize steps wrote, given at the commit: path -> bytes."""
         self.ranks = {r.rank: r for r in view.ranks}
         self._maps: dict[str, SegmentMapping] = {}
 

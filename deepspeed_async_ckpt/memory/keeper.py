@@ -40,7 +40,8 @@ from .slots import SlotTable
 
 log = logging.getLogger("deepspeed_async_ckpt.memory.keeper")
 
-_MAX_LINE = 16 << 20  # bytes of one request (a Reserve of many files is a few hundred bytes a file)
+_MAX_LINE = 256 << 20  # bytes of one request (a Reserve: a few hundred bytes a file; a Commit carries
+# the late files inline: megatron-core's .metadata grows with the shards)
 _PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 

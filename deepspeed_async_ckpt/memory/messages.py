@@ -57,6 +57,15 @@ class StoredFile:
 
 
 @dataclass(frozen=True)
+class InlineFile:
+    """A small file the keeper holds in its own memory, given at the commit: a file a
+    framework's finalize step wrote once every rank had copied (megatron-core's ``.metadata``
+    and ``metadata.json``). ``data`` is its bytes in base64."""
+    name: str
+    data: str
+
+
+@dataclass(frozen=True)
 class RankFiles:
     """One rank's part of a slot: its segment and its files."""
     rank: int
@@ -100,6 +109,8 @@ class Commit:
     manifest: dict | None = None
     """The checkpoint's manifest (``manifest.json`` as the job's commit wrote or would write
     it), kept with the slot so a restore can put the checkpoint on disk whole."""
+    late: tuple[InlineFile, ...] = ()
+    """The files the commit's finalize steps wrote (the manifest's ``late_files``)."""
 
 
 @dataclass(frozen=True)
@@ -155,6 +166,7 @@ class SlotView:
     algorithm: str
     ranks: tuple[RankFiles, ...]
     manifest: dict | None = None
+    late: tuple[InlineFile, ...] = ()
 
 
 @dataclass(frozen=True)

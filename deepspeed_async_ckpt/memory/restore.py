@@ -222,9 +222,10 @@ def _lay_out(save_dir: str, memory: Any, name: str, save_id: str, path: str, nod
     missing = [f for f in files if f not in where]
     if missing:
         raise IntegrityError(f"node {node}'s keeper lacks {', '.join(missing)} of {name}")
-    # the late files the keeper holds too (megatron-core's markers), recorded again below
-    late = [f for f in copy.manifest.get("late_files", ()) if f in where]
-    files += [f for f in late if f not in files]
+    # the late files the keeper holds too (megatron-core's markers, given with the commit or
+    # in a rank's part), recorded again below
+    late = [f for f in copy.manifest.get("late_files", ()) if f in where or f in copy.late]
+    files += [f for f in late if f not in files and f in where]
     total = sum(where[f][1] for f in files)
     shutil.rmtree(path, ignore_errors=True)
     try:
@@ -246,6 +247,11 @@ def _lay_out(save_dir: str, memory: Any, name: str, save_id: str, path: str, nod
         os.makedirs(os.path.join(ckpt, META_DIR), exist_ok=True)
         with open(os.path.join(ckpt, META_DIR, MANIFEST), "w", encoding="utf-8") as f:
             json.dump(manifest, f)
+        for rel in late:
+            if rel not in where:  # given with the commit: small, kept in the keeper's own memory
+                os.makedirs(os.path.dirname(os.path.join(ckpt, rel)), exist_ok=True)
+                with open(os.path.join(ckpt, rel), "wb") as f:
+                    f.write(copy.late[rel])
         if late:  # hashed from the bytes the keeper verified: the load's check covers them
             record_late_files(LocalStorage(fsync=False, direct_io=False), ckpt)
         with open(os.path.join(path, pointer[0]), "w", encoding="utf-8") as f:

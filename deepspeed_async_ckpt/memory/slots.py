@@ -59,6 +59,7 @@ class Slot:
     algorithm: str = ""
     committed_seq: int = 0
     manifest: dict | None = None
+    late: tuple = ()
     stakes: set[int] = field(default_factory=set)
     """Connections that reserved in this slot and are still open."""
 
@@ -205,7 +206,7 @@ class SlotTable:
                            "of the node have not copied their files")
         if slot.state == COPIED:
             slot.state, slot.committed_seq = COMMITTED, next(self._commits)
-            slot.manifest = req.manifest
+            slot.manifest, slot.late = req.manifest, req.late
             log.info("%s (save %s) committed", slot.name, slot.save_id)
             self._retire()
         return slot.describe()
@@ -227,7 +228,7 @@ class SlotTable:
             StoredFile(d.name, place.offset, d.size, d.checksum)
             for place in p.places for d in p.digests if d.name == place.name))
             for r, p in sorted(s.parts.items()))
-        return SlotView(s.name, s.save_id, s.algorithm, ranks, s.manifest)
+        return SlotView(s.name, s.save_id, s.algorithm, ranks, s.manifest, s.late)
 
     def state(self, clients: int) -> KeeperState:
         return KeeperState(self.pid, self.held_bytes, self.max_bytes, self.keep_last, clients,

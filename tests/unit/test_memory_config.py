@@ -70,14 +70,6 @@ def test_memory_off_leaves_sync_mode_and_the_worker_process_alone():
     assert not cfg.memory.enabled
 
 
-def test_megatron_refuses_the_memory_tier_by_its_key():
-    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
-    from megatron_adapter.checkpointer import MegatronCheckpointer
-
-    with pytest.raises(ConfigError, match="async_checkpoint.memory.enabled: the memory tier saves DeepSpeed"):
-        MegatronCheckpointer(AsyncCheckpointConfig(enabled=True, memory={"enabled": True}))
-
-
 def test_the_memory_tier_refuses_ranks_on_several_nodes_by_its_key(monkeypatch):
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
     from deepspeed_async_ckpt.core import AsyncCheckpointer

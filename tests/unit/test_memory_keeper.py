@@ -16,6 +16,7 @@ import pytest
 
 import deepspeed_async_ckpt.persist.checksum  # noqa: F401  (imported once here, not in every forked rank)
 from deepspeed_async_ckpt.errors import IntegrityError
+from deepspeed_async_ckpt.memory import keeper as keeper_module
 from deepspeed_async_ckpt.memory import segment
 from deepspeed_async_ckpt.memory.address import KeeperAddress
 from deepspeed_async_ckpt.memory.client import KeeperClient, KeeperError, KeeperUnavailable
@@ -204,7 +205,7 @@ def test_a_request_the_keeper_does_not_understand_is_refused_and_it_serves_on(sa
     assert b"Refused" in first and b"not a request the keeper understands" in first
     assert b"Refused" in second
     with pytest.raises((BrokenPipeError, ConnectionResetError)):  # a line without end, over the bound:
-        raw.sendall(b"x" * (64 << 20))                              # the keeper closes that connection
+        raw.sendall(b"x" * (keeper_module._MAX_LINE + (1 << 20)))  # the keeper closes that connection
     raw.close()
     assert client.status().clients == 1
     client.shutdown()

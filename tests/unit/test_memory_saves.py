@@ -130,3 +130,46 @@ def test_a_save_the_keeper_refuses_fails_naming_max_gb_and_leaves_nothing_held(s
         keeper.close()
     finally:
         ck.close()
+
+
+class _Marker:
+    """A finalize step as Megatron's markers are one: a file written once every rank persisted."""
+    files = ("marker.json",)
+
+    def __call__(self, ctx):
+        ctx.write_file("marker.json", f'{{"tag": "{ctx.tag}", "files": {len(ctx.manifest["files"])}}}')
+
+
+def test_a_memory_only_saves_finalize_steps_write_into_the_keeper_and_a_restore_lays_their_files_out(save_dir):
+    from deepspeed_async_ckpt.commit.layout import LATE_FILES, META_DIR
+    from deepspeed_async_ckpt.commit.manifest import read_manifest as manifest_of
+    from deepspeed_async_ckpt.commit.verify import verify_checkpoint
+    from deepspeed_async_ckpt.memory.restore import restore_from_memory
+
+    ck = AsyncCheckpointer(_config(persist_every=2))
+    try:
+        for step in (1, 2):  # the second stays in memory only
+            tag = f"global_step{step}"
+            ck.begin(os.path.join(save_dir, tag), tag=tag, pointer=Pointer(os.path.join(save_dir, "latest"), tag),
+                     finalize=[_Marker()])
+            ck.save(_state(step), os.path.join(save_dir, tag, "model.pt"))
+            ck.end()
+            ck.wait()
+        assert not os.path.exists(os.path.join(save_dir, "global_step2"))  # its marker too
+        copy = KeeperClient.find(save_dir).newest()
+        assert copy.name == "global_step2" and copy.manifest["late_files"] == ["marker.json"]
+        assert copy.late == {"marker.json": b'{"tag": "global_step2", "files": 1}'}
+        copy.close()
+        restored = restore_from_memory(save_dir, ck.config.memory, rank=0, world_size=1, pointer_name="latest",
+                                       on_disk=lambda: None, exchange=ck.exchange)
+        assert restored is not None
+        try:
+            ckpt = os.path.join(restored.load_dir, "global_step2")
+            with open(os.path.join(ckpt, "marker.json"), "rb") as f:
+                assert f.read() == b'{"tag": "global_step2", "files": 1}'
+            assert os.path.exists(os.path.join(ckpt, META_DIR, LATE_FILES))  # recorded: verify covers it
+            verify_checkpoint(ckpt, manifest=manifest_of(ckpt))
+        finally:
+            restored.close()
+    finally:
+        ck.close()
