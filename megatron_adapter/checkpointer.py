@@ -321,7 +321,12 @@ class MegatronCheckpointer:
                 error = exc
             _agree(error)
         values = list(nested_values(sharded_part))
-        elect_writers([v for v in values if isinstance(v, ShardedTensor)], self.writers, replica_group())
+        try:  # fails on every rank of a data-parallel group alike: the other groups learn it here
+            elect_writers([v for v in values if isinstance(v, ShardedTensor)], self.writers, replica_group())
+        except BaseException as exc:
+            error = exc
+        if self.writers != "replica":  # (which elects nothing, and cannot fail)
+            _agree(error)
         return sharded_part, common, values
 
     def fence(self) -> None:
