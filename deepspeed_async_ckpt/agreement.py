@@ -11,6 +11,10 @@ returns the error instead of raising it, for call sites that raise their own (th
 rank its own exception, the others a :class:`~.errors.CommitError` naming it). Call sites read
 those fields, never a message's text.
 
+:func:`gather` is the one step whose every rank's value matters, not rank 0's alone (the
+names every rank's load reads, the shards every rank holds): it returns them all, in rank
+order, or raises the same :class:`~.errors.AgreementError` on every rank.
+
 Rank 0's value may be any picklable value (a save id, a tag or None, a tuple of them); it
 travels in a fixed-size all-reduce when it pickles into 64 bytes, else with the failures in
 one ``all_gather_object``. :func:`exchange_across_ranks` is that transport, the only one; an
@@ -76,6 +80,39 @@ def agree(step: str, fn: Callable[[], T], *, exchange: Exchange | None = None, k
     if failed is not None:
         raise failed
     return value
+
+
+def gather(step: str, fn: Callable[[], T], *, group: Any = None) -> list[T]:
+    """Collective over ``group`` (None: every rank; each in the same order): run ``fn`` (this
+    rank's part of ``step``), then one ``all_gather_object`` of its value or failure. Returns
+    every rank's value, in group rank order, on every rank; or raises on every rank the same
+    :class:`AgreementError` (``failures`` by group rank) if ``fn`` raised on any. Without an
+    initialized process group (or with one rank): ``[fn()]``, or that error for rank 0.
+
+    For a step whose every value matters; one whose ranks need rank 0's alone agrees through
+    :func:`agree`, in a fixed-size all-reduce."""
+    import torch.distributed as dist
+
+    together = dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1
+    own: BaseException | None = None
+    value: Any = None
+    try:
+        value = fn()
+        if together:  # a value that cannot travel fails the step here, on every rank
+            pickle.dumps(value, protocol=pickle.HIGHEST_PROTOCOL)
+    except BaseException as exc:  # noqa: BLE001 - shared below, raised on every rank
+        value, own = None, exc
+    failure = None if own is None else Failure.of(own)
+    if not together:
+        every = [(value, failure)]
+    else:
+        every = [None] * dist.get_world_size(group)
+        dist.all_gather_object(every, (value, failure), group=group)
+    failures = {r: f for r, (_, f) in enumerate(every) if f is not None}
+    if failures:
+        error = AgreementError(step, failures, own)
+        raise error from own
+    return [v for v, _ in every]
 
 
 def alone(value: Any, failure: Failure | None, key: str = "") -> tuple[Any, dict[int, Failure]]:

@@ -74,6 +74,12 @@ def iteration_of(name: str) -> int | None:
     return None if match is None else int(match[1])
 
 
+def named_by_tracker(text: str) -> str:
+    """The checkpoint directory's name a tracker's text names: ``iter_0000050`` for ``50``;
+    any other text as it is (Megatron-LM's ``release``)."""
+    return f"iter_{int(text):07d}" if text.isdigit() else text
+
+
 def tracker_path(save_dir: str) -> str:
     return os.path.join(save_dir, TRACKER_FILE)
 
@@ -159,6 +165,8 @@ class MegatronCheckpointer:
             config, rank=self.rank, world_size=self.world_size, storage=storage,
             on_commit=None if on_saved is None else (lambda info: on_saved(int(info.tag), info)),
             retention=retention_policy(config.keep_last, retain_interval), step_of=iteration_of)
+        if self.checkpointer.tiers is not None:  # before any save: its begin catches the tiers up
+            self.checkpointer.tiers.name_of = named_by_tracker
 
     # ------------------------------------------------------------------ save path
     def save(self, state_dict: dict, save_dir: str, iteration: int, *,
@@ -313,7 +321,12 @@ class MegatronCheckpointer:
                 error = exc
             _agree(error)
         values = list(nested_values(sharded_part))
-        elect_writers([v for v in values if isinstance(v, ShardedTensor)], self.writers, replica_group())
+        try:  # fails on every rank of a data-parallel group alike: the other groups learn it here
+            elect_writers([v for v in values if isinstance(v, ShardedTensor)], self.writers, replica_group())
+        except BaseException as exc:
+            error = exc
+        if self.writers != "replica":  # (which elects nothing, and cannot fail)
+            _agree(error)
         return sharded_part, common, values
 
     def fence(self) -> None:
@@ -349,8 +362,7 @@ class MegatronCheckpointer:
         if tiers is not None:
             tiers.restore_all_ranks(
                 self.checkpointer, save_dir, pointer_name=TRACKER_FILE, every_file=True,
-                tag=None if iteration is None else os.path.basename(checkpoint_dir(save_dir, iteration)),
-                name_of=lambda text: f"iter_{int(text):07d}" if text.isdigit() else text)
+                tag=None if iteration is None else os.path.basename(checkpoint_dir(save_dir, iteration)))
 
     def restore_from_memory(self, save_dir: str, iteration: int | None = None) -> Any:
         """Collective, before a load from ``save_dir``: with the memory tier on, the keeper's

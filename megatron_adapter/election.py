@@ -23,6 +23,8 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Any, Iterable, Sequence
 
+from deepspeed_async_ckpt.agreement import gather
+
 WRITER_MODES = ("replica", "balanced")
 
 
@@ -83,7 +85,9 @@ def assign_balanced(rank_shards: Sequence[Iterable[Any]]) -> dict[tuple, int]:
 
 def elect_writers(sharded_tensors: list[Any], mode: str, group: Any = None) -> None:
     """Collective over ``group`` (``balanced`` only): rewrite replica ids in place so that this
-    rank's main replicas are exactly the shards it writes. ``replica`` mode changes nothing."""
+    rank's main replicas are exactly the shards it writes. ``replica`` mode changes nothing.
+    Every rank of the group raises the same :class:`~deepspeed_async_ckpt.errors.AgreementError`
+    if one cannot list its shards."""
     check_mode(mode)
     if mode == "replica":
         return
@@ -92,9 +96,8 @@ def elect_writers(sharded_tensors: list[Any], mode: str, group: Any = None) -> N
     size = dist.get_world_size(group)
     if size <= 1:
         return
-    local = [sh.without_data() for sh in sharded_tensors]
-    gathered: list[Any] = [None] * size
-    dist.all_gather_object(gathered, local, group=group)
+    # every rank's shards, or the same AgreementError on every rank of the group
+    gathered = gather("electing writers", lambda: [sh.without_data() for sh in sharded_tensors], group=group)
     assignment = assign_balanced(gathered)
     me = dist.get_rank(group)
     for sh in sharded_tensors:

@@ -3,7 +3,10 @@ split across ranks, and only the items the load reads where it reads some.
 
 Collective when ``world_size > 1``: every rank calls :func:`verify_checkpoint_dir` with the
 same checkpoint directory; rank ``r`` hashes files ``r, r + world_size, ...``; all ranks raise
-or none.
+or none (the ranks' requested names through :func:`~deepspeed_async_ckpt.agreement.gather`,
+the outcome through :func:`~deepspeed_async_ckpt.agreement.outcome`, keyed by the directory:
+the :class:`~deepspeed_async_ckpt.errors.IntegrityError` every rank raises is raised ``from``
+the :class:`~deepspeed_async_ckpt.errors.AgreementError` whose ``failures`` name each rank's).
 """
 
 from __future__ import annotations
@@ -11,10 +14,9 @@ from __future__ import annotations
 import os
 from typing import Callable, Iterable
 
-import torch.distributed as dist
-
+from deepspeed_async_ckpt.agreement import KEY_DIFFERS, alone, gather, outcome
 from deepspeed_async_ckpt.commit import META_DIR, read_manifest, verify_checkpoint
-from deepspeed_async_ckpt.errors import IntegrityError
+from deepspeed_async_ckpt.errors import AgreementError, IntegrityError
 
 from . import torch_dist
 
@@ -45,45 +47,44 @@ def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
     if unknown:  # the same on every rank: raised before the collective
         raise ValueError(f"verify_checkpoint_dir: cannot skip {', '.join(map(repr, unknown))} "
                          f"(knows {', '.join(map(repr, SKIPPABLE))})")
-    error = None
+    together = world_size > 1
     wanted: Callable[[str], bool] | None = None
     if request is not None:
         # Ranks request different parts (pipeline stages, say) but split the files between
         # them: each checks, in the files it was given, what any rank reads.
-        names: list[str] | None = None
+        part = lambda: sorted(torch_dist.requested_names(request))  # noqa: E731
         try:
-            names = sorted(torch_dist.requested_names(request))
-        except Exception as exc:
-            error = f"{type(exc).__name__}: {exc}"
-        every = [names]
-        if world_size > 1:
-            every = [None] * world_size
-            dist.all_gather_object(every, names)
-        wanted = set().union(*(n for n in every if n is not None)).__contains__
+            every = gather("reading the names the load requests", part) if together else [part()]
+        except AgreementError as exc:
+            raise IntegrityError(f"{ckpt_dir!r} cannot be checked: {exc}") from exc
+        except Exception as exc:  # one process: as the ranks would tell it
+            raise IntegrityError(f"{ckpt_dir!r} cannot be checked: {type(exc).__name__}: {exc}") from exc
+        wanted = set().union(*every).__contains__
     elif skip:
         wanted = lambda name: not any(SKIPPABLE[s](name) for s in skip)  # noqa: E731
-    if error is None:
-        try:
-            _verify_here(ckpt_dir, rank, world_size, wanted)
-        except IntegrityError as exc:
-            error = str(exc)
-        except Exception as exc:  # any kind: a rank that skipped the all-gather would hang the rest
-            error = f"{type(exc).__name__}: {exc}"
+    own: BaseException | None = None
+    try:
+        _verify_here(ckpt_dir, rank, world_size, wanted)
+    except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
+        own = exc
     # Each rank checked a share of the files: together all of them only if every rank checked
-    # the same checkpoint (ranks reading the tracker on either side of a commit do not).
-    where = os.path.abspath(ckpt_dir)
-    every = [(error, where)]
-    if world_size > 1:
-        every = [None] * world_size
-        dist.all_gather_object(every, (error, where))
-    errors = [e for e, _ in every if e]
-    elsewhere = [r for r, (_, d) in enumerate(every) if d != every[0][1]]
-    if elsewhere:
-        errors.insert(0, f"the ranks are not checking the same checkpoint: rank(s) "
-                         f"{', '.join(f'{r} in {every[r][1]!r}' for r in elsewhere)}, rank 0 in "
-                         f"{every[0][1]!r}")
-    if errors:
-        raise IntegrityError("; ".join(dict.fromkeys(errors)))
+    # the same checkpoint (ranks reading the tracker on either side of a commit do not): the
+    # directory is the exchange's key.
+    _, failed = outcome(f"checking {ckpt_dir!r}", None, own, key=os.path.abspath(ckpt_dir),
+                        exchange=None if together else alone)
+    if failed is not None:
+        raise IntegrityError(_what_failed(failed)) from failed
+
+
+def _what_failed(failed: AgreementError) -> str:
+    """The message every rank raises: the ranks checking elsewhere first, then each failure
+    once (an IntegrityError's message as it is: one checkpoint's, whichever rank found it)."""
+    elsewhere = {r: f for r, f in failed.failures.items() if f.kind == KEY_DIFFERS}
+    said = [f"the ranks are not checking the same checkpoint: "
+            f"{', '.join(f'rank {r} {f.message}' for r, f in sorted(elsewhere.items()))}"] if elsewhere else []
+    said += [f.message if f.kind == IntegrityError.__name__ else str(f)
+             for r, f in sorted(failed.failures.items()) if r not in elsewhere]
+    return "; ".join(dict.fromkeys(said))
 
 
 def _verify_here(ckpt_dir: str, rank: int, world_size: int, wanted: Callable[[str], bool] | None) -> None:

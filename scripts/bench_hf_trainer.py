@@ -61,24 +61,17 @@ def child(args) -> dict:
     timings: dict[str, list[float]] = {"save": [], "save_model": [], "deepspeed": [], "rotation": []}
     save_started: list[float] = []  # when each of Trainer's _save_checkpoint began
 
-    def timed(fn, key):
-        def run(*a, **k):
-            start = time.perf_counter()
-            if key == "save":
-                save_started.append(start)
-            try:
-                return fn(*a, **k)
-            finally:
-                timings[key].append(time.perf_counter() - start)
-        return run
-
     import transformers.trainer as trainer_module
 
-    trainer_module.rotate_checkpoints = timed(trainer_module.rotate_checkpoints, "rotation")
-    trainer._save_checkpoint = timed(trainer._save_checkpoint, "save")
+    from deepspeed_async_ckpt.bench.usage import timed
+
+    trainer_module.rotate_checkpoints = timed(trainer_module.rotate_checkpoints, timings["rotation"].append)
+    trainer._save_checkpoint = timed(trainer._save_checkpoint, timings["save"].append, save_started.append)
     # looked up per call: the engine wraps Trainer.save_model when it is built, inside train()
-    trainer.save_model = timed(lambda *a, **k: type(trainer).save_model(trainer, *a, **k), "save_model")
-    trainer._save_optimizer_and_scheduler = timed(trainer._save_optimizer_and_scheduler, "deepspeed")
+    trainer.save_model = timed(lambda *a, **k: type(trainer).save_model(trainer, *a, **k),
+                               timings["save_model"].append)
+    trainer._save_optimizer_and_scheduler = timed(trainer._save_optimizer_and_scheduler,
+                                                  timings["deepspeed"].append)
     steps: list[tuple[int, float]] = []
 
     class Steps(TrainerCallback):

@@ -49,6 +49,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(HERE))  # this checkout's package, before an installed one
 from deepspeed_async_ckpt.bench import lost_time  # noqa: E402
 from deepspeed_async_ckpt.bench import thread_probe  # noqa: E402
+from deepspeed_async_ckpt.bench.usage import timed  # noqa: E402
 
 now = time.perf_counter
 ENGINES = {"torch": "DS TorchCheckpointEngine", "threads": "this engine (threads)",
@@ -168,16 +169,8 @@ def run_engine(adapter: Adapter, loop: Loop, args) -> dict:
     """One engine's ABBA run: a warm-up save, then ``args.events`` events; every step kept."""
     ck = adapter.checkpointer
     if ck is not None:  # the fence's waits, timed where the optimizer step makes them
-        fence = ck.fence
-
-        def timed_fence(*a, **kw):
-            t = now()
-            try:
-                return fence(*a, **kw)
-            finally:
-                loop.fence_waits.append(now() - t)
-
-        ck.fence = timed_fence
+        fence = ck.fence  # a new list of waits per event: looked up at each call
+        ck.fence = timed(fence, lambda seconds: loop.fence_waits.append(seconds))
     rec = Recorder(loop)
     adapter.event("R", "warmup")  # one-time costs (a pool, a worker's start) out of the figure
     for _ in range(args.interval):

@@ -43,7 +43,7 @@ import torch.nn as nn
 
 from deepspeed_async_ckpt.bench.adapters import (Adapter, AsyncAdapter, DCPAdapter, DecoupledAdapter,  # noqa: E402
                                                  DeepSpeedAdapter, use_checkpoint_engine)
-from deepspeed_async_ckpt.bench.usage import dir_bytes, tensor_bytes, usage, usage_delta  # noqa: E402
+from deepspeed_async_ckpt.bench.usage import dir_bytes, tensor_bytes, timed, usage, usage_delta  # noqa: E402
 from deepspeed_async_ckpt.bench.model import batch, build_model  # noqa: E402
 
 now = time.perf_counter
@@ -108,14 +108,7 @@ class Trainer:
     def timed(self, fn: Callable[[], None]) -> Callable[[], None]:
         """Wrap a wait the engine performs inside ``engine.step`` so its seconds are counted."""
 
-        def wrapper(*args, **kwargs):
-            w0 = now()
-            try:
-                return fn(*args, **kwargs)
-            finally:
-                self.waits.append(now() - w0)
-
-        return wrapper
+        return timed(fn, lambda seconds: self.waits.append(seconds))  # the list is swapped per step
 
 
 # --------------------------------------------------------------------------- engines

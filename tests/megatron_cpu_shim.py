@@ -26,7 +26,9 @@ device="cuda")``                                scratch tensors)
 process (spawned workers do not inherit it). It changes nothing when CUDA is present.
 
 ``scripts/pretrain_gpt.py`` imports this module (by path) only when
-``torch.cuda.is_available()`` is false; nothing in ``megatron_adapter`` depends on it.
+``torch.cuda.is_available()`` is false, and the tests' Megatron ranks (by name, with ``tests/``
+on the path); nothing in ``megatron_adapter`` depends on it (``megatron_adapter.mock_gpt``, the
+script's loop, leaves it to its callers).
 """
 
 from __future__ import annotations

@@ -1,14 +1,32 @@
-"""What a benchmark rank used: CPU time and page faults, and how many bytes a state or a directory
-holds."""
+"""What a benchmark rank used: CPU time and page faults, the seconds spent in a call it
+times, and how many bytes a state or a directory holds."""
 
 from __future__ import annotations
 
 import os
 import resource
-from typing import Any
+import time
+from typing import Any, Callable
 
 import torch
 
+
+def timed(fn: Callable[..., Any], add: Callable[[float], Any],
+          started: Callable[[float], Any] | None = None) -> Callable[..., Any]:
+    """``fn``, wrapped: each call's seconds (``time.perf_counter``) go to ``add`` once it
+    returns or raises, and its start to ``started`` (if given). What a benchmark wraps around
+    an engine's wait (the fence at the optimizer step, a commit) to count what it costs."""
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        if started is not None:
+            started(start)
+        try:
+            return fn(*args, **kwargs)
+        finally:
+            add(time.perf_counter() - start)
+
+    return call
 
 
 def usage() -> dict:

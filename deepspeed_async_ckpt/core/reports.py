@@ -3,7 +3,10 @@ and the adapters' own reports, run in commit order on a thread of their own.
 
 Rank 0 only. The committer thread queues them (:meth:`Reporter.announce`), adapters queue
 their own (:meth:`Reporter.report`); they run on the reporter thread
-(``async-ckpt-reporter``), or, once the checkpointer is closed, on the caller's thread.
+(``async-ckpt-reporter``), or, once the checkpointer is closed, on the caller's thread. That
+thread is not retention's (:mod:`.retention`), though both run in commit order: ``wait()``
+waits for retention and never for a callback, so a callback stuck in an upload holds up
+neither ``wait()`` nor the removal of older checkpoints.
 """
 
 from __future__ import annotations

@@ -63,6 +63,11 @@ class DurableTiers:
         self._commits = 0
         self._report: Callable[..., None] | None = None
         self._caught_up: set[str] = set()
+        self.name_of: Callable[[str], str] = str
+        """The name of the checkpoint directory a pointer's text names (:meth:`catch_up`,
+        :meth:`restore_all_ranks`): the text itself (DeepSpeed's ``latest`` holds the tag), or
+        what the framework's adapter sets (Megatron's tracker holds an iteration, its
+        directory is ``iter_NNNNNNN``)."""
 
     @classmethod
     def attach(cls, checkpointer: Any, hold: Callable[[str], Callable[[], None]],
@@ -86,12 +91,10 @@ class DurableTiers:
             self.catch_up(os.path.dirname(handle.ckpt_dir), handle.pointer.path,
                           saving=handle.ckpt_dir)
 
-    def catch_up(self, save_dir: str, pointer_path: str,
-                 name_of: Callable[[str], str] | None = None, *, saving: str | None = None) -> None:
+    def catch_up(self, save_dir: str, pointer_path: str, *, saving: str | None = None) -> None:
         """Drainers' ranks, once per save directory (its first save or load here; the
         others return at once): queue, for each tier, the checkpoint the pointer file
-        ``pointer_path`` names (``name_of``: its directory's name from the pointer's text; by
-        default the text itself, or Megatron's ``iter_NNNNNNN`` for a number), to be drained
+        ``pointer_path`` names (the directory :attr:`name_of` its text), to be drained
         before anything else if the tier lacks it: a drain a dead store cut short, or close
         gave up, in an earlier run. The drain thread checks the tier
         (:func:`.mirror.tier_lacks`); nothing is asked of the tier here, on the caller's
@@ -106,13 +109,9 @@ class DurableTiers:
                 text = f.read().strip()
         except (OSError, ValueError):
             return  # nothing committed there yet
-        if name_of is not None:
-            names = [name_of(text)]
-        else:
-            names = [text, f"iter_{int(text):07d}"] if text.isdigit() else [text]
-        ckpt_dir = next((os.path.join(save_dir, n) for n in names
-                         if n and os.path.isdir(os.path.join(save_dir, n))), None)
-        if ckpt_dir is None or (saving is not None and os.path.abspath(saving) == ckpt_dir):
+        name = self.name_of(text)
+        ckpt_dir = os.path.join(save_dir, name)
+        if not name or not os.path.isdir(ckpt_dir) or (saving is not None and os.path.abspath(saving) == ckpt_dir):
             return
         for drainer in self.drainers:
             drainer.submit(ckpt_dir, Pointer(pointer_path, text), self._hold(ckpt_dir), if_behind=True)
@@ -165,7 +164,7 @@ class DurableTiers:
 
     def restore_all_ranks(self, checkpointer: Any, save_dir: str, *, pointer_name: str,
                           tag: str | None = None, node_local: bool | None = None,
-                          name_of: Callable[[str], str] = str, every_file: bool = False) -> str | None:
+                          every_file: bool = False) -> str | None:
         """Collective (every rank): bring the checkpoint to load into ``save_dir`` from the
         tiers, before the framework reads it (see :func:`.restore.restore`). Global rank 0
         chooses; rank 0 (with a node-local first tier, each node's leader) makes it whole in
@@ -180,9 +179,9 @@ class DurableTiers:
         its tag was asked for."""
         local = self.node_local if node_local is None else node_local and self.world_size > 1
         leads = node_leader(self.rank, self.world_size) == self.rank if local else self.rank == 0
-        name = restore(save_dir, self.remotes, pointer_name=pointer_name, tag=tag, name_of=name_of,
+        name = restore(save_dir, self.remotes, pointer_name=pointer_name, tag=tag, name_of=self.name_of,
                        every_file=every_file, node=node_of(self.rank, self.world_size) if local else None,
                        exchange=checkpointer.exchange, chooses=self.rank == 0, restores=leads)
         if local == self.node_local:  # the drainers' directory: caught up before any save
-            self.catch_up(save_dir, os.path.join(save_dir, pointer_name), name_of)
+            self.catch_up(save_dir, os.path.join(save_dir, pointer_name))
         return name

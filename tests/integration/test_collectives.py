@@ -6,7 +6,7 @@ import os
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from deepspeed_async_ckpt.agreement import KEY_DIFFERS, agree, exchange_across_ranks
+from deepspeed_async_ckpt.agreement import KEY_DIFFERS, agree, exchange_across_ranks, gather
 from deepspeed_async_ckpt.errors import AgreementError, Failure
 
 WORLD = 3
@@ -55,6 +55,20 @@ def _rank(rank: int, init: str, out: str) -> None:
     except AgreementError as exc:
         got.append((exc.step, {r: (f.kind, f.message) for r, f in exc.failures.items()},
                     type(exc.own).__name__, str(exc)))
+    # gather: every rank's value, in rank order; one rank's failure (or a value that cannot
+    # travel) raised on every rank, typed
+    got.append(gather("names", lambda: [f"n{rank}"] * rank))
+    for case in ("raises", "lock"):
+        def listed():
+            if rank == 1 and case == "raises":
+                raise KeyError("no such tensor")
+            return threading.Lock() if rank == 2 and case == "lock" else rank
+
+        try:
+            gather("names", listed)
+            got.append("gathered")
+        except AgreementError as exc:
+            got.append((exc.step, sorted(exc.failures), exc.failures[min(exc.failures)].kind))
     # begin() on ranks that save into different directories: an error on every rank at once
     from deepspeed_async_ckpt.core import AsyncCheckpointer
     from deepspeed_async_ckpt.config import AsyncCheckpointConfig
@@ -146,6 +160,9 @@ def test_exchange_gives_rank0_value_and_every_error_to_every_rank(tmp_path):
             got = eval(f.read())
         assert got[-1] == "load_checkpoint refused on every rank: on rank(s) 1: IntegrityError", rank
         got.pop()
+        assert got[-3:-1] == [("names", [1], "KeyError"), ("names", [2], "TypeError")], rank
+        assert got[-4] == [[], ["n1"], ["n2", "n2"]], rank
+        del got[-4:-1]
         assert got[:-2] == expected, f"rank {rank}"
         assert got[-2] == ("save", {2: ("OSError", "[Errno 28] No space left on device")},
                            "OSError" if rank == 2 else "NoneType",

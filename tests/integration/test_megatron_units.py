@@ -634,14 +634,12 @@ def test_on_saved_runs_in_order_on_its_own_thread_through_close():
     assert all(e[3] for e in got["events"] if e[0] == "end")  # each read its checkpoint
 
 
-# ---------------------------------------------------------------------------------- pretrain_gpt.py
+# ---------------------------------------------------------------------------------- mock_gpt.py
 def _pretrain_gpt():
-    import importlib.util
-    spec = importlib.util.spec_from_file_location("pretrain_gpt_under_test",
-                                                  os.path.join(REPO, "scripts", "pretrain_gpt.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    """The loop of ``scripts/pretrain_gpt.py``."""
+    from megatron_adapter import mock_gpt
+
+    return mock_gpt
 
 
 @pytest.mark.parametrize("flag,value", [("--log-interval", "0"), ("--save-interval", "0"),

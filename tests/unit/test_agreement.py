@@ -6,7 +6,7 @@ import pickle
 
 import pytest
 
-from deepspeed_async_ckpt.agreement import KEY_DIFFERS, agree, alone, outcome
+from deepspeed_async_ckpt.agreement import KEY_DIFFERS, agree, alone, gather, outcome
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import AsyncCheckpointer
 from deepspeed_async_ckpt.errors import (AgreementError, AsyncCheckpointError, CommitError,
@@ -72,3 +72,15 @@ def test_wait_all_ranks_raises_durability_only_when_every_rank_failed_so():
             ck.wait_all_ranks(action="load")
         assert type(info.value) is expected and info.value.__cause__.failures == failures
         ck.close()
+
+
+def test_gather_in_one_process_gives_its_value_or_its_typed_failure():
+    assert gather("names", lambda: ["embedding"]) == [["embedding"]]
+
+    def part():
+        raise KeyError("decoder")
+
+    with pytest.raises(AgreementError) as info:
+        gather("names", part)
+    assert info.value.failures == {0: Failure("KeyError", "'decoder'")}
+    assert isinstance(info.value.own, KeyError) and info.value.__cause__ is info.value.own

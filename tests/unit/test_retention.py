@@ -526,6 +526,43 @@ def test_a_checkpoint_left_for_its_callback_goes_once_the_callback_is_done(tmp_p
     assert listing(tmp_path) == ["latest", "t3"]
 
 
+def test_a_commit_callback_that_blocks_holds_up_neither_retention_nor_wait(tmp_path):
+    """Retention runs on a thread apart from the commit callbacks: an upload stuck in a callback
+    (a dead store) neither stops the removal of older checkpoints (the disk would fill) nor
+    makes ``wait()``, which waits for retention, wait for the upload; the callbacks still run
+    one at a time in commit order, and one that raises stops neither them nor retention."""
+    earlier = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    for tag in ("t0", "t1"):  # an earlier run's, without callbacks
+        save_one(earlier, str(tmp_path), sample_state(), tag=tag)
+    earlier.close()
+    release, order = threading.Event(), []
+
+    def upload(info):
+        order.append(info.tag)
+        if info.tag == "t2":
+            assert release.wait(30)
+
+    def broken(info):
+        raise RuntimeError("the dashboard is down")
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, keep_last=1),
+                           on_commit=upload)
+    ck.add_commit_callback(broken)
+    try:
+        for tag in ("t2", "t3"):
+            save_one(ck, str(tmp_path), sample_state(), tag=tag)
+            ck.wait()  # returns with t2's upload still held, its retention done
+            # the earlier run's checkpoints are gone; those whose callbacks are queued or
+            # running are left until they are done
+            assert listing(tmp_path) == ["latest", "t2", "t3"][:2 if tag == "t2" else 3], tag
+        assert order == ["t2"]
+    finally:
+        release.set()
+    ck.close()  # waits for the callbacks, and for the retention t2's release runs again
+    assert order == ["t2", "t3"]
+    assert listing(tmp_path) == ["latest", "t3"]
+
+
 def test_a_directory_the_storage_will_not_rename_for_deletion_stays_and_remove_later_says_so(tmp_path):
     """``remove_later`` renames through the storage, so a refused rename is the storage's to
     report: False, nothing renamed or queued; once allowed, the directory goes."""

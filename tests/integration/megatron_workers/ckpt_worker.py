@@ -24,22 +24,21 @@ import sys
 import threading
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: the CPU shim
+from megatron_cpu_shim import apply as apply_cpu_shim  # noqa: E402
 
-import pretrain_gpt  # noqa: E402
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig  # noqa: E402
 from deepspeed_async_ckpt.storage import LocalStorage  # noqa: E402
 from megatron_adapter import compat  # noqa: E402
+from megatron_adapter import mock_gpt  # noqa: E402 - the model, optimizer and state dict of scripts/pretrain_gpt.py
 from megatron_adapter.checkpointer import MegatronCheckpointer, verify_checkpoint_dir  # noqa: E402
 
 
 def model_args(tp: int, pp: int) -> argparse.Namespace:
-    return pretrain_gpt.parse_args([
+    return mock_gpt.parse_args([
         "--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp),
         "--use-distributed-optimizer", "--num-layers", "4", "--hidden-size", "32",
         "--num-attention-heads", "4", "--seq-length", "16", "--vocab-size", "64",
@@ -84,18 +83,18 @@ def adam_steps(optimizer) -> list[float]:
 class Rank:
     def __init__(self, tp: int, pp: int) -> None:
         self.args = model_args(tp, pp)
-        pretrain_gpt.apply_cpu_shim()
-        pretrain_gpt.init_distributed(self.args)
+        apply_cpu_shim()  # (changes nothing with CUDA)
+        mock_gpt.init_distributed(self.args)
         compat.install()
-        pretrain_gpt.set_seeds(self.args.seed)
-        self.ddp, self.gpt, config = pretrain_gpt.build_model(self.args)
-        self.optimizer, self.scheduler = pretrain_gpt.build_optimizer(self.args, self.ddp, config)
-        self.metadata = pretrain_gpt.sharded_metadata(self.args)
+        mock_gpt.set_seeds(self.args.seed)
+        self.ddp, self.gpt, config = mock_gpt.build_model(self.args)
+        self.optimizer, self.scheduler = mock_gpt.build_optimizer(self.args, self.ddp, config)
+        self.metadata = mock_gpt.sharded_metadata(self.args)
         self.iteration = 0
         self.rank = dist.get_rank()
 
     def state(self, is_loading: bool = False, with_rng: bool = True) -> dict:
-        return pretrain_gpt.state_dict_for(self.args, self.gpt, self.optimizer, self.scheduler,
+        return mock_gpt.state_dict_for(self.args, self.gpt, self.optimizer, self.scheduler,
                                            self.iteration, metadata=self.metadata,
                                            is_loading=is_loading, with_rng=with_rng)
 
@@ -105,8 +104,8 @@ class Rank:
         a = self.args
         self.ddp.zero_grad_buffer()
         self.optimizer.zero_grad()
-        batches = iter([pretrain_gpt.mock_batch(a, self.iteration, m) for m in range(a.num_microbatches)])
-        get_forward_backward_func()(forward_step_func=pretrain_gpt.forward_step, data_iterator=batches,
+        batches = iter([mock_gpt.mock_batch(a, self.iteration, m) for m in range(a.num_microbatches)])
+        get_forward_backward_func()(forward_step_func=mock_gpt.forward_step, data_iterator=batches,
                                     model=[self.ddp], num_microbatches=a.num_microbatches,
                                     seq_length=a.seq_length, micro_batch_size=a.micro_batch_size,
                                     forward_only=False)
@@ -322,7 +321,7 @@ def hashed_bytes_of_loads(r: Rank, ckpt_dir: str) -> dict[str, int]:
     try:
         for name, with_optim in (("full", True), ("without_optimizer", False)):
             hashed[name] = 0
-            request = pretrain_gpt.state_dict_for(r.args, r.gpt, r.optimizer, r.scheduler, r.iteration,
+            request = mock_gpt.state_dict_for(r.args, r.gpt, r.optimizer, r.scheduler, r.iteration,
                                                   metadata=r.metadata, is_loading=True, with_optim=with_optim)
             for key in ("opt_param_scheduler", "args", "iteration", "checkpoint_version",
                         "num_floating_point_operations_so_far"):
@@ -334,7 +333,7 @@ def hashed_bytes_of_loads(r: Rank, ckpt_dir: str) -> dict[str, int]:
         # reads must still be hashed, once
         name = "per_rank"
         hashed[name] = 0
-        request = pretrain_gpt.state_dict_for(r.args, r.gpt, r.optimizer, r.scheduler, r.iteration,
+        request = mock_gpt.state_dict_for(r.args, r.gpt, r.optimizer, r.scheduler, r.iteration,
                                               metadata=r.metadata, is_loading=True, with_optim=False)
         if r.rank != 0:
             request["model"] = {k: v for k, v in request["model"].items() if not k.startswith("decoder.")}

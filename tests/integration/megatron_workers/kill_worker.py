@@ -1,6 +1,7 @@
-"""``scripts/pretrain_gpt.py`` whose checkpoint storage SIGKILLs the rank the moment it starts
-writing the first tensor file of iteration ``$KILL_AT_ITERATION``: a crash mid-persist, on every
-rank that writes, before any of them can record its part of that checkpoint."""
+"""``scripts/pretrain_gpt.py``'s loop (:func:`megatron_adapter.mock_gpt.main`) whose checkpoint
+storage SIGKILLs the rank the moment it starts writing the first tensor file of iteration
+``$KILL_AT_ITERATION``: a crash mid-persist, on every rank that writes, before any of them can
+record its part of that checkpoint."""
 
 from __future__ import annotations
 
@@ -9,12 +10,11 @@ import signal
 import sys
 import time
 
-HERE = os.path.dirname(os.path.abspath(__file__))
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-sys.path[:0] = [REPO, os.path.join(REPO, "scripts")]
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))  # tests/: the CPU shim
+from megatron_cpu_shim import apply as apply_cpu_shim  # noqa: E402
 
-import pretrain_gpt  # noqa: E402
 from deepspeed_async_ckpt.storage import LocalStorage  # noqa: E402
+from megatron_adapter import mock_gpt  # noqa: E402
 
 TRACKER = "latest_checkpointed_iteration.txt"  # Megatron's
 
@@ -39,4 +39,5 @@ class KillMidPersist(LocalStorage):
 
 if __name__ == "__main__":
     kill_at = int(os.environ["KILL_AT_ITERATION"])
-    sys.exit(pretrain_gpt.main(sys.argv[1:], storage=KillMidPersist(f"iter_{kill_at:07d}")))
+    apply_cpu_shim()  # (changes nothing with CUDA)
+    sys.exit(mock_gpt.main(sys.argv[1:], storage=KillMidPersist(f"iter_{kill_at:07d}")))
