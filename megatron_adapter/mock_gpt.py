@@ -325,15 +325,29 @@ def save_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, sch
 def load_checkpoint(args, ckpt: MegatronCheckpointer | None, gpt, optimizer, scheduler) -> int:
     """Load ``--ckpt-step`` or the tracker's iteration from ``--load``; returns the iteration
     (0 when there is nothing to load). Layout changes (TP/PP/DP) are resharded on load; RNG
-    states are then not restored, as in Megatron-LM."""
-    from megatron.core import dist_checkpointing, tensor_parallel
-
+    states are then not restored, as in Megatron-LM. With the memory tier on, the node
+    keeper's checkpoint is read instead where it is newer than ``--load``'s (laid out on tmpfs
+    for this load, removed after), as the Megatron-LM hook does."""
     if ckpt is not None:  # collective; rank 0 finishes a re-save a crash cut short
         ckpt.wait(recover=args.load)
-    iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(args.load)
+    memory = ckpt.restore_from_memory(args.load, args.ckpt_step) if ckpt is not None else None
+    if memory is None:
+        return _load_from(args.load, args, ckpt, gpt, optimizer, scheduler)
+    try:
+        iteration = _load_from(memory.load_dir, args, ckpt, gpt, optimizer, scheduler)
+        dist.barrier()  # every rank of the node read its copy before it goes
+    finally:
+        memory.close()
+    return iteration
+
+
+def _load_from(load_dir: str, args, ckpt: MegatronCheckpointer | None, gpt, optimizer, scheduler) -> int:
+    from megatron.core import dist_checkpointing, tensor_parallel
+
+    iteration = args.ckpt_step if args.ckpt_step is not None else read_tracker(load_dir)
     if iteration is None:
         return 0
-    ckpt_dir = checkpoint_dir(args.load, iteration)
+    ckpt_dir = checkpoint_dir(load_dir, iteration)
     if ckpt is not None and ckpt.config.verify_on_load:  # read before ckpt.load checks the rest
         verify_file(os.path.join(ckpt_dir, "common.pt"))
     common = dist_checkpointing.load_common_state_dict(ckpt_dir)

@@ -79,6 +79,12 @@ class ManifestOnly:
         pass
 
 
+def slot_name(save: Any) -> str:
+    """A save's slot in the keeper: its checkpoint's directory name (DeepSpeed's tag,
+    Megatron's ``iter_NNNNNNN``), the name a restore lays it out under."""
+    return os.path.basename(save.ckpt_dir)
+
+
 class MemorySaves:
     """The memory tier of one checkpointer (rank ``rank`` of ``world_size``, on one node)."""
 
@@ -127,7 +133,7 @@ class MemorySaves:
         """This rank's space for ``sizes`` (file -> bytes) in ``save``'s slot, waiting (up to
         ``commit_timeout_s``) while the previous slot awaits its commit."""
         client = self._client(save, "write")
-        return client.reserve(save.tag, save.save_id, self.rank, self.node_ranks, dict(sizes), wait_s=self._wait_s)
+        return client.reserve(slot_name(save), save.save_id, self.rank, self.node_ranks, dict(sizes), wait_s=self._wait_s)
 
     def report(self, reservation: Reservation, sizes: Mapping[str, int]) -> None:
         reservation.report(sizes)
@@ -136,14 +142,14 @@ class MemorySaves:
     def commit_slot(self, save: Any, manifest: dict, late: Mapping[str, bytes] | None = None) -> None:
         """Rank 0, once the job committed ``save``: the slot, with its manifest and the files
         its finalize steps wrote (``late``: path in the checkpoint -> bytes)."""
-        self._client(save, "commit").commit(save.tag, save.save_id, manifest=manifest, late=late)
+        self._client(save, "commit").commit(slot_name(save), save.save_id, manifest=manifest, late=late)
 
     def abandon(self, save: Any) -> None:
         """The save failed: free its slot (whatever was copied of it). Never raises."""
         try:
-            self._client(save, "commit").abandon(save.tag, save.save_id)
+            self._client(save, "commit").abandon(slot_name(save), save.save_id)
         except (KeeperError, OSError) as exc:
-            logger.info("async checkpoint: memory slot %s (save %s) not abandoned: %s", save.tag,
+            logger.info("async checkpoint: memory slot %s (save %s) not abandoned: %s", slot_name(save),
                         save.save_id, exc)
 
     def _client(self, save: Any, use: str) -> KeeperClient:

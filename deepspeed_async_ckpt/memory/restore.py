@@ -219,12 +219,13 @@ def _lay_out(save_dir: str, memory: Any, name: str, save_id: str, path: str, nod
         raise IntegrityError(f"node {node}'s keeper holds {held}, not {name} (save {save_id})")
     where = {f.name: (r, f.size) for r, part in sorted(copy.ranks.items()) for f in part.files}
     files = list(required(copy.manifest, node))
-    missing = [f for f in files if f not in where]
+    missing = [f for f in files if f not in where and f not in copy.late]
     if missing:
         raise IntegrityError(f"node {node}'s keeper lacks {', '.join(missing)} of {name}")
     # the late files the keeper holds too (megatron-core's markers, given with the commit or
     # in a rank's part), recorded again below
     late = [f for f in copy.manifest.get("late_files", ()) if f in where or f in copy.late]
+    files = [f for f in files if f in where]  # from the ranks' parts; those given inline below
     files += [f for f in late if f not in files and f in where]
     total = sum(where[f][1] for f in files)
     shutil.rmtree(path, ignore_errors=True)
