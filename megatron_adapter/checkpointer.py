@@ -49,7 +49,7 @@ from deepspeed_async_ckpt.commit.nodes import node_leader
 from deepspeed_async_ckpt.config import AsyncCheckpointConfig
 from deepspeed_async_ckpt.core import (AsyncCheckpointer, CheckpointHandle, CommitInfo, by_rank,
                                        exchange_across_ranks, outcome)
-from deepspeed_async_ckpt.errors import CommitError, IntegrityError
+from deepspeed_async_ckpt.errors import AgreementError, CommitError, IntegrityError
 from deepspeed_async_ckpt.storage import Storage, aligned_size
 from deepspeed_async_ckpt.tiers.config import refuse_overlap
 
@@ -323,6 +323,8 @@ class MegatronCheckpointer:
         values = list(nested_values(sharded_part))
         try:  # fails on every rank of a data-parallel group alike: the other groups learn it here
             elect_writers([v for v in values if isinstance(v, ShardedTensor)], self.writers, replica_group())
+        except AgreementError as exc:  # the rank that failed raises its own; its group, the agreement
+            error = exc.own if exc.own is not None else exc
         except BaseException as exc:
             error = exc
         if self.writers != "replica":  # (which elects nothing, and cannot fail)

@@ -230,7 +230,9 @@ def test_a_megatron_save_failing_on_one_rank_before_a_collective_fails_on_every_
     would leave rank 0 waiting in that collective for good; so would a common part rank 0
     cannot pickle for the validation's broadcast (a lock). Both ranks raise, and the next save
     commits. An iteration that is no integer is refused (``True`` would be committed as
-    ``iter_0000001`` with ``True`` in the tracker). ``close()`` is collective, as
+    ``iter_0000001`` with ``True`` in the tracker). A balanced writer election that rank 1
+    cannot take part in fails on both ranks: rank 1 with its own error, rank 0 with the
+    agreement naming it (rank 0 waited in the election's gather). ``close()`` is collective, as
     megatron-core's ``AsyncCallsQueue.close`` is: no rank returns from it before the tracker
     names the last checkpoint."""
     got = _run_two_ranks("megatron_rank_local_failures.py", tmp_path, timeout=180)
@@ -243,6 +245,10 @@ def test_a_megatron_save_failing_on_one_rank_before_a_collective_fails_on_every_
     for case in ("iteration_true", "iteration_tensor"):
         for r in range(2):
             assert got[r][case].startswith("ValueError: save(iteration="), (case, got)
+    # the election's gather: rank 1's failure, typed, on both ranks (rank 0 waited in it for good)
+    assert got[1]["election"] == "RuntimeError: cannot list its shards on rank 1", got
+    assert got[0]["election"] == ("AgreementError: electing writers failed on rank(s) 1: RuntimeError: "
+                                  "cannot list its shards on rank 1"), got
     for r in range(2):
         assert got[r]["tracker"] == 4 and got[r]["metadata"], got
 

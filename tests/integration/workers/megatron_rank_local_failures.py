@@ -1,6 +1,6 @@
 """Two ranks (``scripts/launch.py``): saves that fail on rank 1 alone before any collective of
-theirs, then saves with an iteration that is no integer, then a valid async save and
-``close()``. Argument: an output directory; each rank writes ``rank<N>.json`` with each failed
+theirs, then saves with an iteration that is no integer, a balanced writer election rank 1
+cannot take part in, then a valid async save and ``close()``. Argument: an output directory; each rank writes ``rank<N>.json`` with each failed
 save's error, and what it sees of the last checkpoint right after ``close()`` returned.
 A rank left waiting in a collective never writes it (the launcher's deadline kills it)."""
 
@@ -56,6 +56,25 @@ for case, state, iteration, validate in cases:
         result[case] = None
     except Exception as exc:
         result[case] = f"{type(exc).__name__}: {exc}"
+# balanced writers: a rank that cannot list its shards for the election fails it on every rank
+balanced = MegatronCheckpointer(AsyncCheckpointConfig(enabled=True, mode="async", host_buffer_gb=0.01),
+                                writers="balanced")
+listed = ShardedTensor.without_data
+
+
+def unlisted(self):
+    raise RuntimeError("cannot list its shards on rank 1")
+
+
+ShardedTensor.without_data = unlisted if rank == 1 else listed
+try:
+    balanced.save({"w": weight()}, os.path.join(out, "balanced"), 1, validate_access_integrity=False)
+    result["election"] = None
+except Exception as exc:
+    result["election"] = f"{type(exc).__name__}: {exc}"
+finally:
+    ShardedTensor.without_data = listed
+balanced.close()
 ckpt.save({"w": weight()}, save_dir, 4)
 ckpt.close()  # collective: rank 0 has moved the tracker when it returns, on every rank
 result["tracker"] = read_tracker(save_dir)
