@@ -50,6 +50,27 @@ def wait_for_pointer(save_dir: str, timeout_s: float) -> bool:
     return True
 
 
+def wait_for_memory(save_dir: str, tag: str, timeout_s: float) -> bool:
+    """Whether the node's memory keeper (``async_checkpoint.memory``) commits ``tag`` within
+    ``timeout_s`` seconds (or already holds a newer one: then it committed that first)."""
+    from deepspeed_async_ckpt.memory.client import KeeperClient
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        client = KeeperClient.find(save_dir)
+        if client is not None:
+            try:
+                copy = client.newest()
+            finally:
+                client.close()
+            if copy is not None:
+                copy.close()
+                if int(copy.name[len("global_step"):]) >= int(tag[len("global_step"):]):
+                    return True
+        time.sleep(0.05)
+    return False
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__)
     p.add_argument("--config", required=True, help="DeepSpeed JSON config")
@@ -61,7 +82,8 @@ def main(argv=None) -> int:
     p.add_argument("--resume", action="store_true", help="load `latest` from --save-dir first")
     p.add_argument("--kill-at-step", type=NON_NEGATIVE, default=0,
                    help="SIGKILL every rank right after this step's checkpoint is issued, once an "
-                        "earlier one has committed (`latest` exists), so there is one to resume from")
+                        "earlier one has committed (`latest` exists; with the memory tier, also the "
+                        "save just before it in memory), so there is one to resume from")
     p.add_argument("--commit-timeout", type=_seconds, default=300.0, metavar="S",
                    help="with --kill-at-step: how long to wait for that earlier commit before giving "
                         f"up (exit code {EXIT_NO_COMMIT}, no kill); default 300")
@@ -97,11 +119,13 @@ def main(argv=None) -> int:
 
     start_step = 0
     if args.resume:
+        t0 = time.perf_counter()
         path, _ = engine.load_checkpoint(args.save_dir)
+        load_s = time.perf_counter() - t0
         if path is None:
             raise SystemExit(f"rank {rank}: --resume but no checkpoint under {args.save_dir}")
         start_step = engine.global_steps
-        emit(event="resumed", step=start_step, path=path)
+        emit(event="resumed", step=start_step, path=path, load_s=load_s)
 
     micro = engine.train_micro_batch_size_per_gpu()
     pending_save_s = None
@@ -127,8 +151,12 @@ def main(argv=None) -> int:
             kill = args.kill_at_step and step + 1 == args.kill_at_step
             # On a loaded machine the earlier saves may still be in flight here: a kill now
             # would leave nothing to resume from. Wait (before this save, so that the kill
-            # still lands while a checkpoint is being written) until one has committed.
-            if kill and not wait_for_pointer(args.save_dir, args.commit_timeout):
+            # still lands while a checkpoint is being written) until one has committed: on
+            # disk, and with the memory tier the save just before in memory too.
+            memory = config.get("async_checkpoint", {}).get("memory", {}).get("enabled", False)
+            if kill and not (wait_for_pointer(args.save_dir, args.commit_timeout) and (
+                    not memory or wait_for_memory(args.save_dir, f"global_step{step + 1 - args.save_every}",
+                                                  args.commit_timeout))):
                 emit(event="no_commit", step=step + 1, timeout_s=args.commit_timeout)
                 print(f"rank {rank}: no checkpoint committed in {args.save_dir} within "
                       f"{args.commit_timeout:g} s before the kill at step {step + 1}", file=sys.stderr,

@@ -5,6 +5,7 @@ manifest and bytes), and the keeper ends with the job, leaving no shared-memory 
 
 import json
 import os
+import time
 
 import pytest
 
@@ -59,3 +60,58 @@ def test_deepspeed_saves_to_memory_every_step_and_to_disk_every_third(tmp_path, 
     # the last save persisted: the keeper ended with the job and left no segment
     assert keeper_pids(save_dir) == []
     assert KeeperAddress.of(save_dir).segments_on_node() == []
+
+
+def _losses(log: str) -> dict:
+    with open(log) as f:
+        return {(e["rank"], e["step"]): e["loss"] for e in map(json.loads, f) if e["event"] == "step"}
+
+
+def test_every_rank_sigkilled_between_disk_saves_resumes_from_the_last_memory_save_bitwise(tmp_path, repo_env):
+    """2 ranks save every 2 steps, every 3rd save also on disk (steps 2 and 8): SIGKILLed right
+    after issuing step 12's save, the job resumes from step 10, which only memory held, and
+    trains on with the losses of a run never killed; then the keeper ends, no segment left."""
+    from deepspeed_async_ckpt.memory.client import KeeperClient
+
+    env = dict(repo_env, XDG_RUNTIME_DIR=str(tmp_path))
+    config = json.load(open(os.path.join(REPO, "configs", "deepspeed_async.json")))
+    config["async_checkpoint"]["memory"] = {"enabled": True, "persist_every": 3, "idle_timeout_s": 120}
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(config))
+    train = os.path.join(REPO, "scripts", "ds_train.py")
+    common = ["--config", str(cfg), "--steps", "14", "--save-every", "2", "--hidden", "64", "--layers", "2"]
+
+    def run(name, save_dir, *extra):
+        log = str(tmp_path / f"{name}.jsonl")
+        codes = launch(train, [*common, "--save-dir", save_dir, "--log", log, *extra], 2, timeout=300, env=env,
+                       log_prefix=str(tmp_path / name))
+        return codes, log
+
+    codes, straight = run("straight", str(tmp_path / "straight"))
+    assert codes == [0, 0]
+    save_dir = str(tmp_path / "ckpt")
+    codes, _ = run("killed", save_dir, "--kill-at-step", "12")
+    assert codes == [-9, -9]
+    with open(os.path.join(save_dir, "latest")) as f:
+        assert f.read() == "global_step8"  # the newest on disk
+    assert not os.path.exists(os.path.join(save_dir, "global_step10"))
+    assert keeper_pids(save_dir)  # the keeper outlived every rank
+    codes, resumed = run("resumed", save_dir, "--resume")
+    assert codes == [0, 0]
+    with open(resumed) as f:
+        starts = {e["rank"]: e["step"] for e in map(json.loads, f) if e["event"] == "resumed"}
+    assert starts == {0: 10, 1: 10}
+    got, want = _losses(resumed), _losses(straight)
+    assert sorted(step for _, step in got) == [11, 11, 12, 12, 13, 13, 14, 14]
+    assert got == {k: v for k, v in want.items() if k[1] > 10}  # bit for bit
+    # the straight run's last save (step 14, its 7th) persisted: its keeper ended with it; the
+    # resumed run's (its 2nd) stayed in memory only, so its keeper stays for a restart: the job
+    # is over, end it as an operator would
+    assert KeeperClient.find(str(tmp_path / "straight")) is None
+    KeeperClient.find(save_dir).shutdown()
+    for d in (save_dir, str(tmp_path / "straight")):
+        deadline = time.monotonic() + 30
+        while keeper_pids(d) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert keeper_pids(d) == []
+        assert KeeperAddress.of(d).segments_on_node() == []
