@@ -57,6 +57,10 @@ def smallest_host_buffer_gb(nbytes: int) -> float:
     return gb
 
 
+_PLANNED, _FAILED = b"\x01", b"\x00"
+"""The first byte of a replica's digest in the gather of :meth:`SaveFiles._share_of`."""
+
+
 class SaveFiles:
     """Adds files to the open save of one rank and hands them to the background.
 
@@ -247,7 +251,21 @@ class SaveFiles:
         if self._config.zip_crc32:
             return None
         name = xxhash.xxh3_64_digest(os.path.basename(path).encode())
-        every = replicas.gather(name + layout_digest(plan))
+        # every replica takes part in the gather, one whose digest failed too (it says so in
+        # the first byte): else the others would wait in it for good
+        try:
+            mine, failure = _PLANNED + name + layout_digest(plan), None
+        except Exception as exc:
+            mine, failure = _FAILED + name + bytes(16), exc
+        every = replicas.gather(mine)
+        if failure is not None:
+            raise failure
+        failed = [r for r, d in enumerate(every) if d[:1] == _FAILED]
+        if failed:
+            raise AsyncCheckpointError(
+                f"save({path!r}, replicas=...): replica(s) {failed} failed to lay the file out (each "
+                "raised its own error): no replica saves it")
+        every = [d[1:] for d in every]
         if any(d[:8] != name for d in every):
             raise AsyncCheckpointError(
                 f"save({path!r}, replicas=...): the replicas are saving different files (replica "

@@ -329,3 +329,38 @@ def test_the_handle_is_a_read_only_view_of_the_save_the_pipeline_fills_in(tmp_pa
         handle.times["committed"] = 0.0
     with pytest.raises(AttributeError):
         handle.files.append(None)
+
+
+def test_a_replica_whose_layout_fails_still_meets_the_others_and_every_replica_raises(tmp_path, monkeypatch):
+    """A replica that cannot lay the shared file out (its digest raises) still takes part in
+    the replicas' gather, so the others are not left waiting in it: it raises its own error,
+    the others an error naming it."""
+    from deepspeed_async_ckpt.core import Replicas, files
+
+    seen = {}
+
+    class Pair(Replicas):  # this replica and one other, whose digest is given
+        other = None
+
+        def gather(self, digest):
+            seen["mine"] = digest
+            return [digest, self.other] if self.rank == 0 else [self.other, digest]
+
+    ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01))
+    d = str(tmp_path / "t1")
+    ck.begin(d, tag="t1")
+    state = {"w": torch.randn(4096)}
+    real = files.layout_digest
+    monkeypatch.setattr(files, "layout_digest", lambda plan: (_ for _ in ()).throw(RuntimeError("no layout")))
+    ok = Pair(rank=0, size=2)
+    ok.other = b"\x01" + bytes(24)
+    with pytest.raises(RuntimeError, match="no layout"):  # its own error, after the gather
+        ck.save(state, os.path.join(d, "a.pt"), replicas=ok)
+    assert seen["mine"][:1] == b"\x00"
+    monkeypatch.setattr(files, "layout_digest", real)
+    failed_other = Pair(rank=0, size=2)
+    failed_other.other = b"\x00" + bytes(24)
+    with pytest.raises(AsyncCheckpointError, match=r"replica\(s\) \[1\] failed to lay the file out"):
+        ck.save(state, os.path.join(d, "b.pt"), replicas=failed_other)
+    ck.end(commit=False)
+    ck.close()
