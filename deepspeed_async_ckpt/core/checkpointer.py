@@ -464,7 +464,15 @@ class AsyncCheckpointer:
             self._files.stager.close()
             if self._memory is not None:  # after the last commit: the keeper ends if it persisted
                 last = self.history[-1] if self.history else None
-                self._memory.close(persisted=last is not None and last.committed and not last.memory_only)
+                persisted = last is not None and last.committed and not last.memory_only
+                if last is not None and last.committed and last.memory_only and self.rank == 0:
+                    logger.warning(
+                        "async checkpoint: the last checkpoint, %s, is in the memory tier only: its "
+                        "keeper keeps it for a restart for async_checkpoint.memory.idle_timeout_s (%g s), "
+                        "and the checkpoint directory's newest is older; save once more (the next save "
+                        "of a run persists) or choose persist_every so that the last save persists",
+                        last.tag, self.config.memory.idle_timeout_s)
+                self._memory.close(persisted=persisted)
             if self._committer.thread.is_alive():  # close interrupted (Ctrl-C), a commit still running:
                 logger.warning("async checkpoint: closed while a commit still runs; the save "
                                "directory stays locked until it ends with the process")

@@ -173,3 +173,20 @@ def test_a_memory_only_saves_finalize_steps_write_into_the_keeper_and_a_restore_
             restored.close()
     finally:
         ck.close()
+
+
+def test_closing_after_a_memory_only_last_save_warns_that_the_disk_holds_an_older_one(save_dir, caplog):
+    ck = AsyncCheckpointer(_config(persist_every=2))
+    for step in (1, 2):  # the second stays in memory only
+        _save(ck, save_dir, step)
+    with caplog.at_level("WARNING", logger="deepspeed_async_ckpt"):
+        ck.close()
+    warned = [r.getMessage() for r in caplog.records if "in the memory tier only" in r.getMessage()]
+    assert len(warned) == 1 and "global_step2" in warned[0] and "idle_timeout_s (60 s)" in warned[0]
+    assert KeeperClient.find(save_dir) is not None  # kept for a restart
+    caplog.clear()
+    ck = AsyncCheckpointer(_config(persist_every=2))
+    _save(ck, save_dir, 3)  # the first save of a run persists: no warning, the keeper ends
+    with caplog.at_level("WARNING", logger="deepspeed_async_ckpt"):
+        ck.close()
+    assert not [r for r in caplog.records if "in the memory tier only" in r.getMessage()]
