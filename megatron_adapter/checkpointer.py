@@ -381,11 +381,11 @@ class MegatronCheckpointer:
 
         tiers = self.checkpointer.tiers
         remotes = tiers.remotes if tiers is not None else []
-        name_of = lambda text: f"iter_{int(text):07d}" if text.isdigit() else text  # noqa: E731
         return restore_from_memory(
             save_dir, memory, rank=self.rank, world_size=self.world_size, pointer_name=TRACKER_FILE,
             tag=None if iteration is None else os.path.basename(checkpoint_dir(save_dir, iteration)),
-            on_disk=lambda: newest_committed(save_dir, remotes, pointer_name=TRACKER_FILE, name_of=name_of),
+            on_disk=lambda: newest_committed(save_dir, remotes, pointer_name=TRACKER_FILE,
+                                             name_of=named_by_tracker),
             required=lambda manifest, node: sorted([*manifest["files"], *manifest.get("late_files", ())]),
             pointer_text=lambda name: str(iteration_of(name)), exchange=self.checkpointer.exchange)
 

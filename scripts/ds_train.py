@@ -57,16 +57,9 @@ def wait_for_memory(save_dir: str, tag: str, timeout_s: float) -> bool:
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        client = KeeperClient.find(save_dir)
-        if client is not None:
-            try:
-                copy = client.newest()
-            finally:
-                client.close()
-            if copy is not None:
-                copy.close()
-                if int(copy.name[len("global_step"):]) >= int(tag[len("global_step"):]):
-                    return True
+        name = KeeperClient.newest_name(save_dir)
+        if name is not None and int(name[len("global_step"):]) >= int(tag[len("global_step"):]):
+            return True
         time.sleep(0.05)
     return False
 

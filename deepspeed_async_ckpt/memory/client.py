@@ -83,6 +83,23 @@ class KeeperClient:
             return None
 
     @classmethod
+    def newest_name(cls, save_dir: str) -> str | None:
+        """The name of the newest checkpoint committed in ``save_dir``'s keeper on this node;
+        None where no keeper runs or it holds none (what a script waiting for a memory commit
+        polls)."""
+        client = cls.find(save_dir)
+        if client is None:
+            return None
+        try:
+            copy = client.newest()
+        finally:
+            client.close()
+        if copy is None:
+            return None
+        copy.close()
+        return copy.name
+
+    @classmethod
     def _open(cls, address: KeeperAddress, hello: Hello, timeout_s: float) -> "KeeperClient":
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(timeout_s)

@@ -13,27 +13,12 @@ from conftest import REPO
 from deepspeed_async_ckpt.memory.address import KeeperAddress
 from deepspeed_async_ckpt.tools.launch import launch
 
+from _memory import keeper_pids
+
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "ds_memory_worker.py")
 
 pytestmark = pytest.mark.slow
-
-
-def keeper_pids(save_dir: str) -> list[int]:
-    """Live keepers of ``save_dir`` on this machine, by their command line."""
-    want = f"--save-dir\0{os.path.realpath(save_dir)}\0".encode()
-    pids = []
-    for entry in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{entry}/cmdline", "rb") as f:
-                cmd = f.read()
-            with open(f"/proc/{entry}/stat") as f:
-                state = f.read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            continue
-        if b"deepspeed_async_ckpt.memory.keeper" in cmd and want in cmd and state not in "ZX":
-            pids.append(int(entry))
-    return pids
 
 
 def test_deepspeed_saves_to_memory_every_step_and_to_disk_every_third(tmp_path, repo_env):

@@ -22,24 +22,10 @@ from deepspeed_async_ckpt.memory.address import KeeperAddress
 from deepspeed_async_ckpt.memory.client import KeeperClient, KeeperError, KeeperUnavailable
 from deepspeed_async_ckpt.memory.config import MemoryConfig
 
+from _memory import keeper_pids
+
 MB = 1 << 20
 CONFIG = MemoryConfig(enabled=True, keep_last=2, idle_timeout_s=30)
-
-
-def keeper_pids(save_dir: str) -> list[int]:
-    """Live keepers of ``save_dir`` on this machine, by their command line."""
-    want = f"--save-dir\0{os.path.realpath(save_dir)}\0".encode()
-    pids = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmd = f.read()
-            except OSError:
-                continue
-            if b"deepspeed_async_ckpt.memory.keeper" in cmd and want in cmd and alive(int(entry)):
-                pids.append(int(entry))
-    return pids
 
 
 def proc_stat(pid: int) -> tuple[str, int, int, int]:

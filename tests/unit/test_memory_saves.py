@@ -15,7 +15,8 @@ from deepspeed_async_ckpt.core.figures import commit_events
 from deepspeed_async_ckpt.memory.address import KeeperAddress
 from deepspeed_async_ckpt.memory.client import KeeperClient
 
-from test_memory_keeper import keeper_pids, wait_for
+from _memory import keeper_pids
+from test_memory_keeper import wait_for
 
 
 def _state(step: int) -> dict:
@@ -63,6 +64,8 @@ def test_a_memory_only_save_writes_nothing_on_disk_and_its_slot_holds_a_disk_sav
             assert f.read() == "global_step1"  # the pointer names the newest on disk
         copy = KeeperClient.find(save_dir).newest()
         assert (copy.name, copy.manifest["tag"]) == ("global_step2", "global_step2")
+        assert KeeperClient.newest_name(save_dir) == "global_step2"
+        assert KeeperClient.newest_name(str(tmp_path / "no-such-job")) is None  # no keeper there
         assert sorted(copy.files(0)) == ["model.pt", os.path.join("sub", "optim.pt")]
     finally:
         ck.close()

@@ -23,19 +23,10 @@ def _wait_for_memory_commit(save_dir: str, iteration: int, timeout_s: float = 12
     still be running when the next save is issued)."""
     want = os.path.basename(checkpoint_dir(save_dir, iteration))
     deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        client = KeeperClient.find(save_dir)
-        if client is not None:
-            try:
-                copy = client.newest()
-                if copy is not None:
-                    copy.close()
-                    if copy.name == want:
-                        return
-            finally:
-                client.close()
+    while KeeperClient.newest_name(save_dir) != want:
+        if time.monotonic() > deadline:
+            raise SystemExit(f"the memory keeper of {save_dir} did not commit {want} in {timeout_s:g} s")
         time.sleep(0.05)
-    raise SystemExit(f"the memory keeper of {save_dir} did not commit {want} in {timeout_s:g} s")
 
 
 if __name__ == "__main__":

@@ -338,6 +338,12 @@ def fill_disk(ckpt):
     return lambda: setattr(storage, "open_write", original)
 
 
+def state_of(engine):
+    """What a resume must give back bit for bit: the module, the optimizer, the step."""
+    return {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
+            "global_steps": engine.global_steps}
+
+
 def dump_engine_state(engine, path):
     torch.save({"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
                 "lr_scheduler": engine.lr_scheduler.state_dict(), "global_steps": engine.global_steps}, path)

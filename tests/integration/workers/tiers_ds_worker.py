@@ -12,7 +12,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from ds_worker import init, train  # noqa: E402
+from ds_worker import init, state_of, train  # noqa: E402
 
 
 def config(args):
@@ -24,11 +24,6 @@ def config(args):
         "zero_optimization": {"stage": 1},
         "async_checkpoint": {"enabled": True, "host_buffer_gb": 0.05, "keep_last": 1, "tiers": [tier]},
     }
-
-
-def state_of(engine):
-    return {"module": engine.module.state_dict(), "optimizer": engine.optimizer.state_dict(),
-            "global_steps": engine.global_steps}
 
 
 def main():
