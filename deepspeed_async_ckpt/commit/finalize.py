@@ -22,7 +22,7 @@ other ranks' steps, if they pass any, are not run.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol, Sequence, runtime_checkable
 
 from ..storage import Storage
@@ -47,6 +47,9 @@ class FinalizeContext:
     files: frozenset[str]
     """The files the steps declared (paths in the checkpoint): the only ones :meth:`write_file`
     writes."""
+    written: dict[str, bytes] = field(default_factory=dict, compare=False)
+    """What :meth:`write_file` wrote, by path in the checkpoint: the commit records and passes on
+    these bytes (to other nodes, to the memory tier) without reading them back."""
 
     def write_file(self, rel: str, data: str | bytes) -> None:
         """Write ``rel`` (a path in the checkpoint, declared in a step's ``files``) whole:
@@ -63,7 +66,9 @@ class FinalizeContext:
             while parent != self.write_dir:
                 self.storage.sync_dir(os.path.dirname(parent))
                 parent = os.path.dirname(parent)
+        data = data.encode() if isinstance(data, str) else bytes(data)
         write_text_atomic(self.storage, path, data)
+        self.written[rel] = data
 
 
 @runtime_checkable

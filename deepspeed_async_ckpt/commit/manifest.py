@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Mapping
 
 from ..errors import IntegrityError
 from ..persist import HASHERS, hash_ranges
@@ -148,29 +149,27 @@ def is_committed(ckpt_dir: str) -> bool:
     return True
 
 
-def record_late_files(storage: Storage, ckpt_dir: str, manifest: dict | None = None) -> None:
+def record_late_files(storage: Storage, ckpt_dir: str, manifest: dict | None = None,
+                      data: Mapping[str, bytes] | None = None) -> None:
     """Rank 0, once the files its manifest lists under ``late_files`` are written (what an
     adapter writes after the commit, from what the commit recorded: megatron-core's
     ``.metadata`` and ``metadata.json``): record their sizes and checksums, durably, so that
     verification covers them as it covers the rest. Until then, the checkpoint does not
     verify ("committed but never finalized").
 
-    A storage that keeps what it is given instead of writing it (a memory-only save's: its
-    ``held(path)`` returns the bytes) is read back through it, ``manifest`` then being the
-    committed one."""
+    ``manifest``: the committed one (default: read from ``ckpt_dir``); ``data``: the files'
+    bytes where the caller has them (what the finalize steps wrote), hashed without reading them
+    back (a memory-only save's never reach a disk)."""
     manifest = manifest if manifest is not None else read_manifest(ckpt_dir)
     algorithm = manifest["checksum"]
-    held = getattr(storage, "held", None)
     files = {}
     for rel in manifest.get("late_files", ()):
-        path = os.path.join(ckpt_dir, rel)
-        if held is not None:
-            data = held(path)
+        if data is not None and rel in data:
             hasher = new_hasher(algorithm)
-            hasher.update(data)
-            files[rel] = {"bytes": len(data), algorithm: hasher.hexdigest()}
+            hasher.update(data[rel])
+            files[rel] = {"bytes": len(data[rel]), algorithm: hasher.hexdigest()}
             continue
-        ((size, digest),) = hash_ranges(path, algorithm, [(0, None)])
+        ((size, digest),) = hash_ranges(os.path.join(ckpt_dir, rel), algorithm, [(0, None)])
         files[rel] = {"bytes": size, algorithm: digest}
     write_text_atomic(storage, os.path.join(ckpt_dir, META_DIR, LATE_FILES),
                       json.dumps(files, indent=1, sort_keys=True))

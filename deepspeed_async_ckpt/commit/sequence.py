@@ -103,14 +103,13 @@ def _commit_here(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, wor
                     except Exception:  # (a storage of another kind raises its own errors)
                         pass  # the commit's own error is the one to raise
         raise
-    if finalize:
-        _finalize(finalize, FinalizeContext(storage, ckpt_dir, replaces or ckpt_dir, tag, save_id,
-                                                     manifest, frozenset(late_files)))
     late = {}
-    if exchange.node_local:  # for the other nodes' copies: small files (Megatron's markers)
-        for rel in late_files:
-            with open(os.path.join(ckpt_dir, rel), "rb") as f:
-                late[rel] = f.read()
+    if finalize:
+        ctx = FinalizeContext(storage, ckpt_dir, replaces or ckpt_dir, tag, save_id, manifest,
+                              frozenset(late_files))
+        _finalize(finalize, ctx)
+        if exchange.node_local:  # for the other nodes' copies: small files (Megatron's markers)
+            late = dict(ctx.written)
     _move_pointer(storage, ckpt_dir, tag=tag, save_id=save_id, pointer=pointer, replaces=replaces)
     return manifest, per_node, late
 
@@ -183,7 +182,7 @@ def _finalize(steps: Sequence[FinalizeStep], ctx: FinalizeContext) -> None:
             step(ctx)
         if ctx.files:
             what = "recording the files its finalize steps wrote failed"
-            record_late_files(ctx.storage, ctx.write_dir, ctx.manifest)
+            record_late_files(ctx.storage, ctx.write_dir, ctx.manifest, ctx.written)
     except Exception as exc:
         raise CommitError(f"checkpoint {ctx.ckpt_dir!r} (tag {ctx.tag}) not committed: its files "
                           f"are persisted, but {what} ({type(exc).__name__}: {exc}); the pointer "

@@ -60,10 +60,6 @@ class ManifestOnly:
     def replace(self, src: str, dst: str, *, durable: bool = True) -> None:
         self.files[dst] = self.files.pop(src)
 
-    def held(self, path: str) -> bytes:
-        """What was written to ``path`` (the commit records its finalize steps' files from it)."""
-        return self.files[path]
-
     def late_files(self, ckpt_dir: str, manifest: dict) -> dict[str, bytes]:
         """The files the finalize steps wrote (the manifest's ``late_files``), by path in the
         checkpoint: they go to the keeper with the slot's commit."""
