@@ -55,8 +55,8 @@ def corrupt_in_memory(client: KeeperClient, rel: str) -> None:
     for part in copy.ranks.values():
         for f in part.files:
             if f.name == rel:
-                with open(segment.path_of(part.segment), "r+b") as seg:
-                    seg.seek(f.offset + f.size // 2)
+                with open(segment.path_of(f.segment), "r+b") as seg:
+                    seg.seek(f.size // 2)
                     byte = seg.read(1)
                     seg.seek(-1, os.SEEK_CUR)
                     seg.write(bytes([byte[0] ^ 1]))

@@ -29,10 +29,12 @@ from . import keeper
 from .address import KeeperAddress
 from .config import MemoryConfig
 from .messages import (Abandon, Busy, Commit, FileDigest, FileSpace, Hello, InlineFile, KeeperState, Newest, NoSlot, Refused,
-                       Report, Reserve, Reserved, Shutdown, SlotState, SlotView, Status, Welcome, decode, encode)
+                       Report, Reserve, Reserved, Shutdown, SlotState, SlotView, Status, StoredFile, Welcome, decode, encode)
 from .segment import Mapping as SegmentMapping
+from .segment import path_of
 
 ALGORITHM = "xxh128"
+_CHUNK = 8 << 20
 
 
 class KeeperError(AsyncCheckpointError):
@@ -169,9 +171,10 @@ class KeeperClient:
         """Drop the uncommitted slot of a save that failed, freeing its memory."""
         self._call(Abandon(name, save_id))
 
-    def newest(self) -> "MemoryCopy | None":
-        """The newest committed slot, or None when the keeper holds none."""
-        reply = self._call(Newest())
+    def newest(self, *, lend: bool = False) -> "MemoryCopy | None":
+        """The newest committed slot, or None when the keeper holds none. ``lend``: the caller
+        hard-links its files (:meth:`MemoryCopy.link`), so the keeper never reuses their memory."""
+        reply = self._call(Newest(lend))
         return None if isinstance(reply, NoSlot) else MemoryCopy(reply)
 
     def status(self) -> KeeperState:
@@ -188,20 +191,25 @@ class KeeperClient:
 
 
 class Reservation:
-    """One rank's space in a slot, mapped writable: write the files, then :meth:`report`."""
+    """One rank's space in a slot, each file's segment mapped writable: write the files, then
+    :meth:`report`."""
 
     def __init__(self, client: KeeperClient, request: Reserve, reply: Reserved) -> None:
         self._client, self._request = client, request
-        self.segment = reply.segment
         self.places = {p.name: p for p in reply.files}
         self.sizes: dict[str, int] = {}
-        self._mapping = SegmentMapping(reply.segment, writable=True)
+        self._maps: dict[str, SegmentMapping] = {}
+        try:
+            for p in reply.files:
+                self._maps[p.name] = SegmentMapping(p.segment, writable=True)
+        except BaseException:
+            self.close()
+            raise
 
     def buffer(self, file: str) -> memoryview:
         """The file's space (its capacity), to write into in place; say its size at
-        :meth:`report`. Release the view before :meth:`report` (which unmaps the segment)."""
-        p = self.places[file]
-        return self._mapping.view[p.offset:p.offset + p.capacity]
+        :meth:`report`. Release the view before :meth:`report` (which unmaps the segments)."""
+        return self._maps[file].view[:self.places[file].capacity]
 
     def write(self, file: str, data) -> None:
         """Copy ``data`` (any bytes-like object) into the file's space: one memcpy."""
@@ -210,7 +218,7 @@ class Reservation:
         if view.nbytes > p.capacity:
             raise KeeperError(f"{file}: {view.nbytes} bytes do not fit the {p.capacity} reserved for it in "
                               f"{self._request.name}")
-        self._mapping.view[p.offset:p.offset + view.nbytes] = view
+        self._maps[file].view[:view.nbytes] = view
         self.sizes[file] = view.nbytes
 
     def report(self, sizes: Mapping[str, int] | None = None) -> SlotState:
@@ -222,15 +230,17 @@ class Reservation:
         for name, p in self.places.items():
             size = self.sizes.get(name, (sizes or {}).get(name, p.capacity))
             hasher = new_hasher(ALGORITHM)
-            hasher.update(self._mapping.view[p.offset:p.offset + size])
+            hasher.update(self._maps[name].view[:size])
             digests.append(FileDigest(name, size, hasher.hexdigest()))
-        self._mapping.close()
+        self.close()
         r = self._request
         return self._client._call(Report(r.name, r.save_id, r.rank, ALGORITHM, tuple(digests)))
 
     def close(self) -> None:
-        """Unmap the segment without reporting (a save that failed: :meth:`KeeperClient.abandon` it)."""
-        self._mapping.close()
+        """Unmap the segments without reporting (a save that failed: :meth:`KeeperClient.abandon` it)."""
+        for mapping in self._maps.values():
+            mapping.close()
+        self._maps.clear()
 
 
 class MemoryCopy:
@@ -243,7 +253,7 @@ class MemoryCopy:
         self.late = {f.name: base64.b64decode(f.data) for f in view.late}
         """The files its finalize steps wrote, given at the commit: path -> bytes."""
         self.ranks = {r.rank: r for r in view.ranks}
-        self._maps: dict[str, SegmentMapping] = {}
+        self._maps: list[SegmentMapping] = []
 
     def files(self, rank: int) -> list[str]:
         return [f.name for f in self.ranks[rank].files]
@@ -252,32 +262,72 @@ class MemoryCopy:
         """Rank ``rank``'s ``file``, a read-only view of the keeper's memory, after its size and
         checksum matched the rank's report; :class:`IntegrityError` naming the file and slot if
         not, or if its segment is gone."""
-        from ..persist.checksum import new_hasher
-
-        part = self.ranks[rank]
-        stored = next((f for f in part.files if f.name == file), None)
-        where = f"{file} of rank {rank} in memory checkpoint {self.name} (save {self.save_id}, segment {part.segment})"
-        if stored is None:
-            raise IntegrityError(f"{where}: no such file in the slot")
+        stored, where = self._stored(rank, file)
         try:
-            mapping = self._maps.get(part.segment) or SegmentMapping(part.segment, writable=False)
+            mapping = SegmentMapping(stored.segment, writable=False)
         except OSError as exc:
             raise IntegrityError(f"{where}: cannot be mapped ({exc})") from exc
-        self._maps[part.segment] = mapping
-        if stored.offset + stored.size > len(mapping.view):
-            raise IntegrityError(f"{where}: the segment has {len(mapping.view)} bytes, the file ends at "
-                                 f"{stored.offset + stored.size}")
-        data = mapping.view[stored.offset:stored.offset + stored.size]
+        try:
+            self._verify(mapping.view, stored, where)
+        except BaseException:
+            mapping.close()
+            raise
+        self._maps.append(mapping)
+        return mapping.view[:]
+
+    def link(self, rank: int, file: str, target: str) -> None:
+        """Make ``target`` a hard link to rank ``rank``'s ``file`` in the keeper's memory (same
+        tmpfs: no byte copied), after its size and checksum matched the rank's report;
+        :class:`IntegrityError` as :meth:`read`, with nothing left at ``target``. Ask for the
+        copy with ``newest(lend=True)``: the keeper then never reuses that memory."""
+        stored, where = self._stored(rank, file)
+        try:
+            os.link(path_of(stored.segment), target)
+        except FileNotFoundError as exc:
+            raise IntegrityError(f"{where}: the segment is gone") from exc
+        try:
+            self._verify_file(target, stored, where)
+        except BaseException:
+            os.unlink(target)
+            raise
+
+    def _stored(self, rank: int, file: str) -> tuple[StoredFile, str]:
+        stored = next((f for f in self.ranks[rank].files if f.name == file), None)
+        where = f"{file} of rank {rank} in memory checkpoint {self.name} (save {self.save_id}"
+        if stored is None:
+            raise IntegrityError(f"{where}): no such file in the slot")
+        return stored, f"{where}, segment {stored.segment})"
+
+    def _verify_file(self, path: str, stored: StoredFile, where: str) -> None:
+        """Hash ``path`` read in chunks into one buffer: on a loaded host, cheaper than mapping
+        a large file (its page tables made, then torn down) only to hash it once."""
+        from ..persist.checksum import new_hasher
+
+        hasher, size = new_hasher(self.algorithm), 0
+        buf = bytearray(min(_CHUNK, max(stored.size, 1)))
+        view = memoryview(buf)
+        with open(path, "rb", buffering=0) as f:
+            while n := f.readinto(buf):
+                hasher.update(view[:n])
+                size += n
+        self._check(size, hasher.hexdigest(), stored, where)
+
+    def _verify(self, data: memoryview, stored: StoredFile, where: str) -> None:
+        from ..persist.checksum import new_hasher
+
         hasher = new_hasher(self.algorithm)
         hasher.update(data)
-        if hasher.hexdigest() != stored.checksum:
-            data.release()
-            raise IntegrityError(f"{where}: {self.algorithm} {hasher.hexdigest()} does not match the "
+        self._check(len(data), hasher.hexdigest(), stored, where)
+
+    def _check(self, size: int, digest: str, stored: StoredFile, where: str) -> None:
+        if size != stored.size:
+            raise IntegrityError(f"{where}: the segment has {size} bytes, the file {stored.size}")
+        if digest != stored.checksum:
+            raise IntegrityError(f"{where}: {self.algorithm} {digest} does not match the "
                                  f"{stored.checksum} its rank reported: corrupted")
-        return data
 
     def close(self) -> None:
         """Unmap the segments (views from :meth:`read` must be released first)."""
-        for mapping in self._maps.values():
+        for mapping in self._maps:
             mapping.close()
         self._maps.clear()

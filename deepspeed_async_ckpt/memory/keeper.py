@@ -102,7 +102,7 @@ class Keeper:
         # Each request type -> (connection, request) -> reply.
         self._handlers = {Hello: self._hello, Reserve: table.reserve, Report: lambda _c, m: table.report(m),
                           Commit: lambda _c, m: table.commit(m), Abandon: lambda _c, m: table.abandon(m),
-                          Newest: lambda _c, _m: table.newest(), Status: lambda _c, _m: table.state(len(self.conns)),
+                          Newest: lambda _c, m: table.newest(m), Status: lambda _c, _m: table.state(len(self.conns)),
                           Shutdown: self._shutdown}
 
     def serve(self) -> None:

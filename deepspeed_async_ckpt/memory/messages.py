@@ -5,14 +5,15 @@ back into the same class. The keeper dispatches on the class, never on a string.
 Call order (which ranks make each call, on every node):
 
 1. (every rank) :class:`Hello` once per connection; the job's settings travel with it.
-2. (every rank of the node, per save) :class:`Reserve` its files' space in the save's slot,
-   write the bytes into the segment, then :class:`Report` their sizes and checksums. The
-   slot is *copied* once every rank in ``node_ranks`` reported.
+2. (every rank of the node, per save) :class:`Reserve` its files' space in the save's slot
+   (one segment per file), write the bytes into the segments, then :class:`Report` their
+   sizes and checksums. The slot is *copied* once every rank in ``node_ranks`` reported.
 3. (any rank, once every node has its slot copied: the job's global commit) :class:`Commit`,
    with the checkpoint's manifest: the keeper's pointer names the slot; older committed slots
    beyond ``keep_last`` are freed.
    :class:`Abandon` drops a save that failed instead.
-4. (a restarting rank) :class:`Newest`: the newest committed slot, each rank's files in it.
+4. (a restarting rank) :class:`Newest`: the newest committed slot, each rank's files in it;
+   a node's leader laying it out for a load asks with ``lend``.
 5. (the job's end, its last save persisted) :class:`Shutdown`.
 """
 
@@ -33,9 +34,11 @@ class FileSpace:
 
 @dataclass(frozen=True)
 class FilePlace:
-    """Where a file lies in its rank's segment: bytes ``[offset, offset + capacity)``."""
+    """Where a file is written: its own segment, of at least ``capacity`` bytes. At the
+    report the keeper cuts the segment to the file's size, so the segment *is* the file (a
+    restore hard-links it into the checkpoint directory it lays out)."""
     name: str
-    offset: int
+    segment: str
     capacity: int
 
 
@@ -49,9 +52,9 @@ class FileDigest:
 
 @dataclass(frozen=True)
 class StoredFile:
-    """A file of a copied slot, as a reader finds it."""
+    """A file of a copied slot, as a reader finds it: its segment holds exactly its bytes."""
     name: str
-    offset: int
+    segment: str
     size: int
     checksum: str
 
@@ -67,9 +70,8 @@ class InlineFile:
 
 @dataclass(frozen=True)
 class RankFiles:
-    """One rank's part of a slot: its segment and its files."""
+    """One rank's part of a slot: its files."""
     rank: int
-    segment: str
     files: tuple[StoredFile, ...]
 
 
@@ -121,7 +123,9 @@ class Abandon:
 
 @dataclass(frozen=True)
 class Newest:
-    pass
+    lend: bool = False
+    """The asker hard-links the slot's segments into a load's directory: the keeper never
+    gives them to a later save as spares (the loaded state may still map them)."""
 
 
 @dataclass(frozen=True)
@@ -145,7 +149,6 @@ class Welcome:
 
 @dataclass(frozen=True)
 class Reserved:
-    segment: str
     files: tuple[FilePlace, ...]
 
 

@@ -8,9 +8,11 @@ Which ranks do what (:func:`restore_from_memory`, every rank, two exchanges):
    checkpoint the tiers' rules would load (:func:`~..tiers.choose.newest_committed`) by
    :func:`memory_is_newer`; it proposes the slot (name, ``save_id``) or nothing.
 2. Each node's leader (its lowest rank) asks its own keeper for that slot, checks it holds
-   every file the node's ranks read (the manifest's, or its node's share of them), reads each
-   verified (:meth:`.client.MemoryCopy.read`) and writes it under :func:`restore_dir`, with the
-   manifest and the framework's pointer naming it. The other ranks wait in the exchange.
+   every file the node's ranks read (the manifest's, or its node's share of them), and lays
+   each out under :func:`restore_dir` as a hard link to the keeper's segment holding it,
+   verified against the rank's checksum (:meth:`.client.MemoryCopy.link`: the same tmpfs, no
+   byte copied), with the manifest and the framework's pointer naming it. The other ranks
+   wait in the exchange.
 3. If any node could not (no keeper: it died or the node was replaced; a copy failing its
    checksum; a file missing), every rank falls back to the checkpoint directory and the tiers
    as without the memory tier; rank 0 logs one line naming why (the file, where one failed).
@@ -106,7 +108,8 @@ class MemoryRestore:
 def laid_out(path: str) -> bool:
     """Whether ``path`` is a file of a memory checkpoint this process is loading: its bytes were
     verified against the keeper's checksums as they were laid out, and the framework's load may
-    map it (``torch.load(mmap=True)``: tmpfs pages, no second copy, no second hash)."""
+    map it (``torch.load(mmap=True)``: the keeper's own pages, no copy, no second hash; the
+    keeper never reuses them, see :class:`~.messages.Newest`)."""
     path = os.path.abspath(path)
     return any(path.startswith(d + os.sep) for d in _SERVING)
 
@@ -211,7 +214,7 @@ def _lay_out(save_dir: str, memory: Any, name: str, save_id: str, path: str, nod
     if client is None:
         raise IntegrityError(f"no memory keeper runs for {address.save_dir} on node {node}")
     try:
-        copy = client.newest()
+        copy = client.newest(lend=True)
     finally:
         client.close()
     if copy is None or (copy.name, copy.save_id) != (name, save_id):
@@ -227,22 +230,13 @@ def _lay_out(save_dir: str, memory: Any, name: str, save_id: str, path: str, nod
     late = [f for f in copy.manifest.get("late_files", ()) if f in where or f in copy.late]
     files = [f for f in files if f in where]  # from the ranks' parts; those given inline below
     files += [f for f in late if f not in files and f in where]
-    total = sum(where[f][1] for f in files)
     shutil.rmtree(path, ignore_errors=True)
     try:
-        free = shutil.disk_usage(SHM_DIR).free
-        if free < total:
-            raise IntegrityError(f"{SHM_DIR} has {free} bytes free, {name} needs {total} to be laid out")
         ckpt = os.path.join(path, name)
         for rel in files:
             target = os.path.join(ckpt, rel)
             os.makedirs(os.path.dirname(target), exist_ok=True)
-            data = copy.read(where[rel][0], rel)
-            try:
-                with open(target, "wb") as f:
-                    f.write(data)
-            finally:
-                data.release()
+            copy.link(where[rel][0], rel, target)
         manifest = dict(copy.manifest, late_files=late) if late else \
             {k: v for k, v in copy.manifest.items() if k != "late_files"}
         os.makedirs(os.path.join(ckpt, META_DIR), exist_ok=True)

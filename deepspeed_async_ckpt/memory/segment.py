@@ -39,6 +39,29 @@ def create(name: str, nbytes: int) -> int:
     return size
 
 
+def resize(name: str, nbytes: int) -> int:
+    """Give segment ``name`` (a spare) ``nbytes`` (rounded up to a page), its pages allocated:
+    the pages it already has are kept, the rest made or freed. Returns its size."""
+    size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    os.chmod(path_of(name), 0o600)
+    fd = os.open(path_of(name), os.O_RDWR)
+    try:
+        os.ftruncate(fd, size)
+        os.posix_fallocate(fd, 0, size)
+    finally:
+        os.close(fd)
+    return size
+
+
+def cut(name: str, size: int) -> int:
+    """Cut segment ``name`` to ``size`` bytes, a file's exact size (its pages beyond are
+    freed), and make it read-only (0400: a load's hard link to it cannot be opened for
+    writing); the bytes it holds now, whole pages."""
+    os.truncate(path_of(name), size)
+    os.chmod(path_of(name), 0o400)
+    return -(-size // PAGE) * PAGE
+
+
 def unlink(name: str) -> bool:
     """Remove segment ``name`` (its memory goes once no process maps it); False if it was gone."""
     try:
@@ -65,6 +88,9 @@ class Mapping:
             raise FileNotFoundError(errno.ENOENT, f"shared memory segment {path_of(name)} is gone") from exc
         try:
             size = os.fstat(fd).st_size
+            if size == 0:  # a file of no bytes: nothing to map
+                self._map, self.view = None, memoryview(b"")
+                return
             # Populated at map time: one call maps every page instead of a fault per 4 KiB page
             # during the copy (about 1.5x faster copies into 512 MiB on a 2-core VM).
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
@@ -75,7 +101,7 @@ class Mapping:
 
     def close(self) -> None:
         """Unmap it. Views handed out must be released first (else ``BufferError``)."""
+        self.view.release()
         if self._map is not None:
-            self.view.release()
             self._map.close()
             self._map = None

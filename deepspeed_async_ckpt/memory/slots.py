@@ -1,4 +1,4 @@
-"""The keeper's slots: one per checkpoint, holding each rank's segment and files, and the
+"""The keeper's slots: one per checkpoint, holding each rank's files (a segment each), and the
 rules that move a slot from *open* to *copied* to *committed* and free it.
 
 Pure bookkeeping run by the keeper's one thread (no locks); the only side effects are
@@ -9,15 +9,18 @@ creating and unlinking segments (:mod:`.segment`).
   connection closes holding a reservation it has not reported (its rank died mid-copy), and,
   at the next reservation for another save, when every connection that reserved in it is gone.
 - A slot is *copied* when every rank in its ``node_ranks`` reported every file it reserved,
-  with sizes within the reservation and checksums; *committed* only by an explicit
+  with sizes within the reservation and checksums; each file's segment is then cut to the
+  file's size, so that a restore can hard-link it as the file; *committed* only by an explicit
   :class:`~.messages.Commit` (the job's commit across nodes), which keeps the ``keep_last``
   newest committed slots and frees the others.
 - Every byte held counts against ``max_bytes``; a reservation beyond it is refused, naming
   ``async_checkpoint.memory.max_gb``.
 - The segments of a slot that ``keep_last`` retires are kept as spares and given to the next
-  reservation of about their size: its pages are already allocated and the rank's copy is the
-  only cost (a new 512 MiB segment takes 0.2-0.5 s to allocate on a 2-core VM). Spares count
-  as held; those no reservation fits are unlinked before a new segment is made.
+  reservation's files of about their size: their pages are already allocated and the rank's
+  copy is the only cost (allocating 512 MiB of fresh segment is a measurable part of a copy).
+  Spares count as held; those no file fits are unlinked before a new segment is made. The
+  segments of a slot a restore laid out (:class:`~.messages.Newest` with ``lend``) are
+  never spares: the loaded training state may map them still.
 """
 
 from __future__ import annotations
@@ -30,23 +33,25 @@ from dataclasses import dataclass, field
 from . import segment
 from .address import KeeperAddress
 from .config import KEY
-from .messages import (Abandon, Busy, Commit, Done, FileDigest, FilePlace, KeeperState, NoSlot, RankFiles,
+from .messages import (Abandon, Busy, Commit, Done, FileDigest, FilePlace, KeeperState, Newest, NoSlot, RankFiles,
                        Refused, Report, Reserve, Reserved, SlotState, SlotView, StoredFile)
 
 log = logging.getLogger("deepspeed_async_ckpt.memory.keeper")
 
 OPEN, COPIED, COMMITTED = "open", "copied", "committed"
-_ALIGN = 4096  # each file starts on a page: readers and O_DIRECT writers use it in place
 
 
 @dataclass
 class _Part:
-    """One rank's reservation in a slot."""
-    segment: str
-    nbytes: int
+    """One rank's reservation in a slot: a segment per file, ``held`` bytes each (whole pages)."""
     places: tuple[FilePlace, ...]
+    held: dict[str, int]
     conn: int
     digests: tuple[FileDigest, ...] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return sum(self.held.values())
 
 
 @dataclass
@@ -62,6 +67,8 @@ class Slot:
     late: tuple = ()
     stakes: set[int] = field(default_factory=set)
     """Connections that reserved in this slot and are still open."""
+    lent: bool = False
+    """A restore hard-linked its segments: they are unlinked when it goes, never spares."""
 
     @property
     def nbytes(self) -> int:
@@ -123,44 +130,58 @@ class SlotTable:
                            "that the slot was opened with")
         if req.rank in slot.parts:
             return Refused(f"{what}: the rank already reserved its files in this slot")
-        places, offset = [], 0
-        for f in req.files:
-            places.append(FilePlace(f.name, offset, f.capacity))
-            offset += -(-f.capacity // _ALIGN) * _ALIGN
-        asked = max(segment.PAGE, offset)
-        spare = self._spare(asked)
-        if spare is not None:
-            return self._add(slot, req.rank, conn, spare, places)
-        self._drop_spares()
-        if self.max_bytes is not None and self.held_bytes + asked > self.max_bytes:
-            return Refused(f"{KEY}.max_gb is {self.max_bytes / 2**30:g} ({self.max_bytes} bytes): {what} "
-                           f"asked {asked} bytes while the keeper holds {self.held_bytes} bytes "
-                           f"({self._count(COMMITTED)} committed checkpoint(s), keep_last={self.keep_last}, "
-                           f"and the one being written); raise {KEY}.max_gb or lower {KEY}.keep_last")
-        name = self.address.segment_name(self.pid, next(self._serial))
+        sizes = [max(segment.PAGE, -(-f.capacity // segment.PAGE) * segment.PAGE) for f in req.files]
+        taken = [self._spare(n) for n in sizes]
+        if None in taken:
+            self._drop_spares()  # those no file took: their memory goes before new segments come
+        if self.max_bytes is not None and self.held_bytes + sum(sizes) > self.max_bytes:
+            for spare in taken:  # reuse only saves time: within the bound, count every byte afresh
+                if spare is not None:
+                    segment.unlink(spare[0])
+            taken = [None] * len(sizes)
+            self._drop_spares()
+            if self.held_bytes + sum(sizes) > self.max_bytes:
+                return Refused(f"{KEY}.max_gb is {self.max_bytes / 2**30:g} ({self.max_bytes} bytes): {what} "
+                               f"asked {sum(sizes)} bytes while the keeper holds {self.held_bytes} bytes "
+                               f"({self._count(COMMITTED)} committed checkpoint(s), keep_last={self.keep_last}, "
+                               f"and the one being written); raise {KEY}.max_gb or lower {KEY}.keep_last")
+        asked = sum(n for n, spare in zip(sizes, taken) if spare is None)
+        made: list[str] = []
+        held: dict[str, int] = {}
+        places = []
         try:
-            nbytes = segment.create(name, asked)
+            for f, n, spare in zip(req.files, sizes, taken):
+                if spare is None:
+                    name = self.address.segment_name(self.pid, next(self._serial))
+                    made.append(name)
+                    held[name] = segment.create(name, n)
+                else:
+                    name = spare[0]
+                    held[name] = segment.resize(name, n)
+                places.append(FilePlace(f.name, name, f.capacity))
         except OSError as exc:
+            for name in made:
+                segment.unlink(name)
+            self.spares.extend(spare for spare in taken if spare is not None)
             if exc.errno != errno.ENOSPC:
                 raise
             return Refused(f"{what}: /dev/shm has no room for {asked} bytes ({segment.free_bytes()} free) while "
                            f"the keeper holds {self.held_bytes} bytes; lower {KEY}.keep_last or {KEY}.max_gb, "
                            "or enlarge /dev/shm")
-        return self._add(slot, req.rank, conn, (name, nbytes), places)
-
-    def _add(self, slot: Slot, rank: int, conn: int, seg: tuple[str, int], places: list[FilePlace]) -> Reserved:
         if not slot.parts:
             self.slots.append(slot)
-        slot.parts[rank] = _Part(seg[0], seg[1], tuple(places), conn)
+        slot.parts[req.rank] = _Part(tuple(places), held, conn)
         slot.stakes.add(conn)
-        return Reserved(seg[0], tuple(places))
+        return Reserved(tuple(places))
 
     def _spare(self, nbytes: int) -> tuple[str, int] | None:
-        """The smallest spare that holds ``nbytes`` without wasting more than an eighth (or 1 MiB)."""
-        fits = [s for s in self.spares if nbytes <= s[1] <= nbytes + max(nbytes // 8, 1 << 20)]
+        """The spare closest in size to ``nbytes``, within an eighth (or 1 MiB) either way: a
+        retired file of the same name and about the same size, where the model did not change."""
+        slack = max(nbytes // 8, 1 << 20)
+        fits = [s for s in self.spares if abs(s[1] - nbytes) <= slack]
         if not fits:
             return None
-        best = min(fits, key=lambda s: s[1])
+        best = min(fits, key=lambda s: abs(s[1] - nbytes))
         self.spares.remove(best)
         return best
 
@@ -189,6 +210,9 @@ class SlotTable:
                 return Refused(f"{what}: {d.name} has {d.size} bytes, reserved {space[d.name]}")
         slot.algorithm = req.algorithm
         part.digests = tuple(req.files)
+        for d in req.files:  # the segment is the file from now on
+            seg = next(p.segment for p in part.places if p.name == d.name)
+            part.held[seg] = segment.cut(seg, d.size)
         if not slot.missing:
             slot.state = COPIED
             log.info("%s (save %s) copied by every rank of the node %s", slot.name, slot.save_id,
@@ -219,13 +243,16 @@ class SlotTable:
             return Refused(f"{req.name} (save {req.save_id}) is committed; it is freed by keep_last only")
         return Done()
 
-    def newest(self) -> SlotView | NoSlot:
+    def newest(self, req: Newest = Newest()) -> SlotView | NoSlot:
         committed = [s for s in self.slots if s.state == COMMITTED]
         if not committed:
             return NoSlot()
         s = max(committed, key=lambda s: s.committed_seq)
-        ranks = tuple(RankFiles(r, p.segment, tuple(
-            StoredFile(d.name, place.offset, d.size, d.checksum)
+        if req.lend and not s.lent:
+            s.lent = True
+            log.info("%s (save %s) lent to a load: its segments will not be reused", s.name, s.save_id)
+        ranks = tuple(RankFiles(r, tuple(
+            StoredFile(d.name, place.segment, d.size, d.checksum)
             for place in p.places for d in p.digests if d.name == place.name))
             for r, p in sorted(s.parts.items()))
         return SlotView(s.name, s.save_id, s.algorithm, ranks, s.manifest, s.late)
@@ -258,11 +285,12 @@ class SlotTable:
 
     def _drop(self, slot: Slot, why: str, spare: bool = False) -> None:
         """Free ``slot``; its segments become spares (``spare``: a committed slot, written by no
-        rank any more) or are unlinked."""
+        rank any more, that no load has mapped) or are unlinked."""
         for part in slot.parts.values():
-            if spare:
-                self.spares.append((part.segment, part.nbytes))
-            else:
-                segment.unlink(part.segment)
+            for seg, held in part.held.items():
+                if spare and not slot.lent:
+                    self.spares.append((seg, held))
+                else:
+                    segment.unlink(seg)
         self.slots.remove(slot)
         log.info("%s (save %s, %s) freed: %s", slot.name, slot.save_id, slot.state, why)

@@ -12,6 +12,8 @@ import torch
 
 from _memory import CONFIG, corrupt_in_memory, fill_keeper, kill_keepers, restore_dirs
 from deepspeed_async_ckpt.commit.verify import verify_checkpoint
+from deepspeed_async_ckpt.memory import segment
+from deepspeed_async_ckpt.memory.client import KeeperClient
 from deepspeed_async_ckpt.memory.restore import Held, laid_out, memory_is_newer, restore_from_memory
 from deepspeed_async_ckpt.tiers.choose import newest_committed
 from helpers import make, save_small
@@ -85,6 +87,12 @@ def test_a_newer_memory_checkpoint_is_laid_out_bytewise_and_removed_after(save_d
     assert memory is not None and memory.name == "step2"
     ckpt = os.path.join(memory.load_dir, "step2")
     assert open(os.path.join(ckpt, "model.pt"), "rb").read() == original
+    client = KeeperClient.find(save_dir)
+    held = {f.name: f.segment for part in client.newest().ranks.values() for f in part.files}
+    client.close()
+    # no byte copied: the file is the keeper's segment, hard-linked, read-only
+    assert os.stat(os.path.join(ckpt, "model.pt")).st_ino == os.stat(segment.path_of(held["model.pt"])).st_ino
+    assert os.stat(os.path.join(ckpt, "model.pt")).st_mode & 0o777 == 0o400
     assert open(os.path.join(memory.load_dir, "latest")).read() == "step2"
     verify_checkpoint(ckpt)  # the disk manifest's checksums, over the laid-out copy
     assert torch.load(os.path.join(ckpt, "model.pt"))["w"].shape == (16,)

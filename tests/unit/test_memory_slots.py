@@ -8,7 +8,7 @@ import pytest
 
 from deepspeed_async_ckpt.memory import segment
 from deepspeed_async_ckpt.memory.address import KeeperAddress
-from deepspeed_async_ckpt.memory.messages import (Abandon, Busy, Commit, Done, FileDigest, FileSpace, NoSlot, Refused,
+from deepspeed_async_ckpt.memory.messages import (Abandon, Busy, Commit, Done, FileDigest, FileSpace, Newest, NoSlot, Refused,
                                                   Report, Reserve, Reserved, SlotView)
 from deepspeed_async_ckpt.memory.slots import SlotTable
 
@@ -44,10 +44,13 @@ def save(t, name, ranks=(0, 1), nbytes=1000):
 
 def test_a_slot_is_copied_only_when_every_rank_of_the_node_reported_and_committed_only_when_asked(table):
     r0 = reserve(table, "s1", 0, {"a.pt": 5000, "b.pt": 10})
-    assert [(p.name, p.offset, p.capacity) for p in r0.files] == [("a.pt", 0, 5000), ("b.pt", 8192, 10)]
-    assert os.path.getsize(segment.path_of(r0.segment)) == 3 * 4096
+    assert [(p.name, p.capacity) for p in r0.files] == [("a.pt", 5000), ("b.pt", 10)]
+    segs = [p.segment for p in r0.files]  # a segment per file, whole pages, allocated
+    assert len(set(segs)) == 2 and [os.path.getsize(segment.path_of(n)) for n in segs] == [2 * 4096, 4096]
     reserve(table, "s1", 1, {"c.pt": 10})
     assert report(table, "s1", 0, {"a.pt": 4000, "b.pt": 10}).state == "open"
+    # reported: each segment is cut to its file's size, so that a load can hard-link it as the file
+    assert [os.path.getsize(segment.path_of(n)) for n in segs] == [4000, 10]
     refused = table.commit(Commit("s1"))
     assert isinstance(refused, Refused) and "ranks [1] of the node have not copied" in refused.reason
     assert isinstance(table.newest(), NoSlot)
@@ -57,8 +60,8 @@ def test_a_slot_is_copied_only_when_every_rank_of_the_node_reported_and_committe
     view = table.newest()
     assert isinstance(view, SlotView) and (view.name, view.save_id, view.algorithm) == ("s1", "id-s1", "xxh128")
     assert view.manifest == {"save_id": "id-s1"}  # the checkpoint's manifest comes back with it
-    assert [(f.name, f.offset, f.size, f.checksum) for f in view.ranks[0].files] == [
-        ("a.pt", 0, 4000, "sum-a.pt"), ("b.pt", 8192, 10, "sum-b.pt")]
+    assert [(f.name, f.segment, f.size, f.checksum) for f in view.ranks[0].files] == [
+        ("a.pt", segs[0], 4000, "sum-a.pt"), ("b.pt", segs[1], 10, "sum-b.pt")]
 
 
 @pytest.mark.parametrize("files, message", [
@@ -73,7 +76,7 @@ def test_a_report_that_does_not_match_the_reservation_is_refused(table, files, m
 
 
 def test_keep_last_frees_older_committed_slots_and_the_next_save_reuses_their_segments(table):
-    first = [reserve(table, "s0", r, {f"r{r}.pt": 1000}).segment for r in (0, 1)]
+    first = [reserve(table, "s0", r, {f"r{r}.pt": 1000}).files[0].segment for r in (0, 1)]
     for r in (0, 1):
         report(table, "s0", r, {f"r{r}.pt": 1000})
     table.commit(Commit("s0"))
@@ -82,12 +85,23 @@ def test_keep_last_frees_older_committed_slots_and_the_next_save_reuses_their_se
     assert [s.name for s in table.slots] == ["s2", "s3"]
     # keep_last slots plus one slot's worth of spares (the next save's), two ranks' segments each
     assert len(table.address.segments_on_node()) == 6 and len(table.spares) == 2
-    assert first[0] in [p.segment for s in table.slots for p in s.parts.values()]  # s2 took s0's
+    assert first[0] in [f.segment for s in table.slots for p in s.parts.values() for f in p.places]  # s2 took s0's
     table.configure(keep_last=1, max_bytes=None)
     assert [s.name for s in table.slots] == ["s3"] and table.newest().name == "s3"
     assert len(table.spares) == 4 and table.held_bytes == 6 * 4096
     reserve(table, "s4", 0, {"big.pt": 1 << 21}, (0,))  # fits no spare: the spares go, a new segment comes
     assert table.spares == [] and len(table.address.segments_on_node()) == 3
+
+
+def test_the_segments_of_a_slot_lent_to_a_load_are_never_reused(table):
+    save(table, "s1")
+    lent = [f.segment for part in table.newest(Newest(lend=True)).ranks for f in part.files]
+    save(table, "s2")
+    save(table, "s3")  # keep_last=2 retires s1: a load may still map its segments
+    assert [s.name for s in table.slots] == ["s2", "s3"] and table.spares == []
+    assert not set(lent) & set(table.address.segments_on_node())
+    save(table, "s4")  # s2, never lent, is the next save's spare as before
+    assert len(table.spares) == 2
 
 
 def test_a_reservation_over_max_gb_is_refused_naming_the_setting_and_the_bytes(table):
