@@ -11,8 +11,6 @@ the output says so) and right after from a warm one. Prints a table and writes J
 
 from __future__ import annotations
 
-import argparse
-import copy
 import json
 import os
 import shutil
@@ -21,55 +19,21 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)  # this checkout's package, before an installed one
+from deepspeed_async_ckpt.bench import one_rank  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=15, help="15 x hidden 2048: a 0.96 GB checkpoint")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--work-dir", default=os.path.join(REPO, "bench_out", "load"))
-    p.add_argument("--out", default=None, help="JSON file for the results")
-    args = p.parse_args(argv)
+    args = one_rank.arguments(__doc__, os.path.join(REPO, "bench_out", "load")).parse_args(argv)
+    from deepspeed_async_ckpt.tools.launch import scratch_dir
 
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    sys.path.insert(0, REPO)  # this checkout's package, before an installed one
-    from deepspeed_async_ckpt.tools.launch import free_port, scratch_dir  # a fixed port failed when another run held it
-
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
-                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
-    import deepspeed
-    import torch
-
-    import deepspeed_async_ckpt
-    from deepspeed_async_ckpt.bench.model import build_model
-
-    deepspeed_async_ckpt.install()
-    deepspeed.init_distributed(dist_backend="gloo")
-    base = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
-            "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}}}
+    one_rank.init_one_rank()
 
     def engine(async_on: bool, verify: bool = True):
-        config = copy.deepcopy(base)
-        if async_on:
-            config["async_checkpoint"] = {"enabled": True, "verify_on_load": verify}
-        torch.manual_seed(0)
-        model = build_model(args.hidden, args.layers)
-        eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
-        loss = eng(torch.randn(2, args.hidden)).sum()
-        eng.backward(loss)
-        eng.step()
-        return eng
+        return one_rank.zero1_engine(args.hidden, args.layers, {"enabled": True, "verify_on_load": verify} if async_on else None)
 
     def drop_caches() -> bool:
-        os.sync()
-        try:
-            with open("/proc/sys/vm/drop_caches", "w") as f:
-                f.write("3\n")
-            return True
-        except OSError:
-            return False
+        return one_rank.drop_page_cache(args.work_dir) == "drop_caches"
 
     args.work_dir = scratch_dir(args.work_dir)  # refuses a directory these scripts did not make
     ours, theirs = os.path.join(args.work_dir, "async"), os.path.join(args.work_dir, "torch")

@@ -16,8 +16,6 @@ table and writes JSON; the keeper is shut down at the end.
 
 from __future__ import annotations
 
-import argparse
-import copy
 import json
 import os
 import shutil
@@ -26,82 +24,19 @@ import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def drop_page_cache(root: str) -> str:
-    """Drop ``root``'s files from the page cache; how it was done."""
-    os.sync()
-    try:
-        with open("/proc/sys/vm/drop_caches", "w") as f:
-            f.write("3\n")
-        return "drop_caches"
-    except OSError:
-        pass
-    for d, _, files in os.walk(root):
-        for name in files:
-            fd = os.open(os.path.join(d, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-    return "posix_fadvise(POSIX_FADV_DONTNEED)"
-
-
-def fill_keeper(save_dir: str, ckpt_dir: str, memory) -> object:
-    """Copy the committed ``ckpt_dir`` into ``save_dir``'s keeper (rank 0's part of the slot)
-    and commit it with its manifest; the connected client."""
-    from deepspeed_async_ckpt.commit.manifest import read_manifest
-    from deepspeed_async_ckpt.memory.client import KeeperClient
-
-    manifest = read_manifest(ckpt_dir)
-    name = os.path.basename(ckpt_dir)
-    client = KeeperClient.connect(save_dir, memory)
-    sizes = {rel: os.path.getsize(os.path.join(ckpt_dir, rel)) for rel in manifest["files"]}
-    res = client.reserve(name, manifest["save_id"], 0, (0,), sizes)
-    for rel in sizes:
-        with open(os.path.join(ckpt_dir, rel), "rb") as f:
-            res.write(rel, f.read())
-    res.report()
-    client.commit(name, manifest["save_id"], manifest)
-    return client
+sys.path.insert(0, REPO)  # this checkout's package, before an installed one
+from deepspeed_async_ckpt.bench import one_rank  # noqa: E402
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--hidden", type=int, default=2048)
-    p.add_argument("--layers", type=int, default=15, help="15 x hidden 2048: a 0.96 GB checkpoint")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--work-dir", default=os.path.join(REPO, "bench_out", "memory_load"))
-    p.add_argument("--out", default=None, help="JSON file for the results")
-    args = p.parse_args(argv)
-
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
-    sys.path.insert(0, REPO)  # this checkout's package, before an installed one
-    from deepspeed_async_ckpt.tools.launch import free_port, scratch_dir
-
-    for key, value in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", str(free_port())), ("RANK", "0"),
-                       ("WORLD_SIZE", "1"), ("LOCAL_RANK", "0")):
-        os.environ.setdefault(key, value)
-    import deepspeed
-    import torch
-
-    import deepspeed_async_ckpt
+    args = one_rank.arguments(__doc__, os.path.join(REPO, "bench_out", "memory_load")).parse_args(argv)
     from deepspeed_async_ckpt.agreement import alone
-    from deepspeed_async_ckpt.bench.model import build_model
     from deepspeed_async_ckpt.memory.config import MemoryConfig
     from deepspeed_async_ckpt.memory.restore import restore_from_memory
+    from deepspeed_async_ckpt.tools.launch import scratch_dir
 
-    deepspeed_async_ckpt.install()
-    deepspeed.init_distributed(dist_backend="gloo")
-    config = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 1},
-              "optimizer": {"type": "Adam", "params": {"lr": 1e-3, "torch_adam": True}},
-              "async_checkpoint": {"enabled": True, "verify_on_load": True}}
-    torch.manual_seed(0)
-    model = build_model(args.hidden, args.layers)
-    eng, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=copy.deepcopy(config))
-    eng.backward(eng(torch.randn(2, args.hidden)).sum())
-    eng.step()
+    one_rank.init_one_rank()
+    eng = one_rank.zero1_engine(args.hidden, args.layers, {"enabled": True, "verify_on_load": True})
 
     args.work_dir = scratch_dir(args.work_dir)  # refuses a directory these scripts did not make
     save_dir = os.path.join(args.work_dir, "ckpt")
@@ -112,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
     ckpt_dir = os.path.join(save_dir, tag)
     nbytes = sum(os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(ckpt_dir) for f in fs)
     on, off = MemoryConfig(enabled=True, idle_timeout_s=600), MemoryConfig(enabled=False)
-    client = fill_keeper(save_dir, ckpt_dir, on)
+    client = one_rank.fill_keeper(save_dir, ckpt_dir, on)
     try:
         def use(memory):
             object.__setattr__(checkpointer.config, "memory", memory)
@@ -121,7 +56,7 @@ def main(argv: list[str] | None = None) -> int:
         how = ""
         for _ in range(args.repeats):
             use(off)
-            how = drop_page_cache(save_dir)
+            how = one_rank.drop_page_cache(save_dir)
             t0 = time.perf_counter()
             eng.load_checkpoint(save_dir)
             times["disk cold"].append(time.perf_counter() - t0)
@@ -129,7 +64,7 @@ def main(argv: list[str] | None = None) -> int:
             eng.load_checkpoint(save_dir)
             times["disk warm"].append(time.perf_counter() - t0)
             use(on)
-            drop_page_cache(save_dir)  # the memory load gets no help from a warm disk copy
+            one_rank.drop_page_cache(save_dir)  # the memory load gets no help from a warm disk copy
             t0 = time.perf_counter()
             path, _ = eng.load_checkpoint(save_dir)
             times["memory"].append(time.perf_counter() - t0)

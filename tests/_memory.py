@@ -1,14 +1,12 @@
 """Helpers for the memory tier's load tests: a committed checkpoint on disk copied into its
-save directory's keeper with the contract's names (each rank's files in its part of the slot,
-the files no rank owns in the first rank's, the disk manifest given at the commit), the
-keepers of a save directory found and killed, the restore directories counted."""
+save directory's keeper (:func:`deepspeed_async_ckpt.bench.one_rank.fill_keeper`), a byte of it
+corrupted, the keepers of a save directory found and killed, the restore directories counted."""
 
 import os
-import re
 import signal
 import time
 
-from deepspeed_async_ckpt.commit.manifest import read_manifest
+from deepspeed_async_ckpt.bench import one_rank
 from deepspeed_async_ckpt.memory import segment
 from deepspeed_async_ckpt.memory.address import SHM_DIR, KeeperAddress
 from deepspeed_async_ckpt.memory.client import KeeperClient
@@ -18,35 +16,10 @@ from deepspeed_async_ckpt.memory.restore import RESTORE_PREFIX
 CONFIG = MemoryConfig(enabled=True, keep_last=2, idle_timeout_s=120)
 
 
-def owner(rel: str, ranks) -> int:
-    """The rank whose part of the slot holds ``rel``: DeepSpeed's ``zero_pp_rank_<r>_`` files
-    their rank's, every other file the first rank's."""
-    match = re.match(r"(?:bf16_)?zero_pp_rank_(\d+)_", os.path.basename(rel))
-    rank = int(match.group(1)) if match else ranks[0]
-    return rank if rank in ranks else ranks[0]
-
-
 def fill_keeper(save_dir: str, ckpt_dir: str, ranks=(0,), config: MemoryConfig = CONFIG,
                 late=()) -> KeeperClient:
-    """Copy the committed ``ckpt_dir`` (of ``save_dir``) into ``save_dir``'s keeper, started if
-    none runs, and commit it there with its manifest; the client, connected. ``late``: files
-    of ``ckpt_dir`` copied too and listed as the manifest's ``late_files`` (written after the
-    commit, as megatron-core's markers are)."""
-    manifest = read_manifest(ckpt_dir)
-    if late:
-        manifest = dict(manifest, late_files=sorted(late))
-    name = os.path.basename(ckpt_dir)
-    client = KeeperClient.connect(save_dir, config)
-    parts = {r: [rel for rel in [*manifest["files"], *late] if owner(rel, ranks) == r] for r in ranks}
-    for rank, files in parts.items():
-        sizes = {rel: os.path.getsize(os.path.join(ckpt_dir, rel)) for rel in files}
-        res = client.reserve(name, manifest["save_id"], rank, tuple(ranks), sizes)
-        for rel in files:
-            with open(os.path.join(ckpt_dir, rel), "rb") as f:
-                res.write(rel, f.read())
-        res.report()
-    client.commit(name, manifest["save_id"], manifest)
-    return client
+    """:func:`deepspeed_async_ckpt.bench.one_rank.fill_keeper` with the tests' keeper settings."""
+    return one_rank.fill_keeper(save_dir, ckpt_dir, config, ranks=ranks, late=late)
 
 
 def corrupt_in_memory(client: KeeperClient, rel: str) -> None:
@@ -55,6 +28,7 @@ def corrupt_in_memory(client: KeeperClient, rel: str) -> None:
     for part in copy.ranks.values():
         for f in part.files:
             if f.name == rel:
+                os.chmod(segment.path_of(f.segment), 0o600)  # the keeper made it read-only
                 with open(segment.path_of(f.segment), "r+b") as seg:
                     seg.seek(f.size // 2)
                     byte = seg.read(1)

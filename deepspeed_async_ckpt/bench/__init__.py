@@ -9,6 +9,7 @@
 - :mod:`.engines`, :mod:`.sizing`: the engines and settings compared, layers for a size;
 - :mod:`.gpu_report`, :mod:`.machine`: the NVML report, what machine a run used;
 - :mod:`.logs`: the closing lines of a device check's logs;
+- :mod:`.one_rank`: the load benchmarks' one DeepSpeed rank, and a checkpoint copied into a keeper;
 - :mod:`.adapters`, :mod:`.usage`, :mod:`.model`: how a benchmark rank saves with each engine,
   what it used, the model it trains (these three import torch).
 
