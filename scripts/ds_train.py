@@ -24,6 +24,7 @@ import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's package
 from deepspeed_async_ckpt.bench.model import batch, build_model  # noqa: E402
+from deepspeed_async_ckpt.commit.nodes import node_of  # noqa: E402
 from deepspeed_async_ckpt.tools.launch import NON_NEGATIVE, POSITIVE, _seconds  # noqa: E402
 
 
@@ -50,14 +51,16 @@ def wait_for_pointer(save_dir: str, timeout_s: float) -> bool:
     return True
 
 
-def wait_for_memory(save_dir: str, tag: str, timeout_s: float) -> bool:
-    """Whether the node's memory keeper (``async_checkpoint.memory``) commits ``tag`` within
-    ``timeout_s`` seconds (or already holds a newer one: then it committed that first)."""
+def wait_for_memory(save_dir: str, tag: str, timeout_s: float, node: int = 0) -> bool:
+    """Whether node ``node``'s memory keeper (``async_checkpoint.memory``) commits ``tag``
+    within ``timeout_s`` seconds (or already holds a newer one: then it committed that first).
+    Each rank waits for its own node's; the save that follows is collective, so no rank goes
+    past it before every node's keeper committed."""
     from deepspeed_async_ckpt.memory.client import KeeperClient
 
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        name = KeeperClient.newest_name(save_dir)
+        name = KeeperClient.newest_name(save_dir, node=node)
         if name is not None and int(name[len("global_step"):]) >= int(tag[len("global_step"):]):
             return True
         time.sleep(0.05)
@@ -98,7 +101,7 @@ def main(argv=None) -> int:
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    rank = torch.distributed.get_rank()
+    rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     torch.manual_seed(1234)
     model = build_model(args.hidden, args.layers, args.pipeline_stages)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=config)
@@ -149,7 +152,7 @@ def main(argv=None) -> int:
             memory = config.get("async_checkpoint", {}).get("memory", {}).get("enabled", False)
             if kill and not (wait_for_pointer(args.save_dir, args.commit_timeout) and (
                     not memory or wait_for_memory(args.save_dir, f"global_step{step + 1 - args.save_every}",
-                                                  args.commit_timeout))):
+                                                  args.commit_timeout, node_of(rank, world_size)))):
                 emit(event="no_commit", step=step + 1, timeout_s=args.commit_timeout)
                 print(f"rank {rank}: no checkpoint committed in {args.save_dir} within "
                       f"{args.commit_timeout:g} s before the kill at step {step + 1}", file=sys.stderr,

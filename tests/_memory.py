@@ -70,5 +70,6 @@ def kill_keepers(save_dir: str) -> None:
     deadline = time.monotonic() + 10
     while keeper_pids(save_dir) and time.monotonic() < deadline:
         time.sleep(0.02)
-    for name in KeeperAddress.of(save_dir).segments_on_node():
-        segment.unlink(name)
+    for node in range(4):  # the tests' jobs span at most four nodes on this host
+        for name in KeeperAddress.of(save_dir, node=node).segments_on_node():
+            segment.unlink(name)

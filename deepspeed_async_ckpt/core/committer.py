@@ -39,7 +39,7 @@ from ..commit.exchange import LEADER_WAIT_FACTOR, StoreExchange
 from ..commit.nodes import default_store, node_leader, node_of
 from ..commit.records import DirectoryExchange, rank_record
 from ..config import AsyncCheckpointConfig
-from ..errors import ConfigError, DurabilityError
+from ..errors import CommitError, ConfigError, DurabilityError
 from ..memory.client import KeeperError
 from ..persist import FileEntry
 from ..qos import lower_this_thread
@@ -200,6 +200,8 @@ class Committer:
                     timeout_s=LEADER_WAIT_FACTOR * cfg.commit_timeout_s, poll_delay=poll_delay)
                 commit_on_node(self._storage, handle.write_dir, manifest, pointer=handle.pointer,
                                replaces=handle.ckpt_dir if swap else None, late=late)
+            elif self._memory is not None and self._memory.awaits_commit:
+                self._await_slot(handle)
             job.times["committed"] = time.perf_counter()
             if manifest is not None and handle.pointer is not None:
                 self._retention.pointer_moved(handle)
@@ -249,6 +251,21 @@ class Committer:
                 raise
             logger.warning("async checkpoint: %s is committed on disk but not in the memory keeper: %s",
                            handle.tag, exc)
+            self._memory.abandon(handle)
+            return
+        job.times["memory_committed"] = time.perf_counter()
+
+    def _await_slot(self, handle: CheckpointHandle) -> None:
+        """A node's leader other than rank 0's: its node's slot, once rank 0 says the job
+        committed ``handle``; as :meth:`_commit_slot` when the keeper or rank 0's word fails."""
+        job = self._saves.job(handle)
+        try:
+            self._memory.await_commit(handle)
+        except (CommitError, KeeperError, OSError) as exc:
+            if job.memory_only:
+                raise
+            logger.warning("async checkpoint: %s is committed on disk but not in node %d's memory keeper: %s",
+                           handle.tag, self._node, exc)
             self._memory.abandon(handle)
             return
         job.times["memory_committed"] = time.perf_counter()

@@ -16,12 +16,20 @@ Call order, per save::
                                      checkpoint directory
     (rank 0, committer thread)       the job's commit: the manifest, written for a persist
                                      save, kept in memory (:class:`ManifestOnly`) for a
-                                     memory-only one; then commit_slot() with it
-    (any rank, on failure)           abandon() the slot
+                                     memory-only one; then commit_slot() with it, which also
+                                     tells the other nodes' leaders (the process group's store)
+    (each other node's leader,       await_commit(): rank 0's word, then its own node's slot
+     committer thread)               committed with the same manifest and late files
+    (any rank, on failure)           abandon() the slot (rank 0: the other leaders abandon theirs)
     (rank 0, close)                  close(): shutdown() of the keeper once the last save persisted
 
-One node: rank 0 leads it and commits its slot once every rank's record is there, which each
-rank publishes only after reporting its files to the keeper (the slot is copied by then).
+Each node runs its own keeper (:class:`~..memory.address.KeeperAddress` by node index) and
+holds its own ranks' files. Rank 0 commits the job's save once every rank's record is there,
+which each rank publishes only after reporting its files to its node's keeper: every node's
+slot is copied by then. Rank 0's node commits its slot first and each other node's leader
+commits its own once rank 0 says so, so a node's keeper never names a checkpoint the job did
+not commit. A crash between two nodes' commits leaves the nodes' newest apart: the restore then
+finds the slot on one node only and loads from disk.
 """
 
 from __future__ import annotations
@@ -32,17 +40,16 @@ import threading
 from typing import Any, Mapping
 
 from ..commit.exchange import StoreExchange
-from ..commit.nodes import default_store, local_world_size, node_count
-from ..errors import ConfigError
+from ..commit.nodes import default_store, local_world_size, node_count, node_leader, node_of
 from ..memory.client import KeeperClient, KeeperError, Reservation
-from ..memory.config import KEY, MemoryConfig
+from ..memory.config import MemoryConfig
 
 logger = logging.getLogger(__name__)
 
 
 class _NodeStoreExchange(StoreExchange):
-    """The records of memory-only saves, through the process group's store: one node, one
-    manifest (nothing is told to other nodes)."""
+    """The records of memory-only saves, through the process group's store: one manifest for
+    the job; rank 0's word to the other nodes' leaders goes through the same store."""
 
     node_local = False
 
@@ -82,15 +89,15 @@ def slot_name(save: Any) -> str:
 
 
 class MemorySaves:
-    """The memory tier of one checkpointer (rank ``rank`` of ``world_size``, on one node)."""
+    """The memory tier of one checkpointer (rank ``rank`` of ``world_size``)."""
 
     def __init__(self, config: MemoryConfig, *, rank: int, world_size: int, commit_timeout_s: float) -> None:
-        if node_count(world_size) > 1:
-            raise ConfigError(f"{KEY}.enabled: the memory tier serves one node for now, and these "
-                              f"{world_size} ranks span {node_count(world_size)} ({local_world_size(world_size)} "
-                              "per node); turn it off to save on several nodes")
         self.config, self.rank, self.world_size = config, rank, world_size
-        self.node_ranks = tuple(range(local_world_size(world_size)))
+        self.node, self.nodes = node_of(rank, world_size), node_count(world_size)
+        first = node_leader(rank, world_size)
+        self.node_ranks = tuple(range(first, min(first + local_world_size(world_size), world_size)))
+        self.awaits_commit = self.node != 0 and rank == first
+        """This rank leads a node other than rank 0's: it commits its node's slot on rank 0's word."""
         self._wait_s = commit_timeout_s
         self._count = 0
         self._clients: dict[tuple[str, str], KeeperClient] = {}
@@ -137,36 +144,57 @@ class MemorySaves:
     # committer thread -----------------------------------------------------------------
     def commit_slot(self, save: Any, manifest: dict, late: Mapping[str, bytes] | None = None) -> None:
         """Rank 0, once the job committed ``save``: the slot, with its manifest and the files
-        its finalize steps wrote (``late``: path in the checkpoint -> bytes)."""
+        its finalize steps wrote (``late``: path in the checkpoint -> bytes); then the other
+        nodes' leaders are told to commit theirs."""
+        self._client(save, "commit").commit(slot_name(save), save.save_id, manifest=manifest, late=late)
+        if self.nodes > 1:
+            self.exchange.tell_nodes(save.save_id, {n: manifest for n in range(1, self.nodes)}, dict(late or {}))
+
+    def await_commit(self, save: Any) -> None:
+        """A node's leader other than rank 0's (:attr:`awaits_commit`): wait for rank 0's word
+        on ``save`` (up to twice ``commit_timeout_s``), then commit this node's slot with the
+        job's manifest and late files. ``CommitError`` if rank 0 says the save failed or says
+        nothing in time (the slot is then abandoned by the caller)."""
+        manifest, late = self.exchange.await_commit(
+            save.write_dir, tag=save.tag, save_id=save.save_id, node=self.node, timeout_s=2 * self._wait_s,
+            poll_delay=lambda waited: min(0.05, 0.001 + waited / 10))
         self._client(save, "commit").commit(slot_name(save), save.save_id, manifest=manifest, late=late)
 
     def abandon(self, save: Any) -> None:
-        """The save failed: free its slot (whatever was copied of it). Never raises."""
+        """The save failed: free its slot (whatever was copied of it); rank 0 also tells the
+        other nodes' leaders, which abandon theirs. Never raises."""
         try:
             self._client(save, "commit").abandon(slot_name(save), save.save_id)
         except (KeeperError, OSError) as exc:
             logger.info("async checkpoint: memory slot %s (save %s) not abandoned: %s", slot_name(save),
                         save.save_id, exc)
+        if self.rank == 0 and self.nodes > 1:
+            try:
+                self.exchange.tell_nodes_failed(save.save_id, f"memory slot {slot_name(save)} abandoned on rank 0")
+            except (OSError, RuntimeError) as exc:  # the store gone: they then time out
+                logger.info("async checkpoint: the other nodes not told of %s's failure: %s", save.save_id, exc)
 
     def _client(self, save: Any, use: str) -> KeeperClient:
         save_dir = os.path.dirname(save.ckpt_dir)
         with self._lock:
             client = self._clients.get((save_dir, use))
             if client is None:
-                client = self._clients[(save_dir, use)] = KeeperClient.connect(save_dir, self.config)
+                client = self._clients[(save_dir, use)] = KeeperClient.connect(save_dir, self.config,
+                                                                                node=self.node)
             return client
 
     # close -------------------------------------------------------------------------
     def close(self, persisted: bool) -> None:
-        """Rank 0, when the last save ``persisted`` (committed on disk): end each keeper (the
-        job ended normally, its newest checkpoint is on disk). Otherwise the keeper stays, for
-        a restart to read, until its idle timeout. Every rank closes its connections."""
+        """Each node's leader, when the last save ``persisted`` (committed on disk): end its
+        node's keepers (the job ended normally, its newest checkpoint is on disk). Otherwise the
+        keeper stays, for a restart to read, until its idle timeout. Every rank closes its
+        connections."""
         with self._lock:
             clients, self._clients = self._clients, {}
         shut: set[str] = set()
         for (save_dir, _use), client in clients.items():
             try:
-                if self.rank == 0 and persisted and save_dir not in shut:
+                if self.rank == self.node_ranks[0] and persisted and save_dir not in shut:
                     shut.add(save_dir)
                     client.shutdown()
                     logger.info("async checkpoint: memory keeper of %s ended (the last save is on disk)",

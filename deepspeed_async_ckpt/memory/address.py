@@ -1,5 +1,8 @@
 """Where a job's keeper is found: its socket, its segments' names and its log, all derived
-from the real path of the job's save directory and the user id.
+from the real path of the job's save directory, the user id and the node's index in the job
+(``rank // ranks per node``: each node runs its own keeper; the index keeps them apart where
+two "nodes" share a host, and a restart that numbers the hosts otherwise finds no keeper and
+loads from disk).
 
 - the socket is in Linux's abstract namespace (``@deepspeed_async_ckpt.keeper.<uid>.<hash>``):
   binding it is the atomic "I am this save directory's keeper", and the kernel frees the name
@@ -33,14 +36,16 @@ class KeeperAddress:
 
     uid: int
     key: str
-    """``<uid>.<hash of the real path>``: shared by the socket, segment and log names."""
+    """``<uid>.<hash of the real path and the node>``: shared by the socket, segment and log names."""
+
+    node: int = 0
 
     @classmethod
-    def of(cls, save_dir: str, uid: int | None = None) -> "KeeperAddress":
+    def of(cls, save_dir: str, uid: int | None = None, node: int = 0) -> "KeeperAddress":
         real = os.path.realpath(save_dir)
         uid = os.getuid() if uid is None else uid
-        digest = hashlib.sha256(f"{uid}:{real}".encode()).hexdigest()[:16]
-        return cls(save_dir=real, uid=uid, key=f"{uid}.{digest}")
+        digest = hashlib.sha256(f"{uid}:{real}:{node}".encode()).hexdigest()[:16]
+        return cls(save_dir=real, uid=uid, key=f"{uid}.{digest}", node=node)
 
     @property
     def socket_name(self) -> str:

@@ -55,11 +55,12 @@ class KeeperClient:
 
     @classmethod
     def connect(cls, save_dir: str, config: MemoryConfig, *, start: bool = True,
-                timeout_s: float = 30.0) -> "KeeperClient":
-        """Connect to ``save_dir``'s keeper on this node, starting it first (``start``) if none
-        runs; the job's settings (``keep_last``, ``max_gb``, ``idle_timeout_s``) go to it.
-        :class:`KeeperUnavailable` if none runs and ``start`` is False."""
-        address = KeeperAddress.of(save_dir)
+                timeout_s: float = 30.0, node: int = 0) -> "KeeperClient":
+        """Connect to ``save_dir``'s keeper on this node (``node``: its index in the job),
+        starting it first (``start``) if none runs; the job's settings (``keep_last``,
+        ``max_gb``, ``idle_timeout_s``) go to it. :class:`KeeperUnavailable` if none runs and
+        ``start`` is False."""
+        address = KeeperAddress.of(save_dir, node=node)
         hello = Hello(os.getpid(), config.keep_last, config.max_bytes, config.idle_timeout_s)
         deadline = time.monotonic() + timeout_s
         while True:
@@ -71,25 +72,26 @@ class KeeperClient:
                     raise
             try:
                 keeper.start(save_dir, keep_last=config.keep_last, max_bytes=config.max_bytes,
-                             idle_timeout_s=config.idle_timeout_s, timeout_s=max(1.0, deadline - time.monotonic()))
+                             idle_timeout_s=config.idle_timeout_s, timeout_s=max(1.0, deadline - time.monotonic()),
+                             node=node)
             except keeper.KeeperStartError as exc:
                 raise KeeperUnavailable(str(exc)) from exc
 
     @classmethod
-    def find(cls, save_dir: str, config: MemoryConfig | None = None) -> "KeeperClient | None":
-        """The running keeper of ``save_dir``, or None (a restarting rank asks this: no keeper
-        means no memory copy, not an error)."""
+    def find(cls, save_dir: str, config: MemoryConfig | None = None, *, node: int = 0) -> "KeeperClient | None":
+        """The running keeper of ``save_dir`` on node ``node``, or None (a restarting rank asks
+        this: no keeper means no memory copy, not an error)."""
         try:
-            return cls.connect(save_dir, config or MemoryConfig(), start=False)
+            return cls.connect(save_dir, config or MemoryConfig(), start=False, node=node)
         except KeeperUnavailable:
             return None
 
     @classmethod
-    def newest_name(cls, save_dir: str) -> str | None:
-        """The name of the newest checkpoint committed in ``save_dir``'s keeper on this node;
-        None where no keeper runs or it holds none (what a script waiting for a memory commit
-        polls)."""
-        client = cls.find(save_dir)
+    def newest_name(cls, save_dir: str, *, node: int = 0) -> str | None:
+        """The name of the newest checkpoint committed in ``save_dir``'s keeper of node
+        ``node``; None where no keeper runs or it holds none (what a script waiting for a memory
+        commit polls)."""
+        client = cls.find(save_dir, node=node)
         if client is None:
             return None
         try:

@@ -50,14 +50,15 @@ class KeeperStartError(RuntimeError):
 
 
 def start(save_dir: str, *, keep_last: int, max_bytes: int | None, idle_timeout_s: float,
-          timeout_s: float = 30.0) -> None:
-    """Start the keeper of ``save_dir`` unless one runs; return once one listens (this one or
-    another starter's). Called by any rank; the socket's bind settles races between them."""
-    address = KeeperAddress.of(save_dir)
+          timeout_s: float = 30.0, node: int = 0) -> None:
+    """Start the keeper of ``save_dir`` on node ``node`` unless one runs; return once one
+    listens (this one or another starter's). Called by any rank of the node; the socket's bind
+    settles races between them."""
+    address = KeeperAddress.of(save_dir, node=node)
     read, write = os.pipe()
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (_PACKAGE_ROOT, os.environ.get("PYTHONPATH")) if p))
     argv = [sys.executable, "-m", "deepspeed_async_ckpt.memory.keeper", "--save-dir", address.save_dir,
-            "--keep-last", str(keep_last), "--idle-timeout-s", repr(float(idle_timeout_s)), "--ready-fd", str(write)]
+            "--keep-last", str(keep_last), "--idle-timeout-s", repr(float(idle_timeout_s)), "--ready-fd", str(write), "--node", str(node)]
     if max_bytes is not None:
         argv += ["--max-bytes", str(max_bytes)]
     try:
@@ -209,10 +210,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--max-bytes", type=int)
     p.add_argument("--idle-timeout-s", type=float, required=True)
     p.add_argument("--ready-fd", type=int, required=True)
+    p.add_argument("--node", type=int, default=0)
     args = p.parse_args(argv)
     if os.fork():  # the starter waits for this first process; the keeper is its orphan
         os._exit(0)
-    address = KeeperAddress.of(args.save_dir)
+    address = KeeperAddress.of(args.save_dir, node=args.node)
     ready = args.ready_fd
     try:
         log_fd = os.open(address.log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)

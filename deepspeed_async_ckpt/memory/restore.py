@@ -7,15 +7,16 @@ Which ranks do what (:func:`restore_from_memory`, every rank, two exchanges):
 1. Global rank 0 asks its node's keeper for its newest committed slot and compares it with the
    checkpoint the tiers' rules would load (:func:`~..tiers.choose.newest_committed`) by
    :func:`memory_is_newer`; it proposes the slot (name, ``save_id``) or nothing.
-2. Each node's leader (its lowest rank) asks its own keeper for that slot, checks it holds
-   every file the node's ranks read (the manifest's, or its node's share of them), and lays
-   each out under :func:`restore_dir` as a hard link to the keeper's segment holding it,
-   verified against the rank's checksum (:meth:`.client.MemoryCopy.link`: the same tmpfs, no
-   byte copied), with the manifest and the framework's pointer naming it. The other ranks
-   wait in the exchange.
+2. Each node's leader (its lowest rank) asks its own keeper for that slot and lays each file
+   the node's ranks read (the manifest's, or its node's share of them) that the keeper holds
+   out under :func:`restore_dir` as a hard link to the keeper's segment holding it, verified
+   against the rank's checksum (:meth:`.client.MemoryCopy.link`: the same tmpfs, no byte
+   copied). On several nodes, the files a node lacks (each keeper holds its own ranks' files)
+   come from the node that holds them (:mod:`.fetch`). Then the manifest and the framework's
+   pointer naming it. The other ranks wait in the exchange.
 3. If any node could not (no keeper: it died or the node was replaced; a copy failing its
-   checksum; a file missing), every rank falls back to the checkpoint directory and the tiers
-   as without the memory tier; rank 0 logs one line naming why (the file, where one failed).
+   checksum; a file no node holds), every rank falls back to the checkpoint directory and the
+   tiers as without the memory tier; rank 0 logs one line naming why (the file, where one failed).
 
 The framework then loads from the restore directory; :meth:`MemoryRestore.close` removes it
 (the node's leader), and the next load on the node removes one a killed load left. Nothing in
@@ -34,7 +35,8 @@ from typing import Any, Callable, Sequence
 
 from ..agreement import Exchange, alone, outcome
 from ..commit import MANIFEST, META_DIR
-from ..commit.nodes import node_leader, node_of
+from ..commit.nodes import node_count, node_leader, node_of
+from ..errors import IntegrityError
 from .address import SHM_DIR, KeeperAddress
 
 logger = logging.getLogger(__name__)
@@ -80,11 +82,11 @@ def memory_is_newer(held: Held | None, on_disk: tuple[float, str] | None, tag: s
     return None
 
 
-def restore_dir(save_dir: str, save_id: str) -> str:
-    """The tmpfs directory a node lays a memory checkpoint out in: the same path on every rank
-    (each node has its own ``/dev/shm``), derived from the save directory and the save."""
+def restore_dir(save_dir: str, save_id: str, node: int = 0) -> str:
+    """The tmpfs directory node ``node`` lays a memory checkpoint out in (each node has its own
+    ``/dev/shm``), derived from its keeper's address and the save."""
     safe = re.sub(r"[^A-Za-z0-9_.-]", "_", save_id)
-    return os.path.join(SHM_DIR, f"{RESTORE_PREFIX}{KeeperAddress.of(save_dir).key}.{safe}")
+    return os.path.join(SHM_DIR, f"{RESTORE_PREFIX}{KeeperAddress.of(save_dir, node=node).key}.{safe}")
 
 
 _SERVING: set[str] = set()
@@ -139,17 +141,30 @@ def restore_from_memory(save_dir: str, memory: Any, *, rank: int, world_size: in
                        "checkpoint directory", reason)
         return None
     name, save_id = proposal
-    node = node_of(rank, world_size)
+    node, several = node_of(rank, world_size), node_count(world_size) > 1
     leads = node_leader(rank, world_size) == rank
-    path = restore_dir(save_dir, save_id)
+    path = restore_dir(save_dir, save_id, node)
     own: BaseException | None = None
+    layout: _Layout | None = None
     if leads:
         try:
-            _lay_out(save_dir, memory, name, save_id, path, node, (pointer_name, pointer_text(name)),
-                     required or required_files)
+            layout = _Layout.open(save_dir, memory, name, save_id, path, node, required or required_files)
+            if layout.lacking and not several:
+                raise IntegrityError(f"node {node}'s keeper lacks {', '.join(layout.lacking)} of {name}")
         except Exception as exc:  # noqa: BLE001 - shared below: every rank falls back alike
             own = exc
-    _, failed = outcome("restore from memory", None, own, exchange=exchange)
+    failed = None
+    if several:  # the files a node lacks come from the nodes that hold them
+        from .fetch import fetch_lacking
+
+        own, failed = fetch_lacking(layout, own, rank=rank, world_size=world_size)
+    if failed is None and layout is not None and own is None:
+        try:
+            layout.finish((pointer_name, pointer_text(name)))
+        except Exception as exc:  # noqa: BLE001 - shared below
+            own = exc
+    if failed is None:
+        _, failed = outcome("restore from memory", None, own, exchange=exchange)
     if failed is not None:
         if leads:
             shutil.rmtree(path, ignore_errors=True)
@@ -198,61 +213,90 @@ def required_files(manifest: dict, node: int) -> list[str]:
     return files_of_node(manifest, node)
 
 
-def _lay_out(save_dir: str, memory: Any, name: str, save_id: str, path: str, node: int,
-             pointer: tuple[str, str], required: Callable[[dict, int], Sequence[str]]) -> None:
-    """A node's leader: the slot ``name``/``save_id`` of its keeper written under ``path``."""
-    from ..commit.manifest import record_late_files
-    from ..errors import IntegrityError
-    from ..storage import LocalStorage
-    from .client import KeeperClient
+class _Layout:
+    """A node's leader making its restore directory: the files its keeper holds linked in at
+    once (:meth:`open`), those it lacks fetched from other nodes' (:mod:`.fetch`), then the
+    manifest, the late files and the pointer (:meth:`finish`)."""
 
-    address = KeeperAddress.of(save_dir)
-    for stale in os.listdir(SHM_DIR):  # left by a load that was killed
-        if stale.startswith(f"{RESTORE_PREFIX}{address.key}.") and os.path.join(SHM_DIR, stale) != path:
-            shutil.rmtree(os.path.join(SHM_DIR, stale), ignore_errors=True)
-    client = KeeperClient.find(save_dir, memory)
-    if client is None:
-        raise IntegrityError(f"no memory keeper runs for {address.save_dir} on node {node}")
-    try:
-        copy = client.newest(lend=True)
-    finally:
-        client.close()
-    if copy is None or (copy.name, copy.save_id) != (name, save_id):
-        held = "none" if copy is None else f"{copy.name} (save {copy.save_id})"
-        raise IntegrityError(f"node {node}'s keeper holds {held}, not {name} (save {save_id})")
-    where = {f.name: (r, f.size) for r, part in sorted(copy.ranks.items()) for f in part.files}
-    files = list(required(copy.manifest, node))
-    missing = [f for f in files if f not in where and f not in copy.late]
-    if missing:
-        raise IntegrityError(f"node {node}'s keeper lacks {', '.join(missing)} of {name}")
-    # the late files the keeper holds too (megatron-core's markers, given with the commit or
-    # in a rank's part), recorded again below
-    late = [f for f in copy.manifest.get("late_files", ()) if f in where or f in copy.late]
-    files = [f for f in files if f in where]  # from the ranks' parts; those given inline below
-    files += [f for f in late if f not in files and f in where]
-    shutil.rmtree(path, ignore_errors=True)
-    try:
-        ckpt = os.path.join(path, name)
-        for rel in files:
-            target = os.path.join(ckpt, rel)
-            os.makedirs(os.path.dirname(target), exist_ok=True)
-            copy.link(where[rel][0], rel, target)
-        manifest = dict(copy.manifest, late_files=late) if late else \
-            {k: v for k, v in copy.manifest.items() if k != "late_files"}
-        os.makedirs(os.path.join(ckpt, META_DIR), exist_ok=True)
-        with open(os.path.join(ckpt, META_DIR, MANIFEST), "w", encoding="utf-8") as f:
-            json.dump(manifest, f)
-        for rel in late:
-            if rel not in where:  # given with the commit: small, kept in the keeper's own memory
-                os.makedirs(os.path.dirname(os.path.join(ckpt, rel)), exist_ok=True)
-                with open(os.path.join(ckpt, rel), "wb") as f:
-                    f.write(copy.late[rel])
-        if late:  # hashed from the bytes the keeper verified: the load's check covers them
-            record_late_files(LocalStorage(fsync=False, direct_io=False), ckpt)
-        with open(os.path.join(path, pointer[0]), "w", encoding="utf-8") as f:
-            f.write(pointer[1])
-    except BaseException:
+    def __init__(self, copy: Any, node: int, path: str, ckpt: str, late: list[str],
+                 held: dict[str, tuple[int, int, str]], lacking: list[str]) -> None:
+        self.copy, self.node, self.path, self.ckpt, self.late = copy, node, path, ckpt, late
+        self.held = held
+        """Files linked in: path in the checkpoint -> (the rank whose part holds it, size, checksum)."""
+        self.lacking = lacking
+        """Files the node's ranks read that its keeper does not hold."""
+
+    @classmethod
+    def open(cls, save_dir: str, memory: Any, name: str, save_id: str, path: str, node: int,
+             required: Callable[[dict, int], Sequence[str]]) -> "_Layout":
+        from ..errors import IntegrityError
+        from .client import KeeperClient
+
+        address = KeeperAddress.of(save_dir, node=node)
+        for stale in os.listdir(SHM_DIR):  # left by a load that was killed
+            if stale.startswith(f"{RESTORE_PREFIX}{address.key}.") and os.path.join(SHM_DIR, stale) != path:
+                shutil.rmtree(os.path.join(SHM_DIR, stale), ignore_errors=True)
+        client = KeeperClient.find(save_dir, memory, node=node)
+        if client is None:
+            raise IntegrityError(f"no memory keeper runs for {address.save_dir} on node {node}")
+        try:
+            copy = client.newest(lend=True)
+        finally:
+            client.close()
+        if copy is None or (copy.name, copy.save_id) != (name, save_id):
+            held = "none" if copy is None else f"{copy.name} (save {copy.save_id})"
+            if copy is not None:
+                copy.close()
+            raise IntegrityError(f"node {node}'s keeper holds {held}, not {name} (save {save_id})")
+        where = {f.name: (r, f.size, f.checksum) for r, part in sorted(copy.ranks.items()) for f in part.files}
+        files = list(required(copy.manifest, node))
+        # the late files the keeper holds too (megatron-core's markers, given with the commit or
+        # in a rank's part), recorded again in finish()
+        late = [f for f in copy.manifest.get("late_files", ()) if f in where or f in copy.late]
+        lacking = [f for f in files if f not in where and f not in copy.late]
+        files = [f for f in files if f in where]  # from the ranks' parts; those given inline in finish()
+        files += [f for f in late if f not in files and f in where]
         shutil.rmtree(path, ignore_errors=True)
-        raise
-    finally:
-        copy.close()
+        layout = cls(copy, node, path, os.path.join(path, name), late, {f: where[f] for f in files}, lacking)
+        try:
+            for rel in files:
+                target = layout.target(rel)
+                copy.link(where[rel][0], rel, target)
+        except BaseException:
+            layout.abort()
+            raise
+        return layout
+
+    def target(self, rel: str) -> str:
+        """Where ``rel`` goes in the restore directory (its directory made)."""
+        target = os.path.join(self.ckpt, rel)
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        return target
+
+    def finish(self, pointer: tuple[str, str]) -> None:
+        """The manifest, the late files given inline, their records, and the pointer."""
+        from ..commit.manifest import record_late_files
+        from ..storage import LocalStorage
+
+        try:
+            manifest = dict(self.copy.manifest, late_files=self.late) if self.late else \
+                {k: v for k, v in self.copy.manifest.items() if k != "late_files"}
+            os.makedirs(os.path.join(self.ckpt, META_DIR), exist_ok=True)
+            with open(os.path.join(self.ckpt, META_DIR, MANIFEST), "w", encoding="utf-8") as f:
+                json.dump(manifest, f)
+            for rel in self.late:
+                if rel not in self.held and not os.path.exists(os.path.join(self.ckpt, rel)):
+                    with open(self.target(rel), "wb") as f:  # given with the commit: small, kept by the keeper
+                        f.write(self.copy.late[rel])
+            if self.late:  # hashed from the bytes the keeper verified: the load's check covers them
+                record_late_files(LocalStorage(fsync=False, direct_io=False), self.ckpt)
+            with open(os.path.join(self.path, pointer[0]), "w", encoding="utf-8") as f:
+                f.write(pointer[1])
+        except BaseException:
+            self.abort()
+            raise
+        self.copy.close()
+
+    def abort(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        self.copy.close()

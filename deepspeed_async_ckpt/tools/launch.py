@@ -93,15 +93,18 @@ def _ephemeral_low() -> int:
 
 
 def spawn(script: str, script_args: list[str], nproc: int, env: dict | None = None, *,
-          log_prefix: str | None = None, cwd: str | None = None) -> list[subprocess.Popen]:
+          log_prefix: str | None = None, cwd: str | None = None,
+          per_node: int | None = None) -> list[subprocess.Popen]:
     """Start ``nproc`` ranks and return them at once (see :func:`launch`, which waits). With
     ``ASYNC_CKPT_LAUNCH_PRELOAD`` in the environment, forked from a warm interpreter
-    (:mod:`warm_start`), not started fresh."""
+    (:mod:`warm_start`), not started fresh. ``per_node``: ranks per node as a launcher says it
+    (``LOCAL_WORLD_SIZE``; default ``nproc``, one node), to run several nodes on this host."""
     port = free_port()
     procs = []
     for rank in range(nproc):
         e = dict(os.environ if env is None else env)
-        e.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(nproc),
+        local = per_node or nproc
+        e.update(RANK=str(rank), LOCAL_RANK=str(rank % local), WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE=str(local),
                  MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
         e.setdefault("DS_ACCELERATOR", "cpu")
         e.setdefault("OMP_NUM_THREADS", "1")
@@ -116,14 +119,14 @@ def spawn(script: str, script_args: list[str], nproc: int, env: dict | None = No
 
 def launch(script: str, script_args: list[str], nproc: int, timeout: float = 600,
            env: dict | None = None, *, log_prefix: str | None = None,
-           cwd: str | None = None) -> list[int]:
+           cwd: str | None = None, per_node: int | None = None) -> list[int]:
     """Run ``nproc`` ranks; returns their exit codes (negative: killed by that signal).
 
     Raises ``TimeoutError`` (after killing every rank) past ``timeout`` seconds. With
     ``log_prefix``, rank N's stdout and stderr go to ``<log_prefix>.rankN.log`` instead of
-    this process's; ``cwd`` is the ranks' working directory.
+    this process's; ``cwd`` is the ranks' working directory; ``per_node`` as :func:`spawn`.
     """
-    procs = spawn(script, script_args, nproc, env, log_prefix=log_prefix, cwd=cwd)
+    procs = spawn(script, script_args, nproc, env, log_prefix=log_prefix, cwd=cwd, per_node=per_node)
     deadline = time.monotonic() + timeout
     try:
         while None in [p.poll() for p in procs]:  # polls every rank, so a failure is seen

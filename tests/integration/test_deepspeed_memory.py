@@ -5,6 +5,7 @@ manifest and bytes), and the keeper ends with the job, leaving no shared-memory 
 
 import json
 import os
+import signal
 import time
 
 import pytest
@@ -13,7 +14,7 @@ from conftest import REPO
 from deepspeed_async_ckpt.memory.address import KeeperAddress
 from deepspeed_async_ckpt.tools.launch import launch
 
-from _memory import keeper_pids
+from _memory import keeper_pids, kill_keepers
 
 
 WORKER = os.path.join(REPO, "tests", "integration", "workers", "ds_memory_worker.py")
@@ -100,3 +101,61 @@ def test_every_rank_sigkilled_between_disk_saves_resumes_from_the_last_memory_sa
             time.sleep(0.05)
         assert keeper_pids(d) == []
         assert KeeperAddress.of(d).segments_on_node() == []
+
+
+def test_two_nodes_keep_their_own_ranks_files_and_a_restart_fetches_the_rest_bitwise(tmp_path, repo_env):
+    """The kill above on two nodes (one rank each, a keeper each): each node's keeper holds its
+    own rank's files only, and the restart from step 10 (memory only) gets the files its rank
+    reads from the other node's keeper, with the losses of a run never killed. Then node 1's
+    keeper is SIGKILLed (a node replaced): the next restart loads from disk on every rank,
+    saying which node had no keeper."""
+    from deepspeed_async_ckpt.memory.client import KeeperClient
+
+    env = dict(repo_env, XDG_RUNTIME_DIR=str(tmp_path))
+    config = json.load(open(os.path.join(REPO, "configs", "deepspeed_async.json")))
+    config["async_checkpoint"]["memory"] = {"enabled": True, "persist_every": 3, "idle_timeout_s": 120}
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps(config))
+    train = os.path.join(REPO, "scripts", "ds_train.py")
+    common = ["--config", str(cfg), "--save-every", "2", "--hidden", "64", "--layers", "2"]
+
+    def run(name, save_dir, *extra, steps=14):
+        log = str(tmp_path / f"{name}.jsonl")
+        codes = launch(train, [*common, "--steps", str(steps), "--save-dir", save_dir, "--log", log, *extra], 2,
+                       timeout=300, env=env, log_prefix=str(tmp_path / name), per_node=1)
+        return codes, log
+
+    codes, straight = run("straight", str(tmp_path / "straight"))
+    assert codes == [0, 0]
+    save_dir = str(tmp_path / "ckpt")
+    codes, _ = run("killed", save_dir, "--kill-at-step", "12")
+    assert codes == [-9, -9]
+    assert len(keeper_pids(save_dir)) == 2  # a keeper per node outlived its rank
+    for node in (0, 1):
+        client = KeeperClient.find(save_dir, node=node)
+        copy = client.newest()
+        assert (copy.name, sorted(copy.ranks)) == ("global_step10", [node])  # its own rank's files only
+        assert any("optim_states" in f for f in copy.files(node))
+        copy.close()
+        client.close()
+    codes, resumed = run("resumed", save_dir, "--resume")
+    assert codes == [0, 0]
+    with open(resumed) as f:
+        starts = {e["rank"]: e["step"] for e in map(json.loads, f) if e["event"] == "resumed"}
+    assert starts == {0: 10, 1: 10}
+    got, want = _losses(resumed), _losses(straight)
+    assert sorted(step for _, step in got) == [11, 11, 12, 12, 13, 13, 14, 14]
+    assert got == {k: v for k, v in want.items() if k[1] > 10}  # bit for bit
+
+    # the resumed run's last save (step 14) is in memory only, step 12 on disk; node 1 replaced
+    node1 = [pid for pid in keeper_pids(save_dir) if pid != KeeperClient.find(save_dir).keeper_pid]
+    os.kill(node1[0], signal.SIGKILL)
+    codes, again = run("replaced", save_dir, "--resume", steps=16)
+    assert codes == [0, 0]
+    with open(again) as f:
+        starts = {e["rank"]: e["step"] for e in map(json.loads, f) if e["event"] == "resumed"}
+    assert starts == {0: 12, 1: 12}
+    with open(tmp_path / "replaced.rank0.log") as f:
+        assert "not loading global_step14 from the memory tier (rank 1: " in f.read()
+    assert _losses(again)[(0, 14)] == want[(0, 14)]
+    kill_keepers(save_dir)

@@ -70,12 +70,15 @@ def test_memory_off_leaves_sync_mode_and_the_worker_process_alone():
     assert not cfg.memory.enabled
 
 
-def test_the_memory_tier_refuses_ranks_on_several_nodes_by_its_key(monkeypatch):
-    from deepspeed_async_ckpt.config import AsyncCheckpointConfig
-    from deepspeed_async_ckpt.core import AsyncCheckpointer
+def test_each_node_writes_its_own_keeper_and_its_leader_awaits_rank_0s_commit(monkeypatch):
+    from deepspeed_async_ckpt.core.memory_saves import MemorySaves
+    from deepspeed_async_ckpt.memory.address import KeeperAddress
+    from deepspeed_async_ckpt.memory.config import MemoryConfig
 
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
-    with pytest.raises(ConfigError, match=r"async_checkpoint.memory.enabled: the memory tier serves one node.*"
-                                          r"these 4 ranks span 2 \(2 per node\)"):
-        AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, host_buffer_gb=0.01, memory={"enabled": True}),
-                          rank=0, world_size=4)
+    saves = {r: MemorySaves(MemoryConfig(enabled=True), rank=r, world_size=5, commit_timeout_s=1) for r in range(5)}
+    assert [(s.node, s.node_ranks, s.awaits_commit) for s in saves.values()] == [
+        (0, (0, 1), False), (0, (0, 1), False), (1, (2, 3), True), (1, (2, 3), False), (2, (4,), True)]
+    # one keeper per node of a save directory: their names never meet, even on one host
+    keys = {KeeperAddress.of("/ckpt", node=n).key for n in range(3)}
+    assert len(keys) == 3 and KeeperAddress.of("/ckpt").key == KeeperAddress.of("/ckpt", node=0).key

@@ -177,3 +177,15 @@ def test_a_directory_a_killed_load_left_is_removed_by_the_next(save_dir):
     assert not os.path.exists(stale)
     memory.close()
     assert restore_dirs(save_dir) == []
+
+
+def test_a_restore_across_nodes_fetches_each_lacking_file_from_the_lowest_node_holding_it():
+    from deepspeed_async_ckpt.errors import IntegrityError
+    from deepspeed_async_ckpt.memory.fetch import transfers
+
+    offers = [{"node": 0, "held": {"a.pt": (3, "ca"), "m.pt": (5, "cm")}, "lacking": ["b.pt"]}, None,
+              {"node": 1, "held": {"b.pt": (4, "cb"), "m.pt": (5, "cm")}, "lacking": ["a.pt"]}, None]
+    assert transfers(offers) == [("b.pt", 2, 0, 4, "cb"), ("a.pt", 0, 2, 3, "ca")]
+    offers[2]["lacking"].append("c.pt")  # held by no node: the restore falls back, naming it
+    with pytest.raises(IntegrityError, match=r"no node's keeper holds c.pt \(node 1 reads it\)"):
+        transfers(offers)
