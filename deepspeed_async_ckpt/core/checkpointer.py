@@ -243,8 +243,9 @@ class AsyncCheckpointer:
         if current is not None:  # fenced inside a save: its copies must come first
             self._files.seal(current)
         self._files.stager.fence(unchanged)
-        if self.history:
-            self._saves.job(self.history[-1]).fence_wait_s += time.perf_counter() - t0
+        last = self._saves.last
+        if last is not None:
+            last.fence_wait_s += time.perf_counter() - t0
 
     def reserve(self, nbytes: int) -> threading.Thread | None:
         """Prepare the host pool for saves of about ``nbytes`` on this rank: allocate it and
@@ -384,7 +385,7 @@ class AsyncCheckpointer:
         """Retention now, on this thread (rank 0, once ``handle`` is committed and the pointer
         names it; the committer queues it by itself): see
         :meth:`.retention.Retention.retire_older`. Returns the names of the checkpoints removed."""
-        return self._retention.retire_older(handle)
+        return self._retention.retire_older(handle, self._saves.job_of(handle))
 
     def recover(self, save_dir: str, *, sweep: bool = True) -> list[str]:
         """Rank 0, before saving into or loading from ``save_dir``: see
