@@ -187,15 +187,16 @@ class Committer:
             manifest = None
             if self._rank == 0:
                 committing = True  # from here on, commit() tells the other nodes how it ended
-                kept = ManifestOnly() if job.memory_only else None  # what the commit writes, in memory
-                manifest = commit(kept or self._storage, handle.write_dir,
+                # a memory-only save's commit writes into memory: the manifest, its steps' files
+                storage = ManifestOnly() if job.memory_only else self._storage
+                manifest, late = commit(storage, handle.write_dir,
                                   tag=handle.tag, save_id=handle.save_id,
                                   world_size=self._world_size, checksum=cfg.checksum,
                                   timeout_s=cfg.commit_timeout_s, pointer=handle.pointer,
                                   replaces=handle.ckpt_dir if swap else None, finalize=job.finalize,
                                   rotation=handle.rotation, exchange=exchange)
                 if self._memory is not None:
-                    self._commit_slot(job, manifest, kept)
+                    self._commit_slot(job, manifest, late)
             elif self._leads_node:
                 manifest, late = self._exchange.await_commit(
                     handle.write_dir, tag=handle.tag, save_id=handle.save_id, node=self._node,
@@ -237,14 +238,13 @@ class Committer:
         except (OSError, RuntimeError):  # the store gone (DistStoreError): they then time out
             pass
 
-    def _commit_slot(self, job: SaveJob, manifest: dict, kept: ManifestOnly | None) -> None:
-        """Rank 0, once the job committed ``job``'s save: its slot in the keeper, with the
-        manifest. A persist save is committed on disk already: a keeper that fails it is
-        logged (the memory tier then lacks this save), a memory-only save fails with it."""
+    def _commit_slot(self, job: SaveJob, manifest: dict, late: dict[str, bytes]) -> None:
+        """Rank 0, once ``job``'s save is committed: its slot in the keeper, with the
+        manifest and the late files its finalize steps wrote (as the commit returned them). A
+        persist save is committed on disk already: a keeper that fails it is logged (the
+        memory tier then lacks this save), a memory-only save fails with it."""
         handle = job.handle
         try:
-            late = kept.late_files(handle.write_dir, manifest) if kept is not None else self._late_on_disk(
-                handle.ckpt_dir, manifest)
             self._memory.commit_slot(handle, manifest, late)
         except (KeeperError, OSError) as exc:
             if job.memory_only:
@@ -254,15 +254,6 @@ class Committer:
             self._memory.abandon(handle)
             return
         job.times["memory_committed"] = time.perf_counter()
-
-    @staticmethod
-    def _late_on_disk(ckpt_dir: str, manifest: dict) -> dict[str, bytes]:
-        """A persist save's late files (its finalize steps wrote them on disk), for the keeper."""
-        late = {}
-        for rel in manifest.get("late_files", ()):
-            with open(os.path.join(ckpt_dir, rel), "rb") as f:
-                late[rel] = f.read()
-        return late
 
     def _report_failure(self, handle: CheckpointHandle, message: str, exchange=None) -> None:
         try:
