@@ -1,5 +1,5 @@
 """The saves of one checkpointer and the lock that guards them: the one open and those in
-flight.
+flight, each as its :class:`~.job.SaveJob` (which holds its handle).
 
 One :class:`Saves` is shared by the checkpointer's collaborators: the training thread opens
 and seals saves here, the committer thread settles them, retention and the process registry
