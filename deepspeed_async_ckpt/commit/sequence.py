@@ -50,8 +50,8 @@ def poll_delay(waited_s: float) -> float:
 
 def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
            checksum: str, timeout_s: float, pointer: Pointer | None,
-           replaces: str | None = None, finalize: Sequence[FinalizeStep] = (),
-           rotation: bool = True, exchange: RecordExchange | None = None) -> dict:
+           replaces: str | None = None, finalize: Sequence[FinalizeStep] = (), rotation: bool = True,
+           exchange: RecordExchange | None = None) -> tuple[dict, dict[str, bytes]]:
     """Rank 0: wait for every rank's record, write the manifest, run the save's ``finalize``
     steps (see :mod:`.finalize`) and record the files they wrote, swap ``ckpt_dir`` in for
     ``replaces`` if given (a staging directory, see :func:`.replace.replace_checkpoint`), then
@@ -61,6 +61,10 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
     and the pointer where it was. ``rotation=False``: a save that moves no pointer (DeepSpeed's
     ``save_latest=False``), which retention must leave alone (see
     :func:`.retire.retire_checkpoints`).
+
+    Returns the manifest and the late files: the bytes the steps wrote, by path in the
+    checkpoint (Megatron's markers), for a copy of the checkpoint kept elsewhere (the memory
+    tier's slot), as the other nodes' leaders get them.
 
     ``exchange``: how the records arrive (:class:`.records.DirectoryExchange` by default); a
     node-local one (:class:`.exchange.StoreExchange`) also hears the outcome, for the other
@@ -75,8 +79,8 @@ def commit(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_siz
     except BaseException as exc:
         exchange.tell_nodes_failed(save_id, f"{type(exc).__name__}: {exc}")
         raise
-    exchange.tell_nodes(save_id, per_node, late)
-    return manifest
+    exchange.tell_nodes(save_id, per_node, late if exchange.node_local else {})
+    return manifest, late
 
 
 def _commit_here(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, world_size: int,
@@ -84,7 +88,7 @@ def _commit_here(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, wor
                  finalize: Sequence[FinalizeStep], rotation: bool,
                  exchange: RecordExchange) -> tuple[dict, dict[int, dict], dict[str, bytes]]:
     """:func:`commit` on rank 0's node; returns the manifest, each node's (see
-    :func:`_commit`) and, with node-local storage, the bytes of the late files."""
+    :func:`_commit`) and the bytes of the late files."""
     late_files = declared_files(finalize)
     try:
         manifest, per_node = _commit(storage, ckpt_dir, tag=tag, save_id=save_id,
@@ -103,13 +107,12 @@ def _commit_here(storage: Storage, ckpt_dir: str, *, tag: str, save_id: str, wor
                     except Exception:  # (a storage of another kind raises its own errors)
                         pass  # the commit's own error is the one to raise
         raise
-    late = {}
+    late: dict[str, bytes] = {}
     if finalize:
         ctx = FinalizeContext(storage, ckpt_dir, replaces or ckpt_dir, tag, save_id, manifest,
                               frozenset(late_files))
         _finalize(finalize, ctx)
-        if exchange.node_local:  # for the other nodes' copies: small files (Megatron's markers)
-            late = dict(ctx.written)
+        late = dict(ctx.written)  # small files (Megatron's markers)
     _move_pointer(storage, ckpt_dir, tag=tag, save_id=save_id, pointer=pointer, replaces=replaces)
     return manifest, per_node, late
 

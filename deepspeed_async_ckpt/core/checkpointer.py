@@ -18,8 +18,8 @@ modes write byte-identical files. Background failures are re-raised at the next 
 :class:`AsyncCheckpointer` builds one collaborator per job and delegates to them: the save
 session (:mod:`.session`, :mod:`.files`), the committer thread (:mod:`.committer`), commit
 reports (:mod:`.reports`), retention (:mod:`.retention`), the failure ledger
-(:mod:`.failures`), loads (:mod:`.loader`) and the process-wide lifecycle (:mod:`.lifecycle`).
-Their shared state is one :class:`~.saves.Saves`.
+(:mod:`.failures`), the waits (:mod:`.waits`), loads (:mod:`.loader`) and the process-wide
+lifecycle (:mod:`.lifecycle`). Their shared state is one :class:`~.saves.Saves`.
 
 Integrations add their own writes to a save through seams, not options: ``submit_write``,
 ``add_begin_callback`` and :meth:`CheckpointHandle.depends_on`.
@@ -31,7 +31,6 @@ import contextlib
 import functools
 import inspect
 import logging
-import math
 import os
 import sys
 import threading
@@ -41,11 +40,11 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..agreement import Exchange, by_rank, exchange_across_ranks, outcome, without_key
+from ..agreement import Exchange, exchange_across_ranks, without_key
 from ..commit import FinalizeStep, Pointer, RetentionPolicy
 from ..commit.retire import step_in_name
 from ..config import AsyncCheckpointConfig
-from ..errors import AsyncCheckpointError, CommitError, DurabilityError, Failure
+from ..errors import AsyncCheckpointError, Failure
 from ..persist import check_torch_writer
 from ..qos import lower_this_thread
 from ..snapshot import HostBufferPool, Stager
@@ -54,7 +53,7 @@ from ..tiers.durable import DurableTiers, open_remotes
 from . import lifecycle
 from .collectives import Replicas
 from .committer import Committer
-from .failures import FailureLedger, reraise
+from .failures import FailureLedger
 from .files import SaveFiles
 from .handle import CheckpointHandle, CommitInfo
 from .lifecycle import SaveDirClaims
@@ -64,6 +63,7 @@ from .reports import Reporter
 from .retention import Retention, policy_of
 from .saves import Saves
 from .session import Session
+from .waits import Waits
 
 logger = logging.getLogger(__name__)
 
@@ -145,6 +145,8 @@ class AsyncCheckpointer:
                                     memory=self._memory)
         self._loader = Loader(rank=rank, world_size=world_size, exchange=self._exchange,
                               verify_on_load=config.verify_on_load)
+        self._waits = Waits(saves, self._files, self._failures, self._retention, rank=rank,
+                            exchange=self._exchange, check=self._check_not_forked)
         self._claims = SaveDirClaims(saves, self._background_busy)
         self._session = Session(saves, self.storage, config, rank=rank, exchange=self._exchange,
                                 ledger=self._failures, claims=self._claims, retention=self._retention,
@@ -243,8 +245,9 @@ class AsyncCheckpointer:
         if current is not None:  # fenced inside a save: its copies must come first
             self._files.seal(current)
         self._files.stager.fence(unchanged)
-        if self.history:
-            self._saves.job(self.history[-1]).fence_wait_s += time.perf_counter() - t0
+        last = self._saves.last
+        if last is not None:
+            last.fence_wait_s += time.perf_counter() - t0
 
     def reserve(self, nbytes: int) -> threading.Thread | None:
         """Prepare the host pool for saves of about ``nbytes`` on this rank: allocate it and
@@ -259,29 +262,8 @@ class AsyncCheckpointer:
     def wait(self, timeout: float | None = None) -> None:
         """Block until every write of :meth:`submit_write` is done, every sealed checkpoint is
         committed and the retention its commit started (``keep_last``) is done; raise a
-        background error if any."""
-        self._check_not_forked()
-        if timeout is not None:
-            if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or math.isnan(timeout) \
-                    or timeout < 0:
-                raise ValueError(f"wait(timeout={timeout!r}): a number of seconds >= 0, or None")
-            if math.isinf(timeout):
-                timeout = None
-        deadline = None if timeout is None else time.monotonic() + timeout
-        self._files.hurry()  # paced writes (pace_writes) go at once for a waiter
-        self._failures.wait_tracked(deadline, timeout)  # outcome taken below, as a background error
-        self._saves.wait_committed(deadline, timeout)
-        self._files.stager.forget_issued()  # those saves are over: their items need no fence
-        bug = self._retention.wait(deadline, timeout)
-        if bug is not None:  # anything but an OSError is a bug: raised once, here
-            exc, more = self._failures.take()
-            if exc is None:
-                raise bug
-            # a failed save goes first (close() raises once, and it would be lost behind
-            # this); the retention bug is logged with its traceback
-            logger.error("async checkpoint: removing older checkpoints failed", exc_info=bug)
-            raise reraise(exc, more, self._failures.save_dir_of(exc))
-        self.raise_background_error()
+        background error if any: see :meth:`.waits.Waits.wait`."""
+        self._waits.wait(timeout)
 
     def raise_background_error(self) -> None:
         """Raise (once) the first error a background stage recorded, if any, with how many
@@ -290,51 +272,13 @@ class AsyncCheckpointer:
 
     def wait_all_ranks(self, timeout: float | None = None, *, action: str = "wait_all_ranks()",
                        recover: str | None = None, error: Exception | None = None) -> None:
-        """Collective :meth:`wait` (every rank): call it before a step that must start on all
-        ranks or on none, e.g. a framework's ``load_checkpoint``, whose collectives would hang
-        if a background error stopped only the rank that has it.
-
-        Each rank waits until its own sealed checkpoints are committed, then all ranks share the
-        outcome in one call of the exchange (the one :meth:`begin` makes). If a save failed, or
-        the wait timed out, on any rank, every rank raises, naming ``action`` as refused: the
-        failing rank its own error, the others a :class:`CommitError` naming the failing
-        rank(s) and their messages. A failed save is never committed, so the last committed
-        checkpoint (the one ``latest`` names) is intact. Every background error recorded so far
-        is consumed, so calling again proceeds. Without a process group (a single process) the
-        exchange is a no-op: this is :meth:`wait`, raising with the same message.
-
-        ``recover``: a save directory about to be loaded from; rank 0 first finishes there what
-        a crash cut short (:meth:`recover`), so every rank then finds the checkpoint in place.
-        ``error``: this rank failed already (the caller's step before this call): it is shared
-        without waiting, and raised here as it is, after the exchange.
-        """
-        local: Exception | None = error
-        try:
-            if error is None:
-                self.wait(timeout)  # raises (and consumes) the background errors
-                if recover is not None and self.rank == 0:
-                    self.recover(recover, sweep=False)
-        except Exception as exc:  # any kind: a rank that skipped the exchange would hang the rest
-            local = exc
-        # raised by wait's own steps (a timeout), the background errors are still there
-        first, more = self._failures.take()
-        detail = None
-        if local is not None:
-            count = 0 if first is None else 1 + more
-            detail = f"{local}" + (f" (and {count} more failed save(s))" if count else "")
-        _, failed = outcome(action, action, local, exchange=self._exchange,
-                            failure=None if local is None else Failure(type(local).__name__, detail))
-        retry = f". The errors reported here are cleared: calling {action} again retries."
-        if error is not None:
-            raise error
-        if local is not None:
-            cls = type(local) if isinstance(local, AsyncCheckpointError) else CommitError
-            raise cls(f"{action} refused on every rank: {detail}{retry}") from local
-        if failed is None:
-            return
-        cls = DurabilityError if failed.only_durability else CommitError
-        raise cls(f"{action} refused on every rank, because of rank(s) {by_rank(failed.failures)}{retry}") \
-            from failed
+        """Collective :meth:`wait` (every rank), before a step that must start on all ranks or
+        on none (a framework's ``load_checkpoint``): if a save failed, or the wait timed out,
+        on any rank, every rank raises, naming ``action`` as refused, and the errors reported
+        are cleared. ``recover``: a save directory about to be loaded from, which rank 0 first
+        recovers (:meth:`recover`); ``error``: this rank failed already, shared without
+        waiting and raised as it is. See :meth:`.waits.Waits.all_ranks`."""
+        self._waits.all_ranks(timeout, action=action, recover=recover, error=error)
 
     # ------------------------------------------------------------------ integrations' seams
     def submit_write(self, path: str, fn: Callable[..., Any], *args: Any) -> Future:
@@ -384,7 +328,7 @@ class AsyncCheckpointer:
         """Retention now, on this thread (rank 0, once ``handle`` is committed and the pointer
         names it; the committer queues it by itself): see
         :meth:`.retention.Retention.retire_older`. Returns the names of the checkpoints removed."""
-        return self._retention.retire_older(handle)
+        return self._retention.retire_older(handle, self._saves.job_of(handle))
 
     def recover(self, save_dir: str, *, sweep: bool = True) -> list[str]:
         """Rank 0, before saving into or loading from ``save_dir``: see

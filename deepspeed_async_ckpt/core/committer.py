@@ -47,6 +47,7 @@ from ..storage import Storage
 from .failures import FailureLedger
 from .files import missing_dirs
 from .handle import CheckpointHandle
+from .job import SaveJob
 from .memory_saves import ManifestOnly, MemorySaves
 from .reports import Reporter
 from .retention import Retention
@@ -55,27 +56,27 @@ from .saves import Saves
 logger = logging.getLogger(__name__)
 
 
-def _timings(handle: CheckpointHandle, is_async: bool) -> dict[str, float]:
-    """This rank's times of ``handle`` for its record (see :data:`~..commit.records.TIMINGS`):
+def _timings(job: SaveJob, is_async: bool) -> dict[str, float]:
+    """This rank's times of ``job`` for its record (see :data:`~..commit.records.TIMINGS`):
     its save call (in sync mode, ``end`` writes the files: to them persisted), its fence
     wait so far (its copies are done by now: a fence that waited for them has returned, or is
     just returning), and from ``begin`` to its files persisted."""
-    times = handle.times
+    times = job.times
     called = times.get("called", times["begin"])
     returned = times.get("end", times["persisted"]) if is_async else times["persisted"]
-    return {"save_call_s": max(0.0, returned - called), "fence_wait_s": handle.fence_wait_s,
+    return {"save_call_s": max(0.0, returned - called), "fence_wait_s": job.fence_wait_s,
             "persisted_s": times["persisted"] - times["begin"]}
 
 
 class Committer:
     """Commits the saves of one rank, in the order they were sealed.
 
-    ``written(handle)``: called once ``handle``'s files are written or failed (its eager
-    copies are released). Starts its thread at once; :meth:`stop` ends it."""
+    ``written(job)``: called once ``job``'s files are written or failed (its eager copies
+    are released). Starts its thread at once; :meth:`stop` ends it."""
 
     def __init__(self, saves: Saves, storage: Storage, config: AsyncCheckpointConfig, *, rank: int,
                  world_size: int, ledger: FailureLedger, retention: Retention, reporter: Reporter,
-                 written: Callable[[CheckpointHandle], None], memory: MemorySaves | None = None) -> None:
+                 written: Callable[[SaveJob], None], memory: MemorySaves | None = None) -> None:
         self._saves, self._storage, self._config = saves, storage, config
         self._memory = memory
         self._rank, self._world_size = rank, world_size
@@ -92,7 +93,7 @@ class Committer:
             except RuntimeError as exc:
                 raise ConfigError(f"async_checkpoint.node_local: {exc}") from exc
             self._leads_node = self._node != 0 and rank == node_leader(rank, world_size)
-        self._queue: queue.SimpleQueue[CheckpointHandle | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[SaveJob | None] = queue.SimpleQueue()
         self.thread = threading.Thread(target=self._loop, name="async-ckpt-committer", daemon=True)
         self.thread.start()
 
@@ -116,9 +117,9 @@ class Committer:
             return []
         return made
 
-    def put(self, handle: CheckpointHandle) -> None:
-        """Queue the sealed ``handle`` (it is in flight: ``saves.inflight``)."""
-        self._queue.put(handle)
+    def put(self, job: SaveJob) -> None:
+        """Queue the sealed save ``job`` (it is in flight: ``saves.inflight``)."""
+        self._queue.put(job)
 
     def stop(self, timeout: float) -> None:
         """End the thread once what is queued is committed, waiting up to ``timeout`` s."""
@@ -128,13 +129,14 @@ class Committer:
     def _loop(self) -> None:
         lower_this_thread()
         while True:
-            handle = self._queue.get()
-            if handle is None:
+            job = self._queue.get()
+            if job is None:
                 return
-            self.commit_one(handle)
+            self.commit_one(job)
 
-    def commit_one(self, handle: CheckpointHandle) -> None:
-        job = self._saves.job(handle)
+    def commit_one(self, job: SaveJob) -> None:
+        """Commit the sealed save ``job`` (this rank's part of it), or settle it as failed."""
+        handle = job.handle
         # a memory-only save's records go through the store: nothing in the checkpoint directory
         exchange = self._memory.exchange if job.memory_only and self._memory is not None else self._exchange
         recorded = False  # this rank's record is written: rank 0 takes it from there
@@ -142,20 +144,20 @@ class Committer:
         try:
             entries: list[FileEntry] = []
             first_error: BaseException | None = None
-            for fut in handle.files:  # wait for all, so no writer still runs after a failure
+            for fut in job.files:  # wait for all, so no writer still runs after a failure
                 try:
                     entries.append(fut.result())
                 except BaseException as exc:
                     first_error = first_error or exc
-            for fut in handle.dependencies:  # outside work (depends_on): done before the commit
+            for fut in job.dependencies:  # outside work (depends_on): done before the commit
                 try:
                     fut.result()
                 except BaseException as exc:
                     first_error = first_error or exc
-            self._written(handle)  # its files are written (or failed): copies released
+            self._written(job)  # its files are written (or failed): copies released
             if first_error is not None:
                 raise first_error
-            if handle.abandoned:  # the framework's save raised here: rank 0 must not wait for
+            if job.abandoned:  # the framework's save raised here: rank 0 must not wait for
                 why = job.failure or "the save raised on this rank before it was sealed"
                 if self._memory is not None:
                     self._memory.abandon(handle)
@@ -180,20 +182,21 @@ class Committer:
             node = self._node if self._exchange.node_local else None
             exchange.publish(handle.write_dir, rank_record(
                 handle.write_dir, rank=self._rank, save_id=handle.save_id, checksum=cfg.checksum,
-                files=entries, node=node, timings=_timings(handle, cfg.is_async)))
+                files=entries, node=node, timings=_timings(job, cfg.is_async)))
             recorded = True
             manifest = None
             if self._rank == 0:
                 committing = True  # from here on, commit() tells the other nodes how it ended
-                kept = ManifestOnly() if job.memory_only else None  # what the commit writes, in memory
-                manifest = commit(kept or self._storage, handle.write_dir,
+                # a memory-only save's commit writes into memory: the manifest, its steps' files
+                storage = ManifestOnly() if job.memory_only else self._storage
+                manifest, late = commit(storage, handle.write_dir,
                                   tag=handle.tag, save_id=handle.save_id,
                                   world_size=self._world_size, checksum=cfg.checksum,
                                   timeout_s=cfg.commit_timeout_s, pointer=handle.pointer,
-                                  replaces=handle.ckpt_dir if swap else None, finalize=handle.finalize,
+                                  replaces=handle.ckpt_dir if swap else None, finalize=job.finalize,
                                   rotation=handle.rotation, exchange=exchange)
                 if self._memory is not None:
-                    self._commit_slot(handle, manifest, kept)
+                    self._commit_slot(job, manifest, late)
             elif self._leads_node:
                 manifest, late = self._exchange.await_commit(
                     handle.write_dir, tag=handle.tag, save_id=handle.save_id, node=self._node,
@@ -201,16 +204,16 @@ class Committer:
                 commit_on_node(self._storage, handle.write_dir, manifest, pointer=handle.pointer,
                                replaces=handle.ckpt_dir if swap else None, late=late)
             elif self._memory is not None and self._memory.awaits_commit:
-                self._await_slot(handle)
+                self._await_slot(job)
             job.times["committed"] = time.perf_counter()
             if manifest is not None and handle.pointer is not None:
                 self._retention.pointer_moved(handle)
             if manifest is not None:
-                self._reporter.announce(handle, manifest)
+                self._reporter.announce(job, manifest)
             if manifest is not None and swap:  # the checkpoint it replaced: deleted in the background
                 self._retention.later(self._retention.remove_trash, os.path.dirname(handle.ckpt_dir))
             if manifest is not None and handle.pointer is not None and self._retention.policy is not None:
-                self._retention.retire_older_later(handle)
+                self._retention.retire_older_later(job)
         except BaseException as exc:
             job.error = exc
             if self._memory is not None and "memory_committed" not in job.times:
@@ -225,8 +228,8 @@ class Committer:
                 self._report_failure(handle, f"{type(exc).__name__}: {exc}", exchange)
         finally:
             job.finalize = ()  # run or not, never again: what the steps hold is freed
-            self._saves.settle(handle)  # failed: never swapped in, its staging is abandoned
-            self._written(handle)
+            self._saves.settle(job)  # failed: never swapped in, its staging is abandoned
+            self._written(job)
             handle.mark_settled()
 
     def _tell_nodes_failed(self, handle: CheckpointHandle, message: str) -> None:
@@ -237,14 +240,13 @@ class Committer:
         except (OSError, RuntimeError):  # the store gone (DistStoreError): they then time out
             pass
 
-    def _commit_slot(self, handle: CheckpointHandle, manifest: dict, kept: ManifestOnly | None) -> None:
-        """Rank 0, once the job committed ``handle``: its slot in the keeper, with the manifest.
-        A persist save is committed on disk already: a keeper that fails it is logged (the
+    def _commit_slot(self, job: SaveJob, manifest: dict, late: dict[str, bytes]) -> None:
+        """Rank 0, once ``job``'s save is committed: its slot in the keeper, with the
+        manifest and the late files its finalize steps wrote (as the commit returned them). A
+        persist save is committed on disk already: a keeper that fails it is logged (the
         memory tier then lacks this save), a memory-only save fails with it."""
-        job = self._saves.job(handle)
+        handle = job.handle
         try:
-            late = kept.late_files(handle.write_dir, manifest) if kept is not None else self._late_on_disk(
-                handle.ckpt_dir, manifest)
             self._memory.commit_slot(handle, manifest, late)
         except (KeeperError, OSError) as exc:
             if job.memory_only:
@@ -255,10 +257,10 @@ class Committer:
             return
         job.times["memory_committed"] = time.perf_counter()
 
-    def _await_slot(self, handle: CheckpointHandle) -> None:
+    def _await_slot(self, job: SaveJob) -> None:
         """A node's leader other than rank 0's: its node's slot, once rank 0 says the job
-        committed ``handle``; as :meth:`_commit_slot` when the keeper or rank 0's word fails."""
-        job = self._saves.job(handle)
+        committed ``job``'s save; as :meth:`_commit_slot` when the keeper or rank 0's word fails."""
+        handle = job.handle
         try:
             self._memory.await_commit(handle)
         except (CommitError, KeeperError, OSError) as exc:
@@ -269,15 +271,6 @@ class Committer:
             self._memory.abandon(handle)
             return
         job.times["memory_committed"] = time.perf_counter()
-
-    @staticmethod
-    def _late_on_disk(ckpt_dir: str, manifest: dict) -> dict[str, bytes]:
-        """A persist save's late files (its finalize steps wrote them on disk), for the keeper."""
-        late = {}
-        for rel in manifest.get("late_files", ()):
-            with open(os.path.join(ckpt_dir, rel), "rb") as f:
-                late[rel] = f.read()
-        return late
 
     def _report_failure(self, handle: CheckpointHandle, message: str, exchange=None) -> None:
         try:

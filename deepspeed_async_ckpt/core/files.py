@@ -30,7 +30,6 @@ from ..snapshot import (FilePlan, HostBufferPool, PlanCache, Stager, TensorItem,
                         storage_addresses, tensor_ids)
 from ..storage import Storage, aligned_size, temporary_path
 from .collectives import Replicas, layout_digest
-from .handle import CheckpointHandle
 from .job import SaveJob
 from .saves import Saves
 
@@ -82,7 +81,7 @@ class SaveFiles:
             self._persist = ProcessWriter(storage, pool, writers, **persist)
         else:
             self._persist = ThreadWriter(storage, writers, **persist)
-        self._eager_held: dict[CheckpointHandle, int] = {}
+        self._eager_held: dict[SaveJob, int] = {}
         """Bytes of each save's eager copies (outside the pool) until its files are written."""
         self._eager_cond = threading.Condition()
         self._seal_lock = threading.Lock()
@@ -101,9 +100,10 @@ class SaveFiles:
         """Add one file of ``states`` (one archive each; ``names``: of the parts of a packed
         file, else None) to the open save; see :meth:`AsyncCheckpointer.save
         <.checkpointer.AsyncCheckpointer.save>`. Returns the tensor bytes each state stages."""
-        handle = self._saves.current
-        if handle is None:
+        job = self._saves.current
+        if job is None:
             raise AsyncCheckpointError(f"save({path!r}) outside begin()/end()")
+        handle = job.handle
         path = os.path.abspath(path)
         rel = os.path.relpath(path, handle.ckpt_dir)
         if rel in (os.curdir, os.pardir) or rel.startswith(os.pardir + os.sep):
@@ -111,11 +111,10 @@ class SaveFiles:
             # make a manifest that every reader refuses as damaged, once `latest` names it
             raise ValueError(f"save({path!r}): not a file inside the checkpoint directory "
                              f"{handle.ckpt_dir!r} (tag {handle.tag!r})")
-        listed = self._listed_of(handle)
-        if rel in listed.paths:  # async: two writers on one temporary name, and no commit
+        if rel in job.paths:  # async: two writers on one temporary name, and no commit
             raise ValueError(f"save({path!r}): this file was already saved in checkpoint "
                              f"{handle.tag!r}: save each file of a checkpoint once")
-        listed.paths.add(rel)
+        job.paths.add(rel)
         if handle.write_dir != handle.ckpt_dir:  # staged: the same name in the staging directory
             path = os.path.join(handle.write_dir, rel)
         plans, shared = [], False
@@ -144,12 +143,11 @@ class SaveFiles:
             # a failed makedirs must not leave the file's items listed and never issued
             # (handle.wait_staged() would never return), nor its path "already saved"
             if not shared:
-                listed.paths.discard(rel)
+                job.paths.discard(rel)
             for plan in plans:
                 for item in plan.items:
                     item.cancel()
             raise
-        job = self._saves.job(handle)
         job.new_dirs += new_dirs
         staged = []  # this rank's items of each plan: all, or its share's
         for plan in plans:
@@ -174,7 +172,7 @@ class SaveFiles:
             done.set_result(record)
             job.files.append(done)
         else:
-            self._eager_room(handle, sum(i.nbytes for mine in staged for i in mine if i.eager))
+            self._eager_room(job, sum(i.nbytes for mine in staged for i in mine if i.eager))
             try:
                 for mine in staged:
                     self.stager.stage_eager(i for i in mine if i.eager)
@@ -185,8 +183,8 @@ class SaveFiles:
                 raise
             with self._seal_lock:  # the file and its copies together, or neither
                 for mine in staged:
-                    listed.copies.extend(i for i in mine if not i.eager)
-                listed.writes.append((path, plans, names, share))
+                    job.copies.extend(i for i in mine if not i.eager)
+                job.writes.append((path, plans, names, share))
         return [sum(i.nbytes for i in mine) for mine in staged]
 
     def _check_fits_pool(self, plans: list[FilePlan]) -> None:
@@ -216,9 +214,9 @@ class SaveFiles:
             self._plans.popitem(last=False)
         return cache
 
-    def _eager_room(self, handle: CheckpointHandle, nbytes: int) -> None:
-        """Count ``nbytes`` of eager copies for ``handle``, first waiting (backpressure, as the
-        pool's) while the earlier saves' eager copies not yet written would take the total
+    def _eager_room(self, job: SaveJob, nbytes: int) -> None:
+        """Count ``nbytes`` of eager copies for the save ``job``, first waiting (backpressure, as
+        the pool's) while the earlier saves' eager copies not yet written would take the total
         over ``host_buffer_gb``. Only those are waited for: they are written without this
         thread, where this save's own are written once it is sealed, so one save's eager
         copies may exceed the bound alone. Without it, saves of eager state (``client_state``,
@@ -229,18 +227,19 @@ class SaveFiles:
         with self._eager_cond:
             while True:
                 with self._saves.lock:
-                    earlier = sum(n for h, n in self._eager_held.items() if h in self._saves.inflight)
-                if not earlier or earlier + self._eager_held.get(handle, 0) + nbytes <= self._pool.capacity_bytes:
+                    earlier = sum(n for j, n in self._eager_held.items() if j in self._saves.inflight)
+                if not earlier or earlier + self._eager_held.get(job, 0) + nbytes <= self._pool.capacity_bytes:
                     break
                 start = start or time.perf_counter()
                 self._eager_cond.wait(0.5)  # notified as saves are written; polled in case
-            self._eager_held[handle] = self._eager_held.get(handle, 0) + nbytes
+            self._eager_held[job] = self._eager_held.get(job, 0) + nbytes
         if start is not None:
-            self._saves.job(handle).eager_wait_s += time.perf_counter() - start
+            job.eager_wait_s += time.perf_counter() - start
 
-    def eager_written(self, handle: CheckpointHandle) -> None:
+    def eager_written(self, job: SaveJob) -> None:
+        """The committer: ``job``'s files are written (or failed), its eager copies freed."""
         with self._eager_cond:
-            if self._eager_held.pop(handle, None) is not None:
+            if self._eager_held.pop(job, None) is not None:
                 self._eager_cond.notify_all()
 
     def _share_of(self, path: str, plan: FilePlan, replicas: Replicas, save_id: str) -> Share | None:
@@ -286,15 +285,10 @@ class SaveFiles:
         return Share(index=replicas.rank if replicas.rank <= len(cuts) else -1, cuts=cuts,
                      tmp=temporary_path(path, save_id))
 
-    def _listed_of(self, handle: CheckpointHandle) -> SaveJob:
-        """``handle``'s job, whose ``paths``, ``copies`` and ``writes`` are listed here, under
-        the seal lock."""
-        return self._saves.job(handle)
-
-    def seal(self, handle: CheckpointHandle, *, last: bool = False) -> None:
-        """Hand ``handle``'s files to the writers and its lazy copies to the copier; ``last``:
-        the save is sealed for good (``end``), which a writer that takes a save's files
-        together (the memory tier's) is told."""
+    def seal(self, job: SaveJob, *, last: bool = False) -> None:
+        """Hand the save ``job``'s files to the writers and its lazy copies to the copier;
+        ``last``: the save is sealed for good (``end``), which a writer that takes a save's
+        files together (the memory tier's) is told."""
         # A save's files go to the writers and its lazy copies to the copier together, when it
         # is sealed: the pool can size one block for all of them (nothing can change the
         # tensors before the next fence anyway), and no background thread competes with the
@@ -304,21 +298,21 @@ class SaveFiles:
         # training thread must not both take a file (two writers on one file), nor one drop
         # what the other lists meanwhile (a writer waiting for copies never queued: a save
         # that never commits, and a ``wait`` that never returns).
+        handle = job.handle
         with self._seal_lock:
-            listed = self._saves.job(handle)
-            unwritten, listed.writes = listed.writes, []
-            unsubmitted, listed.copies = listed.copies, []
+            unwritten, job.writes = job.writes, []
+            unsubmitted, job.copies = job.copies, []
             try:
                 if unwritten:
-                    self._persist.pace(handle, handle.times["begin"], handle.nbytes)
+                    self._persist.pace(handle, job.times["begin"], job.nbytes)
                 for path, plans, names, share in unwritten:
-                    listed.files.append(self._persist.submit(path, plans, part_names=names, share=share))
+                    job.files.append(self._persist.submit(path, plans, part_names=names, share=share))
                 if unsubmitted:
                     self._warn_if_pool_too_small(unsubmitted)
-                    self.stager.submit(unsubmitted, job=handle)
+                    self.stager.submit(unsubmitted, job=job)
                 end = getattr(self._persist, "end", None) if last else None
                 if end is not None:  # its copy into the keeper's slot: before the save's record
-                    listed.dependencies.append(end(handle))
+                    job.dependencies.append(end(handle))
             except BaseException as exc:
                 # Cut short (a Ctrl-C while a writer thread starts): copies that may never be
                 # queued fail, so that the writers already queued fail on them instead of

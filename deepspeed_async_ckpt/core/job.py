@@ -1,11 +1,12 @@
 """A save in flight, as the pipeline keeps it: what its handle shows, and what only the
 pipeline reads.
 
-:meth:`Session.begin <.session.Session.begin>` makes one :class:`SaveJob` per save and gives
-it to the save's :class:`~.handle.CheckpointHandle`, which reads it and never writes it;
-:class:`~.saves.Saves` keeps the pair, and the modules of the core (the session, the save
-files, the committer, reports, retention) write the job they get from
-:meth:`Saves.job <.saves.Saves.job>`. Callers never see it.
+:meth:`Session.begin <.session.Session.begin>` makes one :class:`SaveJob` per save and the
+save's :class:`~.handle.CheckpointHandle` over it, which reads it and never writes it; the job
+keeps its handle (:attr:`SaveJob.handle`), to settle it and to read what the save is. The
+core's queues carry the job (the open save, the saves in flight, the committer's queue), so
+the modules that write it (the session, the save files, the committer, reports, retention)
+are handed it, and never look it up from a handle. Callers never see it.
 """
 
 from __future__ import annotations
@@ -20,12 +21,16 @@ from ..persist import Share
 from ..snapshot import FilePlan, TensorItem
 
 if TYPE_CHECKING:
-    from .handle import CommitInfo
+    from .handle import CheckpointHandle, CommitInfo
 
 
-@dataclass
+@dataclass(eq=False)  # one save, found by identity (in flight, in the eager copies' counts)
 class SaveJob:
     """One save of one rank, as the training thread, the writers and the committer fill it in."""
+
+    handle: CheckpointHandle = field(init=False, repr=False)
+    """The save's handle, made over this job in ``begin``: what the save is (its directory,
+    tag, save id, pointer), and the wait points the committer sets."""
 
     finalize: tuple[FinalizeStep, ...] = ()
     """Rank 0: the steps its commit runs after the manifest (see :mod:`..commit.finalize`);

@@ -67,11 +67,6 @@ class ManifestOnly:
     def replace(self, src: str, dst: str, *, durable: bool = True) -> None:
         self.files[dst] = self.files.pop(src)
 
-    def late_files(self, ckpt_dir: str, manifest: dict) -> dict[str, bytes]:
-        """The files the finalize steps wrote (the manifest's ``late_files``), by path in the
-        checkpoint: they go to the keeper with the slot's commit."""
-        return {rel: self.files[os.path.join(ckpt_dir, rel)] for rel in manifest.get("late_files", ())}
-
     def remove_tree(self, path: str) -> None:
         self.files.pop(path, None)
 

@@ -18,7 +18,8 @@ from typing import Any, Callable
 
 from ..commit.records import TIMINGS
 from ..qos import lower_this_thread
-from .handle import CheckpointHandle, CommitInfo
+from .handle import CommitInfo
+from .job import SaveJob
 from .memory_saves import memory_committed_s
 from .saves import Saves
 
@@ -98,18 +99,20 @@ class Reporter:
         if executor is not None:
             executor.shutdown(wait=threading.current_thread() is not self._thread)
 
-    def announce(self, handle: CheckpointHandle, manifest: dict) -> None:
-        """Rank 0, once a checkpoint is committed: log it (INFO) and queue the commit callbacks.
-        A failure here is logged, never the save's: the pointer has moved already."""
+    def announce(self, job: SaveJob, manifest: dict) -> None:
+        """Rank 0, once ``job``'s checkpoint is committed: log it (INFO), record it
+        (``commit_info``) and queue the commit callbacks. A failure here is logged, never the
+        save's: the pointer has moved already."""
+        handle = job.handle
         try:
             slowest = {key: float(t["max"]) for key, t in manifest.get("timings", {}).items()
                        if key in TIMINGS and isinstance(t, dict) and type(t.get("max")) in (int, float)}
             info = CommitInfo(tag=handle.tag, ckpt_dir=handle.ckpt_dir, files=len(manifest["files"]),
                               bytes=sum(e["bytes"] for e in manifest["files"].values()),
                               world_size=self._world_size,
-                              seconds=handle.times["committed"] - handle.times["begin"],
-                              save_id=handle.save_id, **slowest, **memory_figures(self._saves.job(handle)))
-            self._saves.job(handle).commit_info = info
+                              seconds=job.times["committed"] - job.times["begin"],
+                              save_id=handle.save_id, **slowest, **memory_figures(job))
+            job.commit_info = info
             logger.info("async checkpoint: %s", info)
             for fn in list(self.callbacks):
                 self.report(fn, info, about=handle.ckpt_dir)
@@ -118,7 +121,7 @@ class Reporter:
                            "%s", handle.tag, exc)
 
 
-def memory_figures(job: Any) -> dict[str, Any]:
+def memory_figures(job: SaveJob) -> dict[str, Any]:
     """A save's memory tier figures for its :class:`CommitInfo` (none without the tier)."""
     seconds = memory_committed_s(job.times)
     return {} if seconds is None else {"memory_committed_s": seconds, "memory_only": job.memory_only}

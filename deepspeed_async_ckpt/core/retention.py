@@ -25,6 +25,7 @@ from ..errors import AsyncCheckpointError
 from ..qos import lower_this_thread
 from ..storage import Storage
 from .handle import CheckpointHandle
+from .job import SaveJob
 from .saves import Saves, time_left
 
 logger = logging.getLogger(__name__)
@@ -56,16 +57,17 @@ class Retention:
         self._retirer: ThreadPoolExecutor | None = None  # started on first use
         self.retiring: collections.deque[Future] = collections.deque()
         """Under ``saves.lock``: what was queued on the retention thread and not yet waited for."""
-        self._last: CheckpointHandle | None = None
+        self._last: SaveJob | None = None
 
-    def retire_older(self, handle: CheckpointHandle) -> list[str]:
+    def retire_older(self, handle: CheckpointHandle, job: SaveJob | None = None) -> list[str]:
         """Retention (rank 0, once ``handle`` is committed and the pointer names it): remove
         this engine's committed checkpoints in the same save directory that the policy does
         not keep, never ``handle``'s nor that of a save begun and not yet committed; also its
         checkpoints there that can never be loaded (partial, or committed and never finalized)
-        last changed before ``handle`` committed, unless the policy keeps them. Records and
-        returns the names removed; does nothing without a policy. The committer calls it once
-        a commit moved the pointer.
+        last changed before ``handle`` committed, unless the policy keeps them. Returns the
+        names removed, and records them in ``job`` (``handle``'s save: its ``retired``); does
+        nothing without a policy. The committer queues it (:meth:`retire_older_later`) once a
+        commit moved the pointer.
 
         A failure to remove an old checkpoint does not undo the commit: it is logged, and the
         next commit tries again.
@@ -83,20 +85,23 @@ class Retention:
             with saves.lock:
                 reporting = set(saves.reporting)  # its commit callbacks may still read it
             return busy | reporting | set(self.pointed.values()) | \
-                {d for d in (saves.beginning, current and current.ckpt_dir, handle.ckpt_dir) if d}
+                {d for d in (saves.beginning, current and current.handle.ckpt_dir, handle.ckpt_dir) if d}
 
+        retired: list[str] = []
         try:
-            retired = self._saves.job(handle).retired = retire_checkpoints(
+            retired = retire_checkpoints(
                 self._storage, os.path.dirname(handle.ckpt_dir), policy=policy,
                 protected=protected, lock=saves.dirs_lock, step_of=self._step_of,
                 committed_now=os.path.basename(handle.ckpt_dir))
+            if job is not None:
+                job.retired = retired
             if retired:
                 logger.info("async checkpoint: %s committed; removed older checkpoint(s) %s",
                             handle.ckpt_dir, ", ".join(retired))
         except OSError as exc:
             logger.warning("async checkpoint: %s is committed, but removing older checkpoints "
                            "(%r) failed: %s", handle.ckpt_dir, policy, exc)
-        return list(self._saves.job(handle).retired)
+        return list(job.retired) if job is not None else retired
 
     def pointer_moved(self, handle: CheckpointHandle) -> None:
         """Rank 0: the pointer of ``handle``'s save directory now names it. Retention never
@@ -108,13 +113,14 @@ class Retention:
         with self._saves.dirs_lock:
             self.pointed[os.path.dirname(handle.ckpt_dir)] = handle.ckpt_dir
 
-    def retire_older_later(self, handle: CheckpointHandle) -> Future:
-        """:meth:`retire_older` on this checkpointer's retention thread, one call at a time:
-        removing a checkpoint can take as long as saving it (about 0.2 s per GiB on this VM's
-        ext4, mounted with online discard), and neither the next commit nor a sync save should
-        wait for that. :meth:`wait` and :meth:`close` wait for it. Once closed, it runs here."""
-        self._last = handle  # run again when callbacks let go
-        return self.later(self.retire_older, handle)
+    def retire_older_later(self, job: SaveJob) -> Future:
+        """:meth:`retire_older` of the save ``job`` on this checkpointer's retention thread, one
+        call at a time: removing a checkpoint can take as long as saving it (about 0.2 s per GiB
+        on this VM's ext4, mounted with online discard), and neither the next commit nor a sync
+        save should wait for that. :meth:`wait` and :meth:`close` wait for it. Once closed, it
+        runs here."""
+        self._last = job  # run again when callbacks let go
+        return self.later(self.retire_older, job.handle, job)
 
     def later(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> Future:
         """``fn(*args, **kwargs)`` on the retention thread, after what was queued there before
@@ -190,8 +196,8 @@ class Retention:
         """The commit callbacks on ``ckpt_dir`` are done: the last retention, which left it
         for them, runs again if it was for that save directory."""
         last = self._last
-        if last is not None and ckpt_dir != last.ckpt_dir and \
-                os.path.dirname(last.ckpt_dir) == os.path.dirname(ckpt_dir):
+        if last is not None and ckpt_dir != last.handle.ckpt_dir and \
+                os.path.dirname(last.handle.ckpt_dir) == os.path.dirname(ckpt_dir):
             self.retire_older_later(last)
 
     def running(self) -> bool:

@@ -1,5 +1,5 @@
 """The saves of one checkpointer and the lock that guards them: the one open and those in
-flight.
+flight, each as its :class:`~.job.SaveJob` (which holds its handle).
 
 One :class:`Saves` is shared by the checkpointer's collaborators: the training thread opens
 and seals saves here, the committer thread settles them, retention and the process registry
@@ -34,11 +34,11 @@ class Saves:
         self.dirs_lock = threading.Lock()
         """Retention against saves announcing their directories (``beginning``, the pointer
         each save directory names)."""
-        self.current: CheckpointHandle | None = None
+        self.current: SaveJob | None = None
         """The open save (between ``begin`` and ``end``), on the training thread."""
         self.beginning: str | None = None
         """Under ``dirs_lock``: the directory of a ``begin`` still agreeing its save id."""
-        self.inflight: collections.deque[CheckpointHandle] = collections.deque()
+        self.inflight: collections.deque[SaveJob] = collections.deque()
         """Under ``lock``: sealed saves the committer has not settled yet, oldest first."""
         self.reporting: collections.Counter[str] = collections.Counter()
         """Under ``lock``: checkpoint directories whose commit callbacks are queued or running:
@@ -46,28 +46,31 @@ class Saves:
         self.closed = False
         self.history: collections.deque[CheckpointHandle] = collections.deque(maxlen=64)
         """The last 64 sealed checkpoints of this process, oldest first (timings, bytes, errors)."""
-        self._jobs: weakref.WeakKeyDictionary[CheckpointHandle, SaveJob] = weakref.WeakKeyDictionary()
-        """Under ``lock``: each save's :class:`SaveJob`, for as long as its handle lives."""
+        self.last: SaveJob | None = None
+        """The last sealed save (``history[-1]``'s): a fence's wait is counted there."""
+        self._begun: weakref.WeakKeyDictionary[CheckpointHandle, weakref.ref[SaveJob]] = \
+            weakref.WeakKeyDictionary()
+        """Under ``lock``: each save's job by its handle, for a caller that hands a handle
+        back (:meth:`job_of`); weakly held both ways, as each holds the other."""
 
-    def track(self, handle: CheckpointHandle, job: SaveJob) -> None:
-        """``handle`` is the view of ``job``: :meth:`job` gives it from now on."""
+    def open(self, job: SaveJob) -> None:
+        """``job`` is the open save (``begin``)."""
         with self.lock:
-            self._jobs[handle] = job
+            self._begun[job.handle] = weakref.ref(job)
+        self.current = job
 
-    def job(self, handle: CheckpointHandle) -> SaveJob:
-        """``handle``'s job (for a handle this checkpointer did not begin, one made at the
-        first call, which its handle does not show). Not called with ``lock`` held."""
+    def job_of(self, handle: CheckpointHandle) -> SaveJob | None:
+        """The job of ``handle`` if this checkpointer began it (None for another's): for the
+        calls that take a handle from the caller, never for the pipeline's own."""
         with self.lock:
-            job = self._jobs.get(handle)
-            if job is None:
-                job = self._jobs[handle] = SaveJob()
-            return job
+            ref = self._begun.get(handle)
+        return None if ref is None else ref()
 
     def pending(self) -> list[CheckpointHandle]:
         """Saves whose directories are in use: those in flight (until their commit, finalize
         steps, swap and pointer included, is done)."""
         with self.lock:
-            return list(self.inflight)
+            return [job.handle for job in self.inflight]
 
     def dirs_in_use(self) -> set[str]:
         """The checkpoint directories of the open save and of those in flight. The open save
@@ -75,7 +78,7 @@ class Saves:
         current = self.current
         dirs = {h.ckpt_dir for h in self.pending()}
         if current is not None:
-            dirs.add(current.ckpt_dir)
+            dirs.add(current.handle.ckpt_dir)
         return dirs
 
     def busy(self, ckpt_dir: str) -> bool:
@@ -86,15 +89,15 @@ class Saves:
         (``time.monotonic``); past it, raise naming ``timeout`` (s)."""
         while True:
             with self.lock:
-                handle = self.inflight[0] if self.inflight else None
-            if handle is None:
+                job = self.inflight[0] if self.inflight else None
+            if job is None:
                 return
-            if not handle.wait_committed(time_left(deadline)):
-                raise CommitError(f"checkpoint {handle.tag!r} not committed within {timeout} s")
+            if not job.handle.wait_committed(time_left(deadline)):
+                raise CommitError(f"checkpoint {job.handle.tag!r} not committed within {timeout} s")
 
-    def settle(self, handle: CheckpointHandle) -> None:
-        """The committer is done with ``handle``: no longer in flight (failed or abandoned,
+    def settle(self, job: SaveJob) -> None:
+        """The committer is done with ``job``: no longer in flight (failed or abandoned,
         its staging directory, if any, is left for the next save to sweep)."""
         with self.lock:
-            if handle in self.inflight:
-                self.inflight.remove(handle)
+            if job in self.inflight:
+                self.inflight.remove(job)

@@ -104,8 +104,8 @@ class Session:
         called = time.perf_counter()
         saves = self._saves
         if saves.current is not None:
-            raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {saves.current.tag!r} is "
-                                       "still open: call end() first")
+            raise AsyncCheckpointError(f"begin({tag!r}) while checkpoint {saves.current.handle.tag!r} "
+                                       "is still open: call end() first")
         ckpt_dir = check_checkpoint_dir(ckpt_dir)
         refuse_overlap(self._config.tiers, os.path.dirname(ckpt_dir))  # a tier's copies stay apart
         if pointer is not None:  # written later, by the committer: not wherever the cwd is then
@@ -142,10 +142,9 @@ class Session:
             write_dir = _write_dir(ckpt_dir, save_id, staged)
             job = SaveJob(finalize=finalize if self._rank == 0 else (), memory_only=only)
             job.times["called"] = called  # the save call: from here to end()
-            handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir, job,
-                                      rotation=rotation)
-            saves.track(handle, job)
-            saves.current = handle
+            handle = job.handle = CheckpointHandle(ckpt_dir, str(tag), save_id, pointer, write_dir, job,
+                                                   rotation=rotation)
+            saves.open(job)
             if self._memory is not None:
                 self._memory.counted(only)
             self._begun(handle)  # the begin callbacks: what it depends on
@@ -266,37 +265,38 @@ class Session:
         drain from the pool, but it is never recorded or committed.
         """
         saves = self._saves
-        handle = saves.current
-        if handle is None:
+        job = saves.current
+        if job is None:
             raise AsyncCheckpointError("end() without begin()")
+        handle = job.handle
         if saves.closed:  # closed under it by another thread (it had passed begin's check)
             saves.current = None
             raise AsyncCheckpointError(f"checkpoint {handle.tag!r} was not committed: the checkpointer "
                                        "was closed while it was being saved")
-        job = saves.job(handle)
         job.abandoned = not commit
         job.times["end"] = time.perf_counter()
         saves.history.append(handle)
+        saves.last = job
         if self._config.is_async:
             try:
                 with saves.lock:
-                    saves.inflight.append(handle)
+                    saves.inflight.append(job)
                 saves.current = None  # only now: retention sees its directory as in use throughout
-                self._files.seal(handle, last=True)
+                self._files.seal(job, last=True)
             except BaseException:  # cut short (Ctrl-C, a SIGTERM handler's exit): never committed,
                 job.abandoned = True  # and the committer still settles what was handed over
                 saves.current = None
                 raise
             finally:
                 with saves.lock:
-                    queued = handle in saves.inflight
+                    queued = job in saves.inflight
                 if queued:  # in flight: wait() and close() wait until the committer settles it
-                    self._committer.put(handle)
+                    self._committer.put(job)
         else:
             with saves.lock:
-                saves.inflight.append(handle)
+                saves.inflight.append(job)
             saves.current = None
-            self._committer.commit_one(handle)
+            self._committer.commit_one(job)
             if handle.error is not None:  # this save's failure, not "a previous checkpoint's"
                 self._ledger.discard(handle.error)  # (unless another thread's wait() took it)
                 raise this_save_failed(handle, handle.error)

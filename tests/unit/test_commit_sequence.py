@@ -536,8 +536,9 @@ def test_the_commit_runs_on_any_record_exchange_and_tells_it_the_outcome(tmp_pat
             f.write(b"x" * (r + 1))
         exchange.publish(d, rank_record(d, rank=r, save_id="s1", checksum="xxh128", files=[
             FileEntry(path=os.path.join(d, f"r{r}.pt"), nbytes=r + 1, checksum=f"{r:032x}")]))
-    manifest = commit(LocalStorage(), d, tag="t", save_id="s1", world_size=2, checksum="xxh128",
-                      timeout_s=5, pointer=Pointer(str(tmp_path / "latest"), "t"), exchange=exchange)
+    manifest, late = commit(LocalStorage(), d, tag="t", save_id="s1", world_size=2, checksum="xxh128",
+                            timeout_s=5, pointer=Pointer(str(tmp_path / "latest"), "t"), exchange=exchange)
+    assert late == {}  # no finalize step
     assert sorted(manifest["files"]) == ["r0.pt", "r1.pt"] and (tmp_path / "latest").read_text() == "t"
     assert read_manifest(d)["files"]["r1.pt"] == {"bytes": 2, "xxh128": f"{1:032x}"}
     assert exchange.told == [("committed", "s1", [0])]

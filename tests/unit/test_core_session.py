@@ -1,8 +1,10 @@
 """Beginning a save (``deepspeed_async_ckpt.core.session``): names and directories that
 cannot be a checkpoint refused with nothing touched, refusals raised on every rank."""
 
+import gc
 import os
 import threading
+import weakref
 
 import pytest
 import torch
@@ -329,6 +331,23 @@ def test_the_handle_is_a_read_only_view_of_the_save_the_pipeline_fills_in(tmp_pa
         handle.times["committed"] = 0.0
     with pytest.raises(AttributeError):
         handle.files.append(None)
+
+
+def test_a_save_is_freed_once_its_caller_and_the_history_let_go(tmp_path):
+    """A save's job and its handle hold each other, and the checkpointer finds the job of a
+    handle handed back to it (``retire_older``): that lookup must hold neither, or a long run
+    would keep every save it ever made, with its items and file futures."""
+    ck = make()
+    handle = save_one(ck, str(tmp_path), sample_state(), tag="t1")
+    ck.wait()
+    gone = weakref.ref(handle)
+    save_one(ck, str(tmp_path), sample_state(), tag="t2")  # the last sealed save now
+    ck.wait()
+    ck.history.clear()  # (it keeps the last 64)
+    del handle
+    gc.collect()
+    assert gone() is None
+    ck.close()
 
 
 def test_a_replica_whose_layout_fails_still_meets_the_others_and_every_replica_raises(tmp_path, monkeypatch):

@@ -102,6 +102,26 @@ def test_the_commit_runs_manifest_then_steps_then_swap_then_pointer_then_retenti
     assert open(os.path.join(root, "latest")).read() == "t"
 
 
+def test_the_commit_returns_the_bytes_its_steps_wrote(tmp_path):
+    """A copy of the checkpoint kept elsewhere (the memory tier's slot of a save that also
+    persists) takes the steps' files from the commit, as they were written, not read back."""
+    from deepspeed_async_ckpt.commit import commit, write_rank_record
+
+    d = str(tmp_path / "t")
+    storage = LocalStorage(fsync=False)
+    os.makedirs(os.path.join(d, META_DIR))  # as begin makes it
+    write_rank_record(storage, d, rank=0, save_id="s1", checksum="xxh128", files=[])
+    steps = [Step([], {"marker.json": '{"v": 1}'}), Step([], {"sub/extra.txt": "2"})]
+    manifest, late = commit(storage, d, tag="t", save_id="s1", world_size=1, checksum="xxh128",
+                            timeout_s=5, pointer=Pointer(str(tmp_path / "latest"), "t"), finalize=steps)
+    assert late == {"marker.json": b'{"v": 1}', "sub/extra.txt": b"2"}
+    assert manifest["late_files"] == sorted(late)
+    for rel, data in late.items():
+        with open(os.path.join(d, rel), "rb") as f:
+            assert f.read() == data
+    verify_checkpoint(d)
+
+
 def test_a_steps_file_is_verified_as_every_other(tmp_path):
     root = str(tmp_path)
     ck = AsyncCheckpointer(AsyncCheckpointConfig(enabled=True, mode="sync", host_buffer_gb=0.01))

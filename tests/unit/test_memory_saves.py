@@ -143,6 +143,24 @@ class _Marker:
         ctx.write_file("marker.json", f'{{"tag": "{ctx.tag}", "files": {len(ctx.manifest["files"])}}}')
 
 
+def test_a_persist_saves_slot_holds_the_files_its_finalize_steps_wrote(save_dir):
+    ck = AsyncCheckpointer(_config(persist_every=1))  # every save persists
+    try:
+        ck.begin(os.path.join(save_dir, "global_step1"), tag="global_step1",
+                 pointer=Pointer(os.path.join(save_dir, "latest"), "global_step1"), finalize=[_Marker()])
+        ck.save(_state(1), os.path.join(save_dir, "global_step1", "model.pt"))
+        ck.end()
+        ck.wait()
+        with open(os.path.join(save_dir, "global_step1", "marker.json"), "rb") as f:
+            on_disk = f.read()
+        copy = KeeperClient.find(save_dir).newest()
+        assert copy.name == "global_step1" and copy.late == {"marker.json": on_disk}
+        assert on_disk == b'{"tag": "global_step1", "files": 1}'
+        copy.close()
+    finally:
+        ck.close()
+
+
 def test_a_memory_only_saves_finalize_steps_write_into_the_keeper_and_a_restore_lays_their_files_out(save_dir):
     from deepspeed_async_ckpt.commit.layout import LATE_FILES, META_DIR
     from deepspeed_async_ckpt.commit.manifest import read_manifest as manifest_of

@@ -69,10 +69,10 @@ def test_store_exchange_commits_lists_nodes_and_deletes_its_keys(tmp_path, two_n
         exchange.publish(d, _record(r, *WRITES[r]))
     assert not exchange.look(d, save_id="s1", world_size=4)[0]
     exchange.publish(d, _record(0, *WRITES[0]))
-    manifest = commit(LocalStorage(fsync=False), d, tag="global_step1", save_id="s1", world_size=4,
-                      checksum="xxh128", timeout_s=10, pointer=Pointer(str(tmp_path / "latest"),
-                                                                       "global_step1"),
-                      exchange=exchange)
+    manifest, _ = commit(LocalStorage(fsync=False), d, tag="global_step1", save_id="s1", world_size=4,
+                         checksum="xxh128", timeout_s=10, pointer=Pointer(str(tmp_path / "latest"),
+                                                                          "global_step1"),
+                         exchange=exchange)
     assert manifest["nodes"] == {"0": ["model.pt", "zero_0.pt", "zero_1.pt"],
                                  "1": ["model.pt", "zero_2.pt", "zero_3.pt"]}
     assert manifest["files"]["model.pt"] == _entry(b"node0-model")
@@ -134,9 +134,9 @@ def test_records_through_a_tcp_store_from_other_threads(tmp_path, two_nodes):
     for t in threads:
         t.start()
     StoreExchange(clients[0], 4).publish(d, _record(0, *WRITES[0]))
-    manifest = commit(LocalStorage(fsync=False), d, tag="t", save_id="s1", world_size=4,
-                      checksum="xxh128", timeout_s=30, pointer=None,
-                      exchange=StoreExchange(clients[0], 4))
+    manifest, _ = commit(LocalStorage(fsync=False), d, tag="t", save_id="s1", world_size=4,
+                         checksum="xxh128", timeout_s=30, pointer=None,
+                         exchange=StoreExchange(clients[0], 4))
     for t in threads:
         t.join()
     assert sorted(manifest["ranks"]) == ["0", "1", "2", "3"]
@@ -249,13 +249,13 @@ def test_the_late_files_reach_every_node_and_verify_there(tmp_path, two_nodes):
     for r in range(4):
         exchange.publish(str(d0), _record(r, *WRITES[r]))
     storage = LocalStorage(fsync=False)
-    manifest = commit(storage, str(d0), tag="t", save_id="s1", world_size=4, checksum="xxh128",
-                      timeout_s=10, pointer=Pointer(str(tmp_path / "node0" / "latest"), "t"),
-                      finalize=[_Marker()], exchange=exchange)
+    manifest, written = commit(storage, str(d0), tag="t", save_id="s1", world_size=4, checksum="xxh128",
+                               timeout_s=10, pointer=Pointer(str(tmp_path / "node0" / "latest"), "t"),
+                               finalize=[_Marker()], exchange=exchange)
     assert manifest["late_files"] == ["marker.json"]
     node1, late = exchange.await_commit(str(d1), tag="t", save_id="s1", node=1, timeout_s=1,
                                         poll_delay=poll_delay)
-    assert late == {"marker.json": (d0 / "marker.json").read_bytes()}
+    assert late == written == {"marker.json": (d0 / "marker.json").read_bytes()}
     with pytest.raises(CommitError, match=r"late files \['marker.json'\], rank 0 sent \[\]"):
         commit_on_node(storage, str(d1), node1, pointer=Pointer(str(tmp_path / "node1" / "latest"), "t"))
     assert not (tmp_path / "node1" / "latest").exists()

@@ -239,6 +239,7 @@ def test_keep_last_does_not_count_a_checkpoint_never_finalized_and_removes_it_on
     handle = save("d")
     save("e", late=("markers.json",), record=False)  # committed after "d", not finalized yet
     assert ck.retire_older(handle) == ["a", "b"]
+    assert handle.retired == ["a", "b"]  # recorded on the handle the caller passed
     ck.close()
     assert listing(root) == ["c", "d", "e"]
 
@@ -447,7 +448,8 @@ def test_retention_queued_after_close_runs_in_the_caller(tmp_path):
     ck.close()
     policy.closed = True
     result = {}
-    thread = threading.Thread(target=lambda: result.update(f=ck._retention.retire_older_later(handles[1])))
+    job = ck._saves.job_of(handles[1])
+    thread = threading.Thread(target=lambda: result.update(f=ck._retention.retire_older_later(job)))
     thread.start()
     thread.join(10)
     assert not thread.is_alive(), "retire_older_later deadlocked on a closed checkpointer"
