@@ -17,6 +17,7 @@ from typing import Callable, Iterable
 from deepspeed_async_ckpt.agreement import KEY_DIFFERS, alone, gather, outcome
 from deepspeed_async_ckpt.commit import META_DIR, read_manifest, verify_checkpoint
 from deepspeed_async_ckpt.errors import AgreementError, IntegrityError
+from deepspeed_async_ckpt.memory.restore import agreement_key
 
 from . import torch_dist
 
@@ -70,7 +71,7 @@ def verify_checkpoint_dir(ckpt_dir: str, *, rank: int = 0, world_size: int = 1,
     # Each rank checked a share of the files: together all of them only if every rank checked
     # the same checkpoint (ranks reading the tracker on either side of a commit do not): the
     # directory is the exchange's key.
-    _, failed = outcome(f"checking {ckpt_dir!r}", None, own, key=os.path.abspath(ckpt_dir),
+    _, failed = outcome(f"checking {ckpt_dir!r}", None, own, key=agreement_key(ckpt_dir),
                         exchange=None if together else alone)
     if failed is not None:
         raise IntegrityError(_what_failed(failed)) from failed

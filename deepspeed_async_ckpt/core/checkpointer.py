@@ -342,11 +342,11 @@ class AsyncCheckpointer:
 
     # ------------------------------------------------------------------ load path
     def verify_all_ranks(self, ckpt_dir: str | None, *, action: str = "load",
-                         include: Callable[[str], bool] | None = None, key: str | None = None) -> None:
+                         include: Callable[[str], bool] | None = None) -> None:
         """Collective: check a checkpoint of this engine before any rank loads from it, each
         rank hashing a share of its files, and raise on every rank if any file is bad or the
         checkpoint was never committed: see :meth:`.loader.Loader.verify_all_ranks`."""
-        self._loader.verify_all_ranks(ckpt_dir, action=action, include=include, key=key)
+        self._loader.verify_all_ranks(ckpt_dir, action=action, include=include)
 
     def load(self, path: str, map_location: Any = None) -> Any:
         """``torch.load`` after checking the file against its checkpoint's committed manifest

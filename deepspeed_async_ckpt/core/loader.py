@@ -16,6 +16,7 @@ import torch
 from ..agreement import Exchange, by_rank, outcome
 from ..commit import META_DIR, find_checkpoint_dir, read_manifest, verify_checkpoint, verify_file
 from ..errors import Failure, IntegrityError
+from ..memory.restore import agreement_key
 
 
 class Loader:
@@ -39,7 +40,7 @@ class Loader:
         self._verified.pop(ckpt_dir, None)
 
     def verify_all_ranks(self, ckpt_dir: str | None, *, action: str = "load",
-                         include: Callable[[str], bool] | None = None, key: str | None = None) -> None:
+                         include: Callable[[str], bool] | None = None) -> None:
         """Collective: check a checkpoint of this engine before any rank loads from it, each
         rank hashing a disjoint share of its files (rank ``r``: files ``r, r + world_size, ...``
         of the manifest), and raise on every rank if any file is bad or the checkpoint was
@@ -77,7 +78,7 @@ class Loader:
         # key: each rank checks a share of the files, which covers them all only if every
         # rank checks the same checkpoint (ranks that read `latest` on either side of a commit
         # would each check part of a different one, and load the rest unchecked)
-        _, failed = outcome(action, action, error, exchange=self.exchange, key=key or ckpt_dir)
+        _, failed = outcome(action, action, error, exchange=self.exchange, key=agreement_key(ckpt_dir))
         if error is not None:
             raise IntegrityError(f"{action} refused on every rank: {detail}") from error
         if failed is not None:

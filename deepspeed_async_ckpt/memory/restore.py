@@ -89,8 +89,8 @@ def restore_dir(save_dir: str, save_id: str, node: int = 0) -> str:
     return os.path.join(SHM_DIR, f"{RESTORE_PREFIX}{KeeperAddress.of(save_dir, node=node).key}.{safe}")
 
 
-_SERVING: set[str] = set()
-"""The restore directories of this process's loads in progress (:func:`laid_out`)."""
+_SERVING: dict[str, str] = {}
+"""The restore directories of this process's loads in progress (:func:`laid_out`): their save ids."""
 
 
 class MemoryRestore:
@@ -98,11 +98,11 @@ class MemoryRestore:
 
     def __init__(self, load_dir: str, name: str, save_id: str, owns: bool) -> None:
         self.load_dir, self.name, self.save_id, self._owns = load_dir, name, save_id, owns
-        _SERVING.add(load_dir)
+        _SERVING[load_dir] = save_id
 
     def close(self) -> None:
         """Remove the directory (the node's leader; call once every rank of the node loaded)."""
-        _SERVING.discard(self.load_dir)
+        _SERVING.pop(self.load_dir, None)
         if self._owns:
             shutil.rmtree(self.load_dir, ignore_errors=True)
 
@@ -114,6 +114,17 @@ def laid_out(path: str) -> bool:
     keeper never reuses them, see :class:`~.messages.Newest`)."""
     path = os.path.abspath(path)
     return any(path.startswith(d + os.sep) for d in _SERVING)
+
+
+def agreement_key(path: str) -> str:
+    """What ranks checking ``path`` together agree on: its absolute path, except in a memory
+    checkpoint being loaded, whose restore directory differs from node to node (each is named
+    by its node's keeper) while the checkpoint is the same: there, the save and the path in it."""
+    path = os.path.abspath(path)
+    for d, save_id in _SERVING.items():
+        if path == d or path.startswith(d + os.sep):
+            return f"<memory save {save_id}>{path[len(d):]}"
+    return path
 
 
 def restore_from_memory(save_dir: str, memory: Any, *, rank: int, world_size: int, pointer_name: str,

@@ -52,8 +52,8 @@ def env():
     return e
 
 
-def run(script: str, args: list[str], env: dict, expect_ok: bool = True) -> list[int]:
-    codes = launch(script, [str(a) for a in args], NPROC, timeout=240, env=env)
+def run(script: str, args: list[str], env: dict, expect_ok: bool = True, per_node: int | None = None) -> list[int]:
+    codes = launch(script, [str(a) for a in args], NPROC, timeout=240, env=env, per_node=per_node)
     if expect_ok:
         assert codes == [0] * NPROC, f"{os.path.basename(script)} {args}: rank exit codes {codes}"
     return codes
@@ -535,10 +535,13 @@ def test_kill_mid_persist_keeps_the_previous_checkpoint(straight_run, tmp_path, 
 MEMORY_KILL_WORKER = os.path.join(REPO, "tests", "integration", "megatron_workers", "memory_kill_worker.py")
 
 
-def test_tp2_killed_between_disk_saves_resumes_from_the_memory_tier(straight_run, tmp_path, env):
+@pytest.mark.parametrize("per_node", [None, 2], ids=["one_node", "two_nodes"])
+def test_tp2_killed_between_disk_saves_resumes_from_the_memory_tier(straight_run, tmp_path, env, per_node):
     """Memory tier on, a save every iteration and every third on disk (1 and 4): every rank
     SIGKILLed right after issuing iteration 6's save resumes from iteration 5, in memory only,
-    with the straight run's losses; the keeper ends with the resumed job, leaving no memory."""
+    with the straight run's losses; the keeper ends with the resumed job, leaving no memory. On
+    two nodes (two ranks each, a keeper each), each node's keeper holds its ranks' shards only,
+    and the restore fetches the rest from the other node."""
     from deepspeed_async_ckpt.memory.address import KeeperAddress
     from deepspeed_async_ckpt.memory.client import KeeperClient
 
@@ -549,29 +552,33 @@ def test_tp2_killed_between_disk_saves_resumes_from_the_memory_tier(straight_run
         "enabled": True, "persist_every": 3, "idle_timeout_s": 120})))
     run_env = dict(env, XDG_RUNTIME_DIR=str(tmp_path))  # the keeper's log: the test's
     args = [*TINY_GPT, "--save", save, "--save-interval", 1, "--async-ckpt", "--async-ckpt-config", config]
-    codes = run(MEMORY_KILL_WORKER, args, dict(run_env, KILL_AT_ITERATION="6"), expect_ok=False)
+    codes = run(MEMORY_KILL_WORKER, args, dict(run_env, KILL_AT_ITERATION="6"), expect_ok=False, per_node=per_node)
     assert all(c == -9 for c in codes), codes
     assert read_tracker(str(save)) == 4  # disk: iterations 1 and 4
     assert not (save / "iter_0000005").exists()  # memory only
-    keeper = KeeperClient.find(str(save))
-    assert keeper is not None  # outlived every rank
-    newest = keeper.newest()
-    assert newest.name == "iter_0000005" and sorted(newest.late) == [".metadata", "metadata.json"]
-    newest.close()
-    keeper.close()
+    nodes = NPROC // (per_node or NPROC)
+    for node in range(nodes):
+        keeper = KeeperClient.find(str(save), node=node)
+        assert keeper is not None  # outlived every rank
+        newest = keeper.newest()
+        assert newest.name == "iter_0000005" and sorted(newest.late) == [".metadata", "metadata.json"]
+        assert sorted(newest.ranks) == list(range(node * NPROC // nodes, (node + 1) * NPROC // nodes))
+        newest.close()
+        keeper.close()
 
     log = str(tmp_path / "log.jsonl")
-    run(PRETRAIN, [*args, "--load", save, "--log-json", log], run_env)
+    run(PRETRAIN, [*args, "--load", save, "--log-json", log], run_env, per_node=per_node)
     events = [json.loads(line) for line in open(log, encoding="utf-8")]
     assert {e["iteration"] for e in events if e["event"] == "resumed"} == {5}
     resumed = steps(log)
     assert resumed and resumed == {k: v for k, v in straight.items() if k[1] > 5}
     assert read_tracker(str(save)) == 6  # the resumed run's first save persists
     verify_checkpoint_dir(str(save / "iter_0000006"))
-    key = KeeperAddress.of(str(save)).key
-    deadline = time.monotonic() + 30  # its last save persisted: the keeper ends, its memory freed
-    while (KeeperClient.find(str(save)) is not None or [n for n in os.listdir("/dev/shm") if key in n]) \
-            and time.monotonic() < deadline:
-        time.sleep(0.1)
-    assert KeeperClient.find(str(save)) is None
-    assert not [n for n in os.listdir("/dev/shm") if key in n], os.listdir("/dev/shm")
+    for node in range(nodes):
+        key = KeeperAddress.of(str(save), node=node).key
+        deadline = time.monotonic() + 30  # its last save persisted: the keepers end, their memory freed
+        while (KeeperClient.find(str(save), node=node) is not None
+               or [n for n in os.listdir("/dev/shm") if key in n]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert KeeperClient.find(str(save), node=node) is None
+        assert not [n for n in os.listdir("/dev/shm") if key in n], os.listdir("/dev/shm")

@@ -189,3 +189,16 @@ def test_a_restore_across_nodes_fetches_each_lacking_file_from_the_lowest_node_h
     offers[2]["lacking"].append("c.pt")  # held by no node: the restore falls back, naming it
     with pytest.raises(IntegrityError, match=r"no node's keeper holds c.pt \(node 1 reads it\)"):
         transfers(offers)
+
+
+def test_ranks_checking_a_memory_checkpoint_agree_on_the_save_not_on_their_nodes_directory(tmp_path):
+    from deepspeed_async_ckpt.memory.restore import MemoryRestore, agreement_key
+
+    on_node = [MemoryRestore(str(tmp_path / f"load{n}"), "step2", "sid2", owns=False) for n in (0, 1)]
+    try:
+        keys = {agreement_key(str(tmp_path / f"load{n}" / "step2")) for n in (0, 1)}
+        assert keys == {"<memory save sid2>/step2"}
+        assert agreement_key(str(tmp_path / "other" / "step2")) == str(tmp_path / "other" / "step2")
+    finally:
+        for restore in on_node:
+            restore.close()

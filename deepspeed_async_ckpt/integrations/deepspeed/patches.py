@@ -194,9 +194,7 @@ def install(on_engine_built: Callable[[], None] = lambda: None,
             ckpt_dir = checkpoint_to_load(arguments, latest)  # the tag is given now, or no load_dir
             engine.checkpointer.verify_all_ranks(
                 ckpt_dir, action="load_checkpoint",
-                include=files_read_by_load(self, arguments) if verify and memory is None else no_file,
-                # each node lays a memory checkpoint out in a directory of its own
-                key=None if memory is None else f"{memory.name} (memory save {memory.save_id})")
+                include=files_read_by_load(self, arguments) if verify and memory is None else no_file)
             if not from_latest and takes_module_from_latest(self, arguments):
                 # and the optimizer files the module comes from; on every rank alike (None:
                 # none to check there, or not readable), so that none is left in the exchange
