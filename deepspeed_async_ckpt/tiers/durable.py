@@ -50,7 +50,7 @@ class DurableTiers:
     def __init__(self, tiers: tuple[TierConfig, ...], *, rank: int,
                  hold: Callable[[str], Callable[[], None]],
                  remotes: list[Remote] | None = None, world_size: int = 1,
-                 node_local: bool = False) -> None:
+                 node_local: bool = False, report: Callable[..., None] | None = None) -> None:
         self.tiers, self.rank, self.world_size, self._hold = tiers, rank, world_size, hold
         self.node_local = node_local and world_size > 1
         """Whether the first tier is node-local: each node's leader drains and restores its
@@ -61,7 +61,9 @@ class DurableTiers:
                          for r, t in zip(self.remotes, tiers)] if self._leads() else []
         self._pointers: collections.OrderedDict[str, Pointer | None] = collections.OrderedDict()
         self._commits = 0
-        self._report: Callable[..., None] | None = None
+        self._report = report
+        """Runs a function after every commit callback queued before it (the checkpointer's
+        ``report``); None: drains are queued at once."""
         self._caught_up: set[str] = set()
         self.name_of: Callable[[str], str] = str
         """The name of the checkpoint directory a pointer's text names (:meth:`catch_up`,
@@ -75,8 +77,8 @@ class DurableTiers:
         """The tiers of ``checkpointer.config`` (``remotes``: from :func:`open_remotes`), their
         callbacks registered on it."""
         tiers = cls(checkpointer.config.tiers, rank=checkpointer.rank, hold=hold, remotes=remotes,
-                    world_size=checkpointer.world_size, node_local=checkpointer.config.node_local)
-        tiers._report = checkpointer.report
+                    world_size=checkpointer.world_size, node_local=checkpointer.config.node_local,
+                    report=checkpointer.report)
         checkpointer.add_begin_callback(tiers.begun)
         checkpointer.add_commit_callback(tiers.committed)
         return tiers

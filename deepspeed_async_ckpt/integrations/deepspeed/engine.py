@@ -71,8 +71,9 @@ class AsyncCheckpointEngine(CheckpointEngine):
             config_params._param_dict = without_credentials(config_params._param_dict)
         initialized = dist.is_available() and dist.is_initialized()
         world_size = dist.get_world_size() if initialized else 1
-        self._node_local = bool(getattr(config_params, "use_node_local_storage", False))
-        if self._node_local and world_size > 1 and not async_config.node_local \
+        self.node_local = bool(getattr(config_params, "use_node_local_storage", False))
+        """DeepSpeed's `checkpoint.use_node_local_storage`: each node saves to and loads from its own directory."""
+        if self.node_local and world_size > 1 and not async_config.node_local \
                 and needs_node_local(True, world_size, ranks_on_this_node(world_size)):
             # each node's directory is its own: commit on every node (see the config's key)
             async_config = dataclasses.replace(async_config, node_local=True)
@@ -87,7 +88,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
         self.split = (async_config.split_replicated_files and not async_config.zip_crc32
                       and not async_config.memory.enabled
                       and zero_stage is not None and int(zero_stage) < 3 and not has_moe_layers
-                      and not self._node_local)
+                      and not self.node_local)
         self._ds_engine: Any = None  # the DeepSpeedEngine saving now (begin_save .. end_save)
         self._replicated: str | None = None  # that save's model-states file, held by every replica
         self._eager_keys: tuple[str, ...] = _DEEPSPEED_EAGER_KEYS
@@ -115,7 +116,7 @@ class AsyncCheckpointEngine(CheckpointEngine):
                                 rotation=info.save_latest)
         self._replicated = None
         ds = self._ds_engine
-        if ds is not None and not self._node_local and not ds.zero_optimization_partition_weights() \
+        if ds is not None and not self.node_local and not ds.zero_optimization_partition_weights() \
                 and not getattr(ds, "has_moe_layers", False):
             self._replicated = os.path.abspath(ds._get_ckpt_name(info.save_dir, info.tag))
 

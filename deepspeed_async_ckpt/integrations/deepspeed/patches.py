@@ -157,7 +157,7 @@ def install(on_engine_built: Callable[[], None] = lambda: None,
                 args, kwargs = bound.args[1:], bound.kwargs
                 arguments = bound.arguments
             else:
-                restore_from_tiers(engine.checkpointer, arguments, latest, node_local=engine._node_local)
+                restore_from_tiers(engine.checkpointer, arguments, latest, node_local=engine.node_local)
             if memory is None and arguments.get("tag") is None and arguments.get("load_dir") is not None:
                 # One read of `latest` for every rank, rank 0's, passed to DeepSpeed as the tag:
                 # each rank reading it (and DeepSpeed again) could disagree when another job
