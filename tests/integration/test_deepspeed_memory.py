@@ -53,25 +53,49 @@ def _losses(log: str) -> dict:
         return {(e["rank"], e["step"]): e["loss"] for e in map(json.loads, f) if e["event"] == "step"}
 
 
-def test_every_rank_sigkilled_between_disk_saves_resumes_from_the_last_memory_save_bitwise(tmp_path, repo_env):
-    """2 ranks save every 2 steps, every 3rd save also on disk (steps 2 and 8): SIGKILLed right
-    after issuing step 12's save, the job resumes from step 10, which only memory held, and
-    trains on with the losses of a run never killed; then the keeper ends, no segment left."""
-    from deepspeed_async_ckpt.memory.client import KeeperClient
+def _starts(log: str) -> dict:
+    with open(log) as f:
+        return {e["rank"]: e["step"] for e in map(json.loads, f) if e["event"] == "resumed"}
 
+
+def _resumes_bitwise(run, save_dir, straight, at):
+    """Resume the killed job: every rank starts at step ``at`` and trains to step 14 with the
+    losses of the ``straight`` run, bit for bit; that run's losses."""
+    codes, resumed = run("resumed", save_dir, "--resume")
+    assert codes == [0, 0]
+    assert _starts(resumed) == {0: at, 1: at}
+    got, want = _losses(resumed), _losses(straight)
+    assert sorted(step for _, step in got) == [s for s in range(at + 1, 15) for _ in (0, 1)]
+    assert got == {k: v for k, v in want.items() if k[1] > at}
+    return want
+
+
+def _trainer(tmp_path, repo_env, per_node=None):
+    """``run(name, save_dir, *args, steps=14) -> (exit codes, log)``: ``scripts/ds_train.py`` on
+    2 ranks (``per_node``: ranks per node), a save every 2 steps, every 3rd also on disk."""
     env = dict(repo_env, XDG_RUNTIME_DIR=str(tmp_path))
     config = json.load(open(os.path.join(REPO, "configs", "deepspeed_async.json")))
     config["async_checkpoint"]["memory"] = {"enabled": True, "persist_every": 3, "idle_timeout_s": 120}
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps(config))
     train = os.path.join(REPO, "scripts", "ds_train.py")
-    common = ["--config", str(cfg), "--steps", "14", "--save-every", "2", "--hidden", "64", "--layers", "2"]
+    common = ["--config", str(cfg), "--save-every", "2", "--hidden", "64", "--layers", "2"]
 
-    def run(name, save_dir, *extra):
+    def run(name, save_dir, *extra, steps=14):
         log = str(tmp_path / f"{name}.jsonl")
-        codes = launch(train, [*common, "--save-dir", save_dir, "--log", log, *extra], 2, timeout=300, env=env,
-                       log_prefix=str(tmp_path / name))
+        codes = launch(train, [*common, "--steps", str(steps), "--save-dir", save_dir, "--log", log, *extra], 2,
+                       timeout=300, env=env, log_prefix=str(tmp_path / name), per_node=per_node)
         return codes, log
+    return run
+
+
+def test_every_rank_sigkilled_between_disk_saves_resumes_from_the_last_memory_save_bitwise(tmp_path, repo_env):
+    """2 ranks save every 2 steps, every 3rd save also on disk (steps 2 and 8): SIGKILLed right
+    after issuing step 12's save, the job resumes from step 10, which only memory held, and
+    trains on with the losses of a run never killed; then the keeper ends, no segment left."""
+    from deepspeed_async_ckpt.memory.client import KeeperClient
+
+    run = _trainer(tmp_path, repo_env)
 
     codes, straight = run("straight", str(tmp_path / "straight"))
     assert codes == [0, 0]
@@ -82,14 +106,7 @@ def test_every_rank_sigkilled_between_disk_saves_resumes_from_the_last_memory_sa
         assert f.read() == "global_step8"  # the newest on disk
     assert not os.path.exists(os.path.join(save_dir, "global_step10"))
     assert keeper_pids(save_dir)  # the keeper outlived every rank
-    codes, resumed = run("resumed", save_dir, "--resume")
-    assert codes == [0, 0]
-    with open(resumed) as f:
-        starts = {e["rank"]: e["step"] for e in map(json.loads, f) if e["event"] == "resumed"}
-    assert starts == {0: 10, 1: 10}
-    got, want = _losses(resumed), _losses(straight)
-    assert sorted(step for _, step in got) == [11, 11, 12, 12, 13, 13, 14, 14]
-    assert got == {k: v for k, v in want.items() if k[1] > 10}  # bit for bit
+    _resumes_bitwise(run, save_dir, straight, at=10)
     # the straight run's last save (step 14, its 7th) persisted: its keeper ended with it; the
     # resumed run's (its 2nd) stayed in memory only, so its keeper stays for a restart: the job
     # is over, end it as an operator would
@@ -111,19 +128,7 @@ def test_two_nodes_keep_their_own_ranks_files_and_a_restart_fetches_the_rest_bit
     saying which node had no keeper."""
     from deepspeed_async_ckpt.memory.client import KeeperClient
 
-    env = dict(repo_env, XDG_RUNTIME_DIR=str(tmp_path))
-    config = json.load(open(os.path.join(REPO, "configs", "deepspeed_async.json")))
-    config["async_checkpoint"]["memory"] = {"enabled": True, "persist_every": 3, "idle_timeout_s": 120}
-    cfg = tmp_path / "ds.json"
-    cfg.write_text(json.dumps(config))
-    train = os.path.join(REPO, "scripts", "ds_train.py")
-    common = ["--config", str(cfg), "--save-every", "2", "--hidden", "64", "--layers", "2"]
-
-    def run(name, save_dir, *extra, steps=14):
-        log = str(tmp_path / f"{name}.jsonl")
-        codes = launch(train, [*common, "--steps", str(steps), "--save-dir", save_dir, "--log", log, *extra], 2,
-                       timeout=300, env=env, log_prefix=str(tmp_path / name), per_node=1)
-        return codes, log
+    run = _trainer(tmp_path, repo_env, per_node=1)
 
     codes, straight = run("straight", str(tmp_path / "straight"))
     assert codes == [0, 0]
@@ -138,23 +143,14 @@ def test_two_nodes_keep_their_own_ranks_files_and_a_restart_fetches_the_rest_bit
         assert any("optim_states" in f for f in copy.files(node))
         copy.close()
         client.close()
-    codes, resumed = run("resumed", save_dir, "--resume")
-    assert codes == [0, 0]
-    with open(resumed) as f:
-        starts = {e["rank"]: e["step"] for e in map(json.loads, f) if e["event"] == "resumed"}
-    assert starts == {0: 10, 1: 10}
-    got, want = _losses(resumed), _losses(straight)
-    assert sorted(step for _, step in got) == [11, 11, 12, 12, 13, 13, 14, 14]
-    assert got == {k: v for k, v in want.items() if k[1] > 10}  # bit for bit
+    want = _resumes_bitwise(run, save_dir, straight, at=10)
 
     # the resumed run's last save (step 14) is in memory only, step 12 on disk; node 1 replaced
     node1 = [pid for pid in keeper_pids(save_dir) if pid != KeeperClient.find(save_dir).keeper_pid]
     os.kill(node1[0], signal.SIGKILL)
     codes, again = run("replaced", save_dir, "--resume", steps=16)
     assert codes == [0, 0]
-    with open(again) as f:
-        starts = {e["rank"]: e["step"] for e in map(json.loads, f) if e["event"] == "resumed"}
-    assert starts == {0: 12, 1: 12}
+    assert _starts(again) == {0: 12, 1: 12}
     with open(tmp_path / "replaced.rank0.log") as f:
         assert "not loading global_step14 from the memory tier (rank 1: " in f.read()
     assert _losses(again)[(0, 14)] == want[(0, 14)]
