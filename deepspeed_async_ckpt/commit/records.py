@@ -49,7 +49,7 @@ def write_rank_record(storage: Storage, ckpt_dir: str, *, rank: int, save_id: st
     The record is published (written whole, then renamed into place) but not fsynced: rank 0
     copies every record into the manifest, which is made durable before the pointer moves, so
     a record a crash loses belongs to a save that was not committed anyway. Two fsyncs fewer
-    on every rank's way to the commit (1.7 -> 0.1 ms for this step on this VM's disk)."""
+    on every rank's way to the commit (measured in docs/benchmarks.md, "Small choices")."""
     DirectoryExchange(storage).publish(ckpt_dir, rank_record(ckpt_dir, rank=rank, save_id=save_id,
                                                              checksum=checksum, files=files))
 

@@ -115,8 +115,8 @@ class Retention:
 
     def retire_older_later(self, job: SaveJob) -> Future:
         """:meth:`retire_older` of the save ``job`` on this checkpointer's retention thread, one
-        call at a time: removing a checkpoint can take as long as saving it (about 0.2 s per GiB
-        on this VM's ext4, mounted with online discard), and neither the next commit nor a sync
+        call at a time: removing a checkpoint can take as long as saving it (on ext4 mounted
+        with online discard, say), and neither the next commit nor a sync
         save should wait for that. :meth:`wait` and :meth:`close` wait for it. Once closed, it
         runs here."""
         self._last = job  # run again when callbacks let go

@@ -92,7 +92,7 @@ class Mapping:
                 self._map, self.view = None, memoryview(b"")
                 return
             # Populated at map time: one call maps every page instead of a fault per 4 KiB page
-            # during the copy (about 1.5x faster copies into 512 MiB on a 2-core VM).
+            # during the copy (docs/benchmarks.md, "Small choices").
             self._map = mmap.mmap(fd, size, flags=mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0),
                                   prot=mmap.PROT_READ | (mmap.PROT_WRITE if writable else 0))
         finally:

@@ -108,9 +108,9 @@ def populate(address: int, nbytes: int) -> bool:
     5.14) or the platform has no such advice: the caller then writes to every page itself.
 
     One system call instead of one page-fault trap per page, made through ``ctypes``, which
-    releases the GIL for it. On this machine's VM (transparent huge pages on) it faulted 1 GiB
-    of a :func:`host_buffer` in in 0.17-0.28 s, against 0.9-1.5 s for a write to every page
-    from torch; a shared mapping's small pages took about as long either way (1 s)."""
+    releases the GIL for it: several times faster than torch writing to every page where
+    transparent huge pages are on; a shared mapping's small pages take about as long either
+    way (docs/benchmarks.md, "Small choices")."""
     if _madvise is None or nbytes <= 0:
         return nbytes <= 0
     if _madvise(ctypes.c_void_p(address), ctypes.c_size_t(nbytes), _MADV_POPULATE_WRITE) == 0:
@@ -190,8 +190,8 @@ class DirectFile:
 
         Data under :attr:`_SMALL` bytes is staged instead: every write waits for the disk, and
         a small one costs as much as its round trip (a DeepSpeed file has two small records,
-        biases and norms, per large one: 430 writes of 2.9 MB in all took 80-130 ms of a
-        1 GB file's 0.5 s on this machine's disk, while training; staged, 64 writes, 20 ms).
+        biases and norms, per large one: hundreds of small writes, a sizeable share of a
+        file's write, where staged they are a few; docs/benchmarks.md, "Small choices").
         What is staged goes out in the same system call as the next in-place write."""
         view = memoryview(data).cast("B")
         n = len(view)

@@ -90,7 +90,7 @@ class LocalStorage:
 
     def write_small(self, path: str, data: bytes, *, durable: bool = True) -> None:
         # Buffered, never direct: direct I/O would pad it to a page, then truncate it back
-        # (a 2 kB manifest: 1.3 ms against 0.55 ms with its fsync on this VM's disk).
+        # (a 2 kB manifest: twice as long; docs/benchmarks.md, "Small choices").
         with open(path, "wb") as f:
             f.write(data)
             if self.fsync and durable:
