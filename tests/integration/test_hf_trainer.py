@@ -82,15 +82,15 @@ class WritesHeld:
 
 @pytest.fixture
 def writes_held(monkeypatch):
-    from deepspeed_async_ckpt.core import files as checkpointer_module
+    from deepspeed_async_ckpt.core.handle import CheckpointHandle
 
     held = WritesHeld()
     from deepspeed_async_ckpt.persist import writer as writer_module
 
-    real_write, real_wait = writer_module.write_file, checkpointer_module.CheckpointHandle.wait_committed
+    real_write, real_wait = writer_module.write_file, CheckpointHandle.wait_committed
     monkeypatch.setattr(writer_module, "write_file",
                         lambda *a, **k: (held.released.wait(60), real_write(*a, **k))[1])
-    monkeypatch.setattr(checkpointer_module.CheckpointHandle, "wait_committed",
+    monkeypatch.setattr(CheckpointHandle, "wait_committed",
                         lambda self, timeout=None: (held.waiting.set(), real_wait(self, timeout))[1])
     yield held
     held.released.set()
