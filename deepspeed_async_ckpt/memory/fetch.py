@@ -90,9 +90,10 @@ def _send_and_receive(plan: list[tuple[str, int, int, int, str]], layout: Any, r
         if rank not in (src, dst):
             continue
         if rank == src:
-            failure = _send(layout, rel, size, dst, group, torch, dist) or failure
+            failed = _send(layout, rel, size, dst, group, torch, dist)
         else:
-            failure = _receive(layout, rel, size, checksum, src, group, torch, dist) or failure
+            failed = _receive(layout, rel, size, checksum, src, group, torch, dist)
+        failure = failure or failed  # the first one; every pair still runs
     return failure
 
 
@@ -120,18 +121,19 @@ def _send(layout: Any, rel: str, size: int, dst: int, group: Any, torch: Any, di
 
 def _receive(layout: Any, rel: str, size: int, checksum: str, src: int, group: Any, torch: Any,
              dist: Any) -> BaseException | None:
-    """Receive ``rel`` into its file in the restore directory, then check it."""
+    """Receive ``rel`` into its file in the restore directory, then check it. Where the file
+    cannot be made (``/dev/shm`` full), the bytes are still received, into memory, and dropped:
+    the pair stays matched and the failure goes to the restore's last exchange."""
     from ..persist.checksum import new_hasher
 
-    target = layout.target(rel)
-    fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
     try:
-        if size == 0:
-            return None
-        os.posix_fallocate(fd, 0, size)
-        space = mmap.mmap(fd, size)
-    finally:
-        os.close(fd)
+        space = _space(layout.target(rel), size)
+    except OSError as exc:
+        if size:  # a file of no bytes is not sent
+            dist.recv(torch.empty(size, dtype=torch.uint8), src, group=group)
+        return exc
+    if space is None:
+        return None
     try:
         tensor = torch.frombuffer(space, dtype=torch.uint8)
         dist.recv(tensor, src, group=group)
@@ -144,3 +146,15 @@ def _receive(layout: Any, rel: str, size: int, checksum: str, src: int, group: A
         return None
     finally:
         space.close()
+
+
+def _space(target: str, size: int) -> mmap.mmap | None:
+    """``target`` made ``size`` bytes (allocated) and mapped writable; None for no bytes."""
+    fd = os.open(target, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
+    try:
+        if size == 0:
+            return None
+        os.posix_fallocate(fd, 0, size)
+        return mmap.mmap(fd, size)
+    finally:
+        os.close(fd)
