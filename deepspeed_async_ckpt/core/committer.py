@@ -196,7 +196,7 @@ class Committer:
                                   replaces=handle.ckpt_dir if swap else None, finalize=job.finalize,
                                   rotation=handle.rotation, exchange=exchange)
                 if self._memory is not None:
-                    self._commit_slot(job, manifest, late)
+                    self._commit_slot(job, lambda: self._memory.commit_slot(handle, manifest, late))
             elif self._leads_node:
                 manifest, late = self._exchange.await_commit(
                     handle.write_dir, tag=handle.tag, save_id=handle.save_id, node=self._node,
@@ -204,7 +204,7 @@ class Committer:
                 commit_on_node(self._storage, handle.write_dir, manifest, pointer=handle.pointer,
                                replaces=handle.ckpt_dir if swap else None, late=late)
             elif self._memory is not None and self._memory.awaits_commit:
-                self._await_slot(job)
+                self._commit_slot(job, lambda: self._memory.await_commit(handle))
             job.times["committed"] = time.perf_counter()
             if manifest is not None and handle.pointer is not None:
                 self._retention.pointer_moved(handle)
@@ -240,35 +240,20 @@ class Committer:
         except (OSError, RuntimeError):  # the store gone (DistStoreError): they then time out
             pass
 
-    def _commit_slot(self, job: SaveJob, manifest: dict, late: dict[str, bytes]) -> None:
-        """Rank 0, once ``job``'s save is committed: its slot in the keeper, with the
-        manifest and the late files its finalize steps wrote (as the commit returned them). A
-        persist save is committed on disk already: a keeper that fails it is logged (the
-        memory tier then lacks this save), a memory-only save fails with it."""
-        handle = job.handle
+    def _commit_slot(self, job: SaveJob, commit_slot: Callable[[], None]) -> None:
+        """Once ``job``'s save is committed, this node's slot in its keeper: ``commit_slot``
+        commits it (rank 0: with the manifest and the late files the commit returned; another
+        node's leader: on rank 0's word). A persist save is committed on disk already: a keeper
+        (or a word) that fails it is logged (the memory tier then lacks this save); a
+        memory-only save fails with it."""
         try:
-            self._memory.commit_slot(handle, manifest, late)
-        except (KeeperError, OSError) as exc:
-            if job.memory_only:
-                raise
-            logger.warning("async checkpoint: %s is committed on disk but not in the memory keeper: %s",
-                           handle.tag, exc)
-            self._memory.abandon(handle)
-            return
-        job.times["memory_committed"] = time.perf_counter()
-
-    def _await_slot(self, job: SaveJob) -> None:
-        """A node's leader other than rank 0's: its node's slot, once rank 0 says the job
-        committed ``job``'s save; as :meth:`_commit_slot` when the keeper or rank 0's word fails."""
-        handle = job.handle
-        try:
-            self._memory.await_commit(handle)
+            commit_slot()
         except (CommitError, KeeperError, OSError) as exc:
             if job.memory_only:
                 raise
             logger.warning("async checkpoint: %s is committed on disk but not in node %d's memory keeper: %s",
-                           handle.tag, self._node, exc)
-            self._memory.abandon(handle)
+                           job.handle.tag, self._node, exc)
+            self._memory.abandon(job.handle)
             return
         job.times["memory_committed"] = time.perf_counter()
 

@@ -39,7 +39,8 @@ import os
 import threading
 from typing import Any, Mapping
 
-from ..commit.exchange import StoreExchange
+from ..commit import poll_delay
+from ..commit.exchange import LEADER_WAIT_FACTOR, StoreExchange
 from ..commit.nodes import default_store, local_world_size, node_count, node_leader, node_of
 from ..memory.client import KeeperClient, KeeperError, Reservation
 from ..memory.config import MemoryConfig
@@ -151,8 +152,8 @@ class MemorySaves:
         job's manifest and late files. ``CommitError`` if rank 0 says the save failed or says
         nothing in time (the slot is then abandoned by the caller)."""
         manifest, late = self.exchange.await_commit(
-            save.write_dir, tag=save.tag, save_id=save.save_id, node=self.node, timeout_s=2 * self._wait_s,
-            poll_delay=lambda waited: min(0.05, 0.001 + waited / 10))
+            save.write_dir, tag=save.tag, save_id=save.save_id, node=self.node,
+            timeout_s=LEADER_WAIT_FACTOR * self._wait_s, poll_delay=poll_delay)
         self._client(save, "commit").commit(slot_name(save), save.save_id, manifest=manifest, late=late)
 
     def abandon(self, save: Any) -> None:

@@ -38,14 +38,12 @@ class KeeperAddress:
     key: str
     """``<uid>.<hash of the real path and the node>``: shared by the socket, segment and log names."""
 
-    node: int = 0
-
     @classmethod
     def of(cls, save_dir: str, uid: int | None = None, node: int = 0) -> "KeeperAddress":
         real = os.path.realpath(save_dir)
         uid = os.getuid() if uid is None else uid
         digest = hashlib.sha256(f"{uid}:{real}:{node}".encode()).hexdigest()[:16]
-        return cls(save_dir=real, uid=uid, key=f"{uid}.{digest}", node=node)
+        return cls(save_dir=real, uid=uid, key=f"{uid}.{digest}")
 
     @property
     def socket_name(self) -> str:

@@ -112,8 +112,7 @@ def laid_out(path: str) -> bool:
     verified against the keeper's checksums as they were laid out, and the framework's load may
     map it (``torch.load(mmap=True)``: the keeper's own pages, no copy, no second hash; the
     keeper never reuses them, see :class:`~.messages.Newest`)."""
-    path = os.path.abspath(path)
-    return any(path.startswith(d + os.sep) for d in _SERVING)
+    return _serving(os.path.abspath(path)) is not None
 
 
 def agreement_key(path: str) -> str:
@@ -121,10 +120,13 @@ def agreement_key(path: str) -> str:
     checkpoint being loaded, whose restore directory differs from node to node (each is named
     by its node's keeper) while the checkpoint is the same: there, the save and the path in it."""
     path = os.path.abspath(path)
-    for d, save_id in _SERVING.items():
-        if path == d or path.startswith(d + os.sep):
-            return f"<memory save {save_id}>{path[len(d):]}"
-    return path
+    serving = _serving(path)
+    return path if serving is None else f"<memory save {_SERVING[serving]}>{path[len(serving):]}"
+
+
+def _serving(path: str) -> str | None:
+    """The restore directory of a load in progress that absolute ``path`` lies in, if any."""
+    return next((d for d in _SERVING if path.startswith(d + os.sep)), None)
 
 
 def restore_from_memory(save_dir: str, memory: Any, *, rank: int, world_size: int, pointer_name: str,
@@ -177,7 +179,9 @@ def restore_from_memory(save_dir: str, memory: Any, *, rank: int, world_size: in
     if failed is None:
         _, failed = outcome("restore from memory", None, own, exchange=exchange)
     if failed is not None:
-        if leads:
+        if layout is not None:  # its directory removed, the keeper's segments it mapped let go
+            layout.abort()
+        elif leads:
             shutil.rmtree(path, ignore_errors=True)
         if rank == 0:
             first = min(failed.failures)
@@ -240,7 +244,6 @@ class _Layout:
     @classmethod
     def open(cls, save_dir: str, memory: Any, name: str, save_id: str, path: str, node: int,
              required: Callable[[dict, int], Sequence[str]]) -> "_Layout":
-        from ..errors import IntegrityError
         from .client import KeeperClient
 
         address = KeeperAddress.of(save_dir, node=node)

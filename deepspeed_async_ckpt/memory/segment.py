@@ -18,6 +18,11 @@ from .address import SHM_DIR
 PAGE = mmap.PAGESIZE
 
 
+def size_for(nbytes: int) -> int:
+    """The size of a segment made for ``nbytes``: whole pages, at least one."""
+    return max(PAGE, -(-nbytes // PAGE) * PAGE)
+
+
 def path_of(name: str) -> str:
     return os.path.join(SHM_DIR, name)
 
@@ -27,7 +32,7 @@ def create(name: str, nbytes: int) -> int:
     (``posix_fallocate``), so a rank writing into it later can never fault on a full
     ``/dev/shm`` (a ``SIGBUS`` that would kill the training process). Returns its size.
     ``OSError(ENOSPC)`` when ``/dev/shm`` has no room; nothing is left behind then."""
-    size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    size = size_for(nbytes)
     fd = os.open(path_of(name), os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         os.posix_fallocate(fd, 0, size)
@@ -42,7 +47,7 @@ def create(name: str, nbytes: int) -> int:
 def resize(name: str, nbytes: int) -> int:
     """Give segment ``name`` (a spare) ``nbytes`` (rounded up to a page), its pages allocated:
     the pages it already has are kept, the rest made or freed. Returns its size."""
-    size = max(PAGE, -(-nbytes // PAGE) * PAGE)
+    size = size_for(nbytes)
     os.chmod(path_of(name), 0o600)
     fd = os.open(path_of(name), os.O_RDWR)
     try:

@@ -130,7 +130,7 @@ class SlotTable:
                            "that the slot was opened with")
         if req.rank in slot.parts:
             return Refused(f"{what}: the rank already reserved its files in this slot")
-        sizes = [max(segment.PAGE, -(-f.capacity // segment.PAGE) * segment.PAGE) for f in req.files]
+        sizes = [segment.size_for(f.capacity) for f in req.files]
         taken = [self._spare(n) for n in sizes]
         if None in taken:
             self._drop_spares()  # those no file took: their memory goes before new segments come
